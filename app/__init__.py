@@ -1,0 +1,1 @@
+"""An example service built only on guards' public API."""

@@ -1,0 +1,185 @@
+"""The example service: `uvicorn app.main:app`.
+
+`POST /draft-reply` is a strict route (public errors); `POST /summary` a degrading one (always
+the envelope). Configured from the environment (see `app.settings.Settings` and the README).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import anyio
+from fastapi import FastAPI, Header
+from pydantic import BaseModel, Field, StringConstraints, field_validator
+
+from guards import AI, Binding, Breaker, Budget, Clock, Guards, GuardTripped, header_key
+from guards.providers import WorkersAI
+from guards.stores import MemoryStore, Store
+
+from .labels import keyword_label
+from .offline import OfflineModel
+from .settings import Settings, load_settings
+
+DRAFT_PROMPT = (
+    "You draft short, polite replies to customer messages. Answer with the reply text only, "
+    "at most 150 words."
+)
+SUMMARY_PROMPT = "Label the customer message with a short topic label and your confidence between 0 and 1."
+
+
+class DraftRequest(BaseModel):
+    message: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=500)]
+
+
+class DraftReply(BaseModel):
+    model: str = Field(description="The model that wrote the reply.")
+    reply: str
+    attempts: int = Field(description="Provider calls made, retries included.")
+    trace_id: str
+
+
+#: What the model must produce for /draft-reply: non-empty text, at most 1200 characters.
+ReplyText = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=1200)]
+
+
+class SummaryRequest(BaseModel):
+    text: str = Field(min_length=1, max_length=4000)
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, text: str) -> str:
+        if not text.strip():
+            raise ValueError("text is blank")
+        return text
+
+
+class Summary(BaseModel):
+    label: str = Field(min_length=1, max_length=80)
+    confidence: float = Field(ge=0, le=1)
+
+
+def keyword_summary(arguments: Mapping[str, Any], tripped: GuardTripped) -> Summary:
+    """`/summary`'s fallback: a deterministic keyword label, with a confidence low enough that
+    clients can tell it from a model's answer."""
+    label, hits = keyword_label(arguments["body"].text)
+    return Summary(label=label, confidence=0.3 if hits else 0.1)
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    binding: Binding | None = None,
+    store: Store | None = None,
+    clock: Clock | None = None,
+    sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+) -> FastAPI:
+    """Build the service. Tests pass `binding`, `store`, `clock` and `sleep` to control the world."""
+    settings = settings or load_settings()
+    configure_logging()
+    guards = Guards(
+        binding or make_binding(settings),
+        store=store or MemoryStore(clock=clock),
+        sleep=sleep,
+        retry_after_s=settings.retry_after_s,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with guards:
+            yield
+
+    app = FastAPI(
+        title="guards example service",
+        version="0.1.0",
+        description="AI routes that stay standing: a strict route and a degrading one.",
+        lifespan=lifespan,
+    )
+    guards.install(app)
+    breaker = Breaker(
+        failure_threshold=settings.breaker_failure_threshold, reset_timeout_s=settings.breaker_reset_s
+    )
+
+    @app.get("/health")
+    async def health() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.post("/draft-reply")
+    @guards.route(model=settings.ai_model, timeout_s=settings.ai_timeout_s, breaker=breaker)
+    async def draft_reply(body: DraftRequest, ai: AI[ReplyText]) -> DraftReply:
+        """Draft a reply to a customer message. Strict: fails with a public error."""
+        reply = await ai.run(
+            {
+                "messages": [
+                    {"role": "system", "content": DRAFT_PROMPT},
+                    {"role": "user", "content": body.message},
+                ]
+            }
+        )
+        return DraftReply(
+            model=ai.model or settings.ai_model, reply=reply, attempts=ai.attempts, trace_id=ai.trace_id
+        )
+
+    @app.post("/summary")
+    @guards.route(
+        model=settings.ai_model,
+        timeout_s=settings.ai_timeout_s,
+        breaker=breaker,
+        budget=Budget(
+            per_minute=settings.rate_limit_per_minute,
+            per_day=settings.daily_call_limit,
+            key=header_key("x-user-id"),
+        ),
+        fallback=keyword_summary,
+    )
+    async def summary(
+        body: SummaryRequest,
+        ai: AI[Summary],
+        x_user_id: Annotated[str | None, Header(description="Budget key (default: client address).")] = None,
+    ) -> Summary:
+        """Label a customer message. Degrading: always the envelope; a keyword label on failure."""
+        return await ai.run(
+            {
+                "messages": [
+                    {"role": "system", "content": SUMMARY_PROMPT},
+                    {"role": "user", "content": body.text},
+                ]
+            }
+        )
+
+    return app
+
+
+def make_binding(settings: Settings) -> Binding:
+    if settings.ai_provider == "workers-ai":
+        return WorkersAI(
+            account_id=settings.cloudflare_account_id,
+            api_token=settings.cloudflare_api_token.get_secret_value(),
+            base_url=settings.cloudflare_api_base,
+        )
+    return OfflineModel()
+
+
+def configure_logging() -> None:
+    """Guards' events as JSON lines on stdout (once per process)."""
+    logger = logging.getLogger("guards")
+    if not any(getattr(h, "_guards_app", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._guards_app = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def __getattr__(name: str) -> Any:
+    # `uvicorn app.main:app` builds the app on first access, so importing this module (tests,
+    # tooling) does not read the environment.
+    if name == "app":
+        application = create_app()
+        globals()["app"] = application
+        return application
+    raise AttributeError(name)

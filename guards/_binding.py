@@ -1,0 +1,50 @@
+"""The binding protocol: the one seam between guards and a model provider.
+
+Shaped like Workers AI's `env.AI.run(model, inputs)`. Real adapters (`guards.providers`) and the
+fakes in `fixtures/` implement it, so a test swaps one for the other and nothing else changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["AIResult", "Binding", "Usage"]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AIResult:
+    """A provider's successful answer.
+
+    `response` is the text, or the parsed object in JSON mode (some models send a JSON string
+    instead: the output guard accepts both). `model` is the model that served, when the provider
+    says so. `moderated` is set when the provider itself flagged or filtered the answer.
+    """
+
+    response: Any
+    model: str
+    usage: Usage | None = None
+    tool_calls: tuple[Mapping[str, Any], ...] = field(default=())
+    moderated: bool = False
+
+
+@runtime_checkable
+class Binding(Protocol):
+    """Runs a model. Raises `ProviderError` for every provider failure, nothing else.
+
+    `inputs` follows Workers AI's shape (`messages` or `prompt`, and `response_format`
+    `{"type": "json_schema", "json_schema": ...}` for JSON mode); adapters for other providers
+    translate it. Cancellation must really stop the call (close the connection).
+    """
+
+    async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,131 @@
+"""Circuit breaker: the policy and its pure state transitions.
+
+Stores hold a `BreakerState` per key and apply `admit` / `record` atomically; the functions here
+do no I/O, so every store shares the same semantics and they are tested with tables of cases.
+
+States: closed (calls flow, failures counted) → open (calls skipped until `reset_timeout_s`
+passes) → half-open (at most `half_open_probes` calls in flight; `success_threshold` successes
+close it, one failure reopens it). Failures count either consecutively (`window_s=None`: a
+success resets the count) or within a sliding window of `window_s` seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+__all__ = ["Breaker", "BreakerDecision", "BreakerState", "CircuitState", "Outcome"]
+
+
+class CircuitState(StrEnum):
+    closed = "closed"
+    open = "open"
+    half_open = "half_open"
+
+
+class Outcome(StrEnum):
+    """What a guarded call (after its retries) tells the breaker."""
+
+    success = "success"
+    failure = "failure"
+    #: The call ended without a verdict on the provider (cancelled): free its probe slot only.
+    released = "released"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Breaker:
+    """Circuit breaker policy, one breaker per model.
+
+    `failure_threshold` failures (consecutive, or within `window_s` seconds when set) open the
+    breaker; after `reset_timeout_s` it half-opens and lets `half_open_probes` calls through at
+    a time; `success_threshold` probe successes close it, any probe failure reopens it.
+    """
+
+    failure_threshold: int = 5
+    window_s: float | None = None
+    reset_timeout_s: float = 30.0
+    half_open_probes: int = 1
+    success_threshold: int = 2
+
+    def __post_init__(self) -> None:
+        if self.failure_threshold < 1 or self.half_open_probes < 1 or self.success_threshold < 1:
+            raise ValueError("breaker thresholds and probe counts must be at least 1")
+        if self.reset_timeout_s <= 0 or (self.window_s is not None and self.window_s <= 0):
+            raise ValueError("breaker durations must be positive")
+
+    @property
+    def ttl_s(self) -> float:
+        """How long a breaker key may sit untouched before it is forgotten (back to closed).
+
+        Longer than any timing the policy relies on, so expiry never changes a decision except
+        to forget consecutive failures older than this.
+        """
+        return 2 * max(self.window_s or 0.0, self.reset_timeout_s) + 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerState:
+    state: CircuitState = CircuitState.closed
+    #: Timestamps of counted failures, newest last, at most `failure_threshold` of them.
+    failures: tuple[float, ...] = ()
+    opened_at: float = 0.0
+    probes: int = 0
+    last_probe_at: float = 0.0
+    successes: int = 0
+
+
+CLOSED = BreakerState()
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerDecision:
+    allowed: bool
+    #: True when the call is a half-open probe: its outcome must be recorded with `probe=True`.
+    probe: bool = False
+    state: CircuitState = CircuitState.closed
+    retry_after_s: float | None = None
+
+
+def admit(s: BreakerState, policy: Breaker, now: float) -> tuple[BreakerState, BreakerDecision]:
+    """May a call go through now? Returns the new state and the decision."""
+    if s.state is CircuitState.closed:
+        return s, BreakerDecision(True)
+    if s.state is CircuitState.open:
+        reopen_at = s.opened_at + policy.reset_timeout_s
+        if now < reopen_at:
+            return s, BreakerDecision(False, state=s.state, retry_after_s=reopen_at - now)
+        s = BreakerState(CircuitState.half_open, opened_at=s.opened_at)
+    # Half-open. A probe slot held longer than the reset timeout belongs to a call that never
+    # reported (its worker died): reclaim it rather than stay half-open forever.
+    if s.probes >= policy.half_open_probes and now < s.last_probe_at + policy.reset_timeout_s:
+        return s, BreakerDecision(False, state=s.state)
+    probes = s.probes + 1 if s.probes < policy.half_open_probes else 1
+    s = replace(s, probes=probes, last_probe_at=now)
+    return s, BreakerDecision(True, probe=True, state=s.state)
+
+
+def record(s: BreakerState, policy: Breaker, now: float, outcome: Outcome, *, probe: bool) -> BreakerState:
+    """Apply one guarded call's outcome. Outcomes of calls admitted in another phase (a closed-
+    phase call finishing after the breaker opened) change nothing."""
+    if probe:
+        if s.state is not CircuitState.half_open:
+            return s
+        s = replace(s, probes=max(0, s.probes - 1))
+        if outcome is Outcome.failure:
+            return BreakerState(CircuitState.open, opened_at=now)
+        if outcome is Outcome.success:
+            if s.successes + 1 >= policy.success_threshold:
+                return CLOSED
+            return replace(s, successes=s.successes + 1)
+        return s
+    if s.state is not CircuitState.closed or outcome is Outcome.released:
+        return s
+    if outcome is Outcome.success:
+        return CLOSED if policy.window_s is None else s
+    failures = (*s.failures, now)
+    if policy.window_s is not None:
+        failures = tuple(t for t in failures if t > now - policy.window_s)
+    failures = failures[-policy.failure_threshold :]
+    if len(failures) >= policy.failure_threshold:
+        return BreakerState(CircuitState.open, opened_at=now)
+    return BreakerState(failures=failures)

@@ -1,0 +1,75 @@
+"""The classifier (DESIGN.md, contract 3): one pure function from a provider failure to
+`(kind, status, retryable)`. Codes decide first, then the HTTP status.
+
+Workers AI sends 3040 (capacity, transient) and 3036 (daily quota) with the same HTTP 429, so a
+status-first rule would retry quota exhaustion; hence codes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from enum import StrEnum
+
+from ._errors import ProviderError
+
+__all__ = ["Classification", "Kind", "classify"]
+
+
+class Kind(StrEnum):
+    """What kind of failure a provider call ended in."""
+
+    model_incompatible = "model_incompatible"
+    model_quota_exhausted = "model_quota_exhausted"
+    model_temporarily_unavailable = "model_temporarily_unavailable"
+    model_rate_limited = "model_rate_limited"
+    model_unavailable = "model_unavailable"
+    #: The caller stopped waiting (deadline or client gone). Never retried, never moves on.
+    cancelled = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    kind: Kind
+    #: The HTTP status a strict route answers for this kind (None for cancellation).
+    status: int | None
+    retryable: bool
+
+
+INCOMPATIBLE_CODES = frozenset({5004, 5005, 5007, 5016, 5018, 5035, 3042})
+INCOMPATIBLE_STATUSES = frozenset({400, 403, 404, 405, 413})
+QUOTA_CODES = frozenset({3036})
+TRANSIENT_CODES = frozenset({3040, 3007})
+
+_INCOMPATIBLE = Classification(Kind.model_incompatible, 502, retryable=False)
+_QUOTA = Classification(Kind.model_quota_exhausted, 503, retryable=False)
+_TRANSIENT = Classification(Kind.model_temporarily_unavailable, 503, retryable=True)
+_RATE_LIMITED = Classification(Kind.model_rate_limited, 503, retryable=False)
+_UNAVAILABLE = Classification(Kind.model_unavailable, 503, retryable=False)
+_CANCELLED = Classification(Kind.cancelled, None, retryable=False)
+
+
+def classify(failure: BaseException) -> Classification:
+    """Classify a failed provider call.
+
+    `ProviderError` is classified by code, then status; a transport failure (no status) is
+    transient. Cancellation is never retryable. Anything else is `model_unavailable`.
+    """
+    if isinstance(failure, asyncio.CancelledError):
+        return _CANCELLED
+    if not isinstance(failure, ProviderError):
+        return _UNAVAILABLE
+    code, status = failure.code, failure.status
+    if code in INCOMPATIBLE_CODES:
+        return _INCOMPATIBLE
+    if code in QUOTA_CODES:
+        return _QUOTA
+    if code in TRANSIENT_CODES:
+        return _TRANSIENT
+    if status is None or status >= 500:
+        return _TRANSIENT
+    if status in INCOMPATIBLE_STATUSES:
+        return _INCOMPATIBLE
+    if status == 429:
+        return _RATE_LIMITED
+    return _UNAVAILABLE

@@ -1,0 +1,108 @@
+"""Exceptions raised by guards.
+
+    GuardsError                  base of everything guards raises on purpose
+    ├── ProviderError            a provider call failed (adapter boundary); classified by `classify`
+    ├── GuardTripped             a guard refused or replaced a model answer; carries a `Reason`
+    └── ConfigurationError       a route or binding is declared wrong (raised at start-up)
+
+Messages never include a prompt, a generated text, a provider's own error text or a credential:
+they are safe to log.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._envelope import GuardName, Reason
+
+if TYPE_CHECKING:
+    from ._classify import Kind
+
+__all__ = ["ConfigurationError", "GuardTripped", "GuardsError", "ProviderError"]
+
+
+class GuardsError(Exception):
+    """Base class of the errors guards raises."""
+
+
+class ConfigurationError(GuardsError):
+    """A route, binding or setting is declared wrong. Raised at start-up, never per request."""
+
+
+class ProviderError(GuardsError):
+    """A provider call failed: an error status, an error body, or a transport failure.
+
+    `code` is the provider's numeric error code when it sent one, `status` the HTTP status
+    (`None` when no response arrived: a transport failure). The provider's own message is not
+    kept: it may echo the prompt. `json_mode_failed` marks a "JSON Mode couldn't be met" answer,
+    which the output guard reports as `schema_invalid`.
+    """
+
+    def __init__(
+        self,
+        provider: str,
+        *,
+        code: int | None = None,
+        status: int | None = None,
+        retry_after_s: float | None = None,
+        json_mode_failed: bool = False,
+        note: str = "",
+    ) -> None:
+        self.provider = provider
+        self.code = code
+        self.status = status
+        self.retry_after_s = retry_after_s
+        self.json_mode_failed = json_mode_failed
+        self.note = note
+        super().__init__(self.describe())
+
+    @property
+    def transport(self) -> bool:
+        """True when no HTTP response arrived (refused, reset, dropped mid-body)."""
+        return self.status is None
+
+    def describe(self) -> str:
+        """A short, safe summary: provider, code, status and our own note. No provider text."""
+        parts = [self.provider]
+        if self.code is not None:
+            parts.append(f"code={self.code}")
+        parts.append(f"status={self.status}" if self.status is not None else "transport failure")
+        if self.json_mode_failed:
+            parts.append("json mode not met")
+        if self.note:
+            parts.append(self.note)
+        return " ".join(parts)
+
+
+class GuardTripped(GuardsError):
+    """A guard refused the call or rejected its answer.
+
+    Raised by `AI.run`; the route decorator turns it into the envelope (degrading route) or the
+    public error (strict route). Fallback functions receive it to compute their value.
+
+    Attributes: `reason` (closed set), `guard` (derived from it), `kind` (the classifier's kind
+    for call failures), `detail` (safe free text), `attempts` (provider calls made),
+    `retry_after_s` (when the wait is known), `model` (the model concerned, if any).
+    """
+
+    def __init__(
+        self,
+        reason: Reason,
+        detail: str,
+        *,
+        kind: Kind | None = None,
+        attempts: int = 0,
+        retry_after_s: float | None = None,
+        model: str | None = None,
+    ) -> None:
+        self.reason = reason
+        self.detail = detail
+        self.kind = kind
+        self.attempts = attempts
+        self.retry_after_s = retry_after_s
+        self.model = model
+        super().__init__(f"{reason.guard.value}/{reason.value}: {detail}")
+
+    @property
+    def guard(self) -> GuardName:
+        return self.reason.guard

@@ -1,0 +1,95 @@
+"""OpenAPI for guarded routes: every status a guarded route can answer, with its body.
+
+FastAPI documents the success shape from the return annotation (the envelope for a degrading
+route). This adds the error statuses (each limited to the tokens it can carry), `x-trace-id` and
+`Retry-After` headers, and removes FastAPI's 422, which a guarded route never answers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi.routing import APIRoute
+
+from ._envelope import ErrorBody, ErrorCode
+from ._responses import STRICT_STATUSES
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from ._route import GuardedRoute
+
+__all__ = ["document_guarded_routes"]
+
+_REF = "#/components/schemas/{model}"
+_TRACE_HEADER = {"description": "Trace id of the request, also in logs.", "schema": {"type": "string"}}
+_RETRY_AFTER = {"description": "Seconds to wait before retrying, when known.", "schema": {"type": "integer"}}
+_DESCRIPTIONS = {
+    400: "Invalid input (missing, wrong-typed or oversized); no model call was made.",
+    429: "A per-key budget is spent.",
+    500: "The route's own code failed; the model's answer was fine.",
+    502: "The model cannot serve this route, or answered in the wrong shape.",
+    503: "The model is unavailable now; `retryable` and `Retry-After` say whether and when to retry.",
+}
+
+
+def error_statuses(route: GuardedRoute) -> dict[int, list[ErrorCode]]:
+    """The error statuses `route` can answer and the tokens each can carry."""
+    statuses = {400: [ErrorCode.invalid_request], 500: [ErrorCode.application_failure]}
+    if route.degrading:
+        return statuses
+    for status, codes in STRICT_STATUSES.items():
+        allowed = [c for c in codes if _possible(route, c)]
+        if allowed:
+            statuses[status] = allowed
+    return dict(sorted(statuses.items()))
+
+
+def _possible(route: GuardedRoute, code: ErrorCode) -> bool:
+    budget = route.budget
+    if code is ErrorCode.rate_limited:
+        return budget is not None and budget.per_minute is not None
+    if code is ErrorCode.budget_exceeded:
+        return budget is not None and budget.per_day is not None
+    if code is ErrorCode.circuit_open:
+        return route.breaker is not None
+    return True
+
+
+def document_guarded_routes(app: FastAPI, schema: dict[str, Any]) -> None:
+    from ._route import route_of
+
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    body_schema = ErrorBody.model_json_schema(ref_template=_REF)
+    schemas.update(body_schema.pop("$defs", {}))
+    schemas.setdefault("ErrorBody", body_schema)
+    for api_route in app.routes:
+        route = route_of(getattr(api_route, "endpoint", None))
+        if route is None or not isinstance(api_route, APIRoute):
+            continue
+        for method in api_route.methods or ():
+            operation = schema.get("paths", {}).get(api_route.path_format, {}).get(method.lower())
+            if operation is None:
+                continue
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            for status, codes in error_statuses(route).items():
+                responses[str(status)] = _error_response(status, codes)
+            for response in responses.values():
+                response.setdefault("headers", {})["x-trace-id"] = _TRACE_HEADER
+
+
+def _error_response(status: int, codes: list[ErrorCode]) -> dict[str, Any]:
+    body = {
+        "allOf": [
+            {"$ref": _REF.format(model="ErrorBody")},
+            {"properties": {"error": {"type": "string", "enum": [c.value for c in codes]}}},
+        ]
+    }
+    response: dict[str, Any] = {
+        "description": _DESCRIPTIONS[status] + " Errors: " + ", ".join(c.value for c in codes) + ".",
+        "content": {"application/json": {"schema": body}},
+    }
+    if status in (429, 503):
+        response["headers"] = {"retry-after": _RETRY_AFTER}
+    return response

@@ -1,0 +1,73 @@
+"""Output guard: unwrap the provider's answer, then reject it when it is empty, flagged by
+moderation, or not an instance of the route's output type.
+
+Order matters: an empty answer is `empty_response` even if the type would also reject it; a
+flagged answer is `moderation_blocked` before its shape is looked at.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from ._binding import AIResult
+from ._envelope import Reason
+from ._errors import GuardTripped
+
+__all__ = ["Moderation", "OutputGuard"]
+
+#: A moderation hook: receives the validated output, returns True to block it.
+Moderation = Callable[[Any], bool | Awaitable[bool]]
+
+_FENCE = re.compile(r"^\s*```[a-zA-Z]*\s*\n(.*?)\n?\s*```\s*$", re.DOTALL)
+
+
+class OutputGuard:
+    """Validates answers against one output type (`Any` accepts any non-empty answer)."""
+
+    def __init__(self, output_type: Any, moderation: Moderation | None = None) -> None:
+        self.output_type = output_type
+        self.moderation = moderation
+        self._adapter: TypeAdapter[Any] | None = None if output_type is Any else TypeAdapter(output_type)
+        schema = self._adapter.json_schema() if self._adapter else None
+        #: The JSON Schema to request JSON mode with; None when the route wants plain text.
+        self.json_schema: dict[str, Any] | None = (
+            schema if schema is not None and schema.get("type") != "string" else None
+        )
+
+    async def check(self, result: AIResult) -> Any:
+        """Return the validated output, or raise `GuardTripped` with an output reason."""
+        answer = result.response
+        if answer is None or (isinstance(answer, str) and not answer.strip()):
+            raise GuardTripped(Reason.empty_response, "the model returned an empty completion")
+        if result.moderated:
+            raise GuardTripped(Reason.moderation_blocked, "the provider flagged the completion")
+        value = self._validate(answer)
+        if self.moderation is not None:
+            flagged = self.moderation(value)
+            if inspect.isawaitable(flagged):
+                flagged = await flagged
+            if flagged:
+                raise GuardTripped(Reason.moderation_blocked, "the moderation hook blocked the completion")
+        return value
+
+    def _validate(self, answer: Any) -> Any:
+        if self._adapter is None:
+            return answer
+        try:
+            if self.json_schema is not None and isinstance(answer, str):
+                fenced = _FENCE.match(answer)
+                return self._adapter.validate_json(fenced.group(1) if fenced else answer)
+            return self._adapter.validate_python(answer)
+        except ValidationError as exc:
+            # Only error locations and types: the input values may echo the prompt.
+            where = ", ".join(sorted({_loc(e["loc"]) + e["type"] for e in exc.errors()}))[:200]
+            raise GuardTripped(Reason.schema_invalid, f"answer does not match the schema ({where})") from None
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    return ".".join(map(str, loc)) + ":" if loc else ""

@@ -1,0 +1,395 @@
+"""The route decorator and the per-request `AI` handle: where the guards meet FastAPI.
+
+    @app.post("/summary")
+    @guards.route(model="@cf/...", budget=Budget(per_day=20), fallback=keyword_summary)
+    async def summary(body: SummaryIn, ai: AI[Summary]) -> Summary:
+        return await ai.run({"messages": [...]})
+
+The decorated function keeps its parameters (FastAPI still sees them and their dependencies);
+the `ai` parameter is removed from what FastAPI sees and filled with a fresh `AI` per request.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import time
+import typing
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast
+
+import anyio
+from pydantic import TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ._breaker import Breaker, Outcome
+from ._budget import Budget, charge_daily, check_rate
+from ._call import CallFailed, Retry, call_model
+from ._classify import Classification, Kind
+from ._envelope import Envelope, ErrorCode, FallbackInfo, GuardName, Reason
+from ._errors import ConfigurationError, GuardTripped, ProviderError
+from ._log import emit
+from ._output import Moderation, OutputGuard
+from ._responses import PublicError, error_response, public_error
+
+if typing.TYPE_CHECKING:
+    from ._guards import Guards
+
+__all__ = ["AI", "FallbackFunction", "GuardedRoute"]
+
+T = TypeVar("T")
+
+#: Computes a degrading route's fallback value from the route's arguments (as FastAPI resolved
+#: them, by parameter name) and the tripped guard. May be sync or async.
+FallbackFunction = Callable[[Mapping[str, Any], GuardTripped], Any]
+
+_NO_FALLBACK: Any = object()
+_REQUEST = "guards_request_"
+_RESPONSE = "guards_response_"
+_TRACE_ID = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GuardedRoute:
+    """What a guarded route declared. Attached to the endpoint as `__guards_route__`."""
+
+    name: str
+    model: str
+    timeout_s: float
+    retry: Retry
+    budget: Budget | None
+    breaker: Breaker | None
+    output: OutputGuard
+    data_type: Any
+    fallback: Any
+
+    @property
+    def degrading(self) -> bool:
+        """A degrading route answers the envelope; a strict one answers public errors."""
+        return self.fallback is not _NO_FALLBACK
+
+    @property
+    def scope(self) -> str:
+        return self.budget.scope if self.budget and self.budget.scope else self.name
+
+    @property
+    def breaker_key(self) -> str:
+        return f"guards:breaker:{self.model}"
+
+
+class AI(Generic[T]):
+    """One request's guarded access to its route's model.
+
+    Declare it as a parameter of a guarded route (`ai: AI[OutputModel]`); the decorator fills it.
+    `run` passes the budget, call and output guards and returns the validated output, or raises
+    `GuardTripped`. After a call, `model` is the model that served and `attempts` the number of
+    provider calls made; `trace_id` is the request's trace id (also the `x-trace-id` header).
+    """
+
+    __slots__ = ("_budget_key", "_charged", "_guards", "_route", "attempts", "model", "trace_id")
+
+    def __init__(self, guards: Guards, route: GuardedRoute, *, budget_key: str | None, trace_id: str) -> None:
+        self._guards = guards
+        self._route = route
+        self._budget_key = budget_key
+        self._charged = False
+        self.trace_id = trace_id
+        self.model: str | None = None
+        self.attempts = 0
+
+    async def run(self, inputs: Mapping[str, Any]) -> T:
+        """Call the route's model with Workers-AI-shaped `inputs` (`messages` or `prompt`).
+
+        JSON mode is requested from the output type when it is not a string. Raises
+        `GuardTripped` when a guard refuses the call or rejects its answer.
+        """
+        route, store = self._route, self._guards.store
+        if route.output.json_schema is not None and "response_format" not in inputs:
+            inputs = {
+                **inputs,
+                "response_format": {"type": "json_schema", "json_schema": route.output.json_schema},
+            }
+        budget, key = route.budget, self._budget_key
+        if budget is not None and key is not None and not self._charged:
+            await check_rate(store, budget, route.scope, key)
+        probe = False
+        if route.breaker is not None:
+            decision = await store.breaker_admit(route.breaker_key, route.breaker)
+            if not decision.allowed:
+                raise GuardTripped(
+                    Reason.circuit_open,
+                    f"circuit {decision.state.value}: calls to the model are paused",
+                    retry_after_s=decision.retry_after_s,
+                    model=route.model,
+                )
+            probe = decision.probe
+        outcome = Outcome.released
+        try:
+            if budget is not None and key is not None and not self._charged:
+                await charge_daily(store, budget, route.scope, key)
+            self._charged = True
+            result = await self._call(inputs)
+            outcome = Outcome.success
+        except GuardTripped as tripped:
+            if tripped.guard is GuardName.call:
+                outcome = Outcome.failure
+            elif tripped.guard is GuardName.output:  # the provider answered (JSON mode not met)
+                outcome = Outcome.success
+            raise
+        finally:
+            if route.breaker is not None and (probe or outcome is not Outcome.released):
+                with anyio.CancelScope(shield=True):
+                    await store.breaker_record(route.breaker_key, route.breaker, outcome, probe=probe)
+        value = await route.output.check(result)
+        return cast(T, value)
+
+    async def _call(self, inputs: Mapping[str, Any]) -> Any:
+        route, guards = self._route, self._guards
+        deadline = anyio.current_time() + route.timeout_s
+        with anyio.CancelScope(deadline=deadline):
+            try:
+                result, _ = await call_model(
+                    guards.binding,
+                    route.model,
+                    inputs,
+                    policy=route.retry,
+                    deadline=deadline,
+                    sleep=guards.sleep,
+                    on_attempt=self._count_attempt,
+                    on_retry=self._log_retry,
+                )
+            except CallFailed as failed:
+                raise self._call_failure(failed) from None
+            self.model = result.model or route.model
+            return result
+        raise GuardTripped(
+            Reason.timeout,
+            f"no answer within {route.timeout_s:g}s",
+            kind=Kind.model_temporarily_unavailable,
+            attempts=self.attempts,
+            model=route.model,
+        )
+
+    def _call_failure(self, failed: CallFailed) -> GuardTripped:
+        error, model = failed.error, self._route.model
+        what = error.describe() if isinstance(error, ProviderError) else type(error).__name__
+        if isinstance(error, ProviderError) and error.json_mode_failed:
+            return GuardTripped(
+                Reason.schema_invalid,
+                f"JSON mode could not be met ({what})",
+                attempts=self.attempts,
+                model=model,
+            )
+        return GuardTripped(
+            Reason.provider_error,
+            f"{failed.verdict.kind.value} after {self.attempts} attempt(s): {what}",
+            kind=failed.verdict.kind,
+            attempts=self.attempts,
+            retry_after_s=error.retry_after_s if isinstance(error, ProviderError) else None,
+            model=model,
+        )
+
+    def _count_attempt(self) -> None:
+        self.attempts += 1
+
+    def _log_retry(self, attempt: int, verdict: Classification, delay_s: float) -> None:
+        emit(
+            "retry",
+            route=self._route.name,
+            trace_id=self.trace_id,
+            model=self._route.model,
+            attempt=attempt,
+            kind=verdict.kind.value,
+            delay_ms=round(delay_s * 1000, 1),
+        )
+
+
+def guard_route(
+    guards: Guards,
+    handler: Callable[..., Awaitable[Any]],
+    *,
+    model: str,
+    timeout_s: float,
+    retry: Retry,
+    budget: Budget | None,
+    breaker: Breaker | None,
+    fallback: Any,
+    moderation: Moderation | None,
+    name: str | None,
+) -> Callable[..., Awaitable[Any]]:
+    """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
+    if not inspect.iscoroutinefunction(handler):
+        raise ConfigurationError(f"guarded route {handler.__qualname__} must be an `async def`")
+    if timeout_s <= 0:
+        raise ConfigurationError("timeout_s must be positive")
+    if not model:
+        raise ConfigurationError("a guarded route needs a model id")
+    hints = typing.get_type_hints(handler, include_extras=True)
+    signature = inspect.signature(handler)
+    ai_name, output_type, params = None, Any, []
+    for param in signature.parameters.values():
+        annotation = hints.get(param.name, param.annotation)
+        if annotation is AI or typing.get_origin(annotation) is AI:
+            ai_name = param.name
+            output_type = (typing.get_args(annotation) or (Any,))[0]
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ConfigurationError(
+                f"guarded route {handler.__qualname__}: *args/**kwargs are not supported"
+            )
+        params.append(param.replace(annotation=annotation))
+    if ai_name is None:
+        raise ConfigurationError(
+            f"guarded route {handler.__qualname__} must declare a parameter annotated `AI[OutputType]`"
+        )
+    data_type = hints.get("return", Any)
+    degrading = fallback is not _NO_FALLBACK
+    if degrading and data_type is Any:
+        raise ConfigurationError(
+            f"degrading route {handler.__qualname__} must annotate its return type (the envelope's data)"
+        )
+    data_adapter: TypeAdapter[Any] = TypeAdapter(data_type)
+    if degrading and not callable(fallback):
+        try:
+            fallback = data_adapter.validate_python(fallback)
+        except ValidationError as exc:
+            raise ConfigurationError(
+                f"the fallback of {handler.__qualname__} does not validate against its return type: {exc}"
+            ) from None
+    route = GuardedRoute(
+        name=name or handler.__name__,
+        model=model,
+        timeout_s=timeout_s,
+        retry=retry,
+        budget=budget,
+        breaker=breaker,
+        output=OutputGuard(output_type, moderation),
+        data_type=data_type,
+        fallback=fallback,
+    )
+    envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]
+
+    async def compute_fallback(arguments: Mapping[str, Any], tripped: GuardTripped) -> Any:
+        if not callable(route.fallback):
+            return route.fallback
+        value = route.fallback(arguments, tripped)
+        if inspect.isawaitable(value):
+            value = await value
+        return data_adapter.validate_python(value)
+
+    @functools.wraps(handler)
+    async def endpoint(**kwargs: Any) -> Any:
+        request: Request = kwargs.pop(_REQUEST)
+        response: Response = kwargs.pop(_RESPONSE)
+        started = time.perf_counter()
+        trace_id = _trace_id(request)
+        budget_key = budget.key(request) if budget is not None else None
+        ai: AI[Any] = AI(guards, route, budget_key=budget_key, trace_id=trace_id)
+        log = functools.partial(emit, "request", route=route.name, trace_id=trace_id)
+        try:
+            value = await handler(**kwargs, **{ai_name: ai})
+            if not isinstance(value, Response):
+                value = data_adapter.validate_python(value)
+        except GuardTripped as tripped:
+            if not route.degrading:
+                error = public_error(tripped, guards.retry_after_s)
+                log(
+                    outcome="error",
+                    status=error.status,
+                    error=error.error.value,
+                    guard=tripped.guard.value,
+                    reason=tripped.reason.value,
+                    kind=_kind(tripped),
+                    attempts=ai.attempts,
+                    model=tripped.model or ai.model,
+                    latency_ms=_ms(started),
+                )
+                return error_response(error, trace_id)
+            try:
+                data = await compute_fallback(kwargs, tripped)
+            except Exception as exc:
+                return _application_failure(log, exc, ai, started, trace_id)
+            log(
+                outcome="fallback",
+                status=200,
+                guard=tripped.guard.value,
+                reason=tripped.reason.value,
+                kind=_kind(tripped),
+                attempts=ai.attempts,
+                model=tripped.model or ai.model,
+                latency_ms=_ms(started),
+            )
+            response.headers["x-trace-id"] = trace_id
+            info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=tripped.detail)
+            return envelope_type(ok=True, data=data, fallback=info)
+        except HTTPException:
+            raise  # the handler's own deliberate HTTP answer
+        except Exception as exc:
+            return _application_failure(log, exc, ai, started, trace_id)
+        log(outcome="ok", status=200, attempts=ai.attempts, model=ai.model, latency_ms=_ms(started))
+        if isinstance(value, Response):
+            value.headers["x-trace-id"] = trace_id
+            return value
+        response.headers["x-trace-id"] = trace_id
+        return envelope_type(ok=True, data=value, fallback=None) if degrading else value
+
+    params += [
+        inspect.Parameter(_REQUEST, inspect.Parameter.KEYWORD_ONLY, annotation=Request),
+        inspect.Parameter(_RESPONSE, inspect.Parameter.KEYWORD_ONLY, annotation=Response),
+    ]
+    endpoint.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=params, return_annotation=envelope_type if degrading else data_type
+    )
+    endpoint.__guards_route__ = route  # type: ignore[attr-defined]
+    return endpoint
+
+
+def route_of(endpoint: Any) -> GuardedRoute | None:
+    """The `GuardedRoute` of a guarded endpoint, or None."""
+    route = getattr(endpoint, "__guards_route__", None)
+    return route if isinstance(route, GuardedRoute) else None
+
+
+def request_trace_id(request: Request) -> str:
+    return _trace_id(request)
+
+
+def _trace_id(request: Request) -> str:
+    given = request.headers.get("x-trace-id")
+    if given and _TRACE_ID.match(given):
+        return given
+    return uuid.uuid4().hex
+
+
+def _application_failure(
+    log: Callable[..., None], exc: Exception, ai: AI[Any], started: float, trace_id: str
+) -> Response:
+    # The exception's type and where it was raised; never its message (it may hold user text).
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f"{tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}" if tb else None
+    log(
+        outcome="error",
+        status=500,
+        error=ErrorCode.application_failure.value,
+        exc_type=type(exc).__name__,
+        where=where,
+        attempts=ai.attempts,
+        model=ai.model,
+        latency_ms=_ms(started),
+    )
+    return error_response(PublicError(500, ErrorCode.application_failure, False), trace_id)
+
+
+def _kind(tripped: GuardTripped) -> str | None:
+    return tripped.kind.value if tripped.kind is not None else None
+
+
+def _ms(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 2)

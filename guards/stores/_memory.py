@@ -1,0 +1,94 @@
+"""`MemoryStore`: state in this process's memory.
+
+Atomicity: every method does all its work synchronously, with no `await` between reading and
+writing a key, so on one event loop no other task can interleave. Not shared between workers.
+
+Bounded: every key has an expiry; expired keys are ignored on read and swept out in full at most
+once per `sweep_interval_s`, so memory holds only keys live within their TTL.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome
+from .._breaker import admit as breaker_admit
+from .._breaker import record as breaker_record
+from .._clock import Clock, SystemClock
+from ._base import Admission
+
+__all__ = ["MemoryStore"]
+
+
+class MemoryStore:
+    """A `Store` in process memory: exact for one process (one uvicorn worker)."""
+
+    def __init__(self, *, clock: Clock | None = None, sweep_interval_s: float = 60.0) -> None:
+        self._clock = clock or SystemClock()
+        self._data: dict[str, tuple[Any, float]] = {}
+        self._sweep_interval_s = sweep_interval_s
+        self._next_sweep = 0.0
+
+    def __len__(self) -> int:
+        """Live keys (expired ones may linger until the next sweep; they are not counted)."""
+        now = self._clock.time()
+        return sum(1 for _, expires in self._data.values() if expires > now)
+
+    async def now(self) -> float:
+        return self._clock.time()
+
+    async def take(self, key: str, *, limit: int, ttl_s: float) -> Admission:
+        now = self._tick()
+        count, expires = self._get(key, now, (0, now + ttl_s))
+        if count >= limit:
+            return Admission(False, retry_after_s=expires - now)
+        self._data[key] = (count + 1, expires)
+        return Admission(True)
+
+    async def throttle(self, key: str, *, limit: int, period_s: float) -> Admission:
+        now = self._tick()
+        stamps: deque[float] = self._get(key, now, (deque(), 0.0))[0]
+        while stamps and stamps[0] <= now - period_s:
+            stamps.popleft()
+        if len(stamps) >= limit:
+            return Admission(False, retry_after_s=stamps[0] + period_s - now)
+        stamps.append(now)
+        self._data[key] = (stamps, now + period_s)
+        return Admission(True)
+
+    async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:
+        now = self._tick()
+        state, decision = breaker_admit(self._get(key, now, (CLOSED, 0.0))[0], policy, now)
+        self._put_breaker(key, state, policy, now)
+        return decision
+
+    async def breaker_record(
+        self, key: str, policy: Breaker, outcome: Outcome, *, probe: bool
+    ) -> BreakerState:
+        now = self._tick()
+        state = breaker_record(self._get(key, now, (CLOSED, 0.0))[0], policy, now, outcome, probe=probe)
+        self._put_breaker(key, state, policy, now)
+        return state
+
+    async def aclose(self) -> None:
+        self._data.clear()
+
+    def _put_breaker(self, key: str, state: BreakerState, policy: Breaker, now: float) -> None:
+        if state == CLOSED:
+            self._data.pop(key, None)  # a healthy breaker needs no key at all
+        else:
+            self._data[key] = (state, now + policy.ttl_s)
+
+    def _get(self, key: str, now: float, default: tuple[Any, float]) -> tuple[Any, float]:
+        item = self._data.get(key)
+        if item is None or item[1] <= now:
+            return default
+        return item
+
+    def _tick(self) -> float:
+        now = self._clock.time()
+        if now >= self._next_sweep:
+            self._data = {k: v for k, v in self._data.items() if v[1] > now}
+            self._next_sweep = now + self._sweep_interval_s
+        return now
