@@ -45,3 +45,12 @@ def keyword_label(text: str) -> tuple[str, int]:
         if count > hits:
             best, hits = label, count
     return best, hits
+
+
+_PERSONAL_DATA = re.compile(r"[\w.+-]+@[\w-]+\.[\w.]+|\+?\d[\d ()-]{7,}\d")
+
+
+def mentions_personal_data(summary: object) -> bool:
+    """`/summary`'s moderation: a label must not carry an e-mail address or a phone number
+    (labels end up in dashboards, where personal data must not)."""
+    return bool(_PERSONAL_DATA.search(str(getattr(summary, "label", summary))))

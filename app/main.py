@@ -20,7 +20,7 @@ from guards import AI, Binding, Breaker, Budget, Clock, Guards, GuardTripped, he
 from guards.providers import WorkersAI
 from guards.stores import MemoryStore, Store
 
-from .labels import keyword_label
+from .labels import keyword_label, mentions_personal_data
 from .offline import OfflineModel
 from .settings import Settings, load_settings
 
@@ -134,6 +134,7 @@ def create_app(
             key=header_key("x-user-id"),
         ),
         fallback=keyword_summary,
+        moderation=mentions_personal_data,
     )
     async def summary(
         body: SummaryRequest,

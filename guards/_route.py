@@ -229,7 +229,13 @@ def guard_route(
         raise ConfigurationError("timeout_s must be positive")
     if not model:
         raise ConfigurationError("a guarded route needs a model id")
-    hints = typing.get_type_hints(handler, include_extras=True)
+    try:
+        hints = typing.get_type_hints(handler, include_extras=True)
+    except NameError as exc:
+        raise ConfigurationError(
+            f"cannot resolve the annotations of {handler.__qualname__} ({exc}): "
+            "import the types it names at module level"
+        ) from None
     signature = inspect.signature(handler)
     ai_name, output_type, params = None, Any, []
     for param in signature.parameters.values():

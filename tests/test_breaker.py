@@ -1,0 +1,321 @@
+"""The circuit breaker through the store API (`MemoryStore.breaker_admit` / `breaker_record`).
+
+Time only moves when the test moves the `ManualClock`; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fixtures import ManualClock
+from guards import Breaker, CircuitState
+from guards._breaker import Outcome  # not exported from guards yet
+from guards.stores import MemoryStore
+
+KEY = "breaker:@cf/test/model"
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def store(clock: ManualClock) -> MemoryStore:
+    return MemoryStore(clock=clock)
+
+
+async def fail_closed_calls(store: MemoryStore, policy: Breaker, n: int) -> None:
+    """`n` closed-phase calls that are admitted and fail."""
+    for _ in range(n):
+        decision = await store.breaker_admit(KEY, policy)
+        assert decision.allowed
+        assert not decision.probe
+        await store.breaker_record(KEY, policy, Outcome.failure, probe=False)
+
+
+async def open_breaker(store: MemoryStore, policy: Breaker) -> None:
+    await fail_closed_calls(store, policy, policy.failure_threshold)
+    decision = await store.breaker_admit(KEY, policy)
+    assert not decision.allowed
+    assert decision.state is CircuitState.open
+
+
+async def half_open(store: MemoryStore, clock: ManualClock, policy: Breaker) -> None:
+    """Open the breaker and let its reset timeout pass (the next admit half-opens it)."""
+    await open_breaker(store, policy)
+    clock.advance(policy.reset_timeout_s)
+
+
+# --- closed → open ------------------------------------------------------------------------------
+
+
+def test_opens_after_n_consecutive_failures(store: MemoryStore) -> None:
+    policy = Breaker(failure_threshold=3, reset_timeout_s=30)
+
+    async def scenario() -> None:
+        await fail_closed_calls(store, policy, 2)
+        assert (await store.breaker_admit(KEY, policy)).allowed  # two failures: still closed
+        state = await store.breaker_record(KEY, policy, Outcome.failure, probe=False)
+        assert state.state is CircuitState.open
+        decision = await store.breaker_admit(KEY, policy)
+        assert not decision.allowed
+        assert decision.state is CircuitState.open
+
+    asyncio.run(scenario())
+
+
+def test_success_resets_the_consecutive_count(store: MemoryStore) -> None:
+    policy = Breaker(failure_threshold=3, reset_timeout_s=30)
+
+    async def scenario() -> None:
+        await fail_closed_calls(store, policy, 2)
+        assert (await store.breaker_admit(KEY, policy)).allowed
+        await store.breaker_record(KEY, policy, Outcome.success, probe=False)
+        await fail_closed_calls(store, policy, 2)  # 2 + success + 2: never 3 in a row
+        decision = await store.breaker_admit(KEY, policy)
+        assert decision.allowed
+        assert decision.state is CircuitState.closed
+        await store.breaker_record(KEY, policy, Outcome.failure, probe=False)  # third in a row
+        assert not (await store.breaker_admit(KEY, policy)).allowed
+
+    asyncio.run(scenario())
+
+
+def test_breakers_are_per_key(store: MemoryStore) -> None:
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30)
+
+    async def scenario() -> None:
+        await open_breaker(store, policy)
+        assert (await store.breaker_admit("breaker:other-model", policy)).allowed
+
+    asyncio.run(scenario())
+
+
+def test_windowed_opens_only_when_n_failures_fall_within_the_window(
+    store: MemoryStore, clock: ManualClock
+) -> None:
+    policy = Breaker(failure_threshold=3, window_s=10, reset_timeout_s=30)
+
+    async def scenario() -> None:
+        # Failures at t=0, 6, 12: never three within 10 s (the one at 0 has left by 12).
+        for step in (0, 6, 6):
+            clock.advance(step)
+            await fail_closed_calls(store, policy, 1)
+        assert (await store.breaker_admit(KEY, policy)).allowed
+        # t=14: 6, 12 and 14 are within 10 s.
+        clock.advance(2)
+        await fail_closed_calls(store, policy, 1)
+        decision = await store.breaker_admit(KEY, policy)
+        assert not decision.allowed
+        assert decision.state is CircuitState.open
+
+    asyncio.run(scenario())
+
+
+def test_windowed_success_does_not_reset_the_count(store: MemoryStore, clock: ManualClock) -> None:
+    """In windowed mode failures count within the window, successes in between or not."""
+    policy = Breaker(failure_threshold=3, window_s=10, reset_timeout_s=30)
+
+    async def scenario() -> None:
+        for _ in range(2):
+            await fail_closed_calls(store, policy, 1)
+            assert (await store.breaker_admit(KEY, policy)).allowed
+            await store.breaker_record(KEY, policy, Outcome.success, probe=False)
+            clock.advance(1)
+        await fail_closed_calls(store, policy, 1)  # failure, success, failure, success, failure
+        assert not (await store.breaker_admit(KEY, policy)).allowed
+
+    asyncio.run(scenario())
+
+
+# --- open ---------------------------------------------------------------------------------------
+
+
+def test_open_denies_with_the_remaining_time(store: MemoryStore, clock: ManualClock) -> None:
+    policy = Breaker(failure_threshold=2, reset_timeout_s=30)
+
+    async def scenario() -> None:
+        await fail_closed_calls(store, policy, 2)
+        decision = await store.breaker_admit(KEY, policy)
+        assert (decision.allowed, decision.state) == (False, CircuitState.open)
+        assert decision.retry_after_s == pytest.approx(30)
+        clock.advance(12.5)
+        decision = await store.breaker_admit(KEY, policy)
+        assert not decision.allowed
+        assert decision.retry_after_s == pytest.approx(17.5)
+        clock.advance(17.4)
+        decision = await store.breaker_admit(KEY, policy)
+        assert not decision.allowed
+        assert decision.retry_after_s == pytest.approx(0.1)
+
+    asyncio.run(scenario())
+
+
+# --- half-open ----------------------------------------------------------------------------------
+
+
+def test_half_opens_after_reset_timeout_and_limits_probes(store: MemoryStore, clock: ManualClock) -> None:
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=2)
+
+    async def scenario() -> None:
+        await half_open(store, clock, policy)
+        first = await store.breaker_admit(KEY, policy)
+        second = await store.breaker_admit(KEY, policy)
+        third = await store.breaker_admit(KEY, policy)
+        assert (first.allowed, first.probe, first.state) == (True, True, CircuitState.half_open)
+        assert (second.allowed, second.probe) == (True, True)
+        assert not third.allowed
+        assert third.state is CircuitState.half_open
+
+    asyncio.run(scenario())
+
+
+def test_two_probe_successes_close_it(store: MemoryStore, clock: ManualClock) -> None:
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=2)
+
+    async def scenario() -> None:
+        await half_open(store, clock, policy)
+        assert (await store.breaker_admit(KEY, policy)).probe
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=True)
+        assert state.state is CircuitState.half_open  # one success is not enough
+        decision = await store.breaker_admit(KEY, policy)
+        assert (decision.allowed, decision.probe) == (True, True)
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=True)
+        assert state.state is CircuitState.closed
+        # Closed again: calls flow freely, not as probes.
+        for _ in range(5):
+            decision = await store.breaker_admit(KEY, policy)
+            assert (decision.allowed, decision.probe, decision.state) == (True, False, CircuitState.closed)
+
+    asyncio.run(scenario())
+
+
+def test_one_probe_failure_reopens_with_a_fresh_timeout(store: MemoryStore, clock: ManualClock) -> None:
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=2)
+
+    async def scenario() -> None:
+        await half_open(store, clock, policy)
+        assert (await store.breaker_admit(KEY, policy)).probe
+        await store.breaker_record(KEY, policy, Outcome.success, probe=True)
+        assert (await store.breaker_admit(KEY, policy)).probe
+        clock.advance(5)
+        state = await store.breaker_record(KEY, policy, Outcome.failure, probe=True)
+        assert state.state is CircuitState.open
+        decision = await store.breaker_admit(KEY, policy)
+        assert not decision.allowed
+        assert decision.state is CircuitState.open
+        assert decision.retry_after_s == pytest.approx(30)  # counted from the probe failure
+        clock.advance(29)
+        assert not (await store.breaker_admit(KEY, policy)).allowed
+        clock.advance(1)
+        decision = await store.breaker_admit(KEY, policy)
+        assert (decision.allowed, decision.probe) == (True, True)
+        # The earlier probe success does not carry over into the new half-open phase.
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=True)
+        assert state.state is CircuitState.half_open
+
+    asyncio.run(scenario())
+
+
+def test_released_probe_frees_its_slot(store: MemoryStore, clock: ManualClock) -> None:
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
+
+    async def scenario() -> None:
+        await half_open(store, clock, policy)
+        assert (await store.breaker_admit(KEY, policy)).probe
+        assert not (await store.breaker_admit(KEY, policy)).allowed
+        state = await store.breaker_record(KEY, policy, Outcome.released, probe=True)
+        assert state.state is CircuitState.half_open  # no verdict either way
+        decision = await store.breaker_admit(KEY, policy)
+        assert (decision.allowed, decision.probe) == (True, True)
+
+    asyncio.run(scenario())
+
+
+def test_probe_slot_held_past_reset_timeout_is_reclaimed(store: MemoryStore, clock: ManualClock) -> None:
+    """A probe whose caller never reports (its worker died) must not keep the breaker half-open
+    and shut forever."""
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
+
+    async def scenario() -> None:
+        await half_open(store, clock, policy)
+        assert (await store.breaker_admit(KEY, policy)).probe  # never reported
+        clock.advance(29)
+        assert not (await store.breaker_admit(KEY, policy)).allowed
+        clock.advance(1)
+        decision = await store.breaker_admit(KEY, policy)
+        assert (decision.allowed, decision.probe) == (True, True)
+        assert not (await store.breaker_admit(KEY, policy)).allowed  # and the slot is held again
+
+    asyncio.run(scenario())
+
+
+def test_late_closed_phase_outcome_changes_nothing(store: MemoryStore, clock: ManualClock) -> None:
+    """A call admitted while closed that finishes after the breaker opened is not a probe: its
+    success must not close the breaker, its failure must not restart the timeout."""
+    policy = Breaker(failure_threshold=2, reset_timeout_s=30)
+
+    async def scenario() -> None:
+        straggler = await store.breaker_admit(KEY, policy)
+        assert (straggler.allowed, straggler.probe) == (True, False)
+        await fail_closed_calls(store, policy, 2)
+        clock.advance(10)
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=False)
+        assert state.state is CircuitState.open
+        state = await store.breaker_record(KEY, policy, Outcome.failure, probe=False)
+        assert state.state is CircuitState.open
+        decision = await store.breaker_admit(KEY, policy)
+        assert not decision.allowed
+        assert decision.retry_after_s == pytest.approx(20)  # still timed from the original opening
+
+    asyncio.run(scenario())
+
+
+def test_late_closed_phase_outcome_does_not_use_a_probe_slot(store: MemoryStore, clock: ManualClock) -> None:
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=1)
+
+    async def scenario() -> None:
+        straggler = await store.breaker_admit(KEY, policy)
+        assert not straggler.probe
+        await half_open(store, clock, policy)
+        probe = await store.breaker_admit(KEY, policy)
+        assert probe.probe
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=False)
+        assert state.state is CircuitState.half_open  # the straggler's success does not close it
+        assert not (await store.breaker_admit(KEY, policy)).allowed  # nor free the probe's slot
+
+    asyncio.run(scenario())
+
+
+# --- concurrency --------------------------------------------------------------------------------
+
+
+def test_concurrent_admits_on_half_open_allow_exactly_one_probe(store: MemoryStore, clock: ManualClock) -> None:
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
+
+    async def scenario() -> None:
+        await half_open(store, clock, policy)
+        decisions = await asyncio.gather(*(store.breaker_admit(KEY, policy) for _ in range(50)))
+        allowed = [d for d in decisions if d.allowed]
+        assert len(allowed) == 1
+        assert allowed[0].probe
+
+    asyncio.run(scenario())
+
+
+def test_concurrent_failures_open_once(store: MemoryStore) -> None:
+    """50 closed-phase failures recorded concurrently open the breaker exactly as 50 in a row do."""
+    policy = Breaker(failure_threshold=5, reset_timeout_s=30)
+
+    async def scenario() -> None:
+        await asyncio.gather(
+            *(store.breaker_record(KEY, policy, Outcome.failure, probe=False) for _ in range(50))
+        )
+        decision = await store.breaker_admit(KEY, policy)
+        assert not decision.allowed
+        assert decision.retry_after_s == pytest.approx(30)
+
+    asyncio.run(scenario())
