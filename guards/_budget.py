@@ -8,6 +8,7 @@ longer than a day so a late request cannot find its day's counter gone.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,11 @@ class Budget:
                 raise ValueError(f"Budget.{name} must be at least 1 (or None for no limit)")
 
 
+@functools.lru_cache(maxsize=4)
+def _utc_day(day_number: int) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(day_number * DAY_S))
+
+
 async def check_rate(store: Store, budget: Budget, scope: str, key: str) -> None:
     """Raise `GuardTripped(rate_limited)` when the key's per-minute rate is spent."""
     if budget.per_minute is None:
@@ -79,7 +85,7 @@ async def charge_daily(store: Store, budget: Budget, scope: str, key: str) -> No
     if budget.per_day is None:
         return
     now = await store.now()
-    day = time.strftime("%Y%m%d", time.gmtime(now))
+    day = _utc_day(int(now // DAY_S))
     admission = await store.take(f"guards:{scope}:day:{day}:{key}", limit=budget.per_day, ttl_s=DAILY_TTL_S)
     if not admission.allowed:
         raise GuardTripped(

@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI
-from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -23,7 +23,7 @@ from ._log import emit
 from ._openapi import document_guarded_routes
 from ._output import Moderation
 from ._responses import PublicError, error_response
-from ._route import _NO_FALLBACK, guard_route, request_trace_id, route_of
+from ._route import _NO_FALLBACK, guard_route, handler_entered, request_trace_id, route_of
 from .stores import MemoryStore, Store
 
 __all__ = ["Guards"]
@@ -108,7 +108,11 @@ class Guards:
         if getattr(app.state, "guards", None) is not None:
             raise ConfigurationError("Guards are already installed on this app")
         app.state.guards = self
-        app.add_exception_handler(RequestValidationError, _invalid_request)
+        # Input that never reached a guarded handler (unparseable or invalid) is answered
+        # `400 invalid_request`; everything else goes to the handlers registered before.
+        for exc_class in (RequestValidationError, StarletteHTTPException):
+            previous = app.exception_handlers.get(exc_class)
+            app.add_exception_handler(exc_class, _invalid_input_handler(previous))
         original_openapi = app.openapi
 
         def openapi() -> dict[str, Any]:
@@ -146,22 +150,40 @@ class Guards:
         await self.aclose()
 
 
-async def _invalid_request(request: Request, exc: Exception) -> Response:
-    route = route_of(request.scope.get("endpoint"))
-    if route is None:
-        assert isinstance(exc, RequestValidationError)
-        return await request_validation_exception_handler(request, exc)
+def _invalid_input_handler(previous: Any) -> Callable[[Request, Exception], Awaitable[Response]]:
+    async def handle(request: Request, exc: Exception) -> Response:
+        route = route_of(request.scope.get("endpoint"))
+        before_handler = route is not None and not handler_entered(request)
+        if before_handler and (isinstance(exc, RequestValidationError) or _is_bad_request(exc)):
+            assert route is not None
+            return _invalid_request(route.name, request, exc)
+        if previous is None:
+            raise exc
+        response: Response = await previous(request, exc)
+        return response
+
+    return handle
+
+
+def _is_bad_request(exc: Exception) -> bool:
+    # FastAPI raises HTTPException(400) for a body it cannot parse at all.
+    return isinstance(exc, StarletteHTTPException) and exc.status_code == 400
+
+
+def _invalid_request(route_name: str, request: Request, exc: Exception) -> Response:
     trace_id = request_trace_id(request)
-    # Where the input was wrong and how, never the input itself.
-    problems = sorted({".".join(map(str, e.get("loc", ()))) + ":" + str(e.get("type")) for e in exc.errors()})  # type: ignore[attr-defined]
+    problems = []
+    if isinstance(exc, RequestValidationError):
+        # Where the input was wrong and how, never the input itself.
+        problems = sorted({".".join(map(str, e.get("loc", ()))) + ":" + str(e.get("type")) for e in exc.errors()})
     emit(
         "request",
-        route=route.name,
+        route=route_name,
         trace_id=trace_id,
         outcome="error",
         status=400,
         error=ErrorCode.invalid_request.value,
-        problems=problems[:10],
+        problems=problems[:10] or None,
         attempts=0,
     )
     return error_response(PublicError(400, ErrorCode.invalid_request, False), trace_id)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 import time
 import typing
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
@@ -49,8 +49,10 @@ T = TypeVar("T")
 FallbackFunction = Callable[[Mapping[str, Any], GuardTripped], Any]
 
 _NO_FALLBACK: Any = object()
+_OUTCOME_OF = {GuardName.call: Outcome.failure, GuardName.output: Outcome.success}
 _REQUEST = "guards_request_"
 _RESPONSE = "guards_response_"
+_ENTERED = "guards.handler_entered"
 _TRACE_ID = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
 
 
@@ -67,19 +69,16 @@ class GuardedRoute:
     output: OutputGuard
     data_type: Any
     fallback: Any
+    #: Budget counters are shared by routes of the same scope.
+    scope: str
+    breaker_key: str
+    #: Added to the inputs to request JSON mode; None for a plain-text route.
+    response_format: dict[str, Any] | None
 
     @property
     def degrading(self) -> bool:
         """A degrading route answers the envelope; a strict one answers public errors."""
         return self.fallback is not _NO_FALLBACK
-
-    @property
-    def scope(self) -> str:
-        return self.budget.scope if self.budget and self.budget.scope else self.name
-
-    @property
-    def breaker_key(self) -> str:
-        return f"guards:breaker:{self.model}"
 
 
 class AI(Generic[T]):
@@ -109,11 +108,8 @@ class AI(Generic[T]):
         `GuardTripped` when a guard refuses the call or rejects its answer.
         """
         route, store = self._route, self._guards.store
-        if route.output.json_schema is not None and "response_format" not in inputs:
-            inputs = {
-                **inputs,
-                "response_format": {"type": "json_schema", "json_schema": route.output.json_schema},
-            }
+        if route.response_format is not None and "response_format" not in inputs:
+            inputs = {**inputs, "response_format": route.response_format}
         budget, key = route.budget, self._budget_key
         if budget is not None and key is not None and not self._charged:
             await check_rate(store, budget, route.scope, key)
@@ -128,23 +124,23 @@ class AI(Generic[T]):
                     model=route.model,
                 )
             probe = decision.probe
-        outcome = Outcome.released
         try:
             if budget is not None and key is not None and not self._charged:
                 await charge_daily(store, budget, route.scope, key)
             self._charged = True
             result = await self._call(inputs)
-            outcome = Outcome.success
         except GuardTripped as tripped:
-            if tripped.guard is GuardName.call:
-                outcome = Outcome.failure
-            elif tripped.guard is GuardName.output:  # the provider answered (JSON mode not met)
-                outcome = Outcome.success
+            # A call failure counts against the model; an output failure here (JSON mode not
+            # met) means the model answered; a budget refusal says nothing about it.
+            await self._record(_OUTCOME_OF.get(tripped.guard, Outcome.released), probe)
             raise
-        finally:
-            if route.breaker is not None and (probe or outcome is not Outcome.released):
-                with anyio.CancelScope(shield=True):
-                    await store.breaker_record(route.breaker_key, route.breaker, outcome, probe=probe)
+        except BaseException:
+            # Cancelled from outside (client gone, server stopping): no verdict on the model,
+            # but a probe slot must be freed, shielded from the cancellation under way.
+            with anyio.CancelScope(shield=True):
+                await self._record(Outcome.released, probe)
+            raise
+        await self._record(Outcome.success, probe)
         value = await route.output.check(result)
         return cast(T, value)
 
@@ -193,6 +189,11 @@ class AI(Generic[T]):
             retry_after_s=error.retry_after_s if isinstance(error, ProviderError) else None,
             model=model,
         )
+
+    async def _record(self, outcome: Outcome, probe: bool) -> None:
+        route = self._route
+        if route.breaker is not None and (probe or outcome is not Outcome.released):
+            await self._guards.store.breaker_record(route.breaker_key, route.breaker, outcome, probe=probe)
 
     def _count_attempt(self) -> None:
         self.attempts += 1
@@ -267,16 +268,23 @@ def guard_route(
             raise ConfigurationError(
                 f"the fallback of {handler.__qualname__} does not validate against its return type: {exc}"
             ) from None
+    route_name = name or handler.__name__
+    output = OutputGuard(output_type, moderation)
     route = GuardedRoute(
-        name=name or handler.__name__,
+        name=route_name,
         model=model,
         timeout_s=timeout_s,
         retry=retry,
         budget=budget,
         breaker=breaker,
-        output=OutputGuard(output_type, moderation),
+        output=output,
         data_type=data_type,
         fallback=fallback,
+        scope=budget.scope if budget is not None and budget.scope else route_name,
+        breaker_key=f"guards:breaker:{model}",
+        response_format=(
+            {"type": "json_schema", "json_schema": output.json_schema} if output.json_schema is not None else None
+        ),
     )
     envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]
 
@@ -292,6 +300,7 @@ def guard_route(
     async def endpoint(**kwargs: Any) -> Any:
         request: Request = kwargs.pop(_REQUEST)
         response: Response = kwargs.pop(_RESPONSE)
+        request.scope[_ENTERED] = True
         started = time.perf_counter()
         trace_id = _trace_id(request)
         budget_key = budget.key(request) if budget is not None else None
@@ -330,7 +339,7 @@ def guard_route(
                 model=tripped.model or ai.model,
                 latency_ms=_ms(started),
             )
-            response.headers["x-trace-id"] = trace_id
+            response.raw_headers.append((b"x-trace-id", trace_id.encode()))
             info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=tripped.detail)
             return envelope_type(ok=True, data=data, fallback=info)
         except HTTPException:
@@ -341,7 +350,7 @@ def guard_route(
         if isinstance(value, Response):
             value.headers["x-trace-id"] = trace_id
             return value
-        response.headers["x-trace-id"] = trace_id
+        response.raw_headers.append((b"x-trace-id", trace_id.encode()))
         return envelope_type(ok=True, data=value, fallback=None) if degrading else value
 
     params += [
@@ -361,6 +370,11 @@ def route_of(endpoint: Any) -> GuardedRoute | None:
     return route if isinstance(route, GuardedRoute) else None
 
 
+def handler_entered(request: Request) -> bool:
+    """True once the guarded endpoint started: errors after that are the handler's own."""
+    return bool(request.scope.get(_ENTERED))
+
+
 def request_trace_id(request: Request) -> str:
     return _trace_id(request)
 
@@ -369,7 +383,7 @@ def _trace_id(request: Request) -> str:
     given = request.headers.get("x-trace-id")
     if given and _TRACE_ID.match(given):
         return given
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 def _application_failure(

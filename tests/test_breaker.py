@@ -253,6 +253,25 @@ def test_probe_slot_held_past_reset_timeout_is_reclaimed(store: MemoryStore, clo
     asyncio.run(scenario())
 
 
+def test_reclaimed_probe_reporting_late_does_not_free_the_new_probes_slot(
+    store: MemoryStore, clock: ManualClock
+) -> None:
+    """At most `half_open_probes` calls in flight, even when a probe whose slot was reclaimed
+    reports after all: its report must not hand the new probe's slot to a third call."""
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
+
+    async def scenario() -> None:
+        await half_open(store, clock, policy)
+        assert (await store.breaker_admit(KEY, policy)).probe  # probe A, silent for too long
+        clock.advance(30)
+        assert (await store.breaker_admit(KEY, policy)).probe  # probe B takes the reclaimed slot
+        await store.breaker_record(KEY, policy, Outcome.success, probe=True)  # A reports at last
+        decision = await store.breaker_admit(KEY, policy)  # B is still in flight
+        assert not decision.allowed
+
+    asyncio.run(scenario())
+
+
 def test_late_closed_phase_outcome_changes_nothing(store: MemoryStore, clock: ManualClock) -> None:
     """A call admitted while closed that finishes after the breaker opened is not a probe: its
     success must not close the breaker, its failure must not restart the timeout."""
@@ -290,10 +309,33 @@ def test_late_closed_phase_outcome_does_not_use_a_probe_slot(store: MemoryStore,
     asyncio.run(scenario())
 
 
+def test_stale_probe_outcome_after_reopening_changes_nothing(store: MemoryStore, clock: ManualClock) -> None:
+    """A probe whose slot was reclaimed reports after the breaker reopened: its success must
+    not close the breaker."""
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=1)
+
+    async def scenario() -> None:
+        await half_open(store, clock, policy)
+        assert (await store.breaker_admit(KEY, policy)).probe  # the stale probe
+        clock.advance(30)
+        assert (await store.breaker_admit(KEY, policy)).probe  # its slot, reclaimed
+        await store.breaker_record(KEY, policy, Outcome.failure, probe=True)  # reopens
+        clock.advance(1)
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=True)  # the stale one
+        assert state.state is CircuitState.open
+        decision = await store.breaker_admit(KEY, policy)
+        assert not decision.allowed
+        assert decision.retry_after_s == pytest.approx(29)
+
+    asyncio.run(scenario())
+
+
 # --- concurrency --------------------------------------------------------------------------------
 
 
-def test_concurrent_admits_on_half_open_allow_exactly_one_probe(store: MemoryStore, clock: ManualClock) -> None:
+def test_concurrent_admits_on_half_open_allow_exactly_one_probe(
+    store: MemoryStore, clock: ManualClock
+) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
 
     async def scenario() -> None:

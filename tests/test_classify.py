@@ -112,4 +112,3 @@ def test_only_transient_failures_are_retryable() -> None:
         assert isinstance(failure, BaseException)
         verdict = classify(failure)
         assert verdict.retryable == (verdict.kind is Kind.model_temporarily_unavailable), row.id
-

@@ -37,12 +37,19 @@ def assert_error(response: httpx.Response, status: int, error: str, retryable: b
     assert body == {"error": error, "retryable": retryable, "trace_id": response.headers["x-trace-id"]}
 
 
-def test_success_answers_the_trimmed_reply_in_one_call(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
+def test_success_answers_the_trimmed_reply_in_one_call(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI
+) -> None:
     fake_workers_ai.script(MODEL, Reply("  Your parcel ships today.  \n"))
     response = post(client)
     assert response.status_code == 200
     trace_id = response.headers["x-trace-id"]
-    assert response.json() == {"model": MODEL, "reply": "Your parcel ships today.", "attempts": 1, "trace_id": trace_id}
+    assert response.json() == {
+        "model": MODEL,
+        "reply": "Your parcel ships today.",
+        "attempts": 1,
+        "trace_id": trace_id,
+    }
     [call] = fake_workers_ai.calls
     assert call.model == MODEL
     assert call.inputs["messages"][-1] == {"role": "user", "content": "Where is my parcel?"}
@@ -63,9 +70,22 @@ def test_success_answers_the_trimmed_reply_in_one_call(client: httpx.Client, fak
         [],
         "just a string",
     ],
-    ids=["missing", "null", "number", "list", "empty", "blank", "501-chars", "wrong-field", "array", "string"],
+    ids=[
+        "missing",
+        "null",
+        "number",
+        "list",
+        "empty",
+        "blank",
+        "501-chars",
+        "wrong-field",
+        "array",
+        "string",
+    ],
 )
-def test_invalid_input_is_400_without_a_call(client: httpx.Client, fake_workers_ai: FakeWorkersAI, body: Any) -> None:
+def test_invalid_input_is_400_without_a_call(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI, body: Any
+) -> None:
     response = client.post("/draft-reply", json=body)
     assert_error(response, 400, "invalid_request", False)
     assert fake_workers_ai.calls == []
@@ -89,7 +109,9 @@ def test_quota_exhausted_is_503_in_one_call(client: httpx.Client, fake_workers_a
     assert len(fake_workers_ai.calls) == 1
 
 
-def test_rate_limit_without_code_is_503_in_one_call(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
+def test_rate_limit_without_code_is_503_in_one_call(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI
+) -> None:
     fake_workers_ai.script(MODEL, Fail(status=429))
     response = post(client)
     assert_error(response, 503, "model_rate_limited", False)
@@ -97,7 +119,7 @@ def test_rate_limit_without_code_is_503_in_one_call(client: httpx.Client, fake_w
     assert len(fake_workers_ai.calls) == 1
 
 
-@pytest.mark.parametrize("code, status", [(3040, 429), (3007, 408)])
+@pytest.mark.parametrize(("code", "status"), [(3040, 429), (3007, 408)])
 def test_transient_failure_recovers_on_the_retry(
     client: httpx.Client, fake_workers_ai: FakeWorkersAI, code: int, status: int
 ) -> None:
@@ -109,7 +131,7 @@ def test_transient_failure_recovers_on_the_retry(
     assert len(fake_workers_ai.calls) == 2
 
 
-@pytest.mark.parametrize("code, status", [(3040, 429), (3007, 408)])
+@pytest.mark.parametrize(("code", "status"), [(3040, 429), (3007, 408)])
 def test_transient_failure_that_persists_is_503_with_retry_after(
     client: httpx.Client, fake_workers_ai: FakeWorkersAI, code: int, status: int
 ) -> None:
@@ -164,13 +186,17 @@ def test_handler_crash_is_500_application_failure(fake_workers_ai: FakeWorkersAI
     assert len(fake_workers_ai.calls) == 1
 
 
-def test_success_false_with_http_200_is_a_failure(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
+def test_success_false_with_http_200_is_a_failure(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI
+) -> None:
     fake_workers_ai.script(MODEL, Fail(code=5006, status=200))
     assert_error(post(client), 503, "model_unavailable", False)
     assert len(fake_workers_ai.calls) == 1
 
 
-def test_transient_code_with_http_200_is_retried(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
+def test_transient_code_with_http_200_is_retried(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI
+) -> None:
     fake_workers_ai.script(MODEL, Fail(code=3040, status=200), Reply("Second time lucky."))
     response = post(client)
     assert response.status_code == 200
@@ -205,7 +231,9 @@ def test_dropped_connection_twice_is_503_temporarily_unavailable(
     assert len(fake_workers_ai.calls) == 2
 
 
-def test_html_error_page_from_a_proxy_is_transient(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
+def test_html_error_page_from_a_proxy_is_transient(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI
+) -> None:
     fake_workers_ai.script(MODEL, Raw(502, b"<html><body>502 Bad Gateway</body></html>"), Reply("Fine now."))
     response = post(client)
     assert response.status_code == 200
@@ -213,7 +241,9 @@ def test_html_error_page_from_a_proxy_is_transient(client: httpx.Client, fake_wo
 
 
 def test_bad_token_is_503_model_unavailable(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
-    client = serve(create_app(workers_ai_settings(fake_workers_ai, cloudflare_api_token="wrong"), sleep=no_sleep))
+    client = serve(
+        create_app(workers_ai_settings(fake_workers_ai, cloudflare_api_token="wrong"), sleep=no_sleep)
+    )
     assert_error(post(client), 503, "model_unavailable", False)
 
 
@@ -228,3 +258,9 @@ def test_every_response_carries_the_trace_id_it_logged(
     [retry] = guards_log.events("retry")
     assert retry["trace_id"] == ok.headers["x-trace-id"]
     assert retry["kind"] == "model_temporarily_unavailable"
+
+
+def test_undecodable_body_is_400(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
+    response = client.post("/draft-reply", content=b"\xff\xfe\xfa", headers={"content-type": "application/json"})
+    assert_error(response, 400, "invalid_request", False)
+    assert fake_workers_ai.calls == []

@@ -35,7 +35,9 @@ def test_memory_store_is_a_store(store: MemoryStore) -> None:
 # --- take ---------------------------------------------------------------------------------------
 
 
-def test_take_admits_exactly_limit_then_refuses_with_time_left(store: MemoryStore, clock: ManualClock) -> None:
+def test_take_admits_exactly_limit_then_refuses_with_time_left(
+    store: MemoryStore, clock: ManualClock
+) -> None:
     async def scenario() -> None:
         assert await store.take("day:alice", limit=3, ttl_s=100) == Admission(True)
         clock.advance(10)
@@ -165,7 +167,8 @@ def test_throttle_is_exact_over_a_scripted_sequence(store: MemoryStore, clock: M
         return admitted, refusals
 
     admitted, refusals = asyncio.run(scenario())
-    assert len(admitted) > 100 and refusals > 100  # the sequence exercised both
+    assert len(admitted) > 100  # the sequence exercised both admits...
+    assert refusals > 100  # ...and refusals
     for start in admitted:
         assert sum(1 for a in admitted if start <= a < start + period) <= limit
 
@@ -199,25 +202,27 @@ class Key(str):
     """A key the test can hold a weak reference to, to see whether the store still keeps it."""
 
 
+async def fill_with_keys(store: MemoryStore, breaker: Breaker) -> list[weakref.ref[Key]]:
+    """30 keys of every kind the store writes; returns weak references to them."""
+    keys = [Key(f"key-{i}") for i in range(30)]
+    for k in keys[:10]:
+        await store.take(k, limit=5, ttl_s=86_400 + 3_600)  # a daily counter
+    for k in keys[10:20]:
+        await store.throttle(k, limit=5, period_s=60)
+    for k in keys[20:]:
+        await store.breaker_record(k, breaker, Outcome.failure, probe=False)  # an open breaker
+    return [weakref.ref(k) for k in keys]
+
+
 def test_memory_is_bounded(clock: ManualClock) -> None:
+    """`len(store)` counts live keys; the weak references show the expired ones really leave
+    memory with the next operation after the sweep interval (no private attribute read)."""
     store = MemoryStore(clock=clock, sweep_interval_s=60)
     breaker = Breaker(failure_threshold=1, reset_timeout_s=30)
-    keys = [Key(f"key-{i}") for i in range(30)]
-    refs = [weakref.ref(k) for k in keys]
-
-    async def fill() -> None:
-        for k in keys[:10]:
-            await store.take(k, limit=5, ttl_s=86_400 + 3_600)  # a daily counter
-        for k in keys[10:20]:
-            await store.throttle(k, limit=5, period_s=60)
-        for k in keys[20:]:
-            await store.breaker_record(k, breaker, Outcome.failure, probe=False)  # an open breaker
-
-    asyncio.run(fill())
+    refs = asyncio.run(fill_with_keys(store, breaker))
     assert len(store) == 30
-    del keys
     gc.collect()
-    assert all(r() is not None for r in refs)  # the store holds them
+    assert all(r() is not None for r in refs)  # only the store holds them now
 
     clock.advance(86_400 + 3_600 + breaker.ttl_s + 60 + 1)  # past every TTL and the sweep interval
     assert len(store) == 0

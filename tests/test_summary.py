@@ -51,7 +51,11 @@ def fallback(response: httpx.Response, guard: str, reason: str) -> dict[str, Any
     detail = body["fallback"]["detail"]
     assert isinstance(detail, str)
     assert detail
-    assert body == {"ok": True, "data": FALLBACK, "fallback": {"guard": guard, "reason": reason, "detail": detail}}
+    assert body == {
+        "ok": True,
+        "data": FALLBACK,
+        "fallback": {"guard": guard, "reason": reason, "detail": detail},
+    }
     return body
 
 
@@ -66,7 +70,9 @@ def test_model_answer_in_json_mode(client: httpx.Client, fake_workers_ai: FakeWo
     assert schema["required"] == ["label", "confidence"]
 
 
-def test_json_answer_sent_as_a_string_is_accepted(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
+def test_json_answer_sent_as_a_string_is_accepted(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI
+) -> None:
     fake_workers_ai.script(MODEL, Reply('```json\n{"label": "billing", "confidence": 0.8}\n```'))
     assert summarize(client).json()["data"] == {"label": "billing", "confidence": 0.8}
 
@@ -81,7 +87,11 @@ def test_invalid_input_is_400_without_a_call(
 ) -> None:
     response = client.post("/summary", json=body)
     assert response.status_code == 400
-    assert response.json() == {"error": "invalid_request", "retryable": False, "trace_id": response.headers["x-trace-id"]}
+    assert response.json() == {
+        "error": "invalid_request",
+        "retryable": False,
+        "trace_id": response.headers["x-trace-id"],
+    }
     assert fake_workers_ai.calls == []
 
 
@@ -124,7 +134,9 @@ def test_budget_exceeded_counts_failed_calls_too(
     assert summarize(client).json()["fallback"] is None
 
 
-def test_retries_are_charged_once(make_client: Callable[..., httpx.Client], fake_workers_ai: FakeWorkersAI) -> None:
+def test_retries_are_charged_once(
+    make_client: Callable[..., httpx.Client], fake_workers_ai: FakeWorkersAI
+) -> None:
     client = make_client(daily_call_limit=1)
     fake_workers_ai.script(MODEL, Fail(code=3040, status=429), Reply({"label": "billing", "confidence": 0.9}))
     assert summarize(client).json()["fallback"] is None
@@ -166,7 +178,9 @@ def test_schema_invalid(client: httpx.Client, fake_workers_ai: FakeWorkersAI, an
 
 
 def test_json_mode_not_met_is_schema_invalid(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
-    fake_workers_ai.script(MODEL, Fail(code=5024, status=400, message="AiError: JSON Mode couldn't be met (abc)"))
+    fake_workers_ai.script(
+        MODEL, Fail(code=5024, status=400, message="AiError: JSON Mode couldn't be met (abc)")
+    )
     fallback(summarize(client), "output", "schema_invalid")
     assert len(fake_workers_ai.calls) == 1
 
@@ -242,7 +256,9 @@ def test_strict_route_answers_circuit_open_with_retry_after(
     assert response.headers["retry-after"] == "20"
 
 
-def test_strict_budget_errors(fake_workers_ai: FakeWorkersAI, serve: Serve, manual_clock: ManualClock) -> None:
+def test_strict_budget_errors(
+    fake_workers_ai: FakeWorkersAI, serve: Serve, manual_clock: ManualClock
+) -> None:
     """A strict route with a budget answers 429 rate_limited / budget_exceeded with Retry-After."""
     app = create_app(workers_ai_settings(fake_workers_ai), clock=manual_clock, sleep=no_sleep)
 

@@ -48,7 +48,8 @@ class MemoryStore:
 
     async def throttle(self, key: str, *, limit: int, period_s: float) -> Admission:
         now = self._tick()
-        stamps: deque[float] = self._get(key, now, (deque(), 0.0))[0]
+        item = self._data.get(key)
+        stamps: deque[float] = item[0] if item is not None and item[1] > now else deque()
         while stamps and stamps[0] <= now - period_s:
             stamps.popleft()
         if len(stamps) >= limit:

@@ -1,0 +1,41 @@
+# guards: `make help` lists the targets.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.DEFAULT_GOAL := help
+.PHONY: help install run test lint format bench clean
+
+help: ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed ## create .venv and install guards with the app and dev tools
+
+run: install ## serve the example app on $(HOST):$(PORT) (offline fake provider by default)
+	$(BIN)/uvicorn app.main:app --host $(HOST) --port $(PORT)
+
+test: install ## run the test suite
+	$(BIN)/python -m pytest
+
+lint: install ## ruff (lint and format check) and mypy (strict on guards/)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: install ## apply ruff's fixes and formatting
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: install ## print the performance figures (name = value unit)
+	$(BIN)/python bench/bench.py
+
+clean: ## remove the virtualenv and caches
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
