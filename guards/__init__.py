@@ -5,7 +5,7 @@ same-shape envelope (a degrading route) or a stable public error (a strict route
 """
 
 from ._binding import AIResult, Binding, Usage
-from ._breaker import Breaker, CircuitState
+from ._breaker import Breaker, CircuitState, Outcome
 from ._budget import Budget, client_key, header_key
 from ._call import Retry
 from ._classify import Classification, Kind, classify
@@ -38,6 +38,7 @@ __all__ = [
     "GuardsError",
     "Kind",
     "Moderation",
+    "Outcome",
     "ProviderError",
     "PublicError",
     "Reason",

@@ -72,6 +72,9 @@ class BreakerState:
     probes: int = 0
     last_probe_at: float = 0.0
     successes: int = 0
+    #: When the current generation of probes began (half-opening, or reclaiming lost slots).
+    #: A probe's ticket; reports carrying an older ticket are stale and ignored.
+    probe_since: float = 0.0
 
 
 CLOSED = BreakerState()
@@ -80,8 +83,8 @@ CLOSED = BreakerState()
 @dataclass(frozen=True, slots=True)
 class BreakerDecision:
     allowed: bool
-    #: True when the call is a half-open probe: its outcome must be recorded with `probe=True`.
-    probe: bool = False
+    #: Set when the call is a half-open probe: a ticket to pass back as `record(probe=...)`.
+    probe: float | None = None
     state: CircuitState = CircuitState.closed
     retry_after_s: float | None = None
 
@@ -94,21 +97,28 @@ def admit(s: BreakerState, policy: Breaker, now: float) -> tuple[BreakerState, B
         reopen_at = s.opened_at + policy.reset_timeout_s
         if now < reopen_at:
             return s, BreakerDecision(False, state=s.state, retry_after_s=reopen_at - now)
-        s = BreakerState(CircuitState.half_open, opened_at=s.opened_at)
-    # Half-open. A probe slot held longer than the reset timeout belongs to a call that never
-    # reported (its worker died): reclaim it rather than stay half-open forever.
-    if s.probes >= policy.half_open_probes and now < s.last_probe_at + policy.reset_timeout_s:
-        return s, BreakerDecision(False, state=s.state)
-    probes = s.probes + 1 if s.probes < policy.half_open_probes else 1
-    s = replace(s, probes=probes, last_probe_at=now)
-    return s, BreakerDecision(True, probe=True, state=s.state)
+        s = BreakerState(CircuitState.half_open, opened_at=s.opened_at, probe_since=now)
+    if s.probes < policy.half_open_probes:
+        s = replace(s, probes=s.probes + 1, last_probe_at=now)
+        return s, BreakerDecision(True, probe=s.probe_since, state=s.state)
+    # Every slot is taken. Slots held longer than the reset timeout belong to calls that never
+    # reported (their worker died): start a new generation of probes rather than stay
+    # half-open forever; the lost probes' tickets go stale.
+    reclaim_at = s.last_probe_at + policy.reset_timeout_s
+    if now < reclaim_at:
+        return s, BreakerDecision(False, state=s.state, retry_after_s=reclaim_at - now)
+    s = replace(s, probes=1, last_probe_at=now, probe_since=now)
+    return s, BreakerDecision(True, probe=s.probe_since, state=s.state)
 
 
-def record(s: BreakerState, policy: Breaker, now: float, outcome: Outcome, *, probe: bool) -> BreakerState:
-    """Apply one guarded call's outcome. Outcomes of calls admitted in another phase (a closed-
-    phase call finishing after the breaker opened) change nothing."""
-    if probe:
-        if s.state is not CircuitState.half_open:
+def record(
+    s: BreakerState, policy: Breaker, now: float, outcome: Outcome, *, probe: float | None
+) -> BreakerState:
+    """Apply one guarded call's outcome; `probe` is the ticket `admit` gave (None if none).
+    Outcomes of calls admitted in another phase (a closed-phase call finishing after the
+    breaker opened, a probe whose slot was reclaimed) change nothing."""
+    if probe is not None:
+        if s.state is not CircuitState.half_open or probe != s.probe_since:
             return s
         s = replace(s, probes=max(0, s.probes - 1))
         if outcome is Outcome.failure:

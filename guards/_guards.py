@@ -175,7 +175,9 @@ def _invalid_request(route_name: str, request: Request, exc: Exception) -> Respo
     problems = []
     if isinstance(exc, RequestValidationError):
         # Where the input was wrong and how, never the input itself.
-        problems = sorted({".".join(map(str, e.get("loc", ()))) + ":" + str(e.get("type")) for e in exc.errors()})
+        problems = sorted(
+            {".".join(map(str, e.get("loc", ()))) + ":" + str(e.get("type")) for e in exc.errors()}
+        )
     emit(
         "request",
         route=route_name,

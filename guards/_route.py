@@ -113,7 +113,7 @@ class AI(Generic[T]):
         budget, key = route.budget, self._budget_key
         if budget is not None and key is not None and not self._charged:
             await check_rate(store, budget, route.scope, key)
-        probe = False
+        probe: float | None = None
         if route.breaker is not None:
             decision = await store.breaker_admit(route.breaker_key, route.breaker)
             if not decision.allowed:
@@ -190,9 +190,9 @@ class AI(Generic[T]):
             model=model,
         )
 
-    async def _record(self, outcome: Outcome, probe: bool) -> None:
+    async def _record(self, outcome: Outcome, probe: float | None) -> None:
         route = self._route
-        if route.breaker is not None and (probe or outcome is not Outcome.released):
+        if route.breaker is not None and (probe is not None or outcome is not Outcome.released):
             await self._guards.store.breaker_record(route.breaker_key, route.breaker, outcome, probe=probe)
 
     def _count_attempt(self) -> None:
@@ -283,7 +283,9 @@ def guard_route(
         scope=budget.scope if budget is not None and budget.scope else route_name,
         breaker_key=f"guards:breaker:{model}",
         response_format=(
-            {"type": "json_schema", "json_schema": output.json_schema} if output.json_schema is not None else None
+            {"type": "json_schema", "json_schema": output.json_schema}
+            if output.json_schema is not None
+            else None
         ),
     )
     envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]

@@ -10,8 +10,7 @@ import asyncio
 import pytest
 
 from fixtures import ManualClock
-from guards import Breaker, CircuitState
-from guards._breaker import Outcome  # not exported from guards yet
+from guards import Breaker, CircuitState, Outcome
 from guards.stores import MemoryStore
 
 KEY = "breaker:@cf/test/model"
@@ -32,8 +31,8 @@ async def fail_closed_calls(store: MemoryStore, policy: Breaker, n: int) -> None
     for _ in range(n):
         decision = await store.breaker_admit(KEY, policy)
         assert decision.allowed
-        assert not decision.probe
-        await store.breaker_record(KEY, policy, Outcome.failure, probe=False)
+        assert decision.probe is None
+        await store.breaker_record(KEY, policy, Outcome.failure, probe=None)
 
 
 async def open_breaker(store: MemoryStore, policy: Breaker) -> None:
@@ -58,7 +57,7 @@ def test_opens_after_n_consecutive_failures(store: MemoryStore) -> None:
     async def scenario() -> None:
         await fail_closed_calls(store, policy, 2)
         assert (await store.breaker_admit(KEY, policy)).allowed  # two failures: still closed
-        state = await store.breaker_record(KEY, policy, Outcome.failure, probe=False)
+        state = await store.breaker_record(KEY, policy, Outcome.failure, probe=None)
         assert state.state is CircuitState.open
         decision = await store.breaker_admit(KEY, policy)
         assert not decision.allowed
@@ -73,12 +72,12 @@ def test_success_resets_the_consecutive_count(store: MemoryStore) -> None:
     async def scenario() -> None:
         await fail_closed_calls(store, policy, 2)
         assert (await store.breaker_admit(KEY, policy)).allowed
-        await store.breaker_record(KEY, policy, Outcome.success, probe=False)
+        await store.breaker_record(KEY, policy, Outcome.success, probe=None)
         await fail_closed_calls(store, policy, 2)  # 2 + success + 2: never 3 in a row
         decision = await store.breaker_admit(KEY, policy)
         assert decision.allowed
         assert decision.state is CircuitState.closed
-        await store.breaker_record(KEY, policy, Outcome.failure, probe=False)  # third in a row
+        await store.breaker_record(KEY, policy, Outcome.failure, probe=None)  # third in a row
         assert not (await store.breaker_admit(KEY, policy)).allowed
 
     asyncio.run(scenario())
@@ -123,7 +122,7 @@ def test_windowed_success_does_not_reset_the_count(store: MemoryStore, clock: Ma
         for _ in range(2):
             await fail_closed_calls(store, policy, 1)
             assert (await store.breaker_admit(KEY, policy)).allowed
-            await store.breaker_record(KEY, policy, Outcome.success, probe=False)
+            await store.breaker_record(KEY, policy, Outcome.success, probe=None)
             clock.advance(1)
         await fail_closed_calls(store, policy, 1)  # failure, success, failure, success, failure
         assert not (await store.breaker_admit(KEY, policy)).allowed
@@ -165,8 +164,10 @@ def test_half_opens_after_reset_timeout_and_limits_probes(store: MemoryStore, cl
         first = await store.breaker_admit(KEY, policy)
         second = await store.breaker_admit(KEY, policy)
         third = await store.breaker_admit(KEY, policy)
-        assert (first.allowed, first.probe, first.state) == (True, True, CircuitState.half_open)
-        assert (second.allowed, second.probe) == (True, True)
+        assert (first.allowed, first.state) == (True, CircuitState.half_open)
+        assert first.probe is not None
+        assert second.allowed
+        assert second.probe == first.probe  # same generation of probes
         assert not third.allowed
         assert third.state is CircuitState.half_open
 
@@ -178,17 +179,19 @@ def test_two_probe_successes_close_it(store: MemoryStore, clock: ManualClock) ->
 
     async def scenario() -> None:
         await half_open(store, clock, policy)
-        assert (await store.breaker_admit(KEY, policy)).probe
-        state = await store.breaker_record(KEY, policy, Outcome.success, probe=True)
+        ticket = (await store.breaker_admit(KEY, policy)).probe
+        assert ticket is not None
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=ticket)
         assert state.state is CircuitState.half_open  # one success is not enough
         decision = await store.breaker_admit(KEY, policy)
-        assert (decision.allowed, decision.probe) == (True, True)
-        state = await store.breaker_record(KEY, policy, Outcome.success, probe=True)
+        assert decision.allowed
+        assert decision.probe is not None
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=decision.probe)
         assert state.state is CircuitState.closed
         # Closed again: calls flow freely, not as probes.
         for _ in range(5):
             decision = await store.breaker_admit(KEY, policy)
-            assert (decision.allowed, decision.probe, decision.state) == (True, False, CircuitState.closed)
+            assert (decision.allowed, decision.probe, decision.state) == (True, None, CircuitState.closed)
 
     asyncio.run(scenario())
 
@@ -198,11 +201,12 @@ def test_one_probe_failure_reopens_with_a_fresh_timeout(store: MemoryStore, cloc
 
     async def scenario() -> None:
         await half_open(store, clock, policy)
-        assert (await store.breaker_admit(KEY, policy)).probe
-        await store.breaker_record(KEY, policy, Outcome.success, probe=True)
-        assert (await store.breaker_admit(KEY, policy)).probe
+        ticket = (await store.breaker_admit(KEY, policy)).probe
+        await store.breaker_record(KEY, policy, Outcome.success, probe=ticket)
+        ticket = (await store.breaker_admit(KEY, policy)).probe
+        assert ticket is not None
         clock.advance(5)
-        state = await store.breaker_record(KEY, policy, Outcome.failure, probe=True)
+        state = await store.breaker_record(KEY, policy, Outcome.failure, probe=ticket)
         assert state.state is CircuitState.open
         decision = await store.breaker_admit(KEY, policy)
         assert not decision.allowed
@@ -212,9 +216,10 @@ def test_one_probe_failure_reopens_with_a_fresh_timeout(store: MemoryStore, cloc
         assert not (await store.breaker_admit(KEY, policy)).allowed
         clock.advance(1)
         decision = await store.breaker_admit(KEY, policy)
-        assert (decision.allowed, decision.probe) == (True, True)
+        assert decision.allowed
+        assert decision.probe is not None
         # The earlier probe success does not carry over into the new half-open phase.
-        state = await store.breaker_record(KEY, policy, Outcome.success, probe=True)
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=decision.probe)
         assert state.state is CircuitState.half_open
 
     asyncio.run(scenario())
@@ -225,12 +230,14 @@ def test_released_probe_frees_its_slot(store: MemoryStore, clock: ManualClock) -
 
     async def scenario() -> None:
         await half_open(store, clock, policy)
-        assert (await store.breaker_admit(KEY, policy)).probe
+        ticket = (await store.breaker_admit(KEY, policy)).probe
+        assert ticket is not None
         assert not (await store.breaker_admit(KEY, policy)).allowed
-        state = await store.breaker_record(KEY, policy, Outcome.released, probe=True)
+        state = await store.breaker_record(KEY, policy, Outcome.released, probe=ticket)
         assert state.state is CircuitState.half_open  # no verdict either way
         decision = await store.breaker_admit(KEY, policy)
-        assert (decision.allowed, decision.probe) == (True, True)
+        assert decision.allowed
+        assert decision.probe is not None
 
     asyncio.run(scenario())
 
@@ -242,12 +249,15 @@ def test_probe_slot_held_past_reset_timeout_is_reclaimed(store: MemoryStore, clo
 
     async def scenario() -> None:
         await half_open(store, clock, policy)
-        assert (await store.breaker_admit(KEY, policy)).probe  # never reported
+        assert (await store.breaker_admit(KEY, policy)).probe is not None  # never reported
         clock.advance(29)
-        assert not (await store.breaker_admit(KEY, policy)).allowed
+        refused = await store.breaker_admit(KEY, policy)
+        assert not refused.allowed
+        assert refused.retry_after_s == pytest.approx(1)  # when the slot can be reclaimed
         clock.advance(1)
         decision = await store.breaker_admit(KEY, policy)
-        assert (decision.allowed, decision.probe) == (True, True)
+        assert decision.allowed
+        assert decision.probe is not None
         assert not (await store.breaker_admit(KEY, policy)).allowed  # and the slot is held again
 
     asyncio.run(scenario())
@@ -262,10 +272,13 @@ def test_reclaimed_probe_reporting_late_does_not_free_the_new_probes_slot(
 
     async def scenario() -> None:
         await half_open(store, clock, policy)
-        assert (await store.breaker_admit(KEY, policy)).probe  # probe A, silent for too long
+        probe_a = (await store.breaker_admit(KEY, policy)).probe  # silent for too long
         clock.advance(30)
-        assert (await store.breaker_admit(KEY, policy)).probe  # probe B takes the reclaimed slot
-        await store.breaker_record(KEY, policy, Outcome.success, probe=True)  # A reports at last
+        probe_b = (await store.breaker_admit(KEY, policy)).probe  # takes the reclaimed slot
+        assert probe_a is not None
+        assert probe_b is not None
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=probe_a)  # A at last
+        assert state.successes == 0  # a stale report counts for nothing
         decision = await store.breaker_admit(KEY, policy)  # B is still in flight
         assert not decision.allowed
 
@@ -279,12 +292,12 @@ def test_late_closed_phase_outcome_changes_nothing(store: MemoryStore, clock: Ma
 
     async def scenario() -> None:
         straggler = await store.breaker_admit(KEY, policy)
-        assert (straggler.allowed, straggler.probe) == (True, False)
+        assert (straggler.allowed, straggler.probe) == (True, None)
         await fail_closed_calls(store, policy, 2)
         clock.advance(10)
-        state = await store.breaker_record(KEY, policy, Outcome.success, probe=False)
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=None)
         assert state.state is CircuitState.open
-        state = await store.breaker_record(KEY, policy, Outcome.failure, probe=False)
+        state = await store.breaker_record(KEY, policy, Outcome.failure, probe=None)
         assert state.state is CircuitState.open
         decision = await store.breaker_admit(KEY, policy)
         assert not decision.allowed
@@ -298,11 +311,11 @@ def test_late_closed_phase_outcome_does_not_use_a_probe_slot(store: MemoryStore,
 
     async def scenario() -> None:
         straggler = await store.breaker_admit(KEY, policy)
-        assert not straggler.probe
+        assert straggler.probe is None
         await half_open(store, clock, policy)
         probe = await store.breaker_admit(KEY, policy)
-        assert probe.probe
-        state = await store.breaker_record(KEY, policy, Outcome.success, probe=False)
+        assert probe.probe is not None
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=None)
         assert state.state is CircuitState.half_open  # the straggler's success does not close it
         assert not (await store.breaker_admit(KEY, policy)).allowed  # nor free the probe's slot
 
@@ -316,12 +329,14 @@ def test_stale_probe_outcome_after_reopening_changes_nothing(store: MemoryStore,
 
     async def scenario() -> None:
         await half_open(store, clock, policy)
-        assert (await store.breaker_admit(KEY, policy)).probe  # the stale probe
+        stale = (await store.breaker_admit(KEY, policy)).probe
         clock.advance(30)
-        assert (await store.breaker_admit(KEY, policy)).probe  # its slot, reclaimed
-        await store.breaker_record(KEY, policy, Outcome.failure, probe=True)  # reopens
+        fresh = (await store.breaker_admit(KEY, policy)).probe  # its slot, reclaimed
+        assert stale is not None
+        assert fresh is not None
+        await store.breaker_record(KEY, policy, Outcome.failure, probe=fresh)  # reopens
         clock.advance(1)
-        state = await store.breaker_record(KEY, policy, Outcome.success, probe=True)  # the stale one
+        state = await store.breaker_record(KEY, policy, Outcome.success, probe=stale)
         assert state.state is CircuitState.open
         decision = await store.breaker_admit(KEY, policy)
         assert not decision.allowed
@@ -343,7 +358,7 @@ def test_concurrent_admits_on_half_open_allow_exactly_one_probe(
         decisions = await asyncio.gather(*(store.breaker_admit(KEY, policy) for _ in range(50)))
         allowed = [d for d in decisions if d.allowed]
         assert len(allowed) == 1
-        assert allowed[0].probe
+        assert allowed[0].probe is not None
 
     asyncio.run(scenario())
 
@@ -354,7 +369,7 @@ def test_concurrent_failures_open_once(store: MemoryStore) -> None:
 
     async def scenario() -> None:
         await asyncio.gather(
-            *(store.breaker_record(KEY, policy, Outcome.failure, probe=False) for _ in range(50))
+            *(store.breaker_record(KEY, policy, Outcome.failure, probe=None) for _ in range(50))
         )
         decision = await store.breaker_admit(KEY, policy)
         assert not decision.allowed

@@ -261,6 +261,8 @@ def test_every_response_carries_the_trace_id_it_logged(
 
 
 def test_undecodable_body_is_400(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
-    response = client.post("/draft-reply", content=b"\xff\xfe\xfa", headers={"content-type": "application/json"})
+    response = client.post(
+        "/draft-reply", content=b"\xff\xfe\xfa", headers={"content-type": "application/json"}
+    )
     assert_error(response, 400, "invalid_request", False)
     assert fake_workers_ai.calls == []

@@ -11,8 +11,7 @@ import weakref
 import pytest
 
 from fixtures import ManualClock
-from guards import Breaker
-from guards._breaker import Outcome  # not exported from guards yet
+from guards import Breaker, Outcome
 from guards.stores import Admission, MemoryStore, Store
 
 T0 = ManualClock().time()
@@ -210,7 +209,7 @@ async def fill_with_keys(store: MemoryStore, breaker: Breaker) -> list[weakref.r
     for k in keys[10:20]:
         await store.throttle(k, limit=5, period_s=60)
     for k in keys[20:]:
-        await store.breaker_record(k, breaker, Outcome.failure, probe=False)  # an open breaker
+        await store.breaker_record(k, breaker, Outcome.failure, probe=None)  # an open breaker
     return [weakref.ref(k) for k in keys]
 
 
@@ -256,7 +255,7 @@ def test_closed_breakers_keep_no_key(store: MemoryStore) -> None:
     async def scenario() -> None:
         for i in range(20):
             await store.breaker_admit(f"breaker:{i}", breaker)
-            await store.breaker_record(f"breaker:{i}", breaker, Outcome.success, probe=False)
+            await store.breaker_record(f"breaker:{i}", breaker, Outcome.success, probe=None)
         assert len(store) == 0
 
     asyncio.run(scenario())

@@ -80,13 +80,22 @@ async def test_parameters_and_dependencies_reach_the_handler(
         return {"id": item_id, "verbose": verbose, "who": who, "item": item.model_dump()}
 
     fake_ai.script(MODEL, Reply({"name": "lamp", "score": 0.5}))
-    response = await client.post("/items/7?verbose=true", json={"text": "a lamp"}, headers={"x-tenant": "acme"})
+    response = await client.post(
+        "/items/7?verbose=true", json={"text": "a lamp"}, headers={"x-tenant": "acme"}
+    )
     assert response.status_code == 200
-    assert response.json() == {"id": 7, "verbose": True, "who": "ACME", "item": {"name": "lamp", "score": 0.5}}
+    assert response.json() == {
+        "id": 7,
+        "verbose": True,
+        "who": "ACME",
+        "item": {"name": "lamp", "score": 0.5},
+    }
     operation = app.openapi()["paths"]["/items/{item_id}"]["post"]
     assert sorted(p["name"] for p in operation["parameters"]) == ["item_id", "verbose", "x-tenant"]
     # A bad path parameter is invalid input too.
-    assert (await client.post("/items/seven", json={"text": "a"}, headers={"x-tenant": "a"})).status_code == 400
+    assert (
+        await client.post("/items/seven", json={"text": "a"}, headers={"x-tenant": "a"})
+    ).status_code == 400
     assert len(fake_ai.calls) == 1
 
 
@@ -147,7 +156,9 @@ async def test_openapi_documents_the_envelope_of_a_degrading_route(app: FastAPI,
 
 
 @pytest.mark.anyio
-async def test_static_fallback(app: FastAPI, guards: Guards, client: httpx.AsyncClient, fake_ai: FakeBinding) -> None:
+async def test_static_fallback(
+    app: FastAPI, guards: Guards, client: httpx.AsyncClient, fake_ai: FakeBinding
+) -> None:
     @app.post("/static")
     @guards.route(model=MODEL, fallback={"name": "unknown", "score": 0})
     async def static(ai: AI[Item]) -> Item:
@@ -335,7 +346,9 @@ def test_use_fake_ai_swaps_the_binding_of_the_example_app(use_fake_ai: Any) -> N
     fake.script("*", Reply("From the fake."))
 
     async def scenario() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://test"
+        ) as client:
             return await client.post("/draft-reply", json={"message": "hi"})
 
     assert anyio.run(scenario).json()["reply"] == "From the fake."
@@ -391,5 +404,9 @@ def test_envelope_is_a_generic_pydantic_model() -> None:
     assert envelope.model_dump() == {"ok": True, "data": {"name": "x", "score": 1.0}, "fallback": None}
     with pytest.raises(ValueError, match="reason"):
         Envelope[Item].model_validate(
-            {"ok": True, "data": {"name": "x", "score": 1}, "fallback": {"guard": "call", "reason": "nope", "detail": ""}}
+            {
+                "ok": True,
+                "data": {"name": "x", "score": 1},
+                "fallback": {"guard": "call", "reason": "nope", "detail": ""},
+            }
         )

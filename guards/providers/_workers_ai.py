@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -57,7 +58,7 @@ class WorkersAI:
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
         try:
             async with self._client.stream(
-                "POST", self._url + model, json=dict(inputs), headers=self._headers
+                "POST", self._url + quote(model, safe="/@:"), json=dict(inputs), headers=self._headers
             ) as response:
                 body = await read_capped(response, PROVIDER, self._max_body_bytes)
         except httpx.HTTPError as exc:

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 from .._breaker import Breaker, BreakerDecision, BreakerState, Outcome
 
-__all__ = ["Admission", "Store"]
+__all__ = ["Admission", "BreakerDecision", "BreakerState", "Outcome", "Store"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +47,9 @@ class Store(Protocol):
         ...
 
     async def breaker_record(
-        self, key: str, policy: Breaker, outcome: Outcome, *, probe: bool
+        self, key: str, policy: Breaker, outcome: Outcome, *, probe: float | None
     ) -> BreakerState:
-        """Record one guarded call's outcome; `probe` as `breaker_admit` returned it."""
+        """Record one guarded call's outcome; `probe` is the ticket `breaker_admit` returned."""
         ...
 
     async def aclose(self) -> None: ...

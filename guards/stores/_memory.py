@@ -65,7 +65,7 @@ class MemoryStore:
         return decision
 
     async def breaker_record(
-        self, key: str, policy: Breaker, outcome: Outcome, *, probe: bool
+        self, key: str, policy: Breaker, outcome: Outcome, *, probe: float | None
     ) -> BreakerState:
         now = self._tick()
         state = breaker_record(self._get(key, now, (CLOSED, 0.0))[0], policy, now, outcome, probe=probe)
