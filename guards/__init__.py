@@ -16,6 +16,7 @@ from ._guards import Guards
 from ._output import Moderation
 from ._responses import PublicError, public_error
 from ._route import AI, FallbackFunction
+from ._throttle import Throttled
 
 __all__ = [
     "AI",
@@ -44,6 +45,7 @@ __all__ = [
     "Reason",
     "Retry",
     "SystemClock",
+    "Throttled",
     "Usage",
     "classify",
     "client_key",

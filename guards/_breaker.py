@@ -87,12 +87,15 @@ class BreakerDecision:
     probe: float | None = None
     state: CircuitState = CircuitState.closed
     retry_after_s: float | None = None
+    #: False when recording a success would change nothing (closed, no failures counted, or
+    #: failures that only age out of a window): the caller may skip that store operation.
+    record_success: bool = True
 
 
 def admit(s: BreakerState, policy: Breaker, now: float) -> tuple[BreakerState, BreakerDecision]:
     """May a call go through now? Returns the new state and the decision."""
     if s.state is CircuitState.closed:
-        return s, BreakerDecision(True)
+        return s, BreakerDecision(True, record_success=policy.window_s is None and bool(s.failures))
     if s.state is CircuitState.open:
         reopen_at = s.opened_at + policy.reset_timeout_s
         if now < reopen_at:

@@ -8,8 +8,6 @@ longer than a day so a late request cannot find its day's counter gone.
 
 from __future__ import annotations
 
-import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,10 +18,6 @@ from ._errors import GuardTripped
 from .stores import Store
 
 __all__ = ["Budget", "client_key", "header_key"]
-
-DAY_S = 86_400.0
-#: Daily counters outlive their day by this much (never expire while their day is current).
-DAILY_TTL_S = DAY_S + 3_600.0
 
 
 def client_key(request: Request) -> str:
@@ -62,34 +56,20 @@ class Budget:
                 raise ValueError(f"Budget.{name} must be at least 1 (or None for no limit)")
 
 
-@functools.lru_cache(maxsize=4)
-def _utc_day(day_number: int) -> str:
-    return time.strftime("%Y-%m-%d", time.gmtime(day_number * DAY_S))
-
-
-async def check_rate(store: Store, budget: Budget, scope: str, key: str) -> None:
-    """Raise `GuardTripped(rate_limited)` when the key's per-minute rate is spent."""
-    if budget.per_minute is None:
+async def charge_budget(store: Store, budget: Budget, key: str) -> None:
+    """Charge one request to `key`'s budget, or raise `GuardTripped` (`rate_limited` or
+    `budget_exceeded`) without charging anything."""
+    admission = await store.charge_budget(key, per_minute=budget.per_minute, per_day=budget.per_day)
+    if admission.allowed:
         return
-    admission = await store.throttle(f"guards:{scope}:rate:{key}", limit=budget.per_minute, period_s=60.0)
-    if not admission.allowed:
+    if admission.refused_by == "per_minute":
         raise GuardTripped(
             Reason.rate_limited,
             f"at most {budget.per_minute} requests per minute",
             retry_after_s=admission.retry_after_s,
         )
-
-
-async def charge_daily(store: Store, budget: Budget, scope: str, key: str) -> None:
-    """Charge one unit of the key's daily cap, or raise `GuardTripped(budget_exceeded)`."""
-    if budget.per_day is None:
-        return
-    now = await store.now()
-    day = _utc_day(int(now // DAY_S))
-    admission = await store.take(f"guards:{scope}:day:{day}:{key}", limit=budget.per_day, ttl_s=DAILY_TTL_S)
-    if not admission.allowed:
-        raise GuardTripped(
-            Reason.budget_exceeded,
-            f"daily cap of {budget.per_day} calls reached",
-            retry_after_s=DAY_S - now % DAY_S,  # until the next UTC midnight
-        )
+    raise GuardTripped(
+        Reason.budget_exceeded,
+        f"daily cap of {budget.per_day} calls reached",
+        retry_after_s=admission.retry_after_s,
+    )

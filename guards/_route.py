@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 import re
 import time
@@ -28,12 +29,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ._breaker import Breaker, Outcome
-from ._budget import Budget, charge_daily, check_rate
+from ._budget import Budget, charge_budget
 from ._call import CallFailed, Retry, call_model
 from ._classify import Classification, Kind
 from ._envelope import Envelope, ErrorCode, FallbackInfo, GuardName, Reason
 from ._errors import ConfigurationError, GuardTripped, ProviderError
-from ._log import emit
+from ._log import emit, logger
 from ._output import Moderation, OutputGuard
 from ._responses import PublicError, error_response, public_error
 
@@ -110,10 +111,8 @@ class AI(Generic[T]):
         route, store = self._route, self._guards.store
         if route.response_format is not None and "response_format" not in inputs:
             inputs = {**inputs, "response_format": route.response_format}
-        budget, key = route.budget, self._budget_key
-        if budget is not None and key is not None and not self._charged:
-            await check_rate(store, budget, route.scope, key)
         probe: float | None = None
+        record_success = False
         if route.breaker is not None:
             decision = await store.breaker_admit(route.breaker_key, route.breaker)
             if not decision.allowed:
@@ -123,10 +122,10 @@ class AI(Generic[T]):
                     retry_after_s=decision.retry_after_s,
                     model=route.model,
                 )
-            probe = decision.probe
+            probe, record_success = decision.probe, decision.record_success
         try:
-            if budget is not None and key is not None and not self._charged:
-                await charge_daily(store, budget, route.scope, key)
+            if route.budget is not None and self._budget_key is not None and not self._charged:
+                await charge_budget(store, route.budget, self._budget_key)
             self._charged = True
             result = await self._call(inputs)
         except GuardTripped as tripped:
@@ -140,7 +139,8 @@ class AI(Generic[T]):
             with anyio.CancelScope(shield=True):
                 await self._record(Outcome.released, probe)
             raise
-        await self._record(Outcome.success, probe)
+        if record_success or probe is not None:
+            await self._record(Outcome.success, probe)
         value = await route.output.check(result)
         return cast(T, value)
 
@@ -298,6 +298,8 @@ def guard_route(
             value = await value
         return data_adapter.validate_python(value)
 
+    budget_prefix = f"guards:{route.scope}:"
+
     @functools.wraps(handler)
     async def endpoint(**kwargs: Any) -> Any:
         request: Request = kwargs.pop(_REQUEST)
@@ -305,9 +307,9 @@ def guard_route(
         request.scope[_ENTERED] = True
         started = time.perf_counter()
         trace_id = _trace_id(request)
-        budget_key = budget.key(request) if budget is not None else None
+        # Budget keys are scoped to the route (or the budget's scope): guards:{scope}:{caller}.
+        budget_key = f"{budget_prefix}{budget.key(request)}" if budget is not None else None
         ai: AI[Any] = AI(guards, route, budget_key=budget_key, trace_id=trace_id)
-        log = functools.partial(emit, "request", route=route.name, trace_id=trace_id)
         try:
             value = await handler(**kwargs, **{ai_name: ai})
             if not isinstance(value, Response):
@@ -315,40 +317,21 @@ def guard_route(
         except GuardTripped as tripped:
             if not route.degrading:
                 error = public_error(tripped, guards.retry_after_s)
-                log(
-                    outcome="error",
-                    status=error.status,
-                    error=error.error.value,
-                    guard=tripped.guard.value,
-                    reason=tripped.reason.value,
-                    kind=_kind(tripped),
-                    attempts=ai.attempts,
-                    model=tripped.model or ai.model,
-                    latency_ms=_ms(started),
-                )
+                _log_request(route, ai, started, "error", error.status, tripped=tripped, error=error.error)
                 return error_response(error, trace_id)
             try:
                 data = await compute_fallback(kwargs, tripped)
             except Exception as exc:
-                return _application_failure(log, exc, ai, started, trace_id)
-            log(
-                outcome="fallback",
-                status=200,
-                guard=tripped.guard.value,
-                reason=tripped.reason.value,
-                kind=_kind(tripped),
-                attempts=ai.attempts,
-                model=tripped.model or ai.model,
-                latency_ms=_ms(started),
-            )
+                return _application_failure(route, ai, started, exc)
+            _log_request(route, ai, started, "fallback", 200, tripped=tripped)
             response.raw_headers.append((b"x-trace-id", trace_id.encode()))
             info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=tripped.detail)
             return envelope_type(ok=True, data=data, fallback=info)
         except HTTPException:
             raise  # the handler's own deliberate HTTP answer
         except Exception as exc:
-            return _application_failure(log, exc, ai, started, trace_id)
-        log(outcome="ok", status=200, attempts=ai.attempts, model=ai.model, latency_ms=_ms(started))
+            return _application_failure(route, ai, started, exc)
+        _log_request(route, ai, started, "ok", 200)
         if isinstance(value, Response):
             value.headers["x-trace-id"] = trace_id
             return value
@@ -388,30 +371,43 @@ def _trace_id(request: Request) -> str:
     return os.urandom(16).hex()
 
 
-def _application_failure(
-    log: Callable[..., None], exc: Exception, ai: AI[Any], started: float, trace_id: str
-) -> Response:
+def _application_failure(route: GuardedRoute, ai: AI[Any], started: float, exc: Exception) -> Response:
     # The exception's type and where it was raised; never its message (it may hold user text).
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     where = f"{tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}" if tb else None
-    log(
-        outcome="error",
-        status=500,
-        error=ErrorCode.application_failure.value,
-        exc_type=type(exc).__name__,
-        where=where,
+    error = ErrorCode.application_failure
+    _log_request(route, ai, started, "error", 500, error=error, exc_type=type(exc).__name__, where=where)
+    return error_response(PublicError(500, error, False), ai.trace_id)
+
+
+def _log_request(
+    route: GuardedRoute,
+    ai: AI[Any],
+    started: float,
+    outcome: str,
+    status: int,
+    *,
+    tripped: GuardTripped | None = None,
+    error: ErrorCode | None = None,
+    **extra: Any,
+) -> None:
+    """The one log line of a request's outcome (skipped cheaply when INFO is off)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    emit(
+        "request",
+        route=route.name,
+        trace_id=ai.trace_id,
+        outcome=outcome,
+        status=status,
+        error=error.value if error is not None else None,
+        guard=tripped.guard.value if tripped is not None else None,
+        reason=tripped.reason.value if tripped is not None else None,
+        kind=tripped.kind.value if tripped is not None and tripped.kind is not None else None,
         attempts=ai.attempts,
-        model=ai.model,
-        latency_ms=_ms(started),
+        model=(tripped.model if tripped is not None else None) or ai.model,
+        latency_ms=round((time.perf_counter() - started) * 1000, 2),
+        **extra,
     )
-    return error_response(PublicError(500, ErrorCode.application_failure, False), trace_id)
-
-
-def _kind(tripped: GuardTripped) -> str | None:
-    return tripped.kind.value if tripped.kind is not None else None
-
-
-def _ms(started: float) -> float:
-    return round((time.perf_counter() - started) * 1000, 2)

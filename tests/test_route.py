@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from fixtures import Fail, FakeBinding, Reply
 from guards import (
     AI,
+    AIResult,
     Breaker,
     Budget,
     ConfigurationError,
@@ -23,6 +24,7 @@ from guards import (
     GuardTripped,
     Reason,
     Retry,
+    Throttled,
 )
 
 MODEL = "@cf/test/model"
@@ -353,6 +355,50 @@ def test_use_fake_ai_swaps_the_binding_of_the_example_app(use_fake_ai: Any) -> N
 
     assert anyio.run(scenario).json()["reply"] == "From the fake."
     assert len(fake.calls) == 1
+
+
+@pytest.mark.anyio
+async def test_throttled_binding_waits_for_capacity_within_the_deadline(fake_ai: FakeBinding) -> None:
+    """Two calls per minute: the third waits for capacity, and the deadline ends the wait
+    before it reaches the provider."""
+    guards = Guards(Throttled(fake_ai, max_rate=2, time_period_s=60))
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/paced")
+    @guards.route(model=MODEL, timeout_s=0.2, fallback="paced out")
+    async def paced(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "x"})
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        answers = [(await client.post("/paced")).json() for _ in range(3)]
+    assert [a["fallback"] for a in answers[:2]] == [None, None]
+    assert answers[2]["fallback"]["reason"] == "timeout"
+    assert answers[2]["data"] == "paced out"
+    assert len(fake_ai.calls) == 2
+
+
+@pytest.mark.anyio
+async def test_a_binding_may_flag_moderation_itself(app: FastAPI, guards: Guards) -> None:
+    class Filtering:
+        async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
+            return AIResult("something unsafe", model=model, moderated=True)
+
+        async def aclose(self) -> None:
+            pass
+
+    guards.binding = Filtering()
+
+    @app.post("/filtered")
+    @guards.route(model=MODEL)
+    async def filtered(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "x"})
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        response = await client.post("/filtered")
+    assert response.status_code == 502
+    assert response.json()["error"] == "incompatible_model_response"
+    assert "something unsafe" not in response.text
 
 
 def test_declaration_errors_are_reported_at_start_up(guards: Guards) -> None:

@@ -7,21 +7,55 @@ never interleave with another check. Every key a store writes expires.
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .._breaker import Breaker, BreakerDecision, BreakerState, Outcome
 
-__all__ = ["Admission", "BreakerDecision", "BreakerState", "Outcome", "Store"]
+__all__ = [
+    "ADMITTED",
+    "DAILY_TTL_S",
+    "DAY_S",
+    "MINUTE_S",
+    "Admission",
+    "BreakerDecision",
+    "BreakerState",
+    "Outcome",
+    "Store",
+    "utc_day",
+]
+
+
+DAY_S = 86_400.0
+#: Daily counters outlive their day by this much, so none expires while its day is current.
+DAILY_TTL_S = DAY_S + 3_600.0
+#: The window of `per_minute` limits.
+MINUTE_S = 60.0
+
+
+@functools.lru_cache(maxsize=4)
+def _day_name(day_number: int) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(day_number * DAY_S))
+
+
+def utc_day(now: float) -> str:
+    """The UTC day of `now` (seconds since the epoch) as `YYYY-MM-DD`: part of daily keys."""
+    return _day_name(int(now // DAY_S))
 
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """The answer of a limit check. When refused, `retry_after_s` says when to try again, if
-    that is known."""
+    """The answer of a budget check. When refused, `refused_by` names the limit
+    (`"per_minute"` or `"per_day"`) and `retry_after_s` says when it frees up."""
 
     allowed: bool
+    refused_by: str | None = None
     retry_after_s: float | None = None
+
+
+ADMITTED = Admission(True)
 
 
 @runtime_checkable
@@ -31,15 +65,16 @@ class Store(Protocol):
         agree on days and timeouts even when their own clocks drift."""
         ...
 
-    async def take(self, key: str, *, limit: int, ttl_s: float) -> Admission:
-        """Charge one unit to the counter `key` if it is below `limit`. A new counter expires
-        `ttl_s` after its first unit."""
-        ...
+    async def charge_budget(self, key: str, *, per_minute: int | None, per_day: int | None) -> Admission:
+        """Charge one request to the budget `key`, in one atomic step, if both limits allow it:
 
-    async def throttle(self, key: str, *, limit: int, period_s: float) -> Admission:
-        """Sliding-window rate limit: admit if fewer than `limit` calls were admitted under `key`
-        in the last `period_s` seconds, and count this one. Exact: never more than `limit` in any
-        window of `period_s`. When refused, `retry_after_s` is when the oldest one leaves."""
+        - `per_minute`: fewer than this many requests were admitted under `key` in the last
+          60 seconds (a sliding window: never more than `per_minute` in any 60 seconds);
+        - `per_day`: fewer than this many were admitted during the current UTC day, as the
+          store's clock tells it (counter `{key}:day:{YYYY-MM-DD}`, kept `DAILY_TTL_S`).
+
+        A refused request charges neither. `None` disables a limit.
+        """
         ...
 
     async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:

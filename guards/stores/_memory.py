@@ -16,7 +16,7 @@ from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._clock import Clock, SystemClock
-from ._base import Admission
+from ._base import ADMITTED, DAILY_TTL_S, DAY_S, MINUTE_S, Admission, utc_day
 
 __all__ = ["MemoryStore"]
 
@@ -38,25 +38,27 @@ class MemoryStore:
     async def now(self) -> float:
         return self._clock.time()
 
-    async def take(self, key: str, *, limit: int, ttl_s: float) -> Admission:
+    async def charge_budget(self, key: str, *, per_minute: int | None, per_day: int | None) -> Admission:
         now = self._tick()
-        count, expires = self._get(key, now, (0, now + ttl_s))
-        if count >= limit:
-            return Admission(False, retry_after_s=expires - now)
-        self._data[key] = (count + 1, expires)
-        return Admission(True)
-
-    async def throttle(self, key: str, *, limit: int, period_s: float) -> Admission:
-        now = self._tick()
-        item = self._data.get(key)
-        stamps: deque[float] = item[0] if item is not None and item[1] > now else deque()
-        while stamps and stamps[0] <= now - period_s:
-            stamps.popleft()
-        if len(stamps) >= limit:
-            return Admission(False, retry_after_s=stamps[0] + period_s - now)
-        stamps.append(now)
-        self._data[key] = (stamps, now + period_s)
-        return Admission(True)
+        stamps: deque[float] | None = None
+        if per_minute is not None:
+            rate_key = key + ":rate"
+            item = self._data.get(rate_key)
+            stamps = item[0] if item is not None and item[1] > now else deque()
+            while stamps and stamps[0] <= now - MINUTE_S:
+                stamps.popleft()
+            if len(stamps) >= per_minute:
+                return Admission(False, "per_minute", stamps[0] + MINUTE_S - now)
+        if per_day is not None:
+            day_key = f"{key}:day:{utc_day(now)}"
+            count, expires = self._get(day_key, now, (0, now + DAILY_TTL_S))
+            if count >= per_day:
+                return Admission(False, "per_day", DAY_S - now % DAY_S)  # until UTC midnight
+            self._data[day_key] = (count + 1, expires)
+        if stamps is not None:
+            stamps.append(now)
+            self._data[rate_key] = (stamps, now + MINUTE_S)
+        return ADMITTED
 
     async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:
         now = self._tick()
