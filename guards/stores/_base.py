@@ -73,7 +73,8 @@ class Store(Protocol):
         - `per_day`: fewer than this many were admitted during the current UTC day, as the
           store's clock tells it (counter `{key}:day:{YYYY-MM-DD}`, kept `DAILY_TTL_S`).
 
-        A refused request charges neither. `None` disables a limit.
+        A refused request charges neither; when both limits are spent, the refusal names the
+        one that frees up last. `None` disables a limit.
         """
         ...
 

@@ -40,6 +40,7 @@ class MemoryStore:
 
     async def charge_budget(self, key: str, *, per_minute: int | None, per_day: int | None) -> Admission:
         now = self._tick()
+        refusal: Admission | None = None
         stamps: deque[float] | None = None
         if per_minute is not None:
             rate_key = key + ":rate"
@@ -48,12 +49,18 @@ class MemoryStore:
             while stamps and stamps[0] <= now - MINUTE_S:
                 stamps.popleft()
             if len(stamps) >= per_minute:
-                return Admission(False, "per_minute", stamps[0] + MINUTE_S - now)
+                refusal = Admission(False, "per_minute", stamps[0] + MINUTE_S - now if stamps else MINUTE_S)
+        count = 0
         if per_day is not None:
             day_key = f"{key}:day:{utc_day(now)}"
             count, expires = self._get(day_key, now, (0, now + DAILY_TTL_S))
-            if count >= per_day:
-                return Admission(False, "per_day", DAY_S - now % DAY_S)  # until UTC midnight
+            wait = DAY_S - now % DAY_S  # until the next UTC midnight
+            # Both spent: name the limit that frees up last, so Retry-After is honest.
+            if count >= per_day and (refusal is None or wait > (refusal.retry_after_s or 0.0)):
+                refusal = Admission(False, "per_day", wait)
+        if refusal is not None:
+            return refusal
+        if per_day is not None:
             self._data[day_key] = (count + 1, expires)
         if stamps is not None:
             stamps.append(now)
