@@ -7,6 +7,10 @@ rounds, so the ratio holds on a shared, noisy machine:
 - guarded: the same handler behind `Guards.route` (rate limit, daily cap, breaker, deadline,
   output validation, trace id), called as FastAPI calls it, minus HTTP and FastAPI itself.
 
+The fixtures' `FakeBinding` renders and parses Workers AI's wire format on every call; the same
+pair is also measured with a binding that returns a ready result (`const`), which isolates the
+pipeline from the fake's own work.
+
 Each figure is printed on its own line as `name = value unit`.
 """
 
@@ -18,7 +22,7 @@ import inspect
 import logging
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -26,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fixtures import FakeBinding, Reply
-from guards import AI, Budget, Guards, header_key
+from guards import AI, AIResult, Budget, Guards, header_key
 
 MODEL = "@cf/bench/model"
 INPUTS = {"messages": [{"role": "user", "content": "Label this."}]}
@@ -50,7 +54,7 @@ def scope_for(user: str) -> dict[str, Any]:
     }
 
 
-def guarded_endpoint(fake: FakeBinding) -> tuple[Callable[..., Awaitable[Any]], str, str]:
+def guarded_endpoint(fake: FakeBinding | ConstantBinding) -> tuple[Callable[..., Awaitable[Any]], str, str]:
     guards = Guards(fake)
 
     @guards.route(model=MODEL, budget=Budget(per_minute=10**9, per_day=10**9, key=header_key("x-user-id")))
@@ -64,8 +68,23 @@ def guarded_endpoint(fake: FakeBinding) -> tuple[Callable[..., Awaitable[Any]], 
     return label, request_param, response_param
 
 
-async def measure() -> dict[str, float]:
-    fake = FakeBinding(Reply({"label": "billing", "confidence": 0.9}))
+class ConstantBinding:
+    """Answers instantly with one ready result: no wire format, no recording."""
+
+    def __init__(self) -> None:
+        self.result = AIResult({"label": "billing", "confidence": 0.9}, model=MODEL)
+
+    async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
+        return self.result
+
+    async def aclose(self) -> None:
+        return None
+
+    def reset(self) -> None:
+        return None
+
+
+async def measure(fake: FakeBinding | ConstantBinding) -> dict[str, float]:
     endpoint, request_param, response_param = guarded_endpoint(fake)
     requests = [Request(scope_for(f"user-{i}")) for i in range(USERS)]
     response = Response()  # FastAPI makes one per request; reused here, it is not guards' cost
@@ -110,13 +129,16 @@ async def measure() -> dict[str, float]:
 
 
 def main() -> None:
-    figures = asyncio.run(measure())
+    figures = asyncio.run(measure(FakeBinding(Reply({"label": "billing", "confidence": 0.9}))))
     bare, guarded, logged = figures["bare"], figures["guarded"], figures["logged"]
     print(f"bare_call_us = {bare:.2f} us")
     print(f"guarded_call_us = {guarded:.2f} us")
     print(f"guard_overhead_us = {guarded - bare:.2f} us")
     print(f"guard_overhead_ratio = {guarded / bare:.2f} x")
     print(f"guard_overhead_logged_us = {logged - bare:.2f} us")
+    const = asyncio.run(measure(ConstantBinding()))
+    print(f"const_bare_call_us = {const['bare']:.2f} us")
+    print(f"const_guard_overhead_us = {const['guarded'] - const['bare']:.2f} us")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Call guard: bounded retry of classified failures inside one deadline.
 
-The deadline itself is an anyio cancel scope opened by the caller around `call_model`, so when it
-fires the in-flight provider request is cancelled (its connection closed), not abandoned.
+The deadline itself is a timeout scope the caller opens around `call_model`, so when it fires
+the in-flight provider request is cancelled (its connection closed), not abandoned.
 Cancellation is never caught here: it is never retried and never moves on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -77,8 +78,8 @@ async def call_model(
 ) -> tuple[AIResult, int]:
     """Call `binding.run` with bounded retry. Returns the result and the number of attempts.
 
-    `deadline` is in `anyio.current_time()` terms and only informs the retry decision; the
-    caller's cancel scope enforces it. Raises `CallFailed` when it gives up.
+    `deadline` is in event-loop time (`loop.time()`) and only informs the retry decision; the
+    caller's timeout scope enforces it. Raises `CallFailed` when it gives up.
     """
     attempt = 0
     while True:
@@ -92,7 +93,7 @@ async def call_model(
             if getattr(error, "json_mode_failed", False):
                 raise CallFailed(error, verdict, attempt) from None
             delay = policy.delay()
-            remaining = deadline - anyio.current_time()
+            remaining = deadline - asyncio.get_running_loop().time()
             if not should_retry(verdict, attempt, policy, remaining, delay):
                 raise CallFailed(error, verdict, attempt) from None
             if on_retry is not None:

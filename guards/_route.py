@@ -11,6 +11,7 @@ the `ai` parameter is removed from what FastAPI sees and filled with a fresh `AI
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
 import anyio
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -146,9 +147,13 @@ class AI(Generic[T]):
 
     async def _call(self, inputs: Mapping[str, Any]) -> Any:
         route, guards = self._route, self._guards
-        deadline = anyio.current_time() + route.timeout_s
-        with anyio.CancelScope(deadline=deadline):
-            try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + route.timeout_s
+        try:
+            # One deadline for every attempt and the waits between them. When it passes, the
+            # task is cancelled where it awaits: the provider request is aborted, its
+            # connection closed, and the retry loop never sees it (cancellation is not retried).
+            async with asyncio.timeout_at(deadline):
                 result, _ = await call_model(
                     guards.binding,
                     route.model,
@@ -159,17 +164,18 @@ class AI(Generic[T]):
                     on_attempt=self._count_attempt,
                     on_retry=self._log_retry,
                 )
-            except CallFailed as failed:
-                raise self._call_failure(failed) from None
-            self.model = result.model or route.model
-            return result
-        raise GuardTripped(
-            Reason.timeout,
-            f"no answer within {route.timeout_s:g}s",
-            kind=Kind.model_temporarily_unavailable,
-            attempts=self.attempts,
-            model=route.model,
-        )
+        except CallFailed as failed:
+            raise self._call_failure(failed) from None
+        except TimeoutError:
+            raise GuardTripped(
+                Reason.timeout,
+                f"no answer within {route.timeout_s:g}s",
+                kind=Kind.model_temporarily_unavailable,
+                attempts=self.attempts,
+                model=route.model,
+            ) from None
+        self.model = result.model or route.model
+        return result
 
     def _call_failure(self, failed: CallFailed) -> GuardTripped:
         error, model = failed.error, self._route.model
@@ -299,6 +305,8 @@ def guard_route(
         return data_adapter.validate_python(value)
 
     budget_prefix = f"guards:{route.scope}:"
+    # An instance of exactly the route's model class needs no second validation.
+    data_class = data_type if isinstance(data_type, type) and issubclass(data_type, BaseModel) else None
 
     @functools.wraps(handler)
     async def endpoint(**kwargs: Any) -> Any:
@@ -310,11 +318,13 @@ def guard_route(
         # Budget keys are scoped to the route (or the budget's scope): guards:{scope}:{caller}.
         budget_key = f"{budget_prefix}{budget.key(request)}" if budget is not None else None
         ai: AI[Any] = AI(guards, route, budget_key=budget_key, trace_id=trace_id)
+        kwargs[ai_name] = ai
         try:
-            value = await handler(**kwargs, **{ai_name: ai})
-            if not isinstance(value, Response):
+            value = await handler(**kwargs)
+            if type(value) is not data_class and not isinstance(value, Response):
                 value = data_adapter.validate_python(value)
         except GuardTripped as tripped:
+            del kwargs[ai_name]  # the fallback sees the route's own arguments
             if not route.degrading:
                 error = public_error(tripped, guards.retry_after_s)
                 _log_request(route, ai, started, "error", error.status, tripped=tripped, error=error.error)
