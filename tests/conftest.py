@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
 import threading
+import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,7 +18,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from app.settings import Settings
-from fixtures import FakeWorkersAI
+from fixtures import FakeWorkersAI, ManualClock
+from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
 
 class LiveServer:
@@ -105,3 +109,41 @@ def workers_ai_settings(server: FakeWorkersAI, **overrides: Any) -> Settings:
 
 async def no_sleep(seconds: float) -> None:
     """Retry delays in tests: recorded by nobody, waited by nobody."""
+
+
+# --- stores -------------------------------------------------------------------------------------
+#: Every store implementation; tests taking the `make_store` fixture run against each.
+STORE_KINDS = ("memory", "sqlite", "redis")
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def make_store(
+    store_kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[[ManualClock], Store]]:
+    """`make_store(clock)`: a fresh, empty store of the kind under test, whose time is `clock`.
+
+    SQLite stores share one file per test (like workers on one machine); Redis stores share
+    the session's server, under a key prefix of their own per test.
+    """
+    made: list[Store] = []
+    prefix = f"test-{uuid.uuid4().hex[:12]}:"
+
+    def make(clock: ManualClock) -> Store:
+        store: Store
+        if store_kind == "memory":
+            store = MemoryStore(clock=clock)
+        elif store_kind == "sqlite":
+            store = SQLiteStore(tmp_path / "guards.db", clock=clock)
+        else:
+            store = RedisStore(request.getfixturevalue("redis_url"), clock=clock, prefix=prefix)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        asyncio.run(store.aclose())

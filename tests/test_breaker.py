@@ -1,4 +1,4 @@
-"""The circuit breaker through the store API (`MemoryStore.breaker_admit` / `breaker_record`).
+"""The circuit breaker through the store API (`breaker_admit` / `breaker_record`), for every store.
 
 Time only moves when the test moves the `ManualClock`; nothing sleeps.
 """
@@ -6,12 +6,13 @@ Time only moves when the test moves the `ManualClock`; nothing sleeps.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
 from fixtures import ManualClock
 from guards import Breaker, CircuitState, Outcome
-from guards.stores import MemoryStore
+from guards.stores import Store
 
 KEY = "breaker:@cf/test/model"
 
@@ -22,11 +23,12 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def store(clock: ManualClock) -> MemoryStore:
-    return MemoryStore(clock=clock)
+def store(make_store: Callable[[ManualClock], Store], clock: ManualClock) -> Store:
+    """A fresh store of each kind (memory, SQLite, Redis): the breaker behaves alike in all."""
+    return make_store(clock)
 
 
-async def fail_closed_calls(store: MemoryStore, policy: Breaker, n: int) -> None:
+async def fail_closed_calls(store: Store, policy: Breaker, n: int) -> None:
     """`n` closed-phase calls that are admitted and fail."""
     for _ in range(n):
         decision = await store.breaker_admit(KEY, policy)
@@ -35,14 +37,14 @@ async def fail_closed_calls(store: MemoryStore, policy: Breaker, n: int) -> None
         await store.breaker_record(KEY, policy, Outcome.failure, probe=None)
 
 
-async def open_breaker(store: MemoryStore, policy: Breaker) -> None:
+async def open_breaker(store: Store, policy: Breaker) -> None:
     await fail_closed_calls(store, policy, policy.failure_threshold)
     decision = await store.breaker_admit(KEY, policy)
     assert not decision.allowed
     assert decision.state is CircuitState.open
 
 
-async def half_open(store: MemoryStore, clock: ManualClock, policy: Breaker) -> None:
+async def half_open(store: Store, clock: ManualClock, policy: Breaker) -> None:
     """Open the breaker and let its reset timeout pass (the next admit half-opens it)."""
     await open_breaker(store, policy)
     clock.advance(policy.reset_timeout_s)
@@ -51,7 +53,7 @@ async def half_open(store: MemoryStore, clock: ManualClock, policy: Breaker) -> 
 # --- closed → open ------------------------------------------------------------------------------
 
 
-def test_opens_after_n_consecutive_failures(store: MemoryStore) -> None:
+def test_opens_after_n_consecutive_failures(store: Store) -> None:
     policy = Breaker(failure_threshold=3, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -66,7 +68,7 @@ def test_opens_after_n_consecutive_failures(store: MemoryStore) -> None:
     asyncio.run(scenario())
 
 
-def test_success_resets_the_consecutive_count(store: MemoryStore) -> None:
+def test_success_resets_the_consecutive_count(store: Store) -> None:
     policy = Breaker(failure_threshold=3, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -83,7 +85,7 @@ def test_success_resets_the_consecutive_count(store: MemoryStore) -> None:
     asyncio.run(scenario())
 
 
-def test_breakers_are_per_key(store: MemoryStore) -> None:
+def test_breakers_are_per_key(store: Store) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -94,7 +96,7 @@ def test_breakers_are_per_key(store: MemoryStore) -> None:
 
 
 def test_windowed_opens_only_when_n_failures_fall_within_the_window(
-    store: MemoryStore, clock: ManualClock
+    store: Store, clock: ManualClock
 ) -> None:
     policy = Breaker(failure_threshold=3, window_s=10, reset_timeout_s=30)
 
@@ -114,7 +116,7 @@ def test_windowed_opens_only_when_n_failures_fall_within_the_window(
     asyncio.run(scenario())
 
 
-def test_windowed_success_does_not_reset_the_count(store: MemoryStore, clock: ManualClock) -> None:
+def test_windowed_success_does_not_reset_the_count(store: Store, clock: ManualClock) -> None:
     """In windowed mode failures count within the window, successes in between or not."""
     policy = Breaker(failure_threshold=3, window_s=10, reset_timeout_s=30)
 
@@ -133,7 +135,7 @@ def test_windowed_success_does_not_reset_the_count(store: MemoryStore, clock: Ma
 # --- open ---------------------------------------------------------------------------------------
 
 
-def test_open_denies_with_the_remaining_time(store: MemoryStore, clock: ManualClock) -> None:
+def test_open_denies_with_the_remaining_time(store: Store, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=2, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -156,7 +158,7 @@ def test_open_denies_with_the_remaining_time(store: MemoryStore, clock: ManualCl
 # --- half-open ----------------------------------------------------------------------------------
 
 
-def test_half_opens_after_reset_timeout_and_limits_probes(store: MemoryStore, clock: ManualClock) -> None:
+def test_half_opens_after_reset_timeout_and_limits_probes(store: Store, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=2)
 
     async def scenario() -> None:
@@ -174,7 +176,7 @@ def test_half_opens_after_reset_timeout_and_limits_probes(store: MemoryStore, cl
     asyncio.run(scenario())
 
 
-def test_two_probe_successes_close_it(store: MemoryStore, clock: ManualClock) -> None:
+def test_two_probe_successes_close_it(store: Store, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=2)
 
     async def scenario() -> None:
@@ -196,7 +198,7 @@ def test_two_probe_successes_close_it(store: MemoryStore, clock: ManualClock) ->
     asyncio.run(scenario())
 
 
-def test_one_probe_failure_reopens_with_a_fresh_timeout(store: MemoryStore, clock: ManualClock) -> None:
+def test_one_probe_failure_reopens_with_a_fresh_timeout(store: Store, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=2)
 
     async def scenario() -> None:
@@ -225,7 +227,7 @@ def test_one_probe_failure_reopens_with_a_fresh_timeout(store: MemoryStore, cloc
     asyncio.run(scenario())
 
 
-def test_released_probe_frees_its_slot(store: MemoryStore, clock: ManualClock) -> None:
+def test_released_probe_frees_its_slot(store: Store, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
 
     async def scenario() -> None:
@@ -242,7 +244,7 @@ def test_released_probe_frees_its_slot(store: MemoryStore, clock: ManualClock) -
     asyncio.run(scenario())
 
 
-def test_probe_slot_held_past_reset_timeout_is_reclaimed(store: MemoryStore, clock: ManualClock) -> None:
+def test_probe_slot_held_past_reset_timeout_is_reclaimed(store: Store, clock: ManualClock) -> None:
     """A probe whose caller never reports (its worker died) must not keep the breaker half-open
     and shut forever."""
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
@@ -264,7 +266,7 @@ def test_probe_slot_held_past_reset_timeout_is_reclaimed(store: MemoryStore, clo
 
 
 def test_reclaimed_probe_reporting_late_does_not_free_the_new_probes_slot(
-    store: MemoryStore, clock: ManualClock
+    store: Store, clock: ManualClock
 ) -> None:
     """At most `half_open_probes` calls in flight, even when a probe whose slot was reclaimed
     reports after all: its report must not hand the new probe's slot to a third call."""
@@ -285,7 +287,7 @@ def test_reclaimed_probe_reporting_late_does_not_free_the_new_probes_slot(
     asyncio.run(scenario())
 
 
-def test_late_closed_phase_outcome_changes_nothing(store: MemoryStore, clock: ManualClock) -> None:
+def test_late_closed_phase_outcome_changes_nothing(store: Store, clock: ManualClock) -> None:
     """A call admitted while closed that finishes after the breaker opened is not a probe: its
     success must not close the breaker, its failure must not restart the timeout."""
     policy = Breaker(failure_threshold=2, reset_timeout_s=30)
@@ -306,7 +308,7 @@ def test_late_closed_phase_outcome_changes_nothing(store: MemoryStore, clock: Ma
     asyncio.run(scenario())
 
 
-def test_late_closed_phase_outcome_does_not_use_a_probe_slot(store: MemoryStore, clock: ManualClock) -> None:
+def test_late_closed_phase_outcome_does_not_use_a_probe_slot(store: Store, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=1)
 
     async def scenario() -> None:
@@ -322,7 +324,7 @@ def test_late_closed_phase_outcome_does_not_use_a_probe_slot(store: MemoryStore,
     asyncio.run(scenario())
 
 
-def test_stale_probe_outcome_after_reopening_changes_nothing(store: MemoryStore, clock: ManualClock) -> None:
+def test_stale_probe_outcome_after_reopening_changes_nothing(store: Store, clock: ManualClock) -> None:
     """A probe whose slot was reclaimed reports after the breaker reopened: its success must
     not close the breaker."""
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=1)
@@ -349,7 +351,7 @@ def test_stale_probe_outcome_after_reopening_changes_nothing(store: MemoryStore,
 
 
 def test_concurrent_admits_on_half_open_allow_exactly_one_probe(
-    store: MemoryStore, clock: ManualClock
+    store: Store, clock: ManualClock
 ) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
 
@@ -363,7 +365,7 @@ def test_concurrent_admits_on_half_open_allow_exactly_one_probe(
     asyncio.run(scenario())
 
 
-def test_concurrent_failures_open_once(store: MemoryStore) -> None:
+def test_concurrent_failures_open_once(store: Store) -> None:
     """50 closed-phase failures recorded concurrently open the breaker exactly as 50 in a row do."""
     policy = Breaker(failure_threshold=5, reset_timeout_s=30)
 

@@ -1,6 +1,27 @@
-"""Where budget counters and breaker state live."""
+"""Where budget counters, spend and breaker state live."""
 
-from ._base import Admission, BreakerDecision, BreakerState, Outcome, Store
+from ._base import (
+    Admission,
+    BreakerDecision,
+    BreakerState,
+    Outcome,
+    SpendReservation,
+    Store,
+    StoreUnavailable,
+)
 from ._memory import MemoryStore
+from ._redis import RedisStore
+from ._sqlite import SQLiteStore
 
-__all__ = ["Admission", "BreakerDecision", "BreakerState", "MemoryStore", "Outcome", "Store"]
+__all__ = [
+    "Admission",
+    "BreakerDecision",
+    "BreakerState",
+    "MemoryStore",
+    "Outcome",
+    "RedisStore",
+    "SQLiteStore",
+    "SpendReservation",
+    "Store",
+    "StoreUnavailable",
+]

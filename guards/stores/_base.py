@@ -2,7 +2,9 @@
 
 Each operation is one atomic step with respect to every other caller of the same store (other
 tasks, other workers, other machines, depending on the implementation): a check and its charge
-never interleave with another check. Every key a store writes expires.
+never interleave with another check. Every key a store writes expires. An operation that cannot
+reach its store raises `StoreUnavailable`, never anything else and never after hanging: each
+store bounds its operations by its own short timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +15,16 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .._breaker import Breaker, BreakerDecision, BreakerState, Outcome
+from .._errors import GuardsError
+
+
+class StoreUnavailable(GuardsError):
+    """The store did not answer (down, unreachable, or slower than its own timeout).
+
+    Raised by every store operation in that case, and only then. Guards answer it with their
+    configured failure mode (`fail_open` or `fail_closed`). The message never carries the
+    store's URL or password.
+    """
 
 __all__ = [
     "ADMITTED",
@@ -23,7 +35,9 @@ __all__ = [
     "BreakerDecision",
     "BreakerState",
     "Outcome",
+    "SpendReservation",
     "Store",
+    "StoreUnavailable",
     "utc_day",
 ]
 
@@ -58,6 +72,16 @@ class Admission:
 ADMITTED = Admission(True)
 
 
+@dataclass(frozen=True, slots=True)
+class SpendReservation:
+    """The answer of `reserve_spend`. When allowed, `reservation` identifies the hold to settle;
+    when refused, `retry_after_s` is the time until the next UTC day."""
+
+    allowed: bool
+    reservation: str | None = None
+    retry_after_s: float | None = None
+
+
 @runtime_checkable
 class Store(Protocol):
     async def now(self) -> float:
@@ -76,6 +100,21 @@ class Store(Protocol):
         A refused request charges neither; when both limits are spent, the refusal names the
         one that frees up last. `None` disables a limit.
         """
+        ...
+
+    async def reserve_spend(self, key: str, *, amount: float, cap: float, hold_s: float) -> SpendReservation:
+        """Hold `amount` cost units of the UTC day's spend under `key`, in one atomic step, if
+        settled spend plus live holds plus `amount` stays within `cap`. A hold not settled
+        within `hold_s` seconds (its worker crashed) lapses and frees its room."""
+        ...
+
+    async def settle_spend(self, key: str, reservation: str, *, actual: float) -> None:
+        """Replace the hold `reservation` (made on the same UTC day) by the `actual` cost. The
+        cost is added even if the hold already lapsed: the call happened."""
+        ...
+
+    async def spent(self, key: str) -> float:
+        """Settled spend of the current UTC day under `key`."""
         ...
 
     async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:

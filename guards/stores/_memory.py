@@ -9,6 +9,7 @@ once per `sweep_interval_s`, so memory holds only keys live within their TTL.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Any
 
@@ -16,7 +17,7 @@ from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._clock import Clock, SystemClock
-from ._base import ADMITTED, DAILY_TTL_S, DAY_S, MINUTE_S, Admission, utc_day
+from ._base import ADMITTED, DAILY_TTL_S, DAY_S, MINUTE_S, Admission, SpendReservation, utc_day
 
 __all__ = ["MemoryStore"]
 
@@ -66,6 +67,30 @@ class MemoryStore:
             stamps.append(now)
             self._data[rate_key] = (stamps, now + MINUTE_S)
         return ADMITTED
+
+    async def reserve_spend(self, key: str, *, amount: float, cap: float, hold_s: float) -> SpendReservation:
+        now = self._tick()
+        day_key = f"{key}:spend:{utc_day(now)}"
+        settled, holds = self._get(day_key, now, ((0.0, {}), 0.0))[0]
+        live = {rid: hold for rid, hold in holds.items() if hold[1] > now}
+        if settled + sum(amount for amount, _ in live.values()) + amount > cap:
+            return SpendReservation(False, retry_after_s=DAY_S - now % DAY_S)
+        reservation = os.urandom(8).hex()
+        live[reservation] = (amount, now + hold_s)
+        self._data[day_key] = ((settled, live), now + DAILY_TTL_S)
+        return SpendReservation(True, reservation)
+
+    async def settle_spend(self, key: str, reservation: str, *, actual: float) -> None:
+        now = self._tick()
+        day_key = f"{key}:spend:{utc_day(now)}"
+        (settled, holds), expires = self._get(day_key, now, ((0.0, {}), now + DAILY_TTL_S))
+        holds = {rid: hold for rid, hold in holds.items() if rid != reservation and hold[1] > now}
+        self._data[day_key] = ((settled + actual, holds), expires)
+
+    async def spent(self, key: str) -> float:
+        """Settled spend of the current UTC day under `key` (for dashboards and tests)."""
+        now = self._tick()
+        return float(self._get(f"{key}:spend:{utc_day(now)}", now, ((0.0, {}), 0.0))[0][0])
 
     async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:
         now = self._tick()

@@ -5,6 +5,7 @@ and breakers that keep no key while closed. Time moves only through the `ManualC
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 import gc
 import random
 import tracemalloc
@@ -30,7 +31,13 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def store(clock: ManualClock) -> MemoryStore:
+def store(make_store: Callable[[ManualClock], Store], clock: ManualClock) -> Store:
+    """A fresh store of each kind (memory, SQLite, Redis): budgets behave alike in all."""
+    return make_store(clock)
+
+
+@pytest.fixture
+def memory_store(clock: ManualClock) -> MemoryStore:
     return MemoryStore(clock=clock)
 
 
@@ -40,15 +47,15 @@ def assert_refused(answer: Admission, by: str, retry_after_s: float) -> None:
     assert answer.retry_after_s == pytest.approx(retry_after_s)
 
 
-def test_memory_store_is_a_store(store: MemoryStore) -> None:
-    assert isinstance(store, Store)
+def test_memory_store_is_a_store(memory_store: Store) -> None:
+    assert isinstance(memory_store, Store)
 
 
 # --- per_day ------------------------------------------------------------------------------------
 
 
 def test_per_day_admits_exactly_the_limit_then_refuses_until_utc_midnight(
-    store: MemoryStore, clock: ManualClock
+    store: Store, clock: ManualClock
 ) -> None:
     """A cap per calendar day, not a window: calls hours apart share it, and refusals name the
     time left until the next UTC midnight."""
@@ -71,7 +78,7 @@ def test_per_day_admits_exactly_the_limit_then_refuses_until_utc_midnight(
     asyncio.run(scenario())
 
 
-def test_per_day_refuses_from_the_first_call_after_the_limit(store: MemoryStore, clock: ManualClock) -> None:
+def test_per_day_refuses_from_the_first_call_after_the_limit(store: Store, clock: ManualClock) -> None:
     """Exactly `per_day` admitted at one instant, at 01:00: the refusal waits 23 hours."""
 
     async def scenario() -> list[Admission]:
@@ -83,7 +90,7 @@ def test_per_day_refuses_from_the_first_call_after_the_limit(store: MemoryStore,
         assert_refused(answer, "per_day", 23 * 3_600)
 
 
-def test_per_day_starts_from_zero_at_utc_midnight(store: MemoryStore, clock: ManualClock) -> None:
+def test_per_day_starts_from_zero_at_utc_midnight(store: Store, clock: ManualClock) -> None:
     """The day is the UTC calendar day, not 24 hours from the first call (01:00 to 00:00 is 23 h),
     and a new day owes nothing to the previous one: neither its charges nor its refusals."""
 
@@ -115,7 +122,7 @@ def test_per_day_starts_from_zero_at_utc_midnight(store: MemoryStore, clock: Man
 
 
 def test_per_day_counts_a_day_that_began_just_before_midnight_separately(
-    store: MemoryStore, clock: ManualClock
+    store: Store, clock: ManualClock
 ) -> None:
     """Calls seconds apart across midnight fall in different days."""
 
@@ -136,7 +143,7 @@ def test_per_day_counts_a_day_that_began_just_before_midnight_separately(
 # --- per_minute ---------------------------------------------------------------------------------
 
 
-def test_per_minute_sliding_window(store: MemoryStore, clock: ManualClock) -> None:
+def test_per_minute_sliding_window(store: Store, clock: ManualClock) -> None:
     async def charge() -> Admission:
         return await store.charge_budget("alice", per_minute=3, per_day=None)
 
@@ -158,7 +165,7 @@ def test_per_minute_sliding_window(store: MemoryStore, clock: ManualClock) -> No
     asyncio.run(scenario())
 
 
-def test_per_minute_admits_once_retry_after_has_passed(store: MemoryStore, clock: ManualClock) -> None:
+def test_per_minute_admits_once_retry_after_has_passed(store: Store, clock: ManualClock) -> None:
     async def charge() -> Admission:
         return await store.charge_budget("k", per_minute=5, per_day=None)
 
@@ -188,7 +195,7 @@ def scripted_times() -> list[float]:
     return [0.0, 0.0, 0.0, 0.0, 59.75, 60.0, 60.0, *(120.0 + x for x in times)]
 
 
-def test_per_minute_is_exact_over_a_scripted_sequence(store: MemoryStore, clock: ManualClock) -> None:
+def test_per_minute_is_exact_over_a_scripted_sequence(store: Store, clock: ManualClock) -> None:
     """Each call is admitted exactly when fewer than `per_minute` calls were admitted in the last
     60 seconds (no more, no fewer), and refusals name when the oldest leaves the window."""
     limit = 4
@@ -220,7 +227,7 @@ def test_per_minute_is_exact_over_a_scripted_sequence(store: MemoryStore, clock:
 # --- both limits: all or nothing ----------------------------------------------------------------
 
 
-def test_a_per_day_refusal_leaves_the_minute_window_unchanged(store: MemoryStore, clock: ManualClock) -> None:
+def test_a_per_day_refusal_leaves_the_minute_window_unchanged(store: Store, clock: ManualClock) -> None:
     async def charge() -> Admission:
         return await store.charge_budget("alice", per_minute=3, per_day=2)
 
@@ -245,7 +252,7 @@ def test_a_per_day_refusal_leaves_the_minute_window_unchanged(store: MemoryStore
 
 
 def test_a_per_minute_refusal_leaves_the_daily_counter_unchanged(
-    store: MemoryStore, clock: ManualClock
+    store: Store, clock: ManualClock
 ) -> None:
     async def charge() -> Admission:
         return await store.charge_budget("alice", per_minute=2, per_day=4)
@@ -267,7 +274,7 @@ def test_a_per_minute_refusal_leaves_the_daily_counter_unchanged(
     asyncio.run(scenario())
 
 
-def test_both_limits_match_a_reference_model_across_midnight(store: MemoryStore, clock: ManualClock) -> None:
+def test_both_limits_match_a_reference_model_across_midnight(store: Store, clock: ManualClock) -> None:
     """A scripted sequence over two UTC midnights, each answer checked against a plain model:
     admitted only if both limits allow, and then charged to both."""
     per_minute, per_day = 2, 40
@@ -310,7 +317,7 @@ def test_both_limits_match_a_reference_model_across_midnight(store: MemoryStore,
     assert day_refusals > 400
 
 
-def test_keys_are_independent(store: MemoryStore, clock: ManualClock) -> None:
+def test_keys_are_independent(store: Store, clock: ManualClock) -> None:
     async def scenario() -> None:
         assert (await store.charge_budget("a", per_minute=None, per_day=1)).allowed
         assert_refused(await store.charge_budget("a", per_minute=None, per_day=1), "per_day", 23 * 3_600)
@@ -329,7 +336,7 @@ def test_keys_are_independent(store: MemoryStore, clock: ManualClock) -> None:
     asyncio.run(scenario())
 
 
-def test_none_disables_a_limit(store: MemoryStore, clock: ManualClock) -> None:
+def test_none_disables_a_limit(store: Store, clock: ManualClock) -> None:
     async def scenario() -> None:
         # Neither: no limit at all.
         answers = [await store.charge_budget("free", per_minute=None, per_day=None) for _ in range(5_000)]
@@ -355,7 +362,7 @@ def test_none_disables_a_limit(store: MemoryStore, clock: ManualClock) -> None:
 # --- atomicity ----------------------------------------------------------------------------------
 
 
-def test_concurrent_calls_admit_exactly_per_day(store: MemoryStore) -> None:
+def test_concurrent_calls_admit_exactly_per_day(store: Store) -> None:
     async def scenario() -> None:
         answers = await asyncio.gather(
             *(store.charge_budget("burst", per_minute=None, per_day=20) for _ in range(200))
@@ -367,7 +374,7 @@ def test_concurrent_calls_admit_exactly_per_day(store: MemoryStore) -> None:
     asyncio.run(scenario())
 
 
-def test_concurrent_calls_admit_exactly_per_minute(store: MemoryStore, clock: ManualClock) -> None:
+def test_concurrent_calls_admit_exactly_per_minute(store: Store, clock: ManualClock) -> None:
     async def burst() -> list[Admission]:
         return await asyncio.gather(
             *(store.charge_budget("burst", per_minute=20, per_day=None) for _ in range(200))
@@ -384,7 +391,7 @@ def test_concurrent_calls_admit_exactly_per_minute(store: MemoryStore, clock: Ma
     asyncio.run(scenario())
 
 
-def test_concurrent_calls_with_both_limits_admit_the_smaller(store: MemoryStore, clock: ManualClock) -> None:
+def test_concurrent_calls_with_both_limits_admit_the_smaller(store: Store, clock: ManualClock) -> None:
     async def burst() -> list[Admission]:
         return await asyncio.gather(
             *(store.charge_budget("burst", per_minute=20, per_day=30) for _ in range(200))
@@ -403,9 +410,9 @@ def test_concurrent_calls_with_both_limits_admit_the_smaller(store: MemoryStore,
 # --- bounded memory -----------------------------------------------------------------------------
 
 
-def test_rate_key_expires_a_minute_after_its_last_admission(store: MemoryStore, clock: ManualClock) -> None:
+def test_rate_key_expires_a_minute_after_its_last_admission(memory_store: Store, clock: ManualClock) -> None:
     async def charge() -> Admission:
-        return await store.charge_budget("k", per_minute=2, per_day=None)
+        return await memory_store.charge_budget("k", per_minute=2, per_day=None)
 
     async def scenario() -> None:
         assert (await charge()).allowed  # T0
@@ -413,28 +420,28 @@ def test_rate_key_expires_a_minute_after_its_last_admission(store: MemoryStore, 
         assert (await charge()).allowed  # the last admission
         clock.set(T0 + 50)
         assert not (await charge()).allowed  # a refusal does not extend the key
-        assert len(store) == 1
+        assert len(memory_store) == 1
         clock.set(T0 + 89.75)
-        assert len(store) == 1
+        assert len(memory_store) == 1
         clock.set(T0 + 90)
-        assert len(store) == 0
+        assert len(memory_store) == 0
 
     asyncio.run(scenario())
 
 
-def test_daily_key_expires_daily_ttl_after_its_first_unit(store: MemoryStore, clock: ManualClock) -> None:
+def test_daily_key_expires_daily_ttl_after_its_first_unit(memory_store: Store, clock: ManualClock) -> None:
     async def charge() -> Admission:
-        return await store.charge_budget("k", per_minute=None, per_day=3)
+        return await memory_store.charge_budget("k", per_minute=None, per_day=3)
 
     async def scenario() -> None:
         assert (await charge()).allowed  # T0: the first unit
         clock.set(T0 + 12 * 3_600)
         assert (await charge()).allowed  # later units do not push the expiry back
-        assert len(store) == 1
+        assert len(memory_store) == 1
         clock.set(T0 + DAILY_TTL_S - 0.25)
-        assert len(store) == 1
+        assert len(memory_store) == 1
         clock.set(T0 + DAILY_TTL_S)
-        assert len(store) == 0
+        assert len(memory_store) == 0
 
     asyncio.run(scenario())
 
@@ -453,16 +460,16 @@ def guards_memory() -> int:
     return sum(stat.size for stat in snapshot.statistics("filename"))
 
 
-async def fill(store: MemoryStore, breaker: Breaker, n: int) -> list[weakref.ref[Key]]:
+async def fill(memory_store: Store, breaker: Breaker, n: int) -> list[weakref.ref[Key]]:
     """`n` budgets of each kind (daily only, per-minute only, both) and `n` open breakers;
     returns weak references to the breaker keys."""
     for i in range(n):
-        assert (await store.charge_budget(f"day-{i}", per_minute=None, per_day=5)).allowed
-        assert (await store.charge_budget(f"rate-{i}", per_minute=5, per_day=None)).allowed
-        assert (await store.charge_budget(f"both-{i}", per_minute=5, per_day=5)).allowed
+        assert (await memory_store.charge_budget(f"day-{i}", per_minute=None, per_day=5)).allowed
+        assert (await memory_store.charge_budget(f"rate-{i}", per_minute=5, per_day=None)).allowed
+        assert (await memory_store.charge_budget(f"both-{i}", per_minute=5, per_day=5)).allowed
     keys = [Key(f"breaker-{i}") for i in range(n)]
     for k in keys:
-        await store.breaker_record(k, breaker, Outcome.failure, probe=None)  # an open breaker
+        await memory_store.breaker_record(k, breaker, Outcome.failure, probe=None)  # an open breaker
     return [weakref.ref(k) for k in keys]
 
 
@@ -527,14 +534,14 @@ def test_expired_key_is_not_counted_before_the_sweep(clock: ManualClock) -> None
 # --- breakers -----------------------------------------------------------------------------------
 
 
-def test_closed_breakers_keep_no_key(store: MemoryStore) -> None:
+def test_closed_breakers_keep_no_key(memory_store: Store) -> None:
     """A healthy breaker costs no memory, however many models are called."""
     breaker = Breaker(failure_threshold=3, reset_timeout_s=30)
 
     async def scenario() -> None:
         for i in range(20):
-            await store.breaker_admit(f"breaker:{i}", breaker)
-            await store.breaker_record(f"breaker:{i}", breaker, Outcome.success, probe=None)
-        assert len(store) == 0
+            await memory_store.breaker_admit(f"breaker:{i}", breaker)
+            await memory_store.breaker_record(f"breaker:{i}", breaker, Outcome.success, probe=None)
+        assert len(memory_store) == 0
 
     asyncio.run(scenario())
