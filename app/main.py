@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, StringConstraints, field_validator
 
 from guards import AI, Binding, Breaker, Budget, Clock, Guards, GuardTripped, header_key
 from guards.providers import WorkersAI
-from guards.stores import MemoryStore, Store
+from guards.stores import Store, open_store
 
 from .labels import keyword_label, mentions_personal_data
 from .offline import OfflineModel
@@ -82,10 +82,13 @@ def create_app(
     configure_logging()
     guards = Guards(
         binding or make_binding(settings),
-        store=store or MemoryStore(clock=clock),
+        store=store or open_store(settings.guards_store, clock=clock),
         sleep=sleep,
         retry_after_s=settings.retry_after_s,
     )
+    # GUARDS_STORE_FAILURE, when set, decides for both guards; else each keeps its default
+    # (budget fails closed, breaker fails open: see guards.Budget and guards.Breaker).
+    failure = settings.guards_store_failure
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -100,7 +103,9 @@ def create_app(
     )
     guards.install(app)
     breaker = Breaker(
-        failure_threshold=settings.breaker_failure_threshold, reset_timeout_s=settings.breaker_reset_s
+        failure_threshold=settings.breaker_failure_threshold,
+        reset_timeout_s=settings.breaker_reset_s,
+        on_store_failure=failure or "open",
     )
 
     @app.get("/health")
@@ -132,6 +137,7 @@ def create_app(
             per_minute=settings.rate_limit_per_minute,
             per_day=settings.daily_call_limit,
             key=header_key("x-user-id"),
+            on_store_failure=failure or "closed",
         ),
         fallback=keyword_summary,
         moderation=mentions_personal_data,

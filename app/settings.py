@@ -26,6 +26,8 @@ class Settings(BaseSettings):
     breaker_failure_threshold: int = Field(default=5, ge=1)
     breaker_reset_s: float = Field(default=30.0, gt=0)
     retry_after_s: float = Field(default=30.0, gt=0)
+    guards_store: str = "memory://"
+    guards_store_failure: Literal["open", "closed"] | None = None
 
     @model_validator(mode="after")
     def _credentials(self) -> Settings:

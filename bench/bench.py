@@ -21,6 +21,7 @@ import gc
 import inspect
 import logging
 import statistics
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -30,7 +31,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fixtures import FakeBinding, Reply
+from fixtures.redis_server import RedisServer
 from guards import AI, AIResult, Budget, Guards, header_key
+from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
 MODEL = "@cf/bench/model"
 INPUTS = {"messages": [{"role": "user", "content": "Label this."}]}
@@ -128,6 +131,49 @@ async def measure(fake: FakeBinding | ConstantBinding) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+async def store_checks(store: Store, count: int = 2_000) -> float:
+    """Median wall time of one budget check (`charge_budget`), in microseconds."""
+    samples = []
+    for i in range(count):
+        start = time.perf_counter()
+        await store.charge_budget(f"bench:user-{i % 100}", per_minute=10**9, per_day=10**9)
+        samples.append(time.perf_counter() - start)
+    await store.aclose()
+    return statistics.median(samples) * 1e6
+
+
+async def redis_round_trips(url: str, requests: int = 500) -> float:
+    """Round trips to Redis per guarded request (success path, closed breaker)."""
+    import redis.asyncio as redis
+
+    fake = ConstantBinding()
+    guards = Guards(fake, store=RedisStore(url))
+
+    @guards.route(model=MODEL, budget=Budget(per_minute=10**9, per_day=10**9, key=header_key("x-user-id")))
+    async def label(ai: AI[Label]) -> Label:
+        return await ai.run(INPUTS)
+
+    params = inspect.signature(label).parameters.values()
+    request_param = next(p.name for p in params if p.annotation is Request)
+    response_param = next(p.name for p in params if p.annotation is Response)
+    await label(**{request_param: Request(scope_for("warm-up")), response_param: Response()})
+    admin = redis.Redis.from_url(url)
+    before = await _commands(admin)
+    for i in range(requests):
+        await label(**{request_param: Request(scope_for(f"user-{i}")), response_param: Response()})
+    after = await _commands(admin)
+    await admin.aclose()
+    await guards.aclose()
+    return (after - before) / requests
+
+
+async def _commands(admin: Any) -> int:
+    """Script calls so far: each store operation is one EVALSHA, one round trip (the commands a
+    script runs inside Redis are counted apart, under their own names)."""
+    stats = await admin.info("commandstats")
+    return sum(int(stats.get(name, {}).get("calls", 0)) for name in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
 def main() -> None:
     figures = asyncio.run(measure(FakeBinding(Reply({"label": "billing", "confidence": 0.9}))))
     bare, guarded, logged = figures["bare"], figures["guarded"], figures["logged"]
@@ -139,6 +185,15 @@ def main() -> None:
     const = asyncio.run(measure(ConstantBinding()))
     print(f"const_bare_call_us = {const['bare']:.2f} us")
     print(f"const_guard_overhead_us = {const['guarded'] - const['bare']:.2f} us")
+
+    # Stores: one budget check each, wall time (SQLite and Redis do I/O).
+    print(f"store_memory_check_us = {asyncio.run(store_checks(MemoryStore())):.1f} us")
+    with tempfile.TemporaryDirectory() as folder:
+        sqlite = SQLiteStore(f"{folder}/bench.db")
+        print(f"store_sqlite_check_us = {asyncio.run(store_checks(sqlite)):.1f} us")
+    with RedisServer() as server:
+        print(f"store_redis_check_us = {asyncio.run(store_checks(RedisStore(server.url))):.1f} us")
+        print(f"redis_round_trips_per_request = {asyncio.run(redis_round_trips(server.url)):.2f} round trips")
 
 
 if __name__ == "__main__":

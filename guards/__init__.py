@@ -6,7 +6,7 @@ same-shape envelope (a degrading route) or a stable public error (a strict route
 
 from ._binding import AIResult, Binding, Usage
 from ._breaker import Breaker, CircuitState, Outcome
-from ._budget import Budget, client_key, header_key
+from ._budget import Budget, Price, StoreFailureMode, client_key, header_key
 from ._call import Retry
 from ._classify import Classification, Kind, classify
 from ._clock import Clock, SystemClock
@@ -40,10 +40,12 @@ __all__ = [
     "Kind",
     "Moderation",
     "Outcome",
+    "Price",
     "ProviderError",
     "PublicError",
     "Reason",
     "Retry",
+    "StoreFailureMode",
     "SystemClock",
     "Throttled",
     "Usage",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Literal
 
 __all__ = ["Breaker", "BreakerDecision", "BreakerState", "CircuitState", "Outcome"]
 
@@ -39,6 +40,11 @@ class Breaker:
     `failure_threshold` failures (consecutive, or within `window_s` seconds when set) open the
     breaker; after `reset_timeout_s` it half-opens and lets `half_open_probes` calls through at
     a time; `success_threshold` probe successes close it, any probe failure reopens it.
+
+    `on_store_failure`: `"open"` (default) lets calls through while the store is unreachable:
+    the breaker only saves calls to a provider that is failing anyway, and the deadline and
+    bounded retry still limit each call; refusing everything would turn a store outage into an
+    outage of every route. `"closed"` skips the calls (`circuit_open`).
     """
 
     failure_threshold: int = 5
@@ -46,12 +52,15 @@ class Breaker:
     reset_timeout_s: float = 30.0
     half_open_probes: int = 1
     success_threshold: int = 2
+    on_store_failure: Literal["open", "closed"] = "open"
 
     def __post_init__(self) -> None:
         if self.failure_threshold < 1 or self.half_open_probes < 1 or self.success_threshold < 1:
             raise ValueError("breaker thresholds and probe counts must be at least 1")
         if self.reset_timeout_s <= 0 or (self.window_s is not None and self.window_s <= 0):
             raise ValueError("breaker durations must be positive")
+        if self.on_store_failure not in ("open", "closed"):
+            raise ValueError('Breaker.on_store_failure must be "open" or "closed"')
 
     @property
     def ttl_s(self) -> float:

@@ -1,15 +1,21 @@
-"""Budget guard: per-key rate limit and daily call cap, checked and charged before any model
-call.
+"""Budget guard: per-key rate limit, daily call cap and daily spend cap, checked and charged
+before any model call.
 
 The daily cap charges one unit per request (its retries included) before the first call, so a
 failed call still spends. Its key is scoped to the UTC day as the store sees it, and lives
 longer than a day so a late request cannot find its day's counter gone.
+
+The spend cap holds the request's worst-case cost before the first call (every attempt at
+`max_tokens` of output, and at most one token per byte of input) and settles it to the actual
+cost afterwards, so concurrent requests can never push settled spend past the cap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from starlette.requests import Request
 
@@ -17,7 +23,7 @@ from ._envelope import Reason
 from ._errors import GuardTripped
 from .stores import Store
 
-__all__ = ["Budget", "client_key", "header_key"]
+__all__ = ["Budget", "Price", "StoreFailureMode", "client_key", "header_key"]
 
 
 def client_key(request: Request) -> str:
@@ -34,26 +40,75 @@ def header_key(name: str) -> Callable[[Request], str]:
     return key
 
 
+#: What a guard does when its store is down or too slow: `"open"` admits the call (and logs a
+#: warning), `"closed"` refuses it (`circuit_open`: the envelope's budget fallback, or 503).
+StoreFailureMode = Literal["open", "closed"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Price:
+    """What a model costs, in the cost units of spend caps (say, US cents)."""
+
+    input_token: float = 0.0
+    output_token: float = 0.0
+    call: float = 0.0
+
+    def cost(self, input_tokens: int, output_tokens: int) -> float:
+        return self.call + input_tokens * self.input_token + output_tokens * self.output_token
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Budget:
     """Per-key limits checked before any model call.
 
     `per_minute`: at most this many requests per key in any sliding 60-second window.
     `per_day`: at most this many requests per key per UTC day (retries included in one).
+    `spend_per_day`: at most this much cost per key per UTC day, priced by `Guards(prices=...)`;
+    the route must declare `max_tokens`.
     `key`: derives the key from the request (default: the client address).
     `scope`: counters are shared by routes with the same scope (default: the route's name).
+    `on_store_failure`: `"closed"` (default) refuses calls while the store is unreachable:
+    a budget that cannot be checked cannot be enforced, and an outage of the store must not
+    become unbounded spend. `"open"` admits them, with a warning in the log.
     """
 
     per_minute: int | None = None
     per_day: int | None = None
+    spend_per_day: float | None = None
     key: Callable[[Request], str] = client_key
     scope: str | None = None
+    on_store_failure: StoreFailureMode = "closed"
 
     def __post_init__(self) -> None:
         for name in ("per_minute", "per_day"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"Budget.{name} must be at least 1 (or None for no limit)")
+        if self.spend_per_day is not None and self.spend_per_day <= 0:
+            raise ValueError("Budget.spend_per_day must be positive (or None for no cap)")
+        if self.on_store_failure not in ("open", "closed"):
+            raise ValueError('Budget.on_store_failure must be "open" or "closed"')
+
+
+def input_tokens_bound(inputs: Mapping[str, Any]) -> int:
+    """An upper bound of the input tokens `inputs` can cost: tokenizers spend at least one byte
+    of text per token, and the JSON of the inputs holds every byte the model will read (the
+    messages, and the schema of JSON mode)."""
+    return len(json.dumps(inputs, separators=(",", ":"), default=str).encode())
+
+
+async def hold_spend(store: Store, budget: Budget, key: str, amount: float, hold_s: float) -> str:
+    """Hold `amount` of the key's daily spend cap; return the reservation to settle, or raise
+    `GuardTripped(budget_exceeded)` without holding anything."""
+    assert budget.spend_per_day is not None
+    hold = await store.reserve_spend(key, amount=amount, cap=budget.spend_per_day, hold_s=hold_s)
+    if not hold.allowed or hold.reservation is None:
+        raise GuardTripped(
+            Reason.budget_exceeded,
+            f"daily spend cap of {budget.spend_per_day:g} reached",
+            retry_after_s=hold.retry_after_s,
+        )
+    return hold.reservation
 
 
 async def charge_budget(store: Store, budget: Budget, key: str) -> None:

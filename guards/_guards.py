@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from ._binding import Binding
 from ._breaker import Breaker
-from ._budget import Budget
+from ._budget import Budget, Price
 from ._call import Retry
 from ._envelope import ErrorCode
 from ._errors import ConfigurationError
@@ -34,9 +34,10 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 class Guards:
     """The guards of one app: the model binding, the store and the timing they share.
 
-    `binding` may be swapped at any time (tests swap in a fake). `sleep` is what retries wait
-    with (inject a no-op in tests). `retry_after_s` is the `Retry-After` a strict route sends
-    with `model_temporarily_unavailable`.
+    `binding` may be swapped at any time (tests swap in a fake). `store` holds budget and
+    breaker state (default: a `MemoryStore`, one process). `sleep` is what retries wait with
+    (inject a no-op in tests). `retry_after_s` is the `Retry-After` a strict route sends with
+    `model_temporarily_unavailable`. `prices` maps model ids to their `Price`, for spend caps.
 
     Use it as an async context manager (or call `aclose`) to close the binding's connections and
     the store on shutdown.
@@ -49,11 +50,13 @@ class Guards:
         store: Store | None = None,
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
         retry_after_s: float = 30.0,
+        prices: Mapping[str, Price] | None = None,
     ) -> None:
         self.binding = binding
         self.store: Store = store if store is not None else MemoryStore()
         self.sleep = sleep
         self.retry_after_s = retry_after_s
+        self.prices: Mapping[str, Price] = dict(prices or {})
 
     def route(
         self,
@@ -66,6 +69,7 @@ class Guards:
         fallback: Any = _NO_FALLBACK,
         moderation: Moderation | None = None,
         name: str | None = None,
+        max_tokens: int | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -80,6 +84,7 @@ class Guards:
           value (or, if callable, `fallback(arguments, tripped)`) as `data` when a guard trips.
           Without it the route is *strict* and answers public errors.
         - `moderation`: a hook given the validated output; returning True blocks it.
+        - `max_tokens`: sent with each call unless the inputs set it; required with a spend cap.
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -96,6 +101,8 @@ class Guards:
                 fallback=fallback,
                 moderation=moderation,
                 name=name,
+                max_tokens=max_tokens,
+                price=self.prices.get(model),
             )
             return endpoint  # type: ignore[return-value]
 

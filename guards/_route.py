@@ -29,15 +29,17 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ._binding import AIResult
 from ._breaker import Breaker, Outcome
-from ._budget import Budget, charge_budget
+from ._budget import Budget, Price, charge_budget, hold_spend, input_tokens_bound
 from ._call import CallFailed, Retry, call_model
 from ._classify import Classification, Kind
 from ._envelope import Envelope, ErrorCode, FallbackInfo, GuardName, Reason
 from ._errors import ConfigurationError, GuardTripped, ProviderError
-from ._log import emit, logger
+from ._log import emit, emit_warning, logger
 from ._output import Moderation, OutputGuard
 from ._responses import PublicError, error_response, public_error
+from .stores import StoreUnavailable
 
 if typing.TYPE_CHECKING:
     from ._guards import Guards
@@ -51,6 +53,8 @@ T = TypeVar("T")
 FallbackFunction = Callable[[Mapping[str, Any], GuardTripped], Any]
 
 _NO_FALLBACK: Any = object()
+#: Retry-After when a guard refuses calls because its store is unavailable.
+STORE_RETRY_AFTER_S = 5.0
 _OUTCOME_OF = {GuardName.call: Outcome.failure, GuardName.output: Outcome.success}
 _REQUEST = "guards_request_"
 _RESPONSE = "guards_response_"
@@ -76,6 +80,10 @@ class GuardedRoute:
     breaker_key: str
     #: Added to the inputs to request JSON mode; None for a plain-text route.
     response_format: dict[str, Any] | None
+    #: Added to the inputs when they do not set it; bounds the cost a spend cap holds.
+    max_tokens: int | None
+    #: The model's price, when the route has a spend cap.
+    price: Price | None
 
     @property
     def degrading(self) -> bool:
@@ -92,13 +100,24 @@ class AI(Generic[T]):
     provider calls made; `trace_id` is the request's trace id (also the `x-trace-id` header).
     """
 
-    __slots__ = ("_budget_key", "_charged", "_guards", "_route", "attempts", "model", "trace_id")
+    __slots__ = (
+        "_budget_key",
+        "_charged",
+        "_guards",
+        "_hold",
+        "_route",
+        "attempts",
+        "model",
+        "trace_id",
+    )
 
     def __init__(self, guards: Guards, route: GuardedRoute, *, budget_key: str | None, trace_id: str) -> None:
         self._guards = guards
         self._route = route
         self._budget_key = budget_key
         self._charged = False
+        #: The spend hold of this request and what one attempt may cost at worst.
+        self._hold: tuple[str, float] | None = None
         self.trace_id = trace_id
         self.model: str | None = None
         self.attempts = 0
@@ -106,44 +125,116 @@ class AI(Generic[T]):
     async def run(self, inputs: Mapping[str, Any]) -> T:
         """Call the route's model with Workers-AI-shaped `inputs` (`messages` or `prompt`).
 
-        JSON mode is requested from the output type when it is not a string. Raises
-        `GuardTripped` when a guard refuses the call or rejects its answer.
+        JSON mode is requested from the output type when it is not a string, and the route's
+        `max_tokens` when the inputs do not set it. Raises `GuardTripped` when a guard refuses
+        the call or rejects its answer.
         """
-        route, store = self._route, self._guards.store
+        route = self._route
         if route.response_format is not None and "response_format" not in inputs:
             inputs = {**inputs, "response_format": route.response_format}
-        probe: float | None = None
-        record_success = False
-        if route.breaker is not None:
-            decision = await store.breaker_admit(route.breaker_key, route.breaker)
-            if not decision.allowed:
-                raise GuardTripped(
-                    Reason.circuit_open,
-                    f"circuit {decision.state.value}: calls to the model are paused",
-                    retry_after_s=decision.retry_after_s,
-                    model=route.model,
-                )
-            probe, record_success = decision.probe, decision.record_success
+        if route.max_tokens is not None and "max_tokens" not in inputs:
+            inputs = {**inputs, "max_tokens": route.max_tokens}
+        probe, record_success = await self._admit()
         try:
-            if route.budget is not None and self._budget_key is not None and not self._charged:
-                await charge_budget(store, route.budget, self._budget_key)
+            if not self._charged:
+                await self._charge(inputs)
             self._charged = True
             result = await self._call(inputs)
         except GuardTripped as tripped:
             # A call failure counts against the model; an output failure here (JSON mode not
             # met) means the model answered; a budget refusal says nothing about it.
             await self._record(_OUTCOME_OF.get(tripped.guard, Outcome.released), probe)
+            await self._settle(None, billed=tripped.reason is not Reason.provider_error)
             raise
         except BaseException:
             # Cancelled from outside (client gone, server stopping): no verdict on the model,
-            # but a probe slot must be freed, shielded from the cancellation under way.
+            # but a probe slot must be freed and the spend settled, shielded from the
+            # cancellation under way.
             with anyio.CancelScope(shield=True):
                 await self._record(Outcome.released, probe)
+                await self._settle(None, billed=True)
             raise
         if record_success or probe is not None:
             await self._record(Outcome.success, probe)
+        await self._settle(result, billed=True)
         value = await route.output.check(result)
         return cast(T, value)
+
+    async def _admit(self) -> tuple[float | None, bool]:
+        """The breaker's verdict: (probe ticket, whether a success must be recorded)."""
+        route = self._route
+        if route.breaker is None:
+            return None, False
+        try:
+            decision = await self._guards.store.breaker_admit(route.breaker_key, route.breaker)
+        except StoreUnavailable:
+            self._store_failed("breaker", route.breaker.on_store_failure)
+            return None, False
+        if not decision.allowed:
+            raise GuardTripped(
+                Reason.circuit_open,
+                f"circuit {decision.state.value}: calls to the model are paused",
+                retry_after_s=decision.retry_after_s,
+                model=route.model,
+            )
+        return decision.probe, decision.record_success
+
+    async def _charge(self, inputs: Mapping[str, Any]) -> None:
+        """Charge the request's budget once (rate, daily cap), and hold its worst-case spend."""
+        route, key = self._route, self._budget_key
+        budget = route.budget
+        if budget is None or key is None:
+            return
+        store = self._guards.store
+        try:
+            await charge_budget(store, budget, key)
+            if budget.spend_per_day is not None and route.price is not None:
+                worst = route.price.cost(input_tokens_bound(inputs), route.max_tokens or 0)
+                reservation = await hold_spend(
+                    store, budget, key, worst * route.retry.attempts, hold_s=2 * route.timeout_s + 60
+                )
+                self._hold = (reservation, worst)
+        except StoreUnavailable:
+            self._store_failed("budget", budget.on_store_failure)
+
+    async def _settle(self, result: AIResult | None, *, billed: bool) -> None:
+        """Replace the spend hold by the cost: the usage of `result` when known; else one
+        attempt's worst case when the provider may have billed (a timeout, a cancelled call, an
+        answer without usage), or nothing (the provider refused the call)."""
+        if self._hold is None or self._budget_key is None:
+            return
+        route = self._route
+        reservation, worst = self._hold
+        self._hold = None
+        usage = result.usage if result is not None else None
+        if usage is not None and route.price is not None:
+            actual = route.price.cost(usage.prompt_tokens, usage.completion_tokens)
+        else:
+            actual = worst if billed else 0.0
+        try:
+            await self._guards.store.settle_spend(self._budget_key, reservation, actual=actual)
+        except StoreUnavailable:
+            # The hold lapses by itself; the cost it stood for stays unrecorded.
+            emit_warning(
+                "store_unavailable",
+                guard="budget",
+                op="settle_spend",
+                route=route.name,
+                trace_id=self.trace_id,
+            )
+
+    def _store_failed(self, guard: str, mode: str) -> None:
+        """The store did not answer a guard's check: admit (fail open) or refuse (fail closed)."""
+        emit_warning(
+            "store_unavailable", guard=guard, mode=mode, route=self._route.name, trace_id=self.trace_id
+        )
+        if mode == "closed":
+            raise GuardTripped(
+                Reason.circuit_open,
+                f"the {guard} guard's store is unavailable: calls are paused",
+                retry_after_s=STORE_RETRY_AFTER_S,
+                model=self._route.model,
+            )
 
     async def _call(self, inputs: Mapping[str, Any]) -> Any:
         route, guards = self._route, self._guards
@@ -199,7 +290,19 @@ class AI(Generic[T]):
     async def _record(self, outcome: Outcome, probe: float | None) -> None:
         route = self._route
         if route.breaker is not None and (probe is not None or outcome is not Outcome.released):
-            await self._guards.store.breaker_record(route.breaker_key, route.breaker, outcome, probe=probe)
+            try:
+                await self._guards.store.breaker_record(
+                    route.breaker_key, route.breaker, outcome, probe=probe
+                )
+            except StoreUnavailable:
+                # The outcome is lost; a lost probe's slot is reclaimed after the reset timeout.
+                emit_warning(
+                    "store_unavailable",
+                    guard="breaker",
+                    op="breaker_record",
+                    route=route.name,
+                    trace_id=self.trace_id,
+                )
 
     def _count_attempt(self) -> None:
         self.attempts += 1
@@ -228,6 +331,8 @@ def guard_route(
     fallback: Any,
     moderation: Moderation | None,
     name: str | None,
+    max_tokens: int | None,
+    price: Price | None,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
@@ -236,6 +341,17 @@ def guard_route(
         raise ConfigurationError("timeout_s must be positive")
     if not model:
         raise ConfigurationError("a guarded route needs a model id")
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigurationError("max_tokens must be at least 1")
+    if budget is not None and budget.spend_per_day is not None:
+        if max_tokens is None:
+            raise ConfigurationError(
+                f"{handler.__qualname__} has a spend cap: declare max_tokens to bound its cost"
+            )
+        if price is None:
+            raise ConfigurationError(
+                f"{handler.__qualname__} has a spend cap: Guards(prices=...) has no price for {model}"
+            )
     try:
         hints = typing.get_type_hints(handler, include_extras=True)
     except NameError as exc:
@@ -293,6 +409,8 @@ def guard_route(
             if output.json_schema is not None
             else None
         ),
+        max_tokens=max_tokens,
+        price=price if budget is not None and budget.spend_per_day is not None else None,
     )
     envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]
 

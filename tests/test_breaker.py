@@ -95,9 +95,7 @@ def test_breakers_are_per_key(store: Store) -> None:
     asyncio.run(scenario())
 
 
-def test_windowed_opens_only_when_n_failures_fall_within_the_window(
-    store: Store, clock: ManualClock
-) -> None:
+def test_windowed_opens_only_when_n_failures_fall_within_the_window(store: Store, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=3, window_s=10, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -350,9 +348,7 @@ def test_stale_probe_outcome_after_reopening_changes_nothing(store: Store, clock
 # --- concurrency --------------------------------------------------------------------------------
 
 
-def test_concurrent_admits_on_half_open_allow_exactly_one_probe(
-    store: Store, clock: ManualClock
-) -> None:
+def test_concurrent_admits_on_half_open_allow_exactly_one_probe(store: Store, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
 
     async def scenario() -> None:

@@ -5,11 +5,11 @@ and breakers that keep no key while closed. Time moves only through the `ManualC
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 import gc
 import random
 import tracemalloc
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -251,9 +251,7 @@ def test_a_per_day_refusal_leaves_the_minute_window_unchanged(store: Store, cloc
     asyncio.run(scenario())
 
 
-def test_a_per_minute_refusal_leaves_the_daily_counter_unchanged(
-    store: Store, clock: ManualClock
-) -> None:
+def test_a_per_minute_refusal_leaves_the_daily_counter_unchanged(store: Store, clock: ManualClock) -> None:
     async def charge() -> Admission:
         return await store.charge_budget("alice", per_minute=2, per_day=4)
 

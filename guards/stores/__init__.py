@@ -12,6 +12,7 @@ from ._base import (
 from ._memory import MemoryStore
 from ._redis import RedisStore
 from ._sqlite import SQLiteStore
+from ._url import open_store
 
 __all__ = [
     "Admission",
@@ -24,4 +25,5 @@ __all__ = [
     "SpendReservation",
     "Store",
     "StoreUnavailable",
+    "open_store",
 ]

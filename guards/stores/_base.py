@@ -26,6 +26,7 @@ class StoreUnavailable(GuardsError):
     store's URL or password.
     """
 
+
 __all__ = [
     "ADMITTED",
     "DAILY_TTL_S",

@@ -1,17 +1,644 @@
 """`SQLiteStore`: state in one SQLite file, shared by the workers of one machine.
 
-(Being implemented: see the Store protocol in `_base.py`.)
+Zero set-up: the file and its tables are created on first use (`CREATE TABLE IF NOT EXISTS`,
+so several workers may start at once); the file is put in WAL mode (readers never block the
+writer, nor the writer them) and every connection waits for the write lock at most the store's
+`timeout_s` (the busy timeout).
+
+Schema: one row per piece of state, each with an `expires_at` (seconds since the epoch, store
+time, never NULL):
+
+- `guards_rate (key, ts, expires_at)`: one row per request admitted under a `per_minute` limit,
+  at `ts`, kept until `ts + 60` (so a key's last row goes a minute after its last admission);
+- `guards_counter (key, n, expires_at)`: the daily counter `{key}:day:{YYYY-MM-DD}`, kept
+  `DAILY_TTL_S` after its first unit;
+- `guards_spend (key, settled, expires_at)`: settled spend `{key}:spend:{YYYY-MM-DD}`, kept
+  `DAILY_TTL_S` after its first settlement;
+- `guards_hold (id, key, amount, expires_at)`: a spend hold, kept `hold_s` (then it lapses);
+- `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
+  `policy.ttl_s` after its last use. A closed breaker with no failures keeps no row.
+
+Atomicity: every operation is one `BEGIN IMMEDIATE` transaction (the write lock is taken before
+anything is read, so no other worker can write in between) whose check and charge is one
+conditional statement: `INSERT ... SELECT ... WHERE <the limit allows>` (with `ON CONFLICT DO
+UPDATE ... WHERE` for counters), whose row count or `RETURNING` says whether it was admitted.
+The breaker's state machine is the exception: its row is read and the result of the pure
+`admit` / `record` written back within one `BEGIN IMMEDIATE` transaction, which is atomic because
+the write lock is held from its start. Python never decides a write from a value it read outside
+the write lock; the one read outside it (`breaker_admit` finding no row: closed and healthy)
+decides that nothing is written.
+
+Time: `clock.time()`, read inside the transaction (one machine: every worker shares the
+machine's clock). Expired rows are ignored on read, and deleted by a sweep run at most once per
+`sweep_interval_s` of store time per store, at most `_SWEEP_BATCH` rows per table at a time.
+
+Threads: each store has one dedicated thread owning one connection; the `async` methods hand
+their work to it and wait at most `timeout_s` (queueing plus the busy timeout), then raise
+`StoreUnavailable`. A transaction whose caller gave up is rolled back rather than committed, so
+`StoreUnavailable` means the operation had no effect (unless its commit had already begun when
+the time ran out: then the caller waits up to `timeout_s` more for that commit's answer). A
+store is not tied to an event loop, and a process forked after using it starts a thread and a
+connection of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import os
+import queue
+import random
+import sqlite3
+import threading
+import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
-from .._clock import Clock
+from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
+from .._breaker import admit as breaker_admit
+from .._breaker import record as breaker_record
+from .._clock import Clock, SystemClock
+from ._base import (
+    ADMITTED,
+    DAILY_TTL_S,
+    DAY_S,
+    MINUTE_S,
+    Admission,
+    SpendReservation,
+    StoreUnavailable,
+    utc_day,
+)
 
 __all__ = ["SQLiteStore"]
 
+_T = TypeVar("_T")
+
+#: Tables of the store, each with an `expires_at` column that the sweep relies on.
+TABLES = ("guards_rate", "guards_counter", "guards_spend", "guards_hold", "guards_breaker")
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS guards_rate (
+        key TEXT NOT NULL, ts REAL NOT NULL, expires_at REAL NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS guards_rate_window ON guards_rate (key, ts, expires_at)",
+    """CREATE TABLE IF NOT EXISTS guards_counter (
+        key TEXT PRIMARY KEY, n INTEGER NOT NULL, expires_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS guards_spend (
+        key TEXT PRIMARY KEY, settled REAL NOT NULL, expires_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS guards_hold (
+        id TEXT PRIMARY KEY, key TEXT NOT NULL, amount REAL NOT NULL, expires_at REAL NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS guards_hold_key ON guards_hold (key, expires_at)",
+    """CREATE TABLE IF NOT EXISTS guards_breaker (
+        key TEXT PRIMARY KEY, state TEXT NOT NULL, expires_at REAL NOT NULL)""",
+    *(f"CREATE INDEX IF NOT EXISTS {t}_expiry ON {t} (expires_at)" for t in TABLES),
+)
+
+#: The most rows of one table a sweep deletes; a sweep that hits it runs again next operation.
+_SWEEP_BATCH = 1_000
+_SWEEP = {
+    t: f"DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE expires_at <= ? LIMIT {_SWEEP_BATCH})"
+    for t in TABLES
+}
+
+# --- budget: one conditional statement per check -----------------------------------------------
+#: Fewer than `per_minute` admissions under `key` in the last 60 seconds.
+_RATE_ALLOWS = """(SELECT count(*) FROM guards_rate
+    WHERE key = :key AND ts > :cutoff AND expires_at > :now) < :per_minute"""
+#: `per_minute` only: add this admission's timestamp if the window has room.
+_CHARGE_RATE = f"""INSERT INTO guards_rate (key, ts, expires_at)
+    SELECT :key, :now, :rate_expires WHERE {_RATE_ALLOWS}"""
+#: `per_day` (and maybe `per_minute`): count this admission if the day (and the window) has room.
+#: A live row is incremented below the cap; an expired one starts over.
+_CHARGE_DAY = """INSERT INTO guards_counter (key, n, expires_at)
+    SELECT :day_key, 1, :day_expires WHERE :per_day > 0 AND {rate_allows}
+    ON CONFLICT (key) DO UPDATE SET
+        n = CASE WHEN expires_at > :now THEN n + 1 ELSE 1 END,
+        expires_at = CASE WHEN expires_at > :now THEN expires_at ELSE excluded.expires_at END
+    WHERE expires_at <= :now OR n < :per_day
+    RETURNING n"""
+_CHARGE_DAY_ONLY = _CHARGE_DAY.format(rate_allows="1")
+_CHARGE_DAY_AND_RATE = _CHARGE_DAY.format(rate_allows=_RATE_ALLOWS)
+#: Once the day was charged (same transaction): the admission's place in the window.
+_ADD_RATE = "INSERT INTO guards_rate (key, ts, expires_at) VALUES (:key, :now, :rate_expires)"
+#: Refusals only, to say which limit frees up last and when (nothing is written after).
+_WINDOW = """SELECT count(*), min(ts) FROM guards_rate
+    WHERE key = :key AND ts > :cutoff AND expires_at > :now"""
+_DAY_COUNT = "SELECT n FROM guards_counter WHERE key = :day_key AND expires_at > :now"
+
+# --- spend ---------------------------------------------------------------------------------------
+_RESERVE = """INSERT INTO guards_hold (id, key, amount, expires_at)
+    SELECT :id, :key, :amount, :hold_expires
+    WHERE coalesce((SELECT settled FROM guards_spend WHERE key = :key AND expires_at > :now), 0.0)
+        + coalesce((SELECT sum(amount) FROM guards_hold WHERE key = :key AND expires_at > :now), 0.0)
+        + :amount <= :cap"""
+_RELEASE_HOLD = "DELETE FROM guards_hold WHERE id = :id AND key = :key"
+_SETTLE = """INSERT INTO guards_spend (key, settled, expires_at) VALUES (:key, :actual, :expires)
+    ON CONFLICT (key) DO UPDATE SET
+        settled = CASE WHEN expires_at > :now THEN settled + excluded.settled ELSE excluded.settled END,
+        expires_at = CASE WHEN expires_at > :now THEN expires_at ELSE excluded.expires_at END"""
+_SPENT = "SELECT settled FROM guards_spend WHERE key = :key AND expires_at > :now"
+
+# --- breaker -------------------------------------------------------------------------------------
+_BREAKER = "SELECT state, expires_at FROM guards_breaker WHERE key = :key"
+_PUT_BREAKER = """INSERT INTO guards_breaker (key, state, expires_at) VALUES (:key, :state, :expires)
+    ON CONFLICT (key) DO UPDATE SET state = excluded.state, expires_at = excluded.expires_at"""
+_DROP_BREAKER = "DELETE FROM guards_breaker WHERE key = :key"
+
+
+def _dump_breaker(s: BreakerState) -> str:
+    # JSON floats round-trip exactly (repr), so probe tickets compare equal after a round trip.
+    return json.dumps(
+        [s.state.value, list(s.failures), s.opened_at, s.probes, s.last_probe_at, s.successes, s.probe_since]
+    )
+
+
+def _load_breaker(text: str) -> BreakerState:
+    state, failures, opened_at, probes, last_probe_at, successes, probe_since = json.loads(text)
+    return BreakerState(
+        CircuitState(state),
+        tuple(float(f) for f in failures),
+        float(opened_at),
+        int(probes),
+        float(last_probe_at),
+        int(successes),
+        float(probe_since),
+    )
+
+
+#: The most operations one transaction of the store's thread carries.
+_BATCH = 100
+
+
+class _Tx:
+    """The write transaction the store's thread runs a batch of operations in: its connection,
+    and the breaker rows it read or wrote (written back once, before COMMIT). The write lock is
+    held from BEGIN IMMEDIATE to COMMIT, so what this cache holds is what the file holds."""
+
+    __slots__ = ("_breakers", "_dirty", "conn")
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        #: key: (state, expires_at), or (CLOSED, None) when the key has no row.
+        self._breakers: dict[str, tuple[BreakerState, float | None]] = {}
+        self._dirty: set[str] = set()
+
+    def breaker(self, key: str, now: float) -> BreakerState:
+        """The breaker's state; a missing or expired row is a closed, healthy breaker."""
+        item = self._breakers.get(key)
+        if item is None:
+            row = self.conn.execute(_BREAKER, {"key": key}).fetchone()
+            item = (CLOSED, None) if row is None else (_load_breaker(row[0]), float(row[1]))
+            self._breakers[key] = item
+        state, expires = item
+        return state if expires is not None and expires > now else CLOSED
+
+    def put_breaker(self, key: str, state: BreakerState, expires: float | None) -> None:
+        """Keep `state` until `expires`; `None`: no row at all (a closed, healthy breaker)."""
+        if expires is None and self._breakers.get(key, (CLOSED, None))[1] is None:
+            return  # no row, and none wanted
+        self._breakers[key] = (state, expires)
+        self._dirty.add(key)
+
+    def flush(self) -> None:
+        for key in self._dirty:
+            state, expires = self._breakers[key]
+            if expires is None:
+                self.conn.execute(_DROP_BREAKER, {"key": key})
+            else:
+                self.conn.execute(
+                    _PUT_BREAKER, {"key": key, "state": _dump_breaker(state), "expires": expires}
+                )
+        self._dirty.clear()
+
+
+_Work = Callable[[_Tx, float], _T]
+
+
+class _Job(Generic[_T]):
+    """One operation handed to the store's thread: its work, its deadline, the caller's future,
+    and who decides its fate when time runs out (the caller abandons it, or the thread has
+    begun committing it, and then its answer stands)."""
+
+    __slots__ = ("abandoned", "committing", "deadline", "future", "lock", "loop", "timer", "work")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, work: _Work[_T], deadline: float) -> None:
+        self.loop = loop
+        self.future: asyncio.Future[_T] = loop.create_future()
+        self.work = work
+        self.deadline = deadline
+        self.timer: asyncio.TimerHandle | None = None
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.committing = False
+
+    def abandon(self) -> bool:
+        """Give up on the operation; False if it is already committing (its answer stands)."""
+        with self.lock:
+            self.abandoned = True
+            return not self.committing
+
+    def commit(self) -> bool:
+        """May the thread commit? False if the caller has given up (then it rolls back)."""
+        with self.lock:
+            self.committing = not self.abandoned
+            return self.committing
+
+    # Called by the store's thread; the future is settled on its own loop.
+    def succeed(self, result: _T) -> None:
+        self._call(self._succeed, result)
+
+    def fail(self, error: Exception) -> None:
+        self._call(self._fail, error)
+
+    def _call(self, callback: Callable[[Any], None], arg: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+            self.loop.call_soon_threadsafe(callback, arg)
+
+    def _succeed(self, result: _T) -> None:
+        if not self.future.done():
+            self.future.set_result(result)
+
+    def _fail(self, error: Exception) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+class _Redo(Exception):
+    """Roll the batch back and run it again without the operations that left it."""
+
 
 class SQLiteStore:
-    def __init__(self, path: str | Path, *, clock: Clock | None = None, timeout_s: float = 0.1) -> None:
-        raise NotImplementedError
+    """A `Store` in one SQLite file: exact across the worker processes of one machine.
+
+    `timeout_s` bounds every operation (waiting for this store's thread and for the file's
+    write lock); past it, or when the file cannot be opened, operations raise `StoreUnavailable`.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        clock: Clock | None = None,
+        timeout_s: float = 0.1,
+        sweep_interval_s: float = 60.0,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        self._path = os.fspath(path)
+        self._clock = clock or SystemClock()
+        self._timeout_s = timeout_s
+        self._sweep_interval_s = sweep_interval_s
+        self._jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._closed = False
+        # Owned by the store's thread:
+        self._conn: sqlite3.Connection | None = None
+        self._next_sweep = 0.0
+        _STORES.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's thread is gone and its connection must not be used
+        (nor closed) here; the next operation starts a thread and a connection of the child's."""
+        if self._conn is not None:
+            _INHERITED.append(self._conn)
+        self._conn, self._thread, self._jobs = None, None, queue.SimpleQueue()
+        self._start_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"SQLiteStore({self._path!r})"
+
+    async def now(self) -> float:
+        return self._clock.time()
+
+    # --- budget ----------------------------------------------------------------------------------
+
+    async def charge_budget(self, key: str, *, per_minute: int | None, per_day: int | None) -> Admission:
+        if per_minute is None and per_day is None:
+            return ADMITTED
+
+        def charge(tx: _Tx, now: float) -> Admission:
+            p: dict[str, Any] = {
+                "key": key,
+                "now": now,
+                "cutoff": now - MINUTE_S,
+                "rate_expires": now + MINUTE_S,
+                "per_minute": per_minute,
+                "day_key": f"{key}:day:{utc_day(now)}",
+                "day_expires": now + DAILY_TTL_S,
+                "per_day": per_day,
+            }
+            if per_day is None:
+                admitted = tx.conn.execute(_CHARGE_RATE, p).rowcount == 1
+            else:
+                sql = _CHARGE_DAY_ONLY if per_minute is None else _CHARGE_DAY_AND_RATE
+                admitted = tx.conn.execute(sql, p).fetchone() is not None
+                if admitted and per_minute is not None:
+                    tx.conn.execute(_ADD_RATE, p)
+            if admitted:
+                return ADMITTED
+            # Refused: nothing was written. Name the limit that frees up last, like MemoryStore.
+            refusal: Admission | None = None
+            if per_minute is not None:
+                count, oldest = tx.conn.execute(_WINDOW, p).fetchone()
+                if count >= per_minute:
+                    refusal = Admission(False, "per_minute", oldest + MINUTE_S - now if count else MINUTE_S)
+            if per_day is not None:
+                row = tx.conn.execute(_DAY_COUNT, p).fetchone()
+                wait = DAY_S - now % DAY_S  # until the next UTC midnight
+                if (0 if row is None else row[0]) >= per_day and (
+                    refusal is None or wait > (refusal.retry_after_s or 0.0)
+                ):
+                    refusal = Admission(False, "per_day", wait)
+            # Same conditions as the statement's, under the same lock: one of them refused.
+            assert refusal is not None
+            return refusal
+
+        return await self._run(charge)
+
+    # --- spend -----------------------------------------------------------------------------------
+
+    async def reserve_spend(self, key: str, *, amount: float, cap: float, hold_s: float) -> SpendReservation:
+        reservation = os.urandom(8).hex()
+
+        def reserve(tx: _Tx, now: float) -> SpendReservation:
+            p = {
+                "id": reservation,
+                "key": f"{key}:spend:{utc_day(now)}",
+                "amount": amount,
+                "hold_expires": now + hold_s,
+                "now": now,
+                "cap": cap,
+            }
+            if tx.conn.execute(_RESERVE, p).rowcount == 1:
+                return SpendReservation(True, reservation)
+            return SpendReservation(False, retry_after_s=DAY_S - now % DAY_S)
+
+        return await self._run(reserve)
+
+    async def settle_spend(self, key: str, reservation: str, *, actual: float) -> None:
+        def settle(tx: _Tx, now: float) -> None:
+            day_key = f"{key}:spend:{utc_day(now)}"
+            tx.conn.execute(_RELEASE_HOLD, {"id": reservation, "key": day_key})
+            tx.conn.execute(
+                _SETTLE, {"key": day_key, "actual": actual, "expires": now + DAILY_TTL_S, "now": now}
+            )
+
+        await self._run(settle)
+
+    async def spent(self, key: str) -> float:
+        """Settled spend of the current UTC day under `key` (for dashboards and tests)."""
+
+        def read(tx: _Tx, now: float) -> float:
+            row = tx.conn.execute(_SPENT, {"key": f"{key}:spend:{utc_day(now)}", "now": now}).fetchone()
+            return 0.0 if row is None else float(row[0])
+
+        return await self._run(read)
+
+    # --- breaker ---------------------------------------------------------------------------------
+    # The breaker's transitions are the pure functions of `_breaker.py`: the row is read and the
+    # new state written within one `BEGIN IMMEDIATE` transaction, which holds the file's write
+    # lock from its start, so no other worker can change the row in between (the state machine
+    # is too rich for one SQL statement; holding the write lock makes the pair atomic).
+
+    async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:
+        def admit(tx: _Tx, now: float) -> BreakerDecision:
+            state, decision = breaker_admit(tx.breaker(key, now), policy, now)
+            self._put_breaker(tx, key, state, policy, now)
+            return decision
+
+        return await self._run(admit)
+
+    async def breaker_record(
+        self, key: str, policy: Breaker, outcome: Outcome, *, probe: float | None
+    ) -> BreakerState:
+        def record(tx: _Tx, now: float) -> BreakerState:
+            state = breaker_record(tx.breaker(key, now), policy, now, outcome, probe=probe)
+            self._put_breaker(tx, key, state, policy, now)
+            return state
+
+        return await self._run(record)
+
+    @staticmethod
+    def _put_breaker(tx: _Tx, key: str, state: BreakerState, policy: Breaker, now: float) -> None:
+        # Like MemoryStore: a healthy breaker needs no row at all; any other state is kept
+        # `ttl_s` from its last use.
+        tx.put_breaker(key, state, None if state == CLOSED else now + policy.ttl_s)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the connection and stop the thread. Callable from any event loop, and twice."""
+        with self._start_lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            self._jobs.put(None)  # after the operations already queued, which end by their deadlines
+            await asyncio.to_thread(thread.join, max(1.0, 4 * self._timeout_s))
+
+    # --- the store's thread ----------------------------------------------------------------------
+
+    async def _run(self, work: _Work[_T]) -> _T:
+        """Run `work` in a write transaction on the store's thread, within `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        job = _Job(loop, work, time.monotonic() + self._timeout_s)
+        with self._start_lock:
+            if self._closed:
+                raise StoreUnavailable(f"SQLite store {self._path}: closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="guards-sqlite", daemon=True)
+                self._thread.start()
+            self._jobs.put(job)
+        job.timer = loop.call_later(self._timeout_s, self._expire, job)
+        try:
+            return await job.future
+        finally:
+            job.timer.cancel()
+            job.abandon()  # no effect once answered; otherwise (cancelled) the thread rolls back
+
+    def _expire(self, job: _Job[Any]) -> None:
+        """The operation's time is up (on the caller's loop)."""
+        if job.future.done():
+            return
+        if job.abandon():
+            job.future.set_exception(self._timed_out())
+        else:  # the thread is committing: the operation happened, so wait a little for its answer
+            job.timer = job.loop.call_later(self._timeout_s, job.fail, self._timed_out())
+
+    def _timed_out(self) -> StoreUnavailable:
+        return StoreUnavailable(f"SQLite store {self._path}: timed out after {self._timeout_s} s")
+
+    def _serve(self) -> None:
+        """The store's thread: runs the queued operations, as many as are waiting (up to
+        `_BATCH`) in each transaction, on its own connection. One transaction per batch rather
+        than per operation: under a burst the thread keeps up with the event loop (each SQLite
+        call hands the GIL over), and one commit writes the batch."""
+        closing = False
+        while not closing:
+            job = self._jobs.get()
+            if job is None:
+                break
+            batch = [job]
+            while len(batch) < _BATCH:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                    break
+                batch.append(job)
+            self._run_batch(batch)
+        self._disconnect()
+
+    def _run_batch(self, batch: list[_Job[Any]]) -> None:
+        error = self._timed_out()
+        while batch:
+            now = time.monotonic()
+            live = []
+            for job in batch:
+                if job.abandoned or now >= job.deadline:
+                    job.fail(error)
+                else:
+                    live.append(job)
+            if not live:
+                return
+            try:
+                batch = self._transact(live)
+            except sqlite3.Error as exc:
+                if not _is_busy(exc):  # cannot open, I/O error, file replaced: start afresh next time
+                    self._disconnect()
+                    reason = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
+                    unavailable = StoreUnavailable(f"SQLite store {self._path}: {reason}")
+                    for job in live:
+                        job.fail(unavailable)
+                    return
+                # Locked until the earliest deadline: those operations fail, the others wait on.
+                error = StoreUnavailable(f"SQLite store {self._path}: database is locked")
+                batch = live
+
+    def _transact(self, jobs: list[_Job[Any]]) -> list[_Job[Any]]:
+        """Run `jobs` in one write transaction and commit it; returns the operations to run
+        again (in a new transaction) when the batch had to be rolled back, else nothing."""
+        deadline = min(job.deadline for job in jobs)
+        conn = self._connect(deadline)
+        _when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))  # the write lock, first
+        try:
+            now = self._clock.time()
+            next_sweep = self._sweep(conn, now) if now >= self._next_sweep else None
+            tx = _Tx(conn)
+            done: list[tuple[_Job[Any], Any]] = []
+            for job in jobs:
+                if job.abandoned:
+                    raise _Redo
+                try:
+                    done.append((job, job.work(tx, self._clock.time())))
+                except sqlite3.Error:
+                    raise
+                except Exception as exc:  # a bug in one operation: its caller gets it, alone
+                    job.fail(exc)
+                    jobs = [j for j in jobs if j is not job]
+                    raise _Redo from None
+            tx.flush()
+            if not all(job.commit() for job, _ in done):  # a caller gave up meanwhile
+                raise _Redo
+            conn.execute("COMMIT")
+        except _Redo:
+            self._rollback(conn)
+            return jobs
+        except BaseException:
+            self._rollback(conn)
+            raise
+        if next_sweep is not None:
+            self._next_sweep = next_sweep
+        for job, result in done:
+            job.succeed(result)
+        return []
+
+    def _connect(self, deadline: float) -> sqlite3.Connection:
+        """The thread's connection: opened on first use, in WAL mode, with the schema."""
+        if self._conn is not None:
+            return self._conn
+        # No SQLite busy handler (timeout 0): `_when_free` is the busy timeout.
+        conn = sqlite3.connect(self._path, timeout=0, isolation_level=None)
+        try:
+            # Switching to WAL (a no-op once the file is) needs the file to itself: SQLite answers
+            # SQLITE_BUSY while another worker opens it at the same moment.
+            _when_free(deadline, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchall())
+            conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable across crashes of workers
+            _when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))
+            try:
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                conn.execute("COMMIT")
+            except BaseException:
+                self._rollback(conn)
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        self._conn = conn
+        return conn
+
+    def _sweep(self, conn: sqlite3.Connection, now: float) -> float:
+        """Delete expired rows (a bounded batch per table); returns when the next sweep is due."""
+        complete = True
+        for statement in _SWEEP.values():
+            if conn.execute(statement, (now,)).rowcount >= _SWEEP_BATCH:
+                complete = False
+        return now + self._sweep_interval_s if complete else now
+
+    def _rollback(self, conn: sqlite3.Connection) -> None:
+        if conn.in_transaction:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:  # closing the connection rolls back too
+                if conn is self._conn:
+                    self._conn = None
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+
+    def _disconnect(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                conn.close()
+
+
+#: Stores of this process, and connections inherited from a parent process (kept, never used).
+_STORES: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
+_INHERITED: list[sqlite3.Connection] = []
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _when_free(deadline: float, attempt: Callable[[], _T]) -> _T:
+    """`attempt()`, retried while the file is locked, until `deadline` (monotonic): the busy
+    timeout. SQLite's own busy handler sleeps in steps growing to 100 ms, so a waiting worker
+    can miss its whole timeout to workers that keep the lock busy with short transactions;
+    polling every 0.1 to 2 ms (with jitter) gets the lock soon after it is released."""
+    delay = 0.0001
+    while True:
+        try:
+            return attempt()
+        except sqlite3.OperationalError as exc:
+            left = deadline - time.monotonic()
+            if not _is_busy(exc) or left <= 0:
+                raise
+        time.sleep(min(delay * (0.5 + random.random()), left))
+        delay = min(2 * delay, 0.002)
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    name = getattr(exc, "sqlite_errorname", "")
+    return name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in str(exc)
