@@ -57,8 +57,10 @@ def scope_for(user: str) -> dict[str, Any]:
     }
 
 
-def guarded_endpoint(fake: FakeBinding | ConstantBinding) -> tuple[Callable[..., Awaitable[Any]], str, str]:
-    guards = Guards(fake)
+def guarded_endpoint(
+    fake: FakeBinding | ConstantBinding, store: Store | None = None
+) -> tuple[Callable[..., Awaitable[Any]], str, str]:
+    guards = Guards(fake, store=store)
 
     @guards.route(model=MODEL, budget=Budget(per_minute=10**9, per_day=10**9, key=header_key("x-user-id")))
     async def label(ai: AI[Label]) -> Label:
@@ -146,16 +148,8 @@ async def redis_round_trips(url: str, requests: int = 500) -> float:
     """Round trips to Redis per guarded request (success path, closed breaker)."""
     import redis.asyncio as redis
 
-    fake = ConstantBinding()
-    guards = Guards(fake, store=RedisStore(url))
-
-    @guards.route(model=MODEL, budget=Budget(per_minute=10**9, per_day=10**9, key=header_key("x-user-id")))
-    async def label(ai: AI[Label]) -> Label:
-        return await ai.run(INPUTS)
-
-    params = inspect.signature(label).parameters.values()
-    request_param = next(p.name for p in params if p.annotation is Request)
-    response_param = next(p.name for p in params if p.annotation is Response)
+    store = RedisStore(url)
+    label, request_param, response_param = guarded_endpoint(ConstantBinding(), store)
     await label(**{request_param: Request(scope_for("warm-up")), response_param: Response()})
     admin = redis.Redis.from_url(url)
     before = await _commands(admin)
@@ -163,7 +157,7 @@ async def redis_round_trips(url: str, requests: int = 500) -> float:
         await label(**{request_param: Request(scope_for(f"user-{i}")), response_param: Response()})
     after = await _commands(admin)
     await admin.aclose()
-    await guards.aclose()
+    await store.aclose()
     return (after - before) / requests
 
 

@@ -215,19 +215,11 @@ class AI(Generic[T]):
             await self._guards.store.settle_spend(self._budget_key, reservation, actual=actual)
         except StoreUnavailable:
             # The hold lapses by itself; the cost it stood for stays unrecorded.
-            emit_warning(
-                "store_unavailable",
-                guard="budget",
-                op="settle_spend",
-                route=route.name,
-                trace_id=self.trace_id,
-            )
+            self._warn_store("budget", op="settle_spend")
 
     def _store_failed(self, guard: str, mode: str) -> None:
         """The store did not answer a guard's check: admit (fail open) or refuse (fail closed)."""
-        emit_warning(
-            "store_unavailable", guard=guard, mode=mode, route=self._route.name, trace_id=self.trace_id
-        )
+        self._warn_store(guard, mode=mode)
         if mode == "closed":
             raise GuardTripped(
                 Reason.circuit_open,
@@ -296,13 +288,12 @@ class AI(Generic[T]):
                 )
             except StoreUnavailable:
                 # The outcome is lost; a lost probe's slot is reclaimed after the reset timeout.
-                emit_warning(
-                    "store_unavailable",
-                    guard="breaker",
-                    op="breaker_record",
-                    route=route.name,
-                    trace_id=self.trace_id,
-                )
+                self._warn_store("breaker", op="breaker_record")
+
+    def _warn_store(self, guard: str, **fields: str) -> None:
+        emit_warning(
+            "store_unavailable", guard=guard, route=self._route.name, trace_id=self.trace_id, **fields
+        )
 
     def _count_attempt(self) -> None:
         self.attempts += 1

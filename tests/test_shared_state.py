@@ -175,6 +175,18 @@ async def concurrent_posts(app: FastAPI, count: int) -> list[dict[str, Any]]:
     return [r.json() for r in responses]
 
 
+def test_daily_cap_is_exact_under_a_burst_for_each_store(
+    make_store: Callable[[ManualClock], Store], manual_clock: ManualClock
+) -> None:
+    """200 concurrent requests from one user against a daily cap of 20, in one process."""
+    fake = FakeBinding(Reply("ok", delay_s=0.01))
+    app = guarded_app(make_store(manual_clock), fake, budget=Budget(per_day=20, key=header_key("x-user-id")))
+    bodies = anyio.run(concurrent_posts, app, 200)
+    assert len(fake.calls) == 20
+    assert sum(b["fallback"] is None for b in bodies) == 20
+    assert {b["fallback"]["reason"] for b in bodies if b["fallback"]} == {"budget_exceeded"}
+
+
 def test_half_open_stampede_lets_exactly_one_probe_through(
     make_store: Callable[[ManualClock], Store], manual_clock: ManualClock
 ) -> None:

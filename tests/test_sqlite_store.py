@@ -9,6 +9,7 @@ import asyncio
 import multiprocessing
 import queue
 import sqlite3
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
@@ -19,7 +20,7 @@ import pytest
 
 from fixtures import ManualClock
 from guards import Breaker, CircuitState, Outcome
-from guards.stores import SQLiteStore, Store, StoreUnavailable
+from guards.stores import Admission, SQLiteStore, Store, StoreUnavailable
 from guards.stores._base import DAILY_TTL_S
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
@@ -425,6 +426,82 @@ def test_concurrent_operations_on_a_locked_file_all_give_up_within_the_timeout(
             assert all(isinstance(a, StoreUnavailable) for a in answers), answers
             locker.execute("ROLLBACK")
         assert (await store.charge_budget("k", per_minute=None, per_day=1)).allowed  # none counted
+
+    asyncio.run(scenario())
+
+
+def test_a_pause_of_this_process_longer_than_the_timeout_is_not_a_store_outage(
+    path: Path, clock: ManualClock
+) -> None:
+    """A garbage collection (or any code holding the GIL) stalls the store's thread as much as
+    the event loop: operations held up by it, not by the file, still get their answer."""
+    store = SQLiteStore(path, clock=clock, timeout_s=0.05)
+
+    async def scenario() -> None:
+        assert await store.spent("warm") == 0
+        charges = [
+            asyncio.create_task(store.charge_budget("k", per_minute=None, per_day=100)) for _ in range(10)
+        ]
+        await asyncio.sleep(0)  # the operations are queued, their timers running
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(10.0)  # this thread keeps the GIL while it runs, as a collection does
+        try:
+            end = time.monotonic() + 0.1
+            while time.monotonic() < end:
+                pass
+        finally:
+            sys.setswitchinterval(previous)
+        answers = await asyncio.gather(*charges)
+        assert all(a.allowed for a in answers)
+        await store.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_operation_has_no_effect(store: SQLiteStore, path: Path) -> None:
+    async def scenario() -> None:
+        assert await store.spent("warm") == 0
+        with peek(path) as locker:
+            locker.execute("BEGIN EXCLUSIVE")  # the store's thread will wait for the lock
+            charge = asyncio.create_task(store.charge_budget("k", per_minute=None, per_day=1))
+            await asyncio.sleep(0)  # queued
+            charge.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await charge
+            locker.execute("ROLLBACK")
+        assert (await store.charge_budget("k", per_minute=None, per_day=1)).allowed  # nothing charged
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_operation_fails_alone_in_its_transaction(path: Path, clock: ManualClock) -> None:
+    """Operations queued together share one transaction; one that fails (here on a row the
+    store did not write) gets `StoreUnavailable`, and the others are answered as usual."""
+    store = SQLiteStore(path, clock=clock, timeout_s=5)
+    policy = Breaker(failure_threshold=1, reset_timeout_s=30)
+
+    async def scenario() -> None:
+        await store.breaker_record("broken", policy, Outcome.failure, probe=None)
+        with peek(path) as locker:
+            locker.execute("UPDATE guards_breaker SET state = 'not json'")
+            locker.execute("BEGIN EXCLUSIVE")
+            first = asyncio.create_task(store.spent("team"))  # the thread waits for the lock
+            await asyncio.sleep(0)
+            together = asyncio.gather(
+                store.charge_budget("k", per_minute=1, per_day=1),
+                store.breaker_admit("broken", policy),
+                store.charge_budget("k2", per_minute=1, per_day=1),
+                return_exceptions=True,
+            )
+            await asyncio.sleep(0)  # queued while the file is locked: one batch (maybe with `first`)
+            locker.execute("ROLLBACK")
+            assert await first == 0
+            charged, broken, charged_too = await together
+        assert charged == Admission(True)
+        assert charged_too == Admission(True)
+        assert isinstance(broken, StoreUnavailable)
+        assert row_counts(path)["guards_counter"] == 2  # both charges committed, once each
+        await store.aclose()
 
     asyncio.run(scenario())
 

@@ -1,12 +1,11 @@
 """`SQLiteStore`: state in one SQLite file, shared by the workers of one machine.
 
 Zero set-up: the file and its tables are created on first use (`CREATE TABLE IF NOT EXISTS`,
-so several workers may start at once); the file is put in WAL mode (readers never block the
-writer, nor the writer them) and every connection waits for the write lock at most the store's
-`timeout_s` (the busy timeout).
+so several workers may start at once), and the file is put in WAL mode (readers never block
+the writer, nor the writer them).
 
 Schema: one row per piece of state, each with an `expires_at` (seconds since the epoch, store
-time, never NULL):
+time, `NOT NULL`):
 
 - `guards_rate (key, ts, expires_at)`: one row per request admitted under a `per_minute` limit,
   at `ts`, kept until `ts + 60` (so a key's last row goes a minute after its last admission);
@@ -18,27 +17,32 @@ time, never NULL):
 - `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
   `policy.ttl_s` after its last use. A closed breaker with no failures keeps no row.
 
-Atomicity: every operation is one `BEGIN IMMEDIATE` transaction (the write lock is taken before
-anything is read, so no other worker can write in between) whose check and charge is one
+Atomicity: operations run inside `BEGIN IMMEDIATE` transactions (the write lock is taken before
+anything is read, so no other worker can write until COMMIT), and each check and charge is one
 conditional statement: `INSERT ... SELECT ... WHERE <the limit allows>` (with `ON CONFLICT DO
 UPDATE ... WHERE` for counters), whose row count or `RETURNING` says whether it was admitted.
 The breaker's state machine is the exception: its row is read and the result of the pure
-`admit` / `record` written back within one `BEGIN IMMEDIATE` transaction, which is atomic because
-the write lock is held from its start. Python never decides a write from a value it read outside
-the write lock; the one read outside it (`breaker_admit` finding no row: closed and healthy)
-decides that nothing is written.
+`admit` / `record` written back within the transaction, which is atomic because the write lock
+is held from its start. Python never decides a write from a value read outside the write lock.
 
 Time: `clock.time()`, read inside the transaction (one machine: every worker shares the
 machine's clock). Expired rows are ignored on read, and deleted by a sweep run at most once per
 `sweep_interval_s` of store time per store, at most `_SWEEP_BATCH` rows per table at a time.
 
-Threads: each store has one dedicated thread owning one connection; the `async` methods hand
-their work to it and wait at most `timeout_s` (queueing plus the busy timeout), then raise
-`StoreUnavailable`. A transaction whose caller gave up is rolled back rather than committed, so
-`StoreUnavailable` means the operation had no effect (unless its commit had already begun when
-the time ran out: then the caller waits up to `timeout_s` more for that commit's answer). A
-store is not tied to an event loop, and a process forked after using it starts a thread and a
-connection of its own.
+Threads: each store has one dedicated thread owning one connection. The `async` methods queue
+their work for it; it runs what is queued (up to `_BATCH` operations) in one transaction, one
+operation after the other, so a burst costs one lock acquisition and one commit rather than one
+per operation (and far fewer GIL hand-overs between the event loop and the thread).
+
+Timeouts: waiting for the file's write lock (the busy timeout) is bounded by `timeout_s` per
+operation; past it the operation raises `StoreUnavailable`, as when the file cannot be opened.
+An operation held up by its own process instead (a busy event loop, the GIL, a garbage
+collection pause: they stall the store's thread too) gets one more `timeout_s` before it gives
+up, so a worker's own pause does not read as a store outage; no operation waits longer than
+`2 * timeout_s`. An operation whose caller gave up is skipped, or its transaction rolled back
+rather than committed, so `StoreUnavailable` means the operation had no effect (unless the
+commit itself outlasted the second `timeout_s`). A store is not tied to an event loop, and a
+process forked after using it starts a thread and a connection of its own.
 """
 
 from __future__ import annotations
@@ -189,7 +193,10 @@ class _Tx:
         item = self._breakers.get(key)
         if item is None:
             row = self.conn.execute(_BREAKER, {"key": key}).fetchone()
-            item = (CLOSED, None) if row is None else (_load_breaker(row[0]), float(row[1]))
+            try:
+                item = (CLOSED, None) if row is None else (_load_breaker(row[0]), float(row[1]))
+            except (ValueError, TypeError):  # not written by this store: a store error
+                raise StoreUnavailable("SQLite store: a breaker row is unreadable") from None
             self._breakers[key] = item
         state, expires = item
         return state if expires is not None and expires > now else CLOSED
@@ -221,7 +228,7 @@ class _Job(Generic[_T]):
     and who decides its fate when time runs out (the caller abandons it, or the thread has
     begun committing it, and then its answer stands)."""
 
-    __slots__ = ("abandoned", "committing", "deadline", "future", "lock", "loop", "timer", "work")
+    __slots__ = ("abandoned", "committing", "deadline", "future", "graced", "lock", "loop", "timer", "work")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, work: _Work[_T], deadline: float) -> None:
         self.loop = loop
@@ -232,6 +239,7 @@ class _Job(Generic[_T]):
         self.lock = threading.Lock()
         self.abandoned = False
         self.committing = False
+        self.graced = False
 
     def abandon(self) -> bool:
         """Give up on the operation; False if it is already committing (its answer stands)."""
@@ -297,6 +305,8 @@ class SQLiteStore:
         # Owned by the store's thread:
         self._conn: sqlite3.Connection | None = None
         self._next_sweep = 0.0
+        #: True while the thread waits for another connection to release the file's lock.
+        self._lock_wait = False
         _STORES.add(self)
 
     def _after_fork(self) -> None:
@@ -461,13 +471,18 @@ class SQLiteStore:
             job.abandon()  # no effect once answered; otherwise (cancelled) the thread rolls back
 
     def _expire(self, job: _Job[Any]) -> None:
-        """The operation's time is up (on the caller's loop)."""
+        """The operation's time is up (on the caller's loop). If the store's thread is waiting
+        for the file's lock, the store is slow: give up (the thread skips or rolls back the
+        operation). Otherwise this process held the operation up (a busy event loop, the GIL,
+        a garbage collection pause), or its commit has begun: wait once more, then give up."""
         if job.future.done():
             return
-        if job.abandon():
-            job.future.set_exception(self._timed_out())
-        else:  # the thread is committing: the operation happened, so wait a little for its answer
-            job.timer = job.loop.call_later(self._timeout_s, job.fail, self._timed_out())
+        if not job.graced and (not self._lock_wait or not job.abandon()):
+            job.graced = True
+            job.timer = job.loop.call_later(self._timeout_s, self._expire, job)
+            return
+        job.abandon()
+        job.future.set_exception(self._timed_out())
 
     def _timed_out(self) -> StoreUnavailable:
         return StoreUnavailable(f"SQLite store {self._path}: timed out after {self._timeout_s} s")
@@ -492,17 +507,19 @@ class SQLiteStore:
                     closing = True
                     break
                 batch.append(job)
-            self._run_batch(batch)
+            try:
+                self._run_batch(batch)
+            except Exception as exc:  # a bug: answer every caller, and keep serving
+                for job in batch:
+                    job.fail(exc)
         self._disconnect()
 
     def _run_batch(self, batch: list[_Job[Any]]) -> None:
-        error = self._timed_out()
         while batch:
-            now = time.monotonic()
             live = []
             for job in batch:
-                if job.abandoned or now >= job.deadline:
-                    job.fail(error)
+                if job.abandoned:  # its caller gave up: skip it
+                    job.fail(self._timed_out())
                 else:
                     live.append(job)
             if not live:
@@ -517,24 +534,31 @@ class SQLiteStore:
                     for job in live:
                         job.fail(unavailable)
                     return
-                # Locked until the earliest deadline: those operations fail, the others wait on.
-                error = StoreUnavailable(f"SQLite store {self._path}: database is locked")
-                batch = live
+                # Locked past the earliest deadline: those operations fail, the others wait on.
+                locked = StoreUnavailable(f"SQLite store {self._path}: database is locked")
+                now, batch = time.monotonic(), []
+                for job in live:
+                    if now >= job.deadline:
+                        job.abandon()
+                        job.fail(locked)
+                    else:
+                        batch.append(job)
 
     def _transact(self, jobs: list[_Job[Any]]) -> list[_Job[Any]]:
         """Run `jobs` in one write transaction and commit it; returns the operations to run
         again (in a new transaction) when the batch had to be rolled back, else nothing."""
         deadline = min(job.deadline for job in jobs)
         conn = self._connect(deadline)
-        _when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))  # the write lock, first
+        self._when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))  # the write lock, first
         try:
             now = self._clock.time()
             next_sweep = self._sweep(conn, now) if now >= self._next_sweep else None
             tx = _Tx(conn)
             done: list[tuple[_Job[Any], Any]] = []
             for job in jobs:
-                if job.abandoned:
-                    raise _Redo
+                if job.abandoned:  # its caller gave up before it ran: leave it out
+                    job.fail(self._timed_out())
+                    continue
                 try:
                     done.append((job, job.work(tx, self._clock.time())))
                 except sqlite3.Error:
@@ -568,9 +592,9 @@ class SQLiteStore:
         try:
             # Switching to WAL (a no-op once the file is) needs the file to itself: SQLite answers
             # SQLITE_BUSY while another worker opens it at the same moment.
-            _when_free(deadline, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchall())
+            self._when_free(deadline, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchall())
             conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable across crashes of workers
-            _when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))
+            self._when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))
             try:
                 for statement in _SCHEMA:
                     conn.execute(statement)
@@ -583,6 +607,26 @@ class SQLiteStore:
             raise
         self._conn = conn
         return conn
+
+    def _when_free(self, deadline: float, attempt: Callable[[], _T]) -> _T:
+        """`attempt()`, retried while the file is locked, until `deadline` (monotonic): the busy
+        timeout. SQLite's own busy handler sleeps in steps growing to 100 ms, so a waiting worker
+        can miss its whole timeout to workers that keep the lock busy with short transactions;
+        polling every 0.1 to 2 ms (with jitter) gets the lock soon after it is released."""
+        delay = 0.0001
+        try:
+            while True:
+                try:
+                    return attempt()
+                except sqlite3.OperationalError as exc:
+                    left = deadline - time.monotonic()
+                    if not _is_busy(exc) or left <= 0:
+                        raise
+                self._lock_wait = True
+                time.sleep(min(delay * (0.5 + random.random()), left))
+                delay = min(2 * delay, 0.002)
+        finally:
+            self._lock_wait = False
 
     def _sweep(self, conn: sqlite3.Connection, now: float) -> float:
         """Delete expired rows (a bounded batch per table); returns when the next sweep is due."""
@@ -620,23 +664,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _when_free(deadline: float, attempt: Callable[[], _T]) -> _T:
-    """`attempt()`, retried while the file is locked, until `deadline` (monotonic): the busy
-    timeout. SQLite's own busy handler sleeps in steps growing to 100 ms, so a waiting worker
-    can miss its whole timeout to workers that keep the lock busy with short transactions;
-    polling every 0.1 to 2 ms (with jitter) gets the lock soon after it is released."""
-    delay = 0.0001
-    while True:
-        try:
-            return attempt()
-        except sqlite3.OperationalError as exc:
-            left = deadline - time.monotonic()
-            if not _is_busy(exc) or left <= 0:
-                raise
-        time.sleep(min(delay * (0.5 + random.random()), left))
-        delay = min(2 * delay, 0.002)
 
 
 def _is_busy(exc: sqlite3.Error) -> bool:
