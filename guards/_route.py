@@ -134,9 +134,9 @@ class AI(Generic[T]):
             inputs = {**inputs, "response_format": route.response_format}
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
-        probe, record_success = await self._admit()
+        probe, record_success = await self._admit() if route.breaker is not None else (None, False)
         try:
-            if not self._charged:
+            if not self._charged and route.budget is not None:
                 await self._charge(inputs)
             self._charged = True
             result = await self._call(inputs)
@@ -484,9 +484,13 @@ def request_trace_id(request: Request) -> str:
 
 
 def _trace_id(request: Request) -> str:
-    given = request.headers.get("x-trace-id")
-    if given and _TRACE_ID.match(given):
-        return given
+    # The raw ASGI headers (lower-case names), scanned once: cheaper than building `Headers`.
+    for name, value in request.scope["headers"]:
+        if name == b"x-trace-id":
+            given: str = value.decode("latin-1")
+            if _TRACE_ID.match(given):
+                return given
+            break
     return os.urandom(16).hex()
 
 
