@@ -37,6 +37,7 @@ from ._classify import Classification, Kind
 from ._envelope import Envelope, ErrorCode, FallbackInfo, GuardName, Reason
 from ._errors import ConfigurationError, GuardTripped, ProviderError
 from ._log import emit, emit_warning, logger
+from ._metrics import STORE_UNAVAILABLE
 from ._output import Moderation, OutputGuard
 from ._responses import PublicError, error_response, public_error
 from .stores import StoreUnavailable
@@ -216,10 +217,12 @@ class AI(Generic[T]):
         except StoreUnavailable:
             # The hold lapses by itself; the cost it stood for stays unrecorded.
             self._warn_store("budget", op="settle_spend")
+            STORE_UNAVAILABLE.labels(guard="budget", action="settle_spend").inc()
 
     def _store_failed(self, guard: str, mode: str) -> None:
         """The store did not answer a guard's check: admit (fail open) or refuse (fail closed)."""
         self._warn_store(guard, mode=mode)
+        STORE_UNAVAILABLE.labels(guard=guard, action=mode).inc()
         if mode == "closed":
             raise GuardTripped(
                 Reason.circuit_open,
@@ -289,6 +292,7 @@ class AI(Generic[T]):
             except StoreUnavailable:
                 # The outcome is lost; a lost probe's slot is reclaimed after the reset timeout.
                 self._warn_store("breaker", op="breaker_record")
+                STORE_UNAVAILABLE.labels(guard="breaker", action="breaker_record").inc()
 
     def _warn_store(self, guard: str, **fields: str) -> None:
         emit_warning(

@@ -19,6 +19,7 @@ import anyio
 import httpx
 import pytest
 from fastapi import FastAPI
+from prometheus_client import REGISTRY
 
 from app.main import create_app
 from fixtures import Fail, FakeBinding, FakeWorkersAI, ManualClock, Reply
@@ -317,8 +318,20 @@ def test_no_url_or_password_in_store_errors(guards_log: Any) -> None:
     store = RedisStore(f"redis://:{secret}@127.0.0.1:{port}/0", timeout_s=0.1)
     fake = FakeBinding(Reply("ok"))
     app = guarded_app(store, fake, budget=Budget(per_day=5, key=header_key("x-user-id")))
+    refused_before = REGISTRY.get_sample_value(
+        "guards_store_unavailable_total", {"guard": "budget", "action": "closed"}
+    )
     bodies = anyio.run(concurrent_posts, app, 2)
     assert all(b["fallback"]["reason"] == "circuit_open" for b in bodies)
+    # The breaker failed open (its default), then the budget failed closed: both counted.
+    refused_after = REGISTRY.get_sample_value(
+        "guards_store_unavailable_total", {"guard": "budget", "action": "closed"}
+    )
+    assert (refused_after or 0) - (refused_before or 0) == 2
+    assert (
+        REGISTRY.get_sample_value("guards_store_unavailable_total", {"guard": "breaker", "action": "open"})
+        or 0
+    ) >= 2
     assert guards_log.events("store_unavailable")
     for line in guards_log.lines:
         assert secret not in line
