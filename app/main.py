@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import FastAPI, Header
-from pydantic import BaseModel, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from guards import AI, Binding, Breaker, Budget, Clock, Guards, GuardTripped, header_key
 from guards.providers import WorkersAI
@@ -31,8 +31,49 @@ DRAFT_PROMPT = (
 SUMMARY_PROMPT = "Label the customer message with a short topic label and your confidence between 0 and 1."
 
 
+#: Whitespace as JSON Schema patterns know it (ECMA-262 `\s`), spelled out, so that what the
+#: OpenAPI document says and what the app accepts agree to the character (Python's `\s` and
+#: `str.strip` differ from it on a few control and format characters).
+_WS = r"\t\n\v\f\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"
+_WS_CHARS = "".join(
+    chr(c)
+    for c in [
+        9,
+        10,
+        11,
+        12,
+        13,
+        32,
+        0xA0,
+        0x1680,
+        *range(0x2000, 0x200B),
+        0x2028,
+        0x2029,
+        0x202F,
+        0x205F,
+        0x3000,
+        0xFEFF,
+    ]
+)
+
+
+def _trim(text: str) -> str:
+    return text.strip(_WS_CHARS)
+
+
 class DraftRequest(BaseModel):
-    message: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=500)]
+    model_config = ConfigDict(regex_engine="python-re")
+
+    #: 1 to 500 characters once trimmed. The pattern says so of the raw input (so clients read
+    #: exactly what is accepted); the value is then trimmed.
+    message: Annotated[
+        str,
+        Field(
+            pattern=f"^[{_WS}]*[^{_WS}](?:[\\s\\S]{{0,498}}[^{_WS}])?[{_WS}]*$",
+            description="1 to 500 characters after trimming.",
+        ),
+        AfterValidator(_trim),
+    ]
 
 
 class DraftReply(BaseModel):
@@ -47,14 +88,10 @@ ReplyText = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1
 
 
 class SummaryRequest(BaseModel):
-    text: str = Field(min_length=1, max_length=4000)
+    model_config = ConfigDict(regex_engine="python-re")
 
-    @field_validator("text")
-    @classmethod
-    def _not_blank(cls, text: str) -> str:
-        if not text.strip():
-            raise ValueError("text is blank")
-        return text
+    #: 1 to 4000 characters, not blank (the pattern: at least one non-whitespace character).
+    text: str = Field(min_length=1, max_length=4000, pattern=f"[^{_WS}]")
 
 
 class Summary(BaseModel):

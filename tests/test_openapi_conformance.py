@@ -46,7 +46,9 @@ def base_url() -> Iterator[str]:
 
 
 @schema.parametrize()
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+# Derandomized: the same examples every run, so CI is never red by chance; raise max_examples
+# (or drop derandomize) locally to explore further.
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_responses_match_the_documentation(case: schemathesis.Case, base_url: str) -> None:
     # 502 and 503 are this service's documented answers to provider failures, so the generic
     # "no 5xx" check is replaced by: never a 500 (this app's handlers do not crash).
