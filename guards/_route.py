@@ -427,7 +427,7 @@ def guard_route(
         response: Response = kwargs.pop(_RESPONSE)
         request.scope[_ENTERED] = True
         started = time.perf_counter()
-        trace_id = _trace_id(request)
+        trace_id = request_trace_id(request)
         # Budget keys are scoped to the route (or the budget's scope): guards:{scope}:{caller}.
         budget_key = f"{budget_prefix}{budget.key(request)}" if budget is not None else None
         ai: AI[Any] = AI(guards, route, budget_key=budget_key, trace_id=trace_id)
@@ -484,10 +484,7 @@ def handler_entered(request: Request) -> bool:
 
 
 def request_trace_id(request: Request) -> str:
-    return _trace_id(request)
-
-
-def _trace_id(request: Request) -> str:
+    """The request's `x-trace-id` when well formed, else a new random one."""
     # The raw ASGI headers (lower-case names), scanned once: cheaper than building `Headers`.
     for name, value in request.scope["headers"]:
         if name == b"x-trace-id":

@@ -147,3 +147,16 @@ def make_store(
     yield make
     for store in made:
         asyncio.run(store.aclose())
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    """The time of the stores under test (modules override it to start at a chosen instant)."""
+    return ManualClock()
+
+
+@pytest.fixture
+def store(make_store: Callable[[ManualClock], Store], clock: ManualClock) -> Store:
+    """A fresh store of each kind (memory, SQLite, Redis) on `clock`: the guards' state behaves
+    alike in all."""
+    return make_store(clock)

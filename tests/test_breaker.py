@@ -6,7 +6,6 @@ Time only moves when the test moves the `ManualClock`; nothing sleeps.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 
@@ -15,17 +14,6 @@ from guards import Breaker, CircuitState, Outcome
 from guards.stores import Store
 
 KEY = "breaker:@cf/test/model"
-
-
-@pytest.fixture
-def clock() -> ManualClock:
-    return ManualClock()
-
-
-@pytest.fixture
-def store(make_store: Callable[[ManualClock], Store], clock: ManualClock) -> Store:
-    """A fresh store of each kind (memory, SQLite, Redis): the breaker behaves alike in all."""
-    return make_store(clock)
 
 
 async def fail_closed_calls(store: Store, policy: Breaker, n: int) -> None:

@@ -30,8 +30,7 @@ from redis.crc import key_slot
 from fixtures import ManualClock
 from fixtures.redis_server import RedisServer, free_port
 from guards import Breaker, CircuitState, Outcome
-from guards.stores import MemoryStore, RedisStore, Store, StoreUnavailable
-from guards.stores._base import DAILY_TTL_S, utc_day
+from guards.stores import DAILY_TTL_S, MemoryStore, RedisStore, Store, StoreUnavailable, utc_day
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600

@@ -20,8 +20,7 @@ import pytest
 
 from fixtures import ManualClock
 from guards import Breaker, CircuitState, Outcome
-from guards.stores import Admission, SQLiteStore, Store, StoreUnavailable
-from guards.stores._base import DAILY_TTL_S
+from guards.stores import DAILY_TTL_S, Admission, SQLiteStore, Store, StoreUnavailable
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600  # 01:00 UTC

@@ -9,7 +9,6 @@ import gc
 import random
 import tracemalloc
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,7 @@ import pytest
 import guards
 from fixtures import ManualClock
 from guards import Breaker, Outcome
-from guards.stores import Admission, MemoryStore, Store
-from guards.stores._base import DAILY_TTL_S
+from guards.stores import DAILY_TTL_S, Admission, MemoryStore, Store
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600  # 01:00 UTC: every test starts here
@@ -28,12 +26,6 @@ NEXT_MIDNIGHT = MIDNIGHT + 86_400
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(T0)
-
-
-@pytest.fixture
-def store(make_store: Callable[[ManualClock], Store], clock: ManualClock) -> Store:
-    """A fresh store of each kind (memory, SQLite, Redis): budgets behave alike in all."""
-    return make_store(clock)
 
 
 @pytest.fixture

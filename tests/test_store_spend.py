@@ -4,7 +4,6 @@ cost, lapse when their worker never settles, and days are UTC days of the store'
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 import pytest
 
@@ -18,11 +17,6 @@ T0 = MIDNIGHT + 3_600  # 01:00 UTC
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(T0)
-
-
-@pytest.fixture
-def store(make_store: Callable[[ManualClock], Store], clock: ManualClock) -> Store:
-    return make_store(clock)
 
 
 def test_holds_count_against_the_cap_until_settled(store: Store) -> None:

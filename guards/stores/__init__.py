@@ -1,6 +1,7 @@
 """Where budget counters, spend and breaker state live."""
 
 from ._base import (
+    DAILY_TTL_S,
     Admission,
     BreakerDecision,
     BreakerState,
@@ -8,6 +9,7 @@ from ._base import (
     SpendReservation,
     Store,
     StoreUnavailable,
+    utc_day,
 )
 from ._memory import MemoryStore
 from ._redis import RedisStore
@@ -15,6 +17,7 @@ from ._sqlite import SQLiteStore
 from ._url import open_store
 
 __all__ = [
+    "DAILY_TTL_S",
     "Admission",
     "BreakerDecision",
     "BreakerState",
@@ -26,4 +29,5 @@ __all__ = [
     "Store",
     "StoreUnavailable",
     "open_store",
+    "utc_day",
 ]
