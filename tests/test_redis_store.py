@@ -113,6 +113,8 @@ def every_operation(store: Store) -> list[tuple[str, Callable[[], Awaitable[obje
         ("spent", lambda: store.spent("k")),
         ("breaker_admit", lambda: store.breaker_admit("k", POLICY)),
         ("breaker_record", lambda: store.breaker_record("k", POLICY, Outcome.failure, probe=None)),
+        ("cooldowns", lambda: store.cooldowns(["k"])),  # one key: one EVALSHA
+        ("start_cooldown", lambda: store.start_cooldown("k", 30)),
     ]
 
 

@@ -63,7 +63,7 @@ def row_counts(path: Path) -> dict[str, int]:
 
 async def leave_state_everywhere(store: Store, clock: ManualClock) -> Breaker:
     """Rows in every table: a rate window, a daily counter, a live hold, settled spend, an open
-    breaker and a closed one that counts failures. Returns the breakers' policy."""
+    breaker and a closed one that counts failures, a cooldown. Returns the breakers' policy."""
     policy = Breaker(failure_threshold=2, reset_timeout_s=30)
     assert (await store.charge_budget("user", per_minute=5, per_day=10)).allowed
     hold = await store.reserve_spend("team", amount=3, cap=10, hold_s=120)
@@ -73,6 +73,7 @@ async def leave_state_everywhere(store: Store, clock: ManualClock) -> Breaker:
     for _ in range(2):
         await store.breaker_record("breaker:open", policy, Outcome.failure, probe=None)
     await store.breaker_record("breaker:flaky", policy, Outcome.failure, probe=None)
+    await store.start_cooldown("openai:gpt-4o-mini", 30)
     return policy
 
 
@@ -94,7 +95,14 @@ def test_every_table_has_expires_at_and_every_row_sets_it(
 ) -> None:
     asyncio.run(leave_state_everywhere(store, clock))
     counts = row_counts(path)
-    assert set(counts) == {"guards_rate", "guards_counter", "guards_spend", "guards_hold", "guards_breaker"}
+    assert set(counts) == {
+        "guards_rate",
+        "guards_counter",
+        "guards_spend",
+        "guards_hold",
+        "guards_breaker",
+        "guards_cooldown",
+    }
     assert all(counts.values()), counts  # the scenario left rows in every table
     with peek(path) as conn:
         for table in tables(conn):

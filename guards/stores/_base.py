@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -126,6 +127,16 @@ class Store(Protocol):
         self, key: str, policy: Breaker, outcome: Outcome, *, probe: float | None
     ) -> BreakerState:
         """Record one guarded call's outcome; `probe` is the ticket `breaker_admit` returned."""
+        ...
+
+    async def cooldowns(self, keys: Sequence[str]) -> tuple[float, ...]:
+        """Seconds left on each key's cooldown (0.0 for a key not cooling down), read in one
+        step: a fallback chain reads all its models' cooldowns at once."""
+        ...
+
+    async def start_cooldown(self, key: str, seconds: float) -> None:
+        """Cool `key` down for `seconds` from now (the store's clock), in one atomic step.
+        Never shortens a cooldown already running; the key expires when its cooldown ends."""
         ...
 
     async def aclose(self) -> None: ...

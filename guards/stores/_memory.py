@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome
@@ -105,6 +106,16 @@ class MemoryStore:
         state = breaker_record(self._get(key, now, (CLOSED, 0.0))[0], policy, now, outcome, probe=probe)
         self._put_breaker(key, state, policy, now)
         return state
+
+    async def cooldowns(self, keys: Sequence[str]) -> tuple[float, ...]:
+        now = self._tick()
+        return tuple(max(0.0, self._get(key, now, (now, 0.0))[0] - now) for key in keys)
+
+    async def start_cooldown(self, key: str, seconds: float) -> None:
+        now = self._tick()
+        until = max(now + seconds, self._get(key, now, (now, 0.0))[0])
+        if until > now:
+            self._data[key] = (until, until)
 
     async def aclose(self) -> None:
         self._data.clear()

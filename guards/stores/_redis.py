@@ -2,7 +2,9 @@
 
 One round trip per operation: each operation is one `EVALSHA` of a single Lua script (loaded once
 with `SCRIPT LOAD`, reloaded on `NOSCRIPT`) that does the whole check-and-charge atomically on
-the server. Nothing is read in Python and written back.
+the server. Nothing is read in Python and written back. The one multi-key operation,
+`cooldowns(keys)`, is one `EVALSHA` per key (each touching its own key only), all sent in one
+pipeline: still one round trip for a whole fallback chain.
 
 Keys (`<prefix>` is the store's; `{<key>}` is a Redis Cluster hash tag holding the guard's key,
 with `%`, `{` and `}` percent-escaped, so every key of one operation lives in one slot):
@@ -15,7 +17,16 @@ with `%`, `{` and `}` percent-escaped, so every key of one operation lives in on
   total) and one field `h:<reservation>` = `"<amount> <expires_at>"` per hold, kept
   `DAILY_TTL_S` from the last hold;
 - `<prefix>{<key>}:breaker`: the breaker state (one string), kept `Breaker.ttl_s` after its
-  last write; a closed breaker without failures has no key.
+  last write; a closed breaker without failures has no key;
+- `<prefix>{<key>}:cooldown`: the time a cooldown ends (store time, `%.17g`), kept until then
+  (set with `PX` in the script that writes it); no key while not cooling down.
+
+Cooldowns of different keys live in different slots (each its own hash tag, like every other
+key), so `cooldowns(keys)` never sends a multi-key script (a cross-slot error on Redis Cluster):
+each key's read is an `EVALSHA` of its own, single-slot and atomic, and the reads of one call go
+out together in one pipeline (one round trip). They are not one transaction across keys: each
+key's answer is exact at its own instant, microseconds apart, which a fallback chain's choice
+does not notice.
 
 The script builds the daily keys' names itself (the day comes from the store's time), from the
 stem it is given in KEYS (`...:day:`, `...:spend:`): same hash tag, so the same slot.
@@ -216,6 +227,24 @@ local function spent()
   return {settled or '0'}
 end
 
+-- cooldown: KEYS = {cooldown key}. Returns {seconds left} ('0' when not cooling down). A key
+-- whose end has passed on the store's clock (an injected clock in tests) counts as gone.
+local function cooldown_left()
+  local ends = tonumber(redis.call('GET', KEYS[1]) or '')
+  if ends == nil or ends <= now then return {'0'} end
+  return {fmt(ends - now)}
+end
+
+-- cool: KEYS = {cooldown key}; ARGV[3] seconds (> 0). Never shortens a running cooldown; the
+-- key expires when the cooldown ends.
+local function start_cooldown()
+  local ends = now + tonumber(ARGV[3])
+  local current = tonumber(redis.call('GET', KEYS[1]) or '')
+  if ends <= now or (current ~= nil and current >= ends) then return {} end
+  redis.call('SET', KEYS[1], fmt(ends), 'PX', string.format('%d', math.ceil((ends - now) * 1000)))
+  return {}
+end
+
 -- Breakers: guards._breaker.admit / record, ported line for line. The state is one string:
 -- "state opened_at probes last_probe_at successes probe_since expires_at failures", failures
 -- comma-separated or '-'. expires_at (now + ttl_s at the last write) makes a key read after
@@ -359,6 +388,8 @@ if op == 'reserve' then return reserve_spend() end
 if op == 'settle' then return settle_spend() end
 if op == 'spent' then return spent() end
 if op == 'now' then return {fmt(now)} end
+if op == 'cooldown' then return cooldown_left() end
+if op == 'cool' then return start_cooldown() end
 if op == 'admit' then
   local s, decision = admit(load_breaker(KEYS[1]))
   save_breaker(KEYS[1], s, policy.ttl_s)
@@ -506,6 +537,20 @@ class RedisStore:
             probe_since=float(probe_since),
         )
 
+    async def cooldowns(self, keys: Sequence[str]) -> tuple[float, ...]:
+        if not keys:
+            return ()
+        now = self._now_arg()
+        replies = await self._run_all(
+            [self._command("cooldown", [self._key(key) + ":cooldown"], now) for key in keys]
+        )
+        return tuple(float(reply[0]) for reply in replies)
+
+    async def start_cooldown(self, key: str, seconds: float) -> None:
+        if not seconds > 0:
+            return  # nothing to start, and a running cooldown is never shortened
+        await self._run("cool", [self._key(key) + ":cooldown"], _num(seconds))
+
     async def aclose(self) -> None:
         """Close the clients: this loop's now, other running loops' in their own loop. Clients
         of loops that already shut down were closed then. The store stays usable."""
@@ -523,13 +568,24 @@ class RedisStore:
     def _key(self, key: str) -> str:
         return f"{self._prefix}{{{_tag(key)}}}"
 
+    def _now_arg(self) -> str:
+        """The script's time argument: '' (Redis TIME) unless the store has a clock."""
+        return "" if self._clock is None else _num(self._clock.time())
+
+    @staticmethod
+    def _command(op: str, keys: Sequence[str], now: str, *args: str) -> tuple[Any, ...]:
+        return ("EVALSHA", _SHA, len(keys), *keys, op, now, *args)
+
     async def _run(self, op: str, keys: Sequence[str], *args: str) -> list[str]:
-        """One operation: one EVALSHA. Sent at once when nothing else is in flight in this loop;
-        otherwise queued and sent with every operation queued meanwhile, in one pipeline (a burst
-        costs a few round trips, not one each). Any failure to get an answer from Redis raises
-        `StoreUnavailable`."""
-        now = "" if self._clock is None else _num(self._clock.time())
-        command = ("EVALSHA", _SHA, len(keys), *keys, op, now, *args)
+        """One operation: one EVALSHA (see `_run_all`)."""
+        (reply,) = await self._run_all([self._command(op, keys, self._now_arg(), *args)])
+        return reply
+
+    async def _run_all(self, commands: list[tuple[Any, ...]]) -> list[list[str]]:
+        """EVALSHAs sent together, in one round trip: at once when nothing else is in flight in
+        this loop; otherwise queued and sent with every operation queued meanwhile, in one
+        pipeline (a burst costs a few round trips, not one each). Any failure to get an answer
+        from Redis, to any of them, raises `StoreUnavailable`."""
         link = await self._link()
         try:
             if not self._loaded:
@@ -542,21 +598,26 @@ class RedisStore:
             if link.in_flight == 0:
                 link.in_flight += 1
                 try:
-                    (reply,) = await self._send(link.client, [command])
+                    replies = await self._send(link.client, commands)
                 finally:
                     link.in_flight -= 1
-                if isinstance(reply, Exception):
-                    raise reply
-                return [str(x) for x in reply]
+                for reply in replies:
+                    if isinstance(reply, Exception):
+                        raise reply
+                return [[str(x) for x in reply] for reply in replies]
         except (RedisError, OSError) as exc:
             raise _unavailable(exc) from None
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in commands]
         if not link.queue:  # the first to wait: send the queue once the loop has run the others
             flush = asyncio.create_task(self._flush(link))
             link.flushes.add(flush)
             flush.add_done_callback(link.flushes.discard)
-        link.queue.append((command, future))
-        return [str(x) for x in await future]
+        link.queue.extend(zip(commands, futures, strict=True))  # in the same pipeline
+        if len(futures) == 1:
+            return [[str(x) for x in await futures[0]]]
+        # gather: a failure answers at once, and the other futures' failures count as seen.
+        return [[str(x) for x in reply] for reply in await asyncio.gather(*futures)]
 
     async def _flush(self, link: _Link) -> None:
         """Send every operation queued so far in this loop: one round trip for all of them."""

@@ -15,7 +15,9 @@ time, `NOT NULL`):
   `DAILY_TTL_S` after its first settlement;
 - `guards_hold (id, key, amount, expires_at)`: a spend hold, kept `hold_s` (then it lapses);
 - `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
-  `policy.ttl_s` after its last use. A closed breaker with no failures keeps no row.
+  `policy.ttl_s` after its last use. A closed breaker with no failures keeps no row;
+- `guards_cooldown (key, expires_at)`: a cooldown, which ends (and whose row expires) at
+  `expires_at`. Starting one is one upsert that only ever moves `expires_at` later.
 
 Atomicity: operations run inside `BEGIN IMMEDIATE` transactions (the write lock is taken before
 anything is read, so no other worker can write until COMMIT), and each check and charge is one
@@ -57,7 +59,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -81,7 +83,7 @@ __all__ = ["SQLiteStore"]
 _T = TypeVar("_T")
 
 #: Tables of the store, each with an `expires_at` column that the sweep relies on.
-TABLES = ("guards_rate", "guards_counter", "guards_spend", "guards_hold", "guards_breaker")
+TABLES = ("guards_rate", "guards_counter", "guards_spend", "guards_hold", "guards_breaker", "guards_cooldown")
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS guards_rate (
@@ -96,6 +98,8 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS guards_hold_key ON guards_hold (key, expires_at)",
     """CREATE TABLE IF NOT EXISTS guards_breaker (
         key TEXT PRIMARY KEY, state TEXT NOT NULL, expires_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS guards_cooldown (
+        key TEXT PRIMARY KEY, expires_at REAL NOT NULL)""",
     *(f"CREATE INDEX IF NOT EXISTS {t}_expiry ON {t} (expires_at)" for t in TABLES),
 )
 
@@ -149,6 +153,21 @@ _BREAKER = "SELECT state, expires_at FROM guards_breaker WHERE key = :key"
 _PUT_BREAKER = """INSERT INTO guards_breaker (key, state, expires_at) VALUES (:key, :state, :expires)
     ON CONFLICT (key) DO UPDATE SET state = excluded.state, expires_at = excluded.expires_at"""
 _DROP_BREAKER = "DELETE FROM guards_breaker WHERE key = :key"
+
+# --- cooldowns -----------------------------------------------------------------------------------
+#: Never shortens: a live row ending later is left alone; an expired one ends earlier than `now`,
+#: so it is replaced.
+_START_COOLDOWN = """INSERT INTO guards_cooldown (key, expires_at) VALUES (:key, :until)
+    ON CONFLICT (key) DO UPDATE SET expires_at = excluded.expires_at
+    WHERE expires_at < excluded.expires_at"""
+#: The most keys one read binds (SQLite's default limit on host parameters is 32,766; 999
+#: before 3.32): a longer list is read in several statements, within the same transaction.
+_COOLDOWN_CHUNK = 500
+
+
+def _cooldown_read(n: int) -> str:
+    marks = ", ".join("?" * n)
+    return f"SELECT key, expires_at FROM guards_cooldown WHERE expires_at > ? AND key IN ({marks})"
 
 
 def _dump_breaker(s: BreakerState) -> str:
@@ -436,6 +455,33 @@ class SQLiteStore:
         # Like MemoryStore: a healthy breaker needs no row at all; any other state is kept
         # `ttl_s` from its last use.
         tx.put_breaker(key, state, None if state == CLOSED else now + policy.ttl_s)
+
+    # --- cooldowns -------------------------------------------------------------------------------
+
+    async def cooldowns(self, keys: Sequence[str]) -> tuple[float, ...]:
+        keys = tuple(keys)  # as they are now: the store's thread reads them later
+        if not keys:
+            return ()
+        unique = list(dict.fromkeys(keys))
+
+        def read(tx: _Tx, now: float) -> tuple[float, ...]:
+            ends: dict[str, float] = {}
+            for i in range(0, len(unique), _COOLDOWN_CHUNK):
+                chunk = unique[i : i + _COOLDOWN_CHUNK]
+                ends.update(tx.conn.execute(_cooldown_read(len(chunk)), (now, *chunk)).fetchall())
+            return tuple(max(0.0, ends[key] - now) if key in ends else 0.0 for key in keys)
+
+        return await self._run(read)
+
+    async def start_cooldown(self, key: str, seconds: float) -> None:
+        if not seconds > 0:
+            return  # nothing to start, and a running cooldown is never shortened
+
+        def start(tx: _Tx, now: float) -> None:
+            if now + seconds > now:  # not lost in rounding
+                tx.conn.execute(_START_COOLDOWN, {"key": key, "until": now + seconds})
+
+        await self._run(start)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
