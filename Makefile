@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
+WORKERS ?= 1
+# prometheus-client's multiprocess directory for `make run`: emptied at every start.
+METRICS_DIR ?= .run/prometheus
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test lint format bench clean
@@ -19,8 +22,10 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed ## create .venv and install guards with the app and dev tools
 
-run: install ## serve the example app on $(HOST):$(PORT) (offline fake provider by default)
-	$(BIN)/uvicorn app.main:app --host $(HOST) --port $(PORT)
+run: install ## serve the example app on $(HOST):$(PORT) (offline fake provider by default; WORKERS=n)
+	rm -rf $(METRICS_DIR) && mkdir -p $(METRICS_DIR)
+	PROMETHEUS_MULTIPROC_DIR=$(abspath $(METRICS_DIR)) \
+		$(BIN)/uvicorn app.main:app --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
 test: install ## run the test suite
 	$(BIN)/python -m pytest
@@ -38,4 +43,4 @@ bench: install ## print the performance figures (name = value unit)
 	$(BIN)/python bench/bench.py
 
 clean: ## remove the virtualenv and caches
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .run .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,7 +1,8 @@
 """The example service: `uvicorn app.main:app`.
 
 `POST /draft-reply` is a strict route (public errors); `POST /summary` a degrading one (always
-the envelope). Configured from the environment (see `app.settings.Settings` and the README).
+the envelope); `GET /metrics` the Prometheus exposition. Configured from the environment (see
+`app.settings.Settings` and the README).
 """
 
 from __future__ import annotations
@@ -13,11 +14,22 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import anyio
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from guards import AI, Binding, Breaker, Budget, Clock, Guards, GuardTripped, header_key
-from guards.providers import WorkersAI
+from guards import (
+    AI,
+    Binding,
+    Breaker,
+    Budget,
+    Clock,
+    EventStream,
+    Guards,
+    GuardTripped,
+    header_key,
+    render_metrics,
+)
+from guards.providers import OpenAICompatible, WorkersAI
 from guards.stores import Store, open_store
 
 from .labels import keyword_label, mentions_personal_data
@@ -117,12 +129,23 @@ def create_app(
     """Build the service. Tests pass `binding`, `store`, `clock` and `sleep` to control the world."""
     settings = settings or load_settings()
     configure_logging()
+    # The main binding, and every provider the fallback chain names (by name).
+    providers = {
+        name: binding
+        if binding is not None and name == settings.ai_provider
+        else make_binding(settings, name)
+        for name in sorted(settings.providers_used())
+    }
+    main = providers[settings.ai_provider]
     guards = Guards(
-        binding or make_binding(settings),
+        main,
+        providers=providers,
         store=store or open_store(settings.guards_store, clock=clock),
         sleep=sleep,
         retry_after_s=settings.retry_after_s,
+        attribution=settings.ai_attribution,
     )
+    fallbacks = settings.fallback_models
     # GUARDS_STORE_FAILURE, when set, decides for both guards; else each keeps its default
     # (budget fails closed, breaker fails open: see guards.Budget and guards.Breaker).
     failure = settings.guards_store_failure
@@ -149,25 +172,43 @@ def create_app(
     async def health() -> dict[str, bool]:
         return {"ok": True}
 
+    # Out of the OpenAPI document: an operations endpoint, not part of the service's contract.
+    # Under several workers, PROMETHEUS_MULTIPROC_DIR makes every worker answer the totals of all
+    # (see guards.render_metrics; `make run` sets it). A plain `def`: reading the workers' files
+    # runs in the thread pool, off the event loop.
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        body, content_type = render_metrics()
+        return Response(body, media_type=content_type)
+
     @app.post("/draft-reply")
-    @guards.route(model=settings.ai_model, timeout_s=settings.ai_timeout_s, breaker=breaker)
+    @guards.route(
+        model=settings.ai_model, fallbacks=fallbacks, timeout_s=settings.ai_timeout_s, breaker=breaker
+    )
     async def draft_reply(body: DraftRequest, ai: AI[ReplyText]) -> DraftReply:
         """Draft a reply to a customer message. Strict: fails with a public error."""
-        reply = await ai.run(
-            {
-                "messages": [
-                    {"role": "system", "content": DRAFT_PROMPT},
-                    {"role": "user", "content": body.message},
-                ]
-            }
-        )
+        reply = await ai.run(draft_inputs(body))
         return DraftReply(
             model=ai.model or settings.ai_model, reply=reply, attempts=ai.attempts, trace_id=ai.trace_id
         )
 
+    @app.post("/draft-reply/stream")
+    @guards.route(
+        model=settings.ai_model,
+        fallbacks=fallbacks,
+        timeout_s=settings.ai_timeout_s,
+        breaker=breaker,
+        name="draft_reply_stream",
+    )
+    async def draft_reply_stream(body: DraftRequest, ai: AI[str]) -> EventStream:
+        """Stream a reply to a customer message as Server-Sent Events. Strict: a failure before
+        the first word is a public error; after it, an `error` event ends the stream."""
+        return await ai.stream(draft_inputs(body))
+
     @app.post("/summary")
     @guards.route(
         model=settings.ai_model,
+        fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
         breaker=breaker,
         budget=Budget(
@@ -197,12 +238,26 @@ def create_app(
     return app
 
 
-def make_binding(settings: Settings) -> Binding:
-    if settings.ai_provider == "workers-ai":
+def draft_inputs(body: DraftRequest) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "system", "content": DRAFT_PROMPT},
+            {"role": "user", "content": body.message},
+        ]
+    }
+
+
+def make_binding(settings: Settings, provider: str) -> Binding:
+    """The binding of one provider the settings name (`fake`, `workers-ai`, `openai`)."""
+    if provider == "workers-ai":
         return WorkersAI(
             account_id=settings.cloudflare_account_id,
             api_token=settings.cloudflare_api_token.get_secret_value(),
             base_url=settings.cloudflare_api_base,
+        )
+    if provider == "openai":
+        return OpenAICompatible(
+            api_key=settings.openai_api_key.get_secret_value() or None, base_url=settings.openai_base_url
         )
     return OfflineModel()
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from guards import AIResult, Usage
+from guards import AIResult, StreamEnd, StreamEvent, TextDelta, Usage
 
 from .labels import keyword_label
 
@@ -16,19 +17,32 @@ DRAFT = (
 
 
 class OfflineModel:
-    """A `guards.Binding` that answers like a well-behaved model: a fixed draft for text
-    requests, a keyword label for JSON-mode summary requests."""
+    """A `guards.Binding` (and `StreamingBinding`) that answers like a well-behaved model: a
+    fixed draft for text requests (streamed word by word), a keyword label for JSON-mode
+    summary requests."""
 
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
-        messages = inputs.get("messages") or []
-        text = " ".join(str(m.get("content", "")) for m in messages if m.get("role") == "user")
-        usage = Usage(
-            prompt_tokens=len(text.split()), completion_tokens=24, total_tokens=len(text.split()) + 24
-        )
+        text = _user_text(inputs)
+        usage = _usage(text)
         if "response_format" in inputs:
             label, hits = keyword_label(text)
             return AIResult({"label": label, "confidence": 0.9 if hits else 0.5}, model=model, usage=usage)
         return AIResult(DRAFT, model=model, usage=usage)
 
+    async def stream(self, model: str, inputs: Mapping[str, Any]) -> AsyncIterator[StreamEvent]:
+        for word in re.findall(r"\S+\s*", DRAFT):
+            yield TextDelta(word)
+        yield StreamEnd(finish_reason="stop", usage=_usage(_user_text(inputs)), model=model)
+
     async def aclose(self) -> None:
         return None
+
+
+def _user_text(inputs: Mapping[str, Any]) -> str:
+    messages = inputs.get("messages") or []
+    return " ".join(str(m.get("content", "")) for m in messages if m.get("role") == "user")
+
+
+def _usage(text: str) -> Usage:
+    words = len(text.split())
+    return Usage(prompt_tokens=words, completion_tokens=24, total_tokens=words + 24)

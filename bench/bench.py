@@ -23,16 +23,29 @@ import logging
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from fixtures import FakeBinding, Reply
+from fixtures import FakeBinding, FakeWorkersAI, Reply, Stream, Text
 from fixtures.redis_server import RedisServer
-from guards import AI, AIResult, Budget, Guards, header_key
+from guards import (
+    AI,
+    AIResult,
+    Breaker,
+    Budget,
+    EventStream,
+    Guards,
+    Outcome,
+    StreamEnd,
+    StreamEvent,
+    TextDelta,
+    header_key,
+)
+from guards.providers import WorkersAI
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
 MODEL = "@cf/bench/model"
@@ -144,6 +157,20 @@ async def store_checks(store: Store, count: int = 2_000) -> float:
     return statistics.median(samples) * 1e6
 
 
+async def store_cooldown_reads(store: Store, count: int = 2_000) -> float:
+    """Median wall time of one fallback chain's cooldown read (`cooldowns` of 3 keys, one of
+    them cooling down), in microseconds."""
+    chain = ["bench:openai:gpt-4o-mini", "bench:anthropic:claude-haiku", "bench:workers-ai:llama"]
+    await store.start_cooldown(chain[1], 3_600)
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        await store.cooldowns(chain)
+        samples.append(time.perf_counter() - start)
+    await store.aclose()
+    return statistics.median(samples) * 1e6
+
+
 async def redis_round_trips(url: str, requests: int = 500) -> float:
     """Round trips to Redis per guarded request (success path, closed breaker)."""
     import redis.asyncio as redis
@@ -163,9 +190,154 @@ async def redis_round_trips(url: str, requests: int = 500) -> float:
 
 async def _commands(admin: Any) -> int:
     """Script calls so far: each store operation is one EVALSHA, one round trip (the commands a
-    script runs inside Redis are counted apart, under their own names)."""
+    script runs inside Redis are counted apart, under their own names). A cooldown read is one
+    EVALSHA per model of the chain, pipelined in one round trip: the route here has one model."""
     stats = await admin.info("commandstats")
     return sum(int(stats.get(name, {}).get("calls", 0)) for name in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
+async def chain_skip() -> dict[str, float]:
+    """A three-model chain whose first two models are skipped (the first cooling down, the
+    second behind an open breaker) against a one-model route; both answer on the first call.
+    CPU time per request, medians of interleaved rounds."""
+    binding = ConstantBinding()
+    store = MemoryStore()
+    guards = Guards(binding, store=store, providers={"other": binding})
+    breaker = Breaker(failure_threshold=1, reset_timeout_s=10**6)
+    chain = ("@cf/bench/cooling", "other:@cf/bench/open", MODEL)
+
+    @guards.route(model=MODEL, breaker=breaker)
+    async def single(ai: AI[Label]) -> Label:
+        return await ai.run(INPUTS)
+
+    @guards.route(model=chain[0], fallbacks=chain[1:], breaker=breaker)
+    async def walked(ai: AI[Label]) -> Label:
+        return await ai.run(INPUTS)
+
+    await store.start_cooldown(f"guards:cooldown:{chain[0]}", 10**6)
+    await store.breaker_record(f"guards:breaker:{chain[1]}", breaker, Outcome.failure, probe=None)
+    request, response = Request(scope_for("bench")), Response()
+
+    def caller(endpoint: Callable[..., Awaitable[Any]]) -> Callable[[], Awaitable[None]]:
+        params = inspect.signature(endpoint).parameters.values()
+        request_param = next(p.name for p in params if p.annotation is Request)
+        response_param = next(p.name for p in params if p.annotation is Response)
+
+        async def run() -> None:
+            for _ in range(PER_ROUND):
+                response.raw_headers.clear()
+                await endpoint(**{request_param: request, response_param: response})
+                await asyncio.sleep(0)
+
+        return run
+
+    async def timed(run: Callable[[], Awaitable[None]]) -> float:
+        gc.collect()
+        start = time.process_time()
+        await run()
+        return (time.process_time() - start) / PER_ROUND * 1e6
+
+    runs = {"single": caller(single), "chain": caller(walked)}
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    logging.getLogger("guards").setLevel(logging.WARNING)
+    for run in runs.values():
+        await run()  # warm up
+    for _ in range(ROUNDS):
+        for name, run in runs.items():
+            samples[name].append(await timed(run))
+    logging.getLogger("guards").setLevel(logging.NOTSET)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+STREAM_EVENTS = 1_000
+TTFB_EVENTS = 5
+
+
+def streaming_endpoint(binding: Any) -> Callable[[], Awaitable[list[float]]]:
+    """A guarded streaming route over `binding`, driven as an ASGI server drives it (minus
+    HTTP to the client). Calling the result streams once and returns when each body chunk
+    was sent, in seconds from the request's start."""
+    guards = Guards(binding)
+
+    @guards.route(model=MODEL)
+    async def relay(ai: AI[str]) -> EventStream:
+        return await ai.stream(INPUTS)
+
+    params = inspect.signature(relay).parameters.values()
+    request_param = next(p.name for p in params if p.annotation is Request)
+    response_param = next(p.name for p in params if p.annotation is Response)
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await never.wait()  # the client never leaves
+        return {"type": "http.disconnect"}
+
+    async def run() -> list[float]:
+        start = time.perf_counter()
+        stamps: list[float] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                stamps.append(time.perf_counter() - start)
+
+        stream = await relay(**{request_param: Request(scope_for("bench")), response_param: Response()})
+        await stream({"type": "http"}, receive, send)
+        return stamps
+
+    return run
+
+
+class InstantStream:
+    """A streaming binding whose events cost nothing: isolates the relay's own work."""
+
+    async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
+        raise NotImplementedError
+
+    async def stream(self, model: str, inputs: Mapping[str, Any]) -> AsyncIterator[StreamEvent]:
+        for _ in range(STREAM_EVENTS):
+            yield TextDelta("token ")
+        yield StreamEnd("stop")
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def stream_figures(server: FakeWorkersAI) -> dict[str, float]:
+    """Streaming through a guarded route against the raw binding, interleaved, medians (wall
+    time): time to the first delta of a short answer from the fake Workers AI server over
+    loopback HTTP; time per event of a long one (first delta to last), raw over HTTP; and the
+    relay's own cost per event, with a binding whose events cost nothing."""
+    binding = WorkersAI(account_id=server.account_id, api_token=server.api_token, base_url=server.base_url)
+    guarded = streaming_endpoint(binding)
+    instant = InstantStream()
+    relayed = streaming_endpoint(instant)
+
+    async def raw(source: Any) -> list[float]:
+        start = time.perf_counter()
+        return [time.perf_counter() - start async for event in source.stream(MODEL, INPUTS)]
+
+    short = Stream(parts=tuple(Text("token ") for _ in range(TTFB_EVENTS)))
+    long = Stream(parts=tuple(Text("token ") for _ in range(STREAM_EVENTS)))
+    samples: dict[str, list[float]] = {
+        name: [] for name in ("raw_ttfb", "guarded_ttfb", "raw_event", "relay")
+    }
+
+    def per_event(stamps: list[float]) -> float:
+        return (stamps[STREAM_EVENTS - 1] - stamps[0]) / (STREAM_EVENTS - 1)
+
+    logging.getLogger("guards").setLevel(logging.WARNING)
+    for round_ in range(ROUNDS + 1):  # the first round warms up
+        server.default = short
+        raw_ttfb, guarded_ttfb = (await raw(binding))[0], (await guarded())[0]
+        server.default = long
+        raw_event = per_event(await raw(binding))
+        relay = per_event(await relayed()) - per_event(await raw(instant))
+        if round_:
+            for name, value in zip(samples, (raw_ttfb, guarded_ttfb, raw_event, relay), strict=True):
+                samples[name].append(value)
+    logging.getLogger("guards").setLevel(logging.NOTSET)
+    await binding.aclose()
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> None:
@@ -180,13 +352,33 @@ def main() -> None:
     print(f"const_bare_call_us = {const['bare']:.2f} us")
     print(f"const_guard_overhead_us = {const['guarded'] - const['bare']:.2f} us")
 
-    # Stores: one budget check each, wall time (SQLite and Redis do I/O).
+    skip = asyncio.run(chain_skip())
+    print(f"single_model_call_us = {skip['single']:.2f} us")
+    print(f"chain_skip_two_call_us = {skip['chain']:.2f} us")
+    print(f"chain_skip_ratio = {skip['chain'] / skip['single']:.2f} x")
+
+    with FakeWorkersAI() as server:
+        stream = asyncio.run(stream_figures(server))
+    print(f"stream_ttfb_raw_us = {stream['raw_ttfb'] * 1e6:.0f} us")
+    print(f"stream_ttfb_guarded_us = {stream['guarded_ttfb'] * 1e6:.0f} us")
+    print(f"stream_ttfb_overhead_us = {(stream['guarded_ttfb'] - stream['raw_ttfb']) * 1e6:.0f} us")
+    print(f"stream_event_raw_us = {stream['raw_event'] * 1e6:.1f} us")
+    print(f"stream_relay_per_event_us = {stream['relay'] * 1e6:.2f} us")
+    print(f"stream_relay_overhead_per_event = {stream['relay'] / stream['raw_event'] * 100:.1f} %")
+
+    # Stores: one budget check each, and one 3-key cooldown read, wall time (SQLite and Redis
+    # do I/O).
     print(f"store_memory_check_us = {asyncio.run(store_checks(MemoryStore())):.1f} us")
+    print(f"store_memory_cooldowns_us = {asyncio.run(store_cooldown_reads(MemoryStore())):.1f} us")
     with tempfile.TemporaryDirectory() as folder:
         sqlite = SQLiteStore(f"{folder}/bench.db")
         print(f"store_sqlite_check_us = {asyncio.run(store_checks(sqlite)):.1f} us")
+        sqlite = SQLiteStore(f"{folder}/bench.db")
+        print(f"store_sqlite_cooldowns_us = {asyncio.run(store_cooldown_reads(sqlite)):.1f} us")
     with RedisServer() as server:
         print(f"store_redis_check_us = {asyncio.run(store_checks(RedisStore(server.url))):.1f} us")
+        cooldowns_us = asyncio.run(store_cooldown_reads(RedisStore(server.url)))
+        print(f"store_redis_cooldowns_us = {cooldowns_us:.1f} us")
         print(f"redis_round_trips_per_request = {asyncio.run(redis_round_trips(server.url)):.2f} round trips")
 
 

@@ -4,33 +4,53 @@ Decorate a FastAPI route with `Guards.route` and every provider failure becomes 
 same-shape envelope (a degrading route) or a stable public error (a strict route).
 """
 
+from ._ai import AI
 from ._binding import AIResult, Binding, Usage
 from ._breaker import Breaker, CircuitState, Outcome
 from ._budget import Budget, Price, StoreFailureMode, client_key, header_key
 from ._call import Retry
+from ._chain import Chain, ModelRef, Profile, flatten_chain
 from ._classify import Classification, Kind, classify
 from ._clock import Clock, SystemClock
+from ._cooldown import Cooldown
 from ._envelope import Envelope, ErrorBody, ErrorCode, FallbackInfo, GuardName, Reason
 from ._errors import ConfigurationError, GuardsError, GuardTripped, ProviderError
-from ._guards import Guards
+from ._event_stream import EventStream
+from ._guards import Attribution, Guards
+from ._ledger import Attempt, Ledger, LogLedger
+from ._metrics import render_metrics
 from ._output import Moderation
 from ._responses import PublicError, public_error
-from ._route import AI, FallbackFunction
+from ._route import FallbackFunction
+from ._stream import (
+    ReasoningDelta,
+    StreamEnd,
+    StreamEvent,
+    StreamingBinding,
+    TextDelta,
+    ToolCallDelta,
+    is_output,
+)
 from ._throttle import Throttled
 
 __all__ = [
     "AI",
     "AIResult",
+    "Attempt",
+    "Attribution",
     "Binding",
     "Breaker",
     "Budget",
+    "Chain",
     "CircuitState",
     "Classification",
     "Clock",
     "ConfigurationError",
+    "Cooldown",
     "Envelope",
     "ErrorBody",
     "ErrorCode",
+    "EventStream",
     "FallbackFunction",
     "FallbackInfo",
     "GuardName",
@@ -38,19 +58,32 @@ __all__ = [
     "Guards",
     "GuardsError",
     "Kind",
+    "Ledger",
+    "LogLedger",
+    "ModelRef",
     "Moderation",
     "Outcome",
     "Price",
+    "Profile",
     "ProviderError",
     "PublicError",
     "Reason",
+    "ReasoningDelta",
     "Retry",
     "StoreFailureMode",
+    "StreamEnd",
+    "StreamEvent",
+    "StreamingBinding",
     "SystemClock",
+    "TextDelta",
     "Throttled",
+    "ToolCallDelta",
     "Usage",
     "classify",
     "client_key",
+    "flatten_chain",
     "header_key",
+    "is_output",
     "public_error",
+    "render_metrics",
 ]

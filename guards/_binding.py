@@ -26,7 +26,8 @@ class AIResult:
 
     `response` is the text, or the parsed object in JSON mode (some models send a JSON string
     instead: the output guard accepts both). `model` is the model that served, when the provider
-    says so. `moderated` is set when the provider itself flagged or filtered the answer.
+    says so. `moderated` is set when the provider itself flagged or filtered the answer;
+    `truncated` when it stopped at its token limit (`finish_reason: length`).
     """
 
     response: Any
@@ -34,6 +35,7 @@ class AIResult:
     usage: Usage | None = None
     tool_calls: tuple[Mapping[str, Any], ...] = field(default=())
     moderated: bool = False
+    truncated: bool = False
 
 
 @runtime_checkable

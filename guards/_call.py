@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
-from ._binding import AIResult, Binding
 from ._classify import Classification, classify
 
-__all__ = ["CallFailed", "Retry", "call_model", "should_retry"]
+__all__ = ["CallFailed", "Retry", "call_model", "retry_delay", "should_retry"]
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Retry:
     """Bounded retry policy for one guarded call.
 
-    `attempts` is the total number of provider calls (default 2: one retry). Only failures the
+    `attempts` is the most calls to one model, the first included (default 2: one retry); a
+    route's attempt budget caps the calls across its whole fallback chain. Only failures the
     classifier calls retryable are retried, after `delay_s` jittered by ±`jitter` (a fraction),
     and only when at least `min_room_s` of the deadline is left after that delay.
     """
@@ -46,10 +49,19 @@ class Retry:
 
 
 def should_retry(
-    verdict: Classification, attempt: int, policy: Retry, remaining_s: float, delay_s: float
+    verdict: Classification, attempt: int, limit: int, policy: Retry, remaining_s: float, delay_s: float
 ) -> bool:
-    """Retry only retryable kinds, within the attempt budget, when the deadline leaves room."""
-    return verdict.retryable and attempt < policy.attempts and remaining_s - delay_s >= policy.min_room_s
+    """Retry only retryable kinds, within `limit` calls, when the deadline leaves room after the
+    delay (so a `Retry-After` longer than the deadline allows moves on instead of waiting)."""
+    return verdict.retryable and attempt < limit and remaining_s - delay_s >= policy.min_room_s
+
+
+def retry_delay(policy: Retry, error: Exception) -> float:
+    """The wait before a retry: the policy's jittered delay, or the provider's `Retry-After`
+    (`retry-after-ms`) when it asks for longer."""
+    delay = policy.delay()
+    hint = getattr(error, "retry_after_s", None)
+    return max(delay, hint) if hint is not None else delay
 
 
 class CallFailed(Exception):
@@ -62,40 +74,53 @@ class CallFailed(Exception):
         self.attempts = attempts
 
 
+#: Called once per provider call: (attempt number, its result or exception, perf_counter start).
+OnAttempt = Callable[[int, Any, float], None]
 OnRetry = Callable[[int, Classification, float], None]
 
 
 async def call_model(
-    binding: Binding,
-    model: str,
-    inputs: Mapping[str, Any],
+    call: Callable[[], Awaitable[R]],
     *,
     policy: Retry,
     deadline: float,
+    limit: int | None = None,
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
-    on_attempt: Callable[[], None] | None = None,
+    on_attempt: OnAttempt | None = None,
     on_retry: OnRetry | None = None,
-) -> tuple[AIResult, int]:
-    """Call `binding.run` with bounded retry. Returns the result and the number of attempts.
+) -> tuple[R, int]:
+    """Make one provider call (`await call()`) with bounded retry. Returns its result and the
+    number of attempts.
 
-    `deadline` is in event-loop time (`loop.time()`) and only informs the retry decision; the
-    caller's timeout scope enforces it. Raises `CallFailed` when it gives up.
+    At most `limit` calls (default and cap: `policy.attempts`). `deadline` is in event-loop
+    time (`loop.time()`) and only informs the retry decision; the caller's timeout scope
+    enforces it. Raises `CallFailed` when it gives up; cancellation passes through untouched.
     """
+    limit = policy.attempts if limit is None else min(limit, policy.attempts)
     attempt = 0
     while True:
         attempt += 1
-        if on_attempt is not None:
-            on_attempt()
+        started = time.perf_counter()
         try:
-            return await binding.run(model, inputs), attempt
+            result = await call()
         except Exception as error:  # a binding raises ProviderError; any other bug is "unavailable"
+            if on_attempt is not None:
+                on_attempt(attempt, error, started)
             verdict = classify(error)
             if getattr(error, "json_mode_failed", False):
                 raise CallFailed(error, verdict, attempt) from None
-            delay = policy.delay()
+            delay = retry_delay(policy, error)
             remaining = deadline - asyncio.get_running_loop().time()
-            if not should_retry(verdict, attempt, policy, remaining, delay):
+            if not should_retry(verdict, attempt, limit, policy, remaining, delay):
                 raise CallFailed(error, verdict, attempt) from None
             if on_retry is not None:
                 on_retry(attempt, verdict, delay)
+        except BaseException as stopped:  # cancelled: the attempt may still have been billed
+            if on_attempt is not None:
+                on_attempt(attempt, stopped, started)
+            raise
+        else:
+            if on_attempt is not None:
+                on_attempt(attempt, result, started)
+            return result, attempt
         await sleep(delay)

@@ -62,7 +62,7 @@ def classify(failure: BaseException) -> Classification:
     code, status = failure.code, failure.status
     if code in INCOMPATIBLE_CODES:
         return _INCOMPATIBLE
-    if code in QUOTA_CODES:
+    if code in QUOTA_CODES or failure.quota_exhausted:
         return _QUOTA
     if code in TRANSIENT_CODES:
         return _TRANSIENT

@@ -35,7 +35,8 @@ class ProviderError(GuardsError):
     `code` is the provider's numeric error code when it sent one, `status` the HTTP status
     (`None` when no response arrived: a transport failure). The provider's own message is not
     kept: it may echo the prompt. `json_mode_failed` marks a "JSON Mode couldn't be met" answer,
-    which the output guard reports as `schema_invalid`.
+    which the output guard reports as `schema_invalid`. `quota_exhausted` marks an account
+    quota failure a provider signals without a numeric code (OpenAI's `insufficient_quota`).
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class ProviderError(GuardsError):
         status: int | None = None,
         retry_after_s: float | None = None,
         json_mode_failed: bool = False,
+        quota_exhausted: bool = False,
         note: str = "",
     ) -> None:
         self.provider = provider
@@ -53,6 +55,7 @@ class ProviderError(GuardsError):
         self.status = status
         self.retry_after_s = retry_after_s
         self.json_mode_failed = json_mode_failed
+        self.quota_exhausted = quota_exhausted
         self.note = note
         super().__init__(self.describe())
 
@@ -69,6 +72,8 @@ class ProviderError(GuardsError):
         parts.append(f"status={self.status}" if self.status is not None else "transport failure")
         if self.json_mode_failed:
             parts.append("json mode not met")
+        if self.quota_exhausted:
+            parts.append("quota exhausted")
         if self.note:
             parts.append(self.note)
         return " ".join(parts)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 from fastapi import FastAPI
@@ -17,9 +18,12 @@ from ._binding import Binding
 from ._breaker import Breaker
 from ._budget import Budget, Price
 from ._call import Retry
+from ._chain import DEFAULT_PROVIDER, Profile
+from ._cooldown import Cooldown
 from ._envelope import ErrorCode
 from ._errors import ConfigurationError
-from ._log import emit
+from ._ledger import Ledger, LogLedger
+from ._log import emit, logger
 from ._openapi import document_guarded_routes
 from ._output import Moderation
 from ._responses import PublicError, error_response
@@ -30,14 +34,23 @@ __all__ = ["Guards"]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
+#: How responses name the model that served: `detailed` (model ids), `redacted` (a fallback
+#: flag only) or `off`.
+Attribution = Literal["off", "redacted", "detailed"]
+
 
 class Guards:
-    """The guards of one app: the model binding, the store and the timing they share.
+    """The guards of one app: the model bindings, the store and the timing they share.
 
-    `binding` may be swapped at any time (tests swap in a fake). `store` holds budget and
-    breaker state (default: a `MemoryStore`, one process). `sleep` is what retries wait with
-    (inject a no-op in tests). `retry_after_s` is the `Retry-After` a strict route sends with
-    `model_temporarily_unavailable`. `prices` maps model ids to their `Price`, for spend caps.
+    `binding` is the main binding (provider name `"default"`); `providers` names more bindings,
+    reached from chains as `"name:model"`. Bindings may be swapped at any time (tests swap in
+    fakes). `profiles` names models with their own fallbacks (see `Profile`). `store` holds
+    budget, breaker and cooldown state (default: a `MemoryStore`, one process). `sleep` is what
+    retries wait with (inject a no-op in tests). `retry_after_s` is the `Retry-After` a strict
+    route sends with `model_temporarily_unavailable`. `prices` maps model keys (`model` or
+    `provider:model`) to their `Price`, for spend caps. `cooldown` says how long a rate-limited
+    model is skipped; `attribution` how responses name the model that served (`x-ai-model`,
+    `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
 
     Use it as an async context manager (or call `aclose`) to close the binding's connections and
     the store on shutdown.
@@ -51,17 +64,40 @@ class Guards:
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
         retry_after_s: float = 30.0,
         prices: Mapping[str, Price] | None = None,
+        providers: Mapping[str, Binding] | None = None,
+        profiles: Mapping[str, Profile] | None = None,
+        cooldown: Cooldown = Cooldown(),
+        attribution: Attribution = "detailed",
+        ledger: Ledger | None = None,
     ) -> None:
+        if attribution not in ("off", "redacted", "detailed"):
+            raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
+        if DEFAULT_PROVIDER in (providers or {}):
+            raise ConfigurationError(
+                f"{DEFAULT_PROVIDER!r} names the main binding: pick another provider name"
+            )
         self.binding = binding
+        self.providers: dict[str, Binding] = dict(providers or {})
+        self.profiles: Mapping[str, Profile] = dict(profiles or {})
+        self.cooldown = cooldown
+        self.attribution: Attribution = attribution
+        self.ledger: Ledger = ledger if ledger is not None else LogLedger()
         self.store: Store = store if store is not None else MemoryStore()
         self.sleep = sleep
         self.retry_after_s = retry_after_s
         self.prices: Mapping[str, Price] = dict(prices or {})
 
+    def ledger_enabled(self) -> bool:
+        """False when records would be dropped anyway (the default log ledger with INFO off),
+        so the hot path skips building them."""
+        return not isinstance(self.ledger, LogLedger) or logger.isEnabledFor(logging.INFO)
+
     def route(
         self,
         *,
         model: str,
+        fallbacks: Sequence[str] = (),
+        attempts: int | None = None,
         timeout_s: float = 8.0,
         retry: Retry = Retry(),
         budget: Budget | None = None,
@@ -77,9 +113,15 @@ class Guards:
         it calls the model (`await ai.run(inputs)`); `Output` is what the model must produce
         (a pydantic model requests JSON mode; `str` plain text).
 
-        - `model`: the model id; `timeout_s`: one deadline for the call and its retries.
-        - `retry`: bounded retry of transient failures; `budget`: per-key limits;
-          `breaker`: circuit breaker policy for this model (None to disable).
+        - `model`: the model (a model id, `"provider:model"`, or a `Profile` name);
+          `fallbacks`: the models to try after it, in order (same forms). The chain is
+          flattened now; invalid entries are logged (`chain_invalid`) and removed.
+        - `attempts`: the most provider calls one guarded call makes across the whole chain
+          (default: the chain's length plus `retry.attempts - 1`, i.e. one retry in total).
+        - `timeout_s`: one deadline for the whole call: every model, retry and wait.
+        - `retry`: bounded retry of transient failures (`retry.attempts` calls per model at
+          most); `budget`: per-key limits; `breaker`: circuit breaker policy, one breaker per
+          model (None to disable).
         - `fallback`: makes the route *degrading*: it answers `Envelope[ReturnType]`, with this
           value (or, if callable, `fallback(arguments, tripped)`) as `data` when a guard trips.
           Without it the route is *strict* and answers public errors.
@@ -94,6 +136,8 @@ class Guards:
                 self,
                 handler,
                 model=model,
+                fallbacks=fallbacks,
+                attempts=attempts,
                 timeout_s=timeout_s,
                 retry=retry,
                 budget=budget,
@@ -102,7 +146,6 @@ class Guards:
                 moderation=moderation,
                 name=name,
                 max_tokens=max_tokens,
-                price=self.prices.get(model),
             )
             return endpoint  # type: ignore[return-value]
 
@@ -124,7 +167,7 @@ class Guards:
 
         def openapi() -> dict[str, Any]:
             if app.openapi_schema is None:
-                document_guarded_routes(app, original_openapi())
+                document_guarded_routes(app, original_openapi(), self.attribution)
             assert app.openapi_schema is not None
             return app.openapi_schema
 
@@ -139,9 +182,11 @@ class Guards:
         return guards
 
     async def aclose(self) -> None:
-        """Close the binding and the store."""
+        """Close the bindings and the store."""
         try:
-            await self.binding.aclose()
+            # A binding may serve under several names: close each once.
+            for binding in {id(b): b for b in (self.binding, *self.providers.values())}.values():
+                await binding.aclose()
         finally:
             await self.store.aclose()
 

@@ -24,6 +24,33 @@ __all__ = ["document_guarded_routes"]
 _REF = "#/components/schemas/{model}"
 _TRACE_HEADER = {"description": "Trace id of the request, also in logs.", "schema": {"type": "string"}}
 _RETRY_AFTER = {"description": "Seconds to wait before retrying, when known.", "schema": {"type": "integer"}}
+_ATTRIBUTION = {
+    "detailed": {
+        "x-ai-model": {
+            "description": "The model that answered, as its provider named it.",
+            "schema": {"type": "string"},
+        },
+        "x-ai-fallback": {
+            "description": "The fallback chain entry that answered, when it was not the first model.",
+            "schema": {"type": "string"},
+        },
+    },
+    "redacted": {
+        "x-ai-fallback": {
+            "description": "`true` when a fallback model answered.",
+            "schema": {"type": "string", "enum": ["true"]},
+        },
+    },
+}
+_STREAM = {
+    "description": (
+        "Server-Sent Events: `delta` {text}, `reasoning` {text}, `tool_call` {index, id, name, "
+        "arguments}, then exactly one of `done` {finish_reason, usage, model, fallback_model, "
+        "attempts, trace_id} or `error` {guard, reason, detail, trace_id}. Sent once the first "
+        "output is ready: a failure before it is an error status instead."
+    ),
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
 _DESCRIPTIONS = {
     400: "Invalid input (missing, wrong-typed or oversized); no model call was made.",
     429: "A per-key budget is spent.",
@@ -56,7 +83,7 @@ def _possible(route: GuardedRoute, code: ErrorCode) -> bool:
     return True
 
 
-def document_guarded_routes(app: FastAPI, schema: dict[str, Any]) -> None:
+def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: str) -> None:
     from ._route import route_of
 
     schemas = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -73,6 +100,10 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any]) -> None:
                 continue
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
+            if route.streaming:
+                responses["200"] = dict(_STREAM)
+            if attribution != "off":
+                responses.setdefault("200", {}).setdefault("headers", {}).update(_ATTRIBUTION[attribution])
             for status, codes in error_statuses(route).items():
                 responses[str(status)] = _error_response(status, codes)
             for response in responses.values():

@@ -1,8 +1,9 @@
 """Output guard: unwrap the provider's answer, then reject it when it is empty, flagged by
 moderation, or not an instance of the route's output type.
 
-Order matters: an empty answer is `empty_response` even if the type would also reject it; a
-flagged answer is `moderation_blocked` before its shape is looked at.
+Order matters: an answer the provider flagged is `moderation_blocked` (even when the filter left
+it empty); an empty answer is `empty_response` even if the type would also reject it; a flagged
+answer is `moderation_blocked` before its shape is looked at.
 """
 
 from __future__ import annotations
@@ -41,12 +42,7 @@ class OutputGuard:
 
     async def check(self, result: AIResult) -> Any:
         """Return the validated output, or raise `GuardTripped` with an output reason."""
-        answer = result.response
-        if answer is None or (isinstance(answer, str) and not answer.strip()):
-            raise GuardTripped(Reason.empty_response, "the model returned an empty completion")
-        if result.moderated:
-            raise GuardTripped(Reason.moderation_blocked, "the provider flagged the completion")
-        value = self._validate(answer)
+        value = self.check_shape(result)
         if self.moderation is not None:
             flagged = self.moderation(value)
             if inspect.isawaitable(flagged):
@@ -54,6 +50,15 @@ class OutputGuard:
             if flagged:
                 raise GuardTripped(Reason.moderation_blocked, "the moderation hook blocked the completion")
         return value
+
+    def check_shape(self, result: AIResult) -> Any:
+        """Everything `check` does but the moderation hook (synchronous)."""
+        answer = result.response
+        if result.moderated:  # even when the filter left nothing: the cause is the filter
+            raise GuardTripped(Reason.moderation_blocked, "the provider flagged the completion")
+        if answer is None or (isinstance(answer, str) and not answer.strip()):
+            raise GuardTripped(Reason.empty_response, "the model returned an empty completion")
+        return self._validate(answer)
 
     def _validate(self, answer: Any) -> Any:
         if self._adapter is None:

@@ -72,9 +72,17 @@ class LogLines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.lines: list[str] = []
+        self._changed = threading.Condition()
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+        with self._changed:
+            self.lines.append(record.getMessage())
+            self._changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float = 5.0) -> bool:
+        """Block until `predicate()` is true (a line arrived from a server thread) or `timeout`."""
+        with self._changed:
+            return bool(self._changed.wait_for(predicate, timeout))
 
     def events(self, event: str | None = None) -> list[dict[str, Any]]:
         parsed = [json.loads(line) for line in self.lines]

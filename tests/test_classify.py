@@ -66,6 +66,11 @@ CODES_WIN_OVER_STATUS = [
     pytest.param(wai(3036, 503), QUOTA, id="3036/503-code-before-5xx"),
     pytest.param(wai(3040, 403), TRANSIENT, id="3040/403-code-before-incompatible-status"),
     pytest.param(wai(3036, None), QUOTA, id="3036/no-status-code-before-transport"),
+    pytest.param(
+        ProviderError("openai", status=429, quota_exhausted=True),
+        QUOTA,
+        id="429-flagged-quota-not-rate-limit",
+    ),
 ]
 
 BARE_STATUSES = [

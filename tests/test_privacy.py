@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from app.main import create_app
 from app.settings import SettingsError, load_settings
-from fixtures import Drop, Fail, FakeWorkersAI, Hang, Raw, Reply
+from fixtures import Drop, Fail, FakeWorkersAI, Hang, ManualClock, Raw, Reply
 
 from .conftest import LogLines, no_sleep, workers_ai_settings
 
@@ -72,13 +72,18 @@ def canary_server() -> Iterator[FakeWorkersAI]:
 
 
 def test_canaries_never_leak(
-    canary_server: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], all_logs: LogLines
+    canary_server: FakeWorkersAI,
+    serve: Callable[[FastAPI], httpx.Client],
+    all_logs: LogLines,
+    manual_clock: ManualClock,
 ) -> None:
+    clock = manual_clock
     app = create_app(
         workers_ai_settings(
             canary_server, cloudflare_api_token=TOKEN, ai_timeout_s=0.5, breaker_failure_threshold=1000
         ),
         sleep=no_sleep,
+        clock=clock,
     )
     client = serve(app)
     seen: list[str] = []
@@ -94,6 +99,7 @@ def test_canaries_never_leak(
         for path, body in (("/draft-reply", {"message": f"Hi {USER}"}), ("/summary", {"text": f"Hi {USER}"})):
             canary_server.script(MODEL, outcome, outcome)
             record(client.post(path, json=body), reply_allowed=path == "/draft-reply")
+            clock.advance(3_601)  # past any cooldown a quota failure started
     # Invalid inputs that carry the canary.
     record(client.post("/draft-reply", json={"message": USER * 100}))
     record(client.post("/draft-reply", json={"message": {"nested": USER}}))

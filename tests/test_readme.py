@@ -9,13 +9,13 @@ from typing import Any
 import anyio
 import httpx
 
-from fixtures import Fail, Reply
+from fixtures import Fail, FakeBinding, Reply, Stream, Text
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def readme_example() -> dict[str, Any]:
-    section = README.read_text().split("## Guard a route of your own", 1)[1]
+def readme_example(heading: str = "## Guard a route of your own") -> dict[str, Any]:
+    section = README.read_text().split(heading, 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert code is not None
     namespace: dict[str, Any] = {"__name__": "readme_example"}
@@ -42,3 +42,51 @@ def test_readme_example_degrades_as_documented(use_fake_ai: Any) -> None:
     assert degraded.json()["fallback"]["reason"] == "provider_error"
     assert invalid.status_code == 400
     assert len(fake.calls) == 2
+
+
+def test_readme_chain_example_falls_back_as_documented() -> None:
+    example = readme_example("## Fallback chains")
+    guards = example["guards"]
+    main, openai = FakeBinding(), FakeBinding()
+    guards.binding, guards.providers["openai"] = main, openai
+    main.script("*", Fail(code=5035, status=403))
+    openai.script("*", Fail(code=5035, status=403))
+    main.script("@cf/meta/llama-3.1-8b-instruct", Reply("Hello from the small model."))
+
+    async def scenario() -> httpx.Response:
+        transport = httpx.ASGITransport(app=example["app"])
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/reply", params={"message": "hi"})
+
+    response = anyio.run(scenario)
+    assert response.json() == "Hello from the small model."
+    assert response.headers["x-ai-fallback"] == "@cf/meta/llama-3.1-8b-instruct"
+    assert [call.model for call in main.calls + openai.calls] == [
+        "@cf/meta/llama-3.3-70b-instruct-fp8-fast",
+        "@cf/meta/llama-3.1-8b-instruct",
+        "gpt-4o-mini",
+    ]
+
+
+def test_readme_streaming_example_streams_through_the_chain() -> None:
+    example = readme_example("## Fallback chains")
+    section = README.read_text().split("## Streaming routes", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert code is not None
+    exec(compile(code.group(1), str(README), "exec"), example)
+    guards = example["guards"]
+    main, openai = FakeBinding(), FakeBinding()
+    guards.binding, guards.providers["openai"] = main, openai
+    main.script("*", Fail(code=5035, status=403))
+    openai.script("*", Stream(parts=(Text("Hello"), Text(" there."))))
+
+    async def scenario() -> httpx.Response:
+        transport = httpx.ASGITransport(app=example["app"])
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/reply/stream", params={"message": "hi"})
+
+    response = anyio.run(scenario)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["x-ai-fallback"] == "openai:gpt-4o-mini"
+    assert 'data: {"text":"Hello"}' in response.text
+    assert response.text.rstrip().splitlines()[-2] == "event: done"

@@ -123,7 +123,7 @@ def test_budget_exceeded_counts_failed_calls_too(
 ) -> None:
     """The daily cap is charged before the call: calls that fail still spend it."""
     client = make_client(daily_call_limit=2)
-    fake_workers_ai.script(MODEL, Fail(code=3036, status=429), Fail(code=5035, status=403))
+    fake_workers_ai.script(MODEL, Fail(code=5007, status=400), Fail(code=5035, status=403))
     fallback(summarize(client), "call", "provider_error")
     fallback(summarize(client), "call", "provider_error")
     fallback(summarize(client), "budget", "budget_exceeded")

@@ -1,16 +1,30 @@
-"""HTTP plumbing shared by the provider adapters: capped body reads, transport failures and
-`Retry-After` parsing, each translated once into `ProviderError`."""
+"""Plumbing shared by the provider adapters: capped body reads, transport failures,
+`Retry-After` parsing (each translated once into `ProviderError`), error objects and token
+usage."""
 
 from __future__ import annotations
 
 import email.utils
+import math
 import time
+from typing import Any
 
 import httpx
 
+from .._binding import Usage
 from .._errors import ProviderError
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "new_client", "parse_retry_after", "read_capped"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "error_objects",
+    "json_mode_not_met",
+    "new_client",
+    "numeric_code",
+    "parse_retry_after",
+    "parse_usage",
+    "read_capped",
+    "transport_error",
+]
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -46,16 +60,48 @@ def transport_error(provider: str, exc: httpx.HTTPError) -> ProviderError:
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """`Retry-After` as seconds (delta-seconds or an HTTP date); None when absent or unreadable."""
+    """`Retry-After` as seconds (delta-seconds or an HTTP date); None when absent or unreadable
+    (`nan` and `inf` included: a wait must be a finite number)."""
     if not value:
         return None
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def parse_usage(raw: Any) -> Usage | None:
+    """`{prompt_tokens, completion_tokens, total_tokens}` (Workers AI and OpenAI agree); counts
+    that are not integers are left at 0, and anything but an object is no usage at all."""
+    if not isinstance(raw, dict):
+        return None
+    numbers = {k: raw.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return Usage(**{k: v for k, v in numbers.items() if isinstance(v, int) and not isinstance(v, bool)})
+
+
+def error_objects(found: Any) -> list[dict[str, Any]]:
+    """A body's error field as a list of error objects: one object, a list, or nothing."""
+    if isinstance(found, dict):
+        return [found]
+    return [e for e in found if isinstance(e, dict)] if isinstance(found, list) else []
+
+
+def numeric_code(errors: list[dict[str, Any]]) -> int | None:
+    """The first integer `code` of `errors` (Cloudflare's numeric codes, known to the classifier)."""
+    codes = (e.get("code") for e in errors)
+    return next((c for c in codes if isinstance(c, int) and not isinstance(c, bool)), None)
+
+
+def json_mode_not_met(errors: list[dict[str, Any]]) -> bool:
+    """Whether a message says "JSON Mode couldn't be met" (Workers AI; any apostrophe). The
+    messages are only searched, never kept."""
+    messages = " ".join(str(e.get("message", "")) for e in errors)
+    return "json mode couldn't be met" in messages.lower().replace("\u2019", "'")

@@ -2,22 +2,35 @@
 
 Every failure shape ends as a `ProviderError` with the provider's code and the HTTP status:
 `success: false` even with HTTP 200, the `AiError` object shape, non-JSON bodies (a proxy's HTML
-on 5xx), oversized bodies and dropped connections. Provider messages are read only to spot
-"JSON Mode couldn't be met"; they are never kept (they may echo the prompt).
+on 5xx), oversized bodies and dropped connections; while streaming, also an error object in an
+event, a cut body and a stall. Provider messages are read only to spot "JSON Mode couldn't be
+met"; they are never kept (they may echo the prompt).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 
-from .._binding import AIResult, Usage
+from .._binding import AIResult
 from .._errors import ConfigurationError, ProviderError
-from ._http import DEFAULT_MAX_BODY_BYTES, new_client, parse_retry_after, read_capped, transport_error
+from .._stream import StreamEvent
+from ._http import (
+    DEFAULT_MAX_BODY_BYTES,
+    error_objects,
+    json_mode_not_met,
+    new_client,
+    numeric_code,
+    parse_retry_after,
+    parse_usage,
+    read_capped,
+    transport_error,
+)
+from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_RECONNECTS, ChunkDecoder, stream_sse
 
 __all__ = ["WorkersAI", "parse_workers_ai_response"]
 
@@ -29,7 +42,13 @@ class WorkersAI:
     """A binding that runs Workers AI models through `POST {base}/accounts/{id}/ai/run/{model}`.
 
     Pass an `httpx.AsyncClient` to share one across bindings; otherwise the binding makes its own
-    and closes it in `aclose`. Bodies are read up to `max_body_bytes`.
+    and closes it in `aclose`. Bodies are read up to `max_body_bytes` (while streaming: each
+    event, and each line).
+
+    Streaming (`stream`): a stream with no byte for `idle_timeout_s` fails as stalled. With
+    `resume_base` set (an AI Gateway address, `{gateway}/v1/{account}/{gateway_id}`), a stream
+    whose answer carries `cf-aig-run-id` survives up to `max_reconnects` cuts by resuming from
+    `{resume_base}/run/{id}/resume`; without it, a cut fails the stream.
     """
 
     def __init__(
@@ -40,17 +59,28 @@ class WorkersAI:
         base_url: str = DEFAULT_BASE_URL,
         client: httpx.AsyncClient | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_reconnects: int = DEFAULT_MAX_RECONNECTS,
+        resume_base: str | None = None,
     ) -> None:
         missing = [
             name for name, value in (("account_id", account_id), ("api_token", api_token)) if not value
         ]
         if missing:
             raise ConfigurationError(f"WorkersAI needs {' and '.join(missing)}")
+        if not idle_timeout_s > 0:
+            raise ConfigurationError("WorkersAI needs idle_timeout_s > 0")
+        if max_reconnects < 0:
+            raise ConfigurationError("WorkersAI needs max_reconnects >= 0")
         self._url = f"{base_url.rstrip('/')}/accounts/{account_id}/ai/run/"
         self._headers = {"authorization": f"Bearer {api_token}"}
+        self._stream_headers = {**self._headers, "accept": "text/event-stream"}
         self._owns_client = client is None
         self._client = client or new_client()
         self._max_body_bytes = max_body_bytes
+        self._idle_timeout_s = idle_timeout_s
+        self._max_reconnects = max_reconnects
+        self._resume_base = resume_base.rstrip("/") if resume_base else None
 
     def __repr__(self) -> str:  # never show the token
         return f"WorkersAI(url={self._url!r})"
@@ -67,9 +97,53 @@ class WorkersAI:
             response.status_code, body, model=model, retry_after=response.headers.get("retry-after")
         )
 
+    def stream(self, model: str, inputs: Mapping[str, Any]) -> AsyncGenerator[StreamEvent, None]:
+        """Run `model` on `inputs` with `"stream": true` and yield its events as they arrive
+        (the `guards.StreamingBinding` contract: deltas, then one `StreamEnd`; every failure a
+        `ProviderError`). Both shapes Workers AI streams are read, detected per event: its own
+        `{"response": ...}` events (text, top-level `tool_calls`, `usage`) and OpenAI-style
+        `chat.completion.chunk`s. `[DONE]` completes the stream, and so does the end of the body
+        after a `finish_reason`. A JSON answer (JSON mode does not stream) comes as one text
+        delta and the end. `StreamEnd.model` is the model requested unless a chunk names one.
+        Closing the iterator, or cancelling its consumer, closes the connection."""
+
+        def parse_whole(response: httpx.Response, body: bytes) -> AIResult:
+            return parse_workers_ai_response(
+                response.status_code, body, model=model, retry_after=response.headers.get("retry-after")
+            )
+
+        return stream_sse(
+            self._client,
+            self._url + quote(model, safe="/@:"),
+            body={**inputs, "stream": True},
+            headers=self._stream_headers,
+            provider=PROVIDER,
+            decoder=ChunkDecoder(PROVIDER, model, in_band_error, native=True),
+            parse_whole=parse_whole,
+            idle_timeout_s=self._idle_timeout_s,
+            max_reconnects=self._max_reconnects,
+            resume_base=self._resume_base,
+            max_event_bytes=self._max_body_bytes,
+        )
+
     async def aclose(self) -> None:
         if self._owns_client:
             await self._client.aclose()
+
+
+def in_band_error(event: dict[str, Any]) -> ProviderError | None:
+    """The error an event of a Workers AI stream carries after HTTP 200 (`errors`, `error`,
+    `success: false`, the `AiError` shape), with its numeric code; None for a normal event."""
+    errors = _errors(event)
+    if not errors and event.get("success") is not False:
+        return None
+    return ProviderError(
+        PROVIDER,
+        code=numeric_code(errors),
+        status=200,
+        json_mode_failed=json_mode_not_met(errors),
+        note="error event",
+    )
 
 
 def parse_workers_ai_response(
@@ -89,36 +163,24 @@ def parse_workers_ai_response(
         return AIResult(
             response=result.get("response"),
             model=model,
-            usage=_usage(result.get("usage")),
+            usage=parse_usage(result.get("usage")),
             tool_calls=tuple(t for t in result.get("tool_calls") or () if isinstance(t, dict)),
         )
-    code = next((e["code"] for e in errors if isinstance(e.get("code"), int)), None)
-    messages = " ".join(str(e.get("message", "")) for e in errors)
     raise ProviderError(
         PROVIDER,
-        code=code,
+        code=numeric_code(errors),
         status=status,
         retry_after_s=wait,
-        json_mode_failed="json mode couldn't be met" in messages.lower().replace("\u2019", "'"),
+        json_mode_failed=json_mode_not_met(errors),
     )
 
 
 def _errors(data: dict[str, Any]) -> list[dict[str, Any]]:
     """The error objects of any known failure shape: `errors` (REST), `error` (AI Gateway), or
     the `AiError` object itself."""
-    found = data.get("errors") or data.get("error") or []
-    if isinstance(found, dict):
-        found = [found]
-    errors = [e for e in found if isinstance(e, dict)] if isinstance(found, list) else []
+    errors = error_objects(data.get("errors") or data.get("error"))
     if data.get("name") == "AiError" or "internalCode" in data:
         code = data.get("internalCode")
         message = f"{data.get('description', '')} {data.get('message', '')}"
         errors.append({"code": code if isinstance(code, int) else None, "message": message})
     return errors
-
-
-def _usage(raw: Any) -> Usage | None:
-    if not isinstance(raw, dict):
-        return None
-    numbers = {k: raw.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    return Usage(**{k: v for k, v in numbers.items() if isinstance(v, int)})

@@ -1,0 +1,805 @@
+"""`AI`: one request's guarded access to its route's models.
+
+`run` and `stream` walk the route's fallback chain under one deadline and one attempt budget:
+cooldowns and open breakers skip a model without a call, the budget is charged once before the
+first call, each call is classified (retry, next model, or stop), and every call is accounted
+for (metrics, the usage ledger, the spend cap). `stream` relays a committed model's events as
+Server-Sent Events (see `guards.EventStream`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import typing
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast
+
+import anyio
+
+from ._binding import AIResult, Binding, Usage
+from ._breaker import Outcome
+from ._budget import charge_budget, hold_spend, input_tokens_bound
+from ._call import CallFailed, call_model
+from ._classify import Classification, Kind, classify
+from ._envelope import ErrorCode, Reason
+from ._errors import ConfigurationError, GuardTripped, ProviderError
+from ._event_stream import EventStream, delta, encode, end_data, sse
+from ._ledger import Attempt
+from ._log import emit, emit_warning, logger
+from ._metrics import (
+    REQUESTS,
+    SKIPS,
+    STORE_UNAVAILABLE,
+)
+from ._stream import (
+    ReasoningDelta,
+    StreamEnd,
+    StreamEvent,
+    StreamingBinding,
+    TextDelta,
+    ToolCallDelta,
+    is_output,
+)
+from .stores import StoreUnavailable
+
+if typing.TYPE_CHECKING:
+    from ._guards import Guards
+    from ._route import GuardedRoute, Leg
+
+__all__ = ["AI", "finish_request"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: Retry-After when a guard refuses calls because its store is unavailable.
+STORE_RETRY_AFTER_S = 5.0
+_COOLDOWN_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
+#: The longest attempt summary a detail or a log line carries.
+_SUMMARY_MAX = 400
+
+
+class AI(Generic[T]):
+    """One request's guarded access to its route's models.
+
+    Declare it as a parameter of a guarded route (`ai: AI[OutputModel]`); the decorator fills it.
+    `run` passes the budget, call and output guards and returns the validated output, or raises
+    `GuardTripped`. After a call: `model` is the model that served (as the provider named it),
+    `fallback_model` the chain entry that served when it was not the first (else None),
+    `attempts` the provider calls made and `attempt_budget` the most it could make;
+    `trace_id` is the request's trace id (also the `x-trace-id` header).
+    """
+
+    __slots__ = (
+        "_budget_key",
+        "_charged",
+        "_cost",
+        "_deadline",
+        "_disconnected",
+        "_guards",
+        "_hold",
+        "_leg",
+        "_notes",
+        "_route",
+        "_started",
+        "_tokens",
+        "attempt_budget",
+        "attempts",
+        "fallback_model",
+        "model",
+        "trace_id",
+    )
+
+    def __init__(
+        self,
+        guards: Guards,
+        route: GuardedRoute,
+        *,
+        budget_key: str | None,
+        trace_id: str,
+        disconnected: Callable[[], Awaitable[bool]] | None = None,
+        started: float | None = None,
+    ) -> None:
+        self._guards = guards
+        self._started = time.perf_counter() if started is None else started
+        self._deadline = 0.0
+        self._route = route
+        self._budget_key = budget_key
+        self._disconnected = disconnected
+        self._charged = False
+        #: The spend hold of this request (None without a spend cap) and the cost so far.
+        self._hold: str | None = None
+        self._cost = 0.0
+        #: The leg being called, and what happened to each leg tried or skipped.
+        self._leg: Leg = route.legs[0]
+        self._notes: list[tuple[Leg, str, float | None]] = []
+        self._tokens = 0
+        self.trace_id = trace_id
+        self.model: str | None = None
+        self.fallback_model: str | None = None
+        self.attempts = 0
+        self.attempt_budget = route.attempt_budget
+
+    @property
+    def requested_model(self) -> str:
+        """The chain's first model: what the route asks for before any fallback."""
+        return self._route.model
+
+    async def run(self, inputs: Mapping[str, Any]) -> T:
+        """Call the route's models with Workers-AI-shaped `inputs` (`messages` or `prompt`).
+
+        Walks the chain: a model cooling down or behind an open breaker is skipped without a
+        call; a failure moves to the next model (after a bounded retry of transient ones);
+        the whole walk has one deadline and at most `attempt_budget` calls. JSON mode is
+        requested from the output type when it is not a string, and the route's `max_tokens`
+        when the inputs do not set it. Raises `GuardTripped` when a guard refuses the call
+        or rejects its answer.
+        """
+        route = self._route
+        if route.response_format is not None and "response_format" not in inputs:
+            inputs = {**inputs, "response_format": route.response_format}
+        if route.max_tokens is not None and "max_tokens" not in inputs:
+            inputs = {**inputs, "max_tokens": route.max_tokens}
+        leg, result, probe, record_success = await self._walk(
+            inputs, lambda leg: functools.partial(self._binding(leg).run, leg.ref.model, inputs)
+        )
+        if record_success or probe is not None or self._hold is not None:
+            await self._finish_leg(leg, Outcome.success, probe, record_success)
+        self._served(leg, result.model)
+        output = route.output
+        value = output.check_shape(result) if output.moderation is None else await output.check(result)
+        return cast(T, value)
+
+    async def stream(self, inputs: Mapping[str, Any]) -> EventStream:
+        """Stream the answer of the route's models to the client (Server-Sent Events, see
+        `guards.EventStream` for the events). Return the result from the route.
+
+        Until the first output part (text, reasoning, tool arguments) arrives, this is `run`:
+        the chain is walked, failures retry or fall back, and the failed attempts' preamble
+        is dropped; when every model fails first, `GuardTripped` is raised (a strict route
+        answers a real error status). A stream that completes empty gets one non-streaming
+        recovery call to the same model, within the attempt budget. Once output arrives the
+        model is fixed: a later failure ends the stream with an `error` event (`stream
+        interrupted after output`), never another model and never a replay. The route's
+        deadline bounds the wait for the first output; the binding's idle timeout each wait
+        after that.
+        """
+        route = self._route
+        if route.max_tokens is not None and "max_tokens" not in inputs:
+            inputs = {**inputs, "max_tokens": route.max_tokens}
+        leg, opened, probe, record_success = await self._walk(
+            inputs, lambda leg: functools.partial(_open_stream, self._streaming(leg), leg.ref.model, inputs)
+        )
+        if opened.committed:
+            self._served(leg, opened.model)
+            return EventStream(self._relay(leg, opened, probe, record_success))
+        # Complete, and nothing in it: the model answered, just not with anything.
+        end = opened.end
+        if end is not None and end.finish_reason == "content_filter":
+            await self._finish_leg(leg, Outcome.success, probe, record_success)
+            raise GuardTripped(
+                Reason.moderation_blocked, "the provider filtered the stream", model=leg.ref.key
+            )
+        result = await self._recover(leg, inputs, probe, record_success)
+        text = await route.output.check(result)
+        self._served(leg, result.model)
+        recovered = _Opened(
+            iter_events=_no_events(),
+            first=[TextDelta(str(text))],
+            end=StreamEnd(finish_reason="stop", usage=result.usage, model=result.model),
+            started=time.perf_counter(),
+        )
+        return EventStream(self._relay(leg, recovered, None, False, recorded=True))
+
+    async def _walk(
+        self, inputs: Mapping[str, Any], call_for: Callable[[Leg], Callable[[], Awaitable[R]]]
+    ) -> tuple[Leg, R, float | None, bool]:
+        """Walk the chain until a call succeeds: (its leg, its result, the leg's breaker probe
+        ticket, whether its success must be recorded). The caller records the outcome and
+        settles the spend; on failure this settles and raises `GuardTripped`."""
+        route = self._route
+        self._notes.clear()
+        waits = await self._cooldowns()
+        deadline = self._deadline = asyncio.get_running_loop().time() + route.timeout_s
+        inflight: tuple[Leg, float | None] | None = None
+        last: GuardTripped | None = None
+        try:
+            # One deadline for every leg, attempt and wait. When it passes, the task is
+            # cancelled where it awaits: the provider request is aborted, its connection
+            # closed, and no further leg is tried (cancellation never moves on).
+            async with asyncio.timeout_at(deadline):
+                for index, leg in enumerate(route.legs):
+                    if waits is not None and waits[index] > 0:
+                        self._skip(leg, "cooldown", waits[index])
+                        continue
+                    if self.attempts >= self.attempt_budget:
+                        break
+                    if self.attempts and self._disconnected is not None and await self._disconnected():
+                        raise GuardTripped(
+                            Reason.provider_error,
+                            "the client disconnected: no further model was tried",
+                            kind=Kind.cancelled,
+                            attempts=self.attempts,
+                            model=leg.ref.key,
+                        )
+                    admitted = await self._admit(leg)
+                    if admitted is None:
+                        continue
+                    probe, record_success = admitted
+                    inflight = (leg, probe)
+                    if not self._charged:
+                        await self._charge(inputs)
+                        self._charged = True
+                    self._leg = leg
+                    try:
+                        result, _ = await call_model(
+                            call_for(leg),
+                            policy=route.retry,
+                            deadline=deadline,
+                            limit=self._leg_limit(index, waits),
+                            sleep=self._guards.sleep,
+                            on_attempt=self._on_attempt,
+                            on_retry=self._log_retry,
+                        )
+                    except CallFailed as failed:
+                        inflight = None
+                        last = self._leg_failed(leg, failed)
+                        # JSON mode not met: the model answered, just not in shape.
+                        json_mode = getattr(failed.error, "json_mode_failed", False)
+                        await self._record(leg, Outcome.success if json_mode else Outcome.failure, probe)
+                        if failed.verdict.kind in _COOLDOWN_KINDS:
+                            await self._cool(leg, failed.error)
+                        continue
+                    return leg, result, probe, record_success
+        except TimeoutError:
+            leg = inflight[0] if inflight is not None else self._leg
+            if inflight is not None:
+                await self._record(leg, Outcome.failure, inflight[1])
+            await self._settle()
+            raise GuardTripped(
+                Reason.timeout,
+                f"no answer within {route.timeout_s:g}s",
+                kind=Kind.model_temporarily_unavailable,
+                attempts=self.attempts,
+                model=leg.ref.key,
+            ) from None
+        except GuardTripped:
+            # A budget refusal (before any call) or the client gone: no verdict on the model.
+            if inflight is not None:
+                await self._record(inflight[0], Outcome.released, inflight[1])
+            await self._settle()
+            raise
+        except BaseException:
+            # Cancelled from outside (client gone, server stopping): no verdict on the model,
+            # but a probe slot must be freed and the spend settled, shielded from the
+            # cancellation under way.
+            with anyio.CancelScope(shield=True):
+                if inflight is not None:
+                    await self._record(inflight[0], Outcome.released, inflight[1])
+                await self._settle()
+            raise
+        await self._settle()
+        raise self._exhausted(last)
+
+    async def _finish_leg(
+        self, leg: Leg, outcome: Outcome, probe: float | None, record_success: bool
+    ) -> None:
+        """Record the serving leg's outcome and settle the request's spend."""
+        if outcome is not Outcome.success or record_success or probe is not None:
+            await self._record(leg, outcome, probe)
+        if self._hold is not None:
+            await self._settle()
+
+    def _served(self, leg: Leg, model: str | None) -> None:
+        self.model = model or leg.ref.model
+        if leg is not self._route.legs[0]:
+            self.fallback_model = leg.ref.key
+
+    def _streaming(self, leg: Leg) -> StreamingBinding:
+        binding = self._binding(leg)
+        if not isinstance(binding, StreamingBinding):
+            raise ConfigurationError(f"the binding for {leg.ref.key} cannot stream")
+        return binding
+
+    async def _recover(
+        self, leg: Leg, inputs: Mapping[str, Any], probe: float | None, record_success: bool
+    ) -> AIResult:
+        """One non-streaming call to `leg` after an empty stream (within the attempt budget)."""
+        if self.attempts >= self.attempt_budget:
+            await self._finish_leg(leg, Outcome.success, probe, record_success)
+            raise GuardTripped(Reason.empty_response, "the stream completed empty", model=leg.ref.key)
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                result, _ = await call_model(
+                    functools.partial(self._binding(leg).run, leg.ref.model, inputs),
+                    policy=self._route.retry,
+                    deadline=self._deadline,
+                    limit=1,
+                    on_attempt=self._on_attempt,
+                )
+        except CallFailed as failed:
+            await self._finish_leg(leg, Outcome.failure, probe, record_success)
+            raise self._leg_failed(leg, failed) from None
+        except TimeoutError:
+            await self._finish_leg(leg, Outcome.failure, probe, record_success)
+            raise GuardTripped(
+                Reason.timeout,
+                f"no answer within {self._route.timeout_s:g}s",
+                kind=Kind.model_temporarily_unavailable,
+                attempts=self.attempts,
+                model=leg.ref.key,
+            ) from None
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._finish_leg(leg, Outcome.released, probe, record_success)
+            raise
+        await self._finish_leg(leg, Outcome.success, probe, record_success)
+        return result
+
+    async def _relay(
+        self, leg: Leg, opened: _Opened, probe: float | None, record_success: bool, *, recorded: bool = False
+    ) -> AsyncIterator[bytes]:
+        """The body of an `EventStream`: the committed attempt's events, then `done` or
+        `error`. Records the attempt (ledger, metrics), the breaker outcome, the spend and the
+        request's outcome when the stream ends, however it ends."""
+        route = self._route
+        delivered = 0
+        end: StreamEnd | None = opened.end
+        kind = "ok"
+        outcome = Outcome.success
+        failure: GuardTripped | None = None
+        try:
+            for event in opened.first:
+                delivered += _chars(event)
+                yield encode(event)
+            if end is None:
+                async for event in opened.iter_events:
+                    if type(event) is TextDelta:  # the hot path: one per token
+                        delivered += len(event.text)
+                        yield delta(event.text)
+                        continue
+                    if isinstance(event, StreamEnd):
+                        end = event
+                        break
+                    delivered += _chars(event)
+                    yield encode(event)
+                else:
+                    raise ProviderError(leg.ref.provider or "provider", note="stream truncated")
+        except Exception as error:
+            verdict = classify(error)
+            kind, outcome = verdict.kind.value, Outcome.failure
+            failure = GuardTripped(
+                Reason.provider_error,
+                "stream interrupted after output",
+                kind=verdict.kind,
+                attempts=self.attempts,
+                model=leg.ref.key,
+            )
+            yield sse("error", self._error_data(failure))
+        except BaseException:
+            # The client left (or the server is stopping): no verdict on the model; what was
+            # delivered is recorded, nothing more is fetched or billed.
+            kind, outcome = Kind.cancelled.value, Outcome.released
+            with anyio.CancelScope(shield=True):
+                self._stream_done(leg, opened, kind, end, delivered, recorded)
+                await self._finish_leg(leg, outcome, probe, record_success)
+                finish_request(route, self, self._started, "cancelled", 200)
+            raise
+        else:
+            if end is not None and end.finish_reason == "content_filter":
+                failure = GuardTripped(
+                    Reason.moderation_blocked, "the provider filtered the stream", model=leg.ref.key
+                )
+                yield sse("error", self._error_data(failure))
+            else:
+                yield sse("done", self._done_data(end))
+        self._stream_done(leg, opened, kind, end, delivered, recorded)
+        await self._finish_leg(leg, outcome, probe, record_success)
+        finish_request(route, self, self._started, "error" if failure else "ok", 200, tripped=failure)
+
+    def _stream_done(
+        self, leg: Leg, opened: _Opened, kind: str, end: StreamEnd | None, delivered: int, recorded: bool
+    ) -> None:
+        """Account for the committed stream attempt once it ended (its ledger record)."""
+        if not recorded:
+            usage = end.usage if end is not None else None
+            served = (end.model if end is not None else None) or opened.model or leg.ref.model
+            self._account(
+                leg,
+                kind,
+                usage,
+                served,
+                time.perf_counter() - opened.started,
+                billed=True,
+                delivered=delivered,
+            )
+
+    def _done_data(self, end: StreamEnd | None) -> dict[str, Any]:
+        detailed = self._guards.attribution == "detailed"
+        data = end_data(end)
+        data.update(
+            model=self.model if detailed else None,
+            fallback_model=(
+                self.fallback_model
+                if detailed
+                else (self.fallback_model is not None if self._guards.attribution == "redacted" else None)
+            ),
+            attempts=self.attempts,
+            trace_id=self.trace_id,
+        )
+        return data
+
+    def _error_data(self, tripped: GuardTripped) -> dict[str, Any]:
+        return {
+            "guard": tripped.guard.value,
+            "reason": tripped.reason.value,
+            "detail": tripped.detail,
+            "trace_id": self.trace_id,
+        }
+
+    def _binding(self, leg: Leg) -> Binding:
+        provider = leg.ref.provider
+        return self._guards.binding if provider is None else self._guards.providers[provider]
+
+    def _leg_limit(self, index: int, waits: tuple[float, ...] | None) -> int:
+        """Calls this leg may make: what the budget has left, minus one for each later leg
+        that is not cooling down (so a retry never starves the fallbacks)."""
+        left = self.attempt_budget - self.attempts
+        if index + 1 == len(self._route.legs):
+            return left
+        if waits is None:
+            reserved = len(self._route.legs) - index - 1
+        else:
+            reserved = sum(1 for wait in waits[index + 1 :] if wait <= 0)
+        return max(1, left - reserved)
+
+    async def _cooldowns(self) -> tuple[float, ...] | None:
+        """Seconds of cooldown left per leg, read in one store operation (None: unknown)."""
+        try:
+            return await self._guards.store.cooldowns(self._route.cooldown_keys)
+        except StoreUnavailable:
+            # Cooldowns only spare a provider that asked for a pause: try the models.
+            self._warn_store("cooldown", mode="open")
+            STORE_UNAVAILABLE.labels(guard="cooldown", action="open").inc()
+            return None
+
+    async def _cool(self, leg: Leg, error: Exception) -> None:
+        """Put `leg` in cooldown after a rate limit or an exhausted quota."""
+        seconds = self._guards.cooldown.seconds(error)
+        try:
+            await self._guards.store.start_cooldown(leg.cooldown_key, seconds)
+        except StoreUnavailable:
+            self._warn_store("cooldown", op="start_cooldown")
+            STORE_UNAVAILABLE.labels(guard="cooldown", action="start_cooldown").inc()
+            return
+        emit(
+            "cooldown",
+            route=self._route.name,
+            trace_id=self.trace_id,
+            model=leg.ref.key,
+            seconds=round(seconds, 3),
+        )
+
+    def _skip(self, leg: Leg, why: str, wait_s: float | None) -> None:
+        self._notes.append((leg, f"skipped ({why})", wait_s))
+        SKIPS.labels(leg.ref.key, why).inc()
+        emit(
+            "skip",
+            route=self._route.name,
+            trace_id=self.trace_id,
+            model=leg.ref.key,
+            reason=why,
+            retry_after_s=round(wait_s, 3) if wait_s is not None else None,
+        )
+
+    async def _admit(self, leg: Leg) -> tuple[float | None, bool] | None:
+        """The leg's breaker verdict: (probe ticket, whether a success must be recorded), or
+        None when the breaker is open (the leg is skipped)."""
+        breaker = self._route.breaker
+        if breaker is None:
+            return None, False
+        try:
+            decision = await self._guards.store.breaker_admit(leg.breaker_key, breaker)
+        except StoreUnavailable:
+            self._store_failed("breaker", breaker.on_store_failure)
+            return None, False
+        leg.saw(decision.state)
+        if not decision.allowed:
+            self._skip(leg, "circuit_open", decision.retry_after_s)
+            return None
+        return decision.probe, decision.record_success
+
+    async def _charge(self, inputs: Mapping[str, Any]) -> None:
+        """Charge the request's budget once (rate, daily cap), and hold its worst-case spend."""
+        route, key = self._route, self._budget_key
+        budget = route.budget
+        if budget is None or key is None:
+            return
+        store = self._guards.store
+        try:
+            await charge_budget(store, budget, key)
+            if route.spend_capped:
+                self._tokens = tokens = input_tokens_bound(inputs)
+                worst = max(_worst(leg, tokens, route.max_tokens) for leg in route.legs)
+                self._hold = await hold_spend(
+                    store, budget, key, worst * self.attempt_budget, hold_s=2 * route.timeout_s + 60
+                )
+        except StoreUnavailable:
+            self._store_failed("budget", budget.on_store_failure)
+
+    async def _settle(self) -> None:
+        """Replace the spend hold by what the calls cost (see `_on_attempt`)."""
+        if self._hold is None or self._budget_key is None:
+            return
+        reservation, self._hold = self._hold, None
+        try:
+            await self._guards.store.settle_spend(self._budget_key, reservation, actual=self._cost)
+        except StoreUnavailable:
+            # The hold lapses by itself; the cost it stood for stays unrecorded.
+            self._warn_store("budget", op="settle_spend")
+            STORE_UNAVAILABLE.labels(guard="budget", action="settle_spend").inc()
+
+    def _on_attempt(self, attempt: int, outcome: Any, started: float) -> None:
+        """Count one provider call: attempts, metrics, the usage ledger and its cost. A stream
+        that reached its first output is accounted for when it ends (see `_relay`)."""
+        self.attempts += 1
+        leg = self._leg
+        elapsed = time.perf_counter() - started
+        if isinstance(outcome, AIResult):
+            self._account(leg, "ok", outcome.usage, outcome.model or leg.ref.model, elapsed, billed=True)
+        elif isinstance(outcome, _Opened):
+            if not outcome.committed:  # complete and empty: accounted now
+                end = outcome.end
+                usage = end.usage if end is not None else None
+                self._account(leg, "ok", usage, outcome.model or leg.ref.model, elapsed, billed=True)
+        else:
+            # Billed unless the provider refused the call: a timeout, a cancelled call, any
+            # failure that is not a provider's error answer, JSON mode not met.
+            billed = not isinstance(outcome, ProviderError) or outcome.json_mode_failed
+            self._account(leg, classify(outcome).kind.value, None, None, elapsed, billed=billed)
+
+    def _account(
+        self,
+        leg: Leg,
+        kind: str,
+        usage: Usage | None,
+        served: str | None,
+        elapsed: float,
+        *,
+        billed: bool,
+        delivered: int | None = None,
+    ) -> None:
+        route = self._route
+        leg.seconds.observe(elapsed)
+        leg.attempts[kind].inc()
+        if route.spend_capped and leg.price is not None:
+            # Usage when known; else the worst case when the provider may have billed.
+            if usage is not None:
+                self._cost += leg.price.cost(usage.prompt_tokens, usage.completion_tokens)
+            elif billed:
+                self._cost += _worst(leg, self._tokens, route.max_tokens)
+        if self._guards.ledger_enabled():
+            self._guards.ledger.record(
+                Attempt(
+                    trace_id=self.trace_id,
+                    route=route.name,
+                    attempt=self.attempts,
+                    requested_model=route.model,
+                    model=leg.ref.key,
+                    served_model=served,
+                    outcome=kind,
+                    latency_ms=round(elapsed * 1000, 2),
+                    usage=usage,
+                    delivered_chars=delivered,
+                )
+            )
+
+    def _leg_failed(self, leg: Leg, failed: CallFailed) -> GuardTripped:
+        error = failed.error
+        what = error.describe() if isinstance(error, ProviderError) else type(error).__name__
+        times = f" x{failed.attempts}" if failed.attempts > 1 else ""
+        self._notes.append((leg, failed.verdict.kind.value + times, None))
+        if isinstance(error, ProviderError) and error.json_mode_failed:
+            return GuardTripped(
+                Reason.schema_invalid,
+                f"JSON mode could not be met ({what})",
+                attempts=self.attempts,
+                model=leg.ref.key,
+            )
+        return GuardTripped(
+            Reason.provider_error,
+            f"{failed.verdict.kind.value} after {failed.attempts} attempt(s): {what}",
+            kind=failed.verdict.kind,
+            attempts=self.attempts,
+            retry_after_s=error.retry_after_s if isinstance(error, ProviderError) else None,
+            model=leg.ref.key,
+        )
+
+    def _exhausted(self, last: GuardTripped | None) -> GuardTripped:
+        """No leg answered: the last failure, or `circuit_open` when every leg was skipped."""
+        legs = self._route.legs
+        if last is not None and len(legs) == 1:
+            return last
+        summary = self._summary(self._guards.attribution == "detailed")
+        if last is None:
+            waits = [wait for _, _, wait in self._notes if wait is not None]
+            return GuardTripped(
+                Reason.circuit_open,
+                f"every model was skipped: {summary}",
+                retry_after_s=min(waits) if waits else None,
+                model=legs[0].ref.key,
+            )
+        return GuardTripped(
+            last.reason,
+            f"every model failed: {summary}",
+            kind=last.kind,
+            attempts=self.attempts,
+            retry_after_s=last.retry_after_s,
+            model=last.model,
+        )
+
+    def _summary(self, detailed: bool) -> str:
+        """Each model tried or skipped by the last `run`, and how it ended; model ids when
+        `detailed` (else `model 1`, `model 2`...). Bounded, no provider text."""
+        index = {id(leg): n for n, leg in enumerate(self._route.legs, 1)}
+        parts = [
+            f"{leg.ref.key if detailed else f'model {index[id(leg)]}'}: {what}"
+            for leg, what, _ in self._notes
+        ]
+        text = "; ".join(parts)
+        return text if len(text) <= _SUMMARY_MAX else text[: _SUMMARY_MAX - 3] + "..."
+
+    async def _record(self, leg: Leg, outcome: Outcome, probe: float | None) -> None:
+        breaker = self._route.breaker
+        if breaker is not None and (probe is not None or outcome is not Outcome.released):
+            try:
+                state = await self._guards.store.breaker_record(
+                    leg.breaker_key, breaker, outcome, probe=probe
+                )
+            except StoreUnavailable:
+                # The outcome is lost; a lost probe's slot is reclaimed after the reset timeout.
+                self._warn_store("breaker", op="breaker_record")
+                STORE_UNAVAILABLE.labels(guard="breaker", action="breaker_record").inc()
+                return
+            leg.saw(state.state)
+
+    def _store_failed(self, guard: str, mode: str) -> None:
+        """The store did not answer a guard's check: admit (fail open) or refuse (fail closed)."""
+        self._warn_store(guard, mode=mode)
+        STORE_UNAVAILABLE.labels(guard=guard, action=mode).inc()
+        if mode == "closed":
+            raise GuardTripped(
+                Reason.circuit_open,
+                f"the {guard} guard's store is unavailable: calls are paused",
+                retry_after_s=STORE_RETRY_AFTER_S,
+                model=self._route.model,
+            )
+
+    def _warn_store(self, guard: str, **fields: str) -> None:
+        emit_warning(
+            "store_unavailable", guard=guard, route=self._route.name, trace_id=self.trace_id, **fields
+        )
+
+    def _log_retry(self, attempt: int, verdict: Classification, delay_s: float) -> None:
+        emit(
+            "retry",
+            route=self._route.name,
+            trace_id=self.trace_id,
+            model=self._leg.ref.key,
+            attempt=attempt,
+            kind=verdict.kind.value,
+            delay_ms=round(delay_s * 1000, 1),
+        )
+
+
+@dataclass(slots=True, eq=False)
+class _Opened:
+    """A stream opened by one attempt, read up to its first output part (or its end)."""
+
+    iter_events: AsyncIterator[StreamEvent]
+    #: The events read so far: the attempt's preamble and its first output part.
+    first: list[StreamEvent]
+    end: StreamEnd | None
+    started: float
+    model: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        return any(is_output(event) for event in self.first)
+
+
+async def _open_stream(binding: StreamingBinding, model: str, inputs: Mapping[str, Any]) -> _Opened:
+    """One streaming attempt, up to the commit point: read until the first output part (the
+    attempt succeeds), the end of a stream that had none, or a failure (raised, like `run`;
+    the preamble read so far is dropped with the attempt)."""
+    started = time.perf_counter()
+    events = binding.stream(model, inputs)
+    first: list[StreamEvent] = []
+    try:
+        async for event in events:
+            if isinstance(event, StreamEnd):
+                return _Opened(events, first, event, started, model=event.model)
+            first.append(event)
+            if is_output(event):
+                return _Opened(events, first, None, started)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await _aclose(events)
+        raise
+    await _aclose(events)
+    raise ProviderError("provider", note="stream truncated")
+
+
+async def _aclose(events: AsyncIterator[StreamEvent]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _no_events() -> AsyncIterator[StreamEvent]:
+    return
+    yield  # pragma: no cover
+
+
+def _chars(event: StreamEvent) -> int:
+    if isinstance(event, TextDelta | ReasoningDelta):
+        return len(event.text)
+    if isinstance(event, ToolCallDelta):
+        return len(event.arguments)
+    return 0
+
+
+def _worst(leg: Leg, input_tokens: int, max_tokens: int | None) -> float:
+    """What one call to `leg` may cost at most."""
+    return leg.price.cost(input_tokens, max_tokens or 0) if leg.price is not None else 0.0
+
+
+def finish_request(
+    route: GuardedRoute,
+    ai: AI[Any],
+    started: float,
+    outcome: str,
+    status: int,
+    *,
+    tripped: GuardTripped | None = None,
+    error: ErrorCode | None = None,
+    **extra: Any,
+) -> None:
+    """Count a request's outcome and latency, and write its one log line (skipped cheaply
+    when INFO is off)."""
+    elapsed = time.perf_counter() - started
+    metrics = route.metrics
+    metrics.seconds.observe(elapsed)
+    if outcome == "ok":
+        metrics.ok.inc()
+    elif outcome == "fallback":
+        metrics.fallback.inc()
+    elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback
+        REQUESTS.labels(route.name, outcome).inc()
+    else:
+        metrics.error.inc()
+    if tripped is not None and outcome != "cancelled":
+        metrics.tripped(tripped.guard.value, tripped.reason.value)
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    emit(
+        "request",
+        route=route.name,
+        trace_id=ai.trace_id,
+        outcome=outcome,
+        status=status,
+        error=error.value if error is not None else None,
+        guard=tripped.guard.value if tripped is not None else None,
+        reason=tripped.reason.value if tripped is not None else None,
+        kind=tripped.kind.value if tripped is not None and tripped.kind is not None else None,
+        attempts=ai.attempts,
+        attempt_budget=ai.attempt_budget,
+        model=(tripped.model if tripped is not None else None) or ai.model,
+        fallback_model=ai.fallback_model,
+        legs=ai._summary(True) if tripped is not None and len(route.legs) > 1 else None,
+        latency_ms=round(elapsed * 1000, 2),
+        **extra,
+    )

@@ -1,0 +1,119 @@
+"""`EventStream`: what a guarded streaming route sends its client, as Server-Sent Events.
+
+The vocabulary (each event's `data` is one JSON object):
+
+    event: delta       {"text": "..."}                       a piece of the answer
+    event: reasoning   {"text": "..."}                       a piece of visible reasoning
+    event: tool_call   {"index": 0, "id": ..., "name": ..., "arguments": "..."}
+                                                             a piece of a tool call (concatenate
+                                                             `arguments` of one index in order)
+    event: done        {"finish_reason", "usage", "model", "fallback_model", "attempts", "trace_id"}
+                                                             the answer is complete
+    event: error       {"guard", "reason", "detail", "trace_id"}
+                                                             the stream ended without completing;
+                                                             `reason` is from the closed taxonomy
+
+Exactly one of `done` and `error` ends every stream. Text already delivered before an `error`
+is what the client keeps: guards never switches model or replays text once output was sent.
+`model` and `fallback_model` follow the attribution mode (`null` when not shown).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
+
+__all__ = ["EventStream", "sse"]
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+#: A str as a JSON string literal (the C encoder json.dumps uses for strings).
+_string: Callable[[str], str] = json.encoder.encode_basestring
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    """One Server-Sent Event. JSON never contains a raw newline, so `data` is one line."""
+    return f"event: {event}\ndata: {_dumps(data)}\n\n".encode()
+
+
+def delta(text: str) -> bytes:
+    """A `delta` event: the relay's hot path, so the JSON is put together by hand."""
+    return b'event: delta\ndata: {"text":' + _string(text).encode() + b"}\n\n"
+
+
+def encode(event: StreamEvent) -> bytes:
+    """A provider event as the client's event (`StreamEnd` is answered by the relay)."""
+    if isinstance(event, TextDelta):
+        return delta(event.text)
+    if isinstance(event, ReasoningDelta):
+        return sse("reasoning", {"text": event.text})
+    if isinstance(event, ToolCallDelta):
+        return sse(
+            "tool_call",
+            {"index": event.index, "id": event.id, "name": event.name, "arguments": event.arguments},
+        )
+    raise TypeError(f"not a client event: {type(event).__name__}")  # pragma: no cover
+
+
+class EventStream(Response):
+    """A `text/event-stream` response that relays a guarded model stream.
+
+    Returned by `AI.stream`; a guarded route returns it as is. Headers (status 200, the trace
+    id, attribution) go out only once the first output part is in hand. When the client
+    disconnects, the relay is cancelled at once, which closes the provider's stream.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        self.status_code = 200
+        self.background = None
+        self._body = body
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def relay() -> None:
+            await send(
+                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            )
+            async for chunk in self._body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()  # the client left: stop relaying, close upstream
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(watch)
+                await relay()
+        finally:
+            aclose = getattr(self._body, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+def end_data(end: StreamEnd | None) -> dict[str, Any]:
+    usage = end.usage if end is not None else None
+    return {
+        "finish_reason": end.finish_reason if end is not None else None,
+        "usage": (
+            {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "total_tokens": usage.total_tokens,
+            }
+            if usage is not None
+            else None
+        ),
+    }

@@ -1,0 +1,319 @@
+"""Streaming over HTTP, shared by the adapters: one request read as Server-Sent Events, decoded
+into stream events, with stalls, cuts and AI Gateway's resume handled once (PROTOCOLS.md,
+"Cloudflare AI Gateway", "Resume").
+
+`stream_sse` is the engine; an adapter gives it the request, a `ChunkDecoder` (OpenAI's
+`chat.completion.chunk` shape, and Workers AI's native `{"response": ...}` shape when asked)
+and its own whole-body parser for answers that are not an event stream (an error status, or a
+JSON body from a server that does not stream).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from typing import Any
+
+import anyio
+import httpx
+
+from .._binding import AIResult, Usage
+from .._errors import ProviderError
+from .._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
+from ._http import parse_usage, read_capped, transport_error
+from ._sse import EventTooLarge, SSEEvent, SSEParser
+
+__all__ = [
+    "DEFAULT_IDLE_TIMEOUT_S",
+    "DEFAULT_MAX_RECONNECTS",
+    "ChunkDecoder",
+    "InBandError",
+    "result_events",
+    "stream_sse",
+]
+
+DEFAULT_IDLE_TIMEOUT_S = 30.0
+DEFAULT_MAX_RECONNECTS = 5
+RUN_ID_HEADER = "cf-aig-run-id"
+#: After the completion signal, the rest of the body (normally just the end of the chunked
+#: encoding, already on its way) is read for this long at most, so the connection can go back
+#: to the pool; past it the connection is closed instead.
+_DRAIN_S = 0.1
+_DRAIN_BYTES = 64 << 10
+
+#: Spots an in-band error object in a decoded event: the `ProviderError` to raise, or None.
+InBandError = Callable[[dict[str, Any]], ProviderError | None]
+#: Parses a whole (non-event-stream) answer like the adapter's `run`: a result, or raises.
+WholeParser = Callable[[httpx.Response, bytes], AIResult]
+
+
+class ChunkDecoder:
+    """Turns the events of one stream into `StreamEvent`s, keeping what the end needs.
+
+    Reads OpenAI's chunks (`choices[0].delta` with `content`, `reasoning_content` or
+    `reasoning`, `tool_calls`; `finish_reason`; `usage`; `model`) and, with `native=True`,
+    Workers AI's own events (`response`, top-level `tool_calls` and `finish_reason`, `usage`),
+    detected per event. `[DONE]` completes the stream; so does the end of the body after a
+    `finish_reason` (`end_at_eof`). Events that are not JSON objects are skipped; an in-band
+    error object, or an event named `error`, raises `ProviderError` (status 200, never the
+    provider's text).
+    """
+
+    __slots__ = (
+        "_in_band_error",
+        "_native",
+        "_requested",
+        "complete",
+        "finish_reason",
+        "model",
+        "provider",
+        "refused",
+        "usage",
+    )
+
+    def __init__(
+        self, provider: str, model: str, in_band_error: InBandError, *, native: bool = False
+    ) -> None:
+        self.provider = provider
+        self._requested = model
+        self._in_band_error = in_band_error
+        self._native = native
+        self.complete = False
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.model: str | None = None
+        self.refused = False
+
+    def decode(self, sse: SSEEvent) -> list[StreamEvent]:
+        """The stream events one SSE event carries (often one, sometimes none); the last is
+        `StreamEnd` when it completed the stream."""
+        data = sse.data
+        if data == "[DONE]":
+            return [self._end()]
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            chunk = None
+        if not isinstance(chunk, dict):
+            if sse.event == "error":
+                raise ProviderError(self.provider, status=200, note="error event")
+            return []  # a keep-alive or an unknown event: liberal in what we accept
+        error = self._in_band_error(chunk)
+        if error is None and sse.event == "error":
+            error = ProviderError(self.provider, status=200, note="error event")
+        if error is not None:
+            raise error
+        out: list[StreamEvent] = []
+        served = chunk.get("model")
+        if isinstance(served, str) and served:
+            self.model = served
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = parse_usage(usage)
+        choices = chunk.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            choice = choices[0]  # `n` is never sent: only one choice streams
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                self._delta(delta, out)
+            self._finish(choice.get("finish_reason"))
+        elif self._native:
+            response = chunk.get("response")
+            if isinstance(response, str) and response:
+                out.append(TextDelta(response))
+            tool_calls = chunk.get("tool_calls")
+            if isinstance(tool_calls, list):
+                _tool_call_deltas(tool_calls, out)
+            self._finish(chunk.get("finish_reason"))
+        return out
+
+    def end_at_eof(self) -> StreamEnd | None:
+        """The end, when the body ending now completes the stream: a `finish_reason` came
+        (the answer is whole; only the usage chunk and `[DONE]` are missing)."""
+        return self._end() if self.finish_reason is not None and not self.complete else None
+
+    def _end(self) -> StreamEnd:
+        self.complete = True
+        # A refusal (structured outputs) is the model's own safety filter speaking, as in `run`.
+        finish = "content_filter" if self.refused else self.finish_reason
+        return StreamEnd(finish_reason=finish, usage=self.usage, model=self.model or self._requested)
+
+    def _finish(self, reason: Any) -> None:
+        if isinstance(reason, str) and reason:
+            self.finish_reason = reason
+
+    def _delta(self, delta: dict[str, Any], out: list[StreamEvent]) -> None:
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            out.append(ReasoningDelta(reasoning))
+        content = delta.get("content")
+        if isinstance(content, list):  # content parts (some compatible servers)
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = "".join(p for p in parts if isinstance(p, str))
+        if isinstance(content, str) and content:
+            out.append(TextDelta(content))
+        tool_calls = delta.get("tool_calls")
+        if isinstance(tool_calls, list):
+            _tool_call_deltas(tool_calls, out)
+        refusal = delta.get("refusal")
+        if isinstance(refusal, str) and refusal:
+            self.refused = True
+
+
+def _tool_call_deltas(items: list[Any], out: list[StreamEvent]) -> None:
+    """OpenAI's `{index, id, function: {name, arguments}}` pieces, or Workers AI's flat
+    `{name, arguments}` (arguments as an object are sent as their JSON text). A piece with
+    neither id, name nor arguments (Workers AI's null finalization) is skipped."""
+    for position, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        function = item.get("function")
+        if not isinstance(function, dict):
+            function = {}
+        name = function.get("name") or item.get("name")
+        arguments = function.get("arguments")
+        if arguments is None:
+            arguments = item.get("arguments")
+        if not isinstance(arguments, str):
+            arguments = "" if arguments is None else json.dumps(arguments)
+        call_id = item.get("id")
+        index = item.get("index")
+        delta = ToolCallDelta(
+            index=index if isinstance(index, int) and not isinstance(index, bool) else position,
+            id=call_id if isinstance(call_id, str) and call_id else None,
+            name=name if isinstance(name, str) and name else None,
+            arguments=arguments,
+        )
+        if delta.id or delta.name or delta.arguments:
+            out.append(delta)
+
+
+def result_events(result: AIResult, finish_reason: str | None = None) -> list[StreamEvent]:
+    """A whole answer as a stream: its text (an object as its JSON text), its tool calls, the
+    end. For servers that answer a streaming request with one JSON body (Workers AI in JSON
+    mode does)."""
+    events: list[StreamEvent] = []
+    response = result.response
+    text = response if isinstance(response, str) else "" if response is None else json.dumps(response)
+    if text:
+        events.append(TextDelta(text))
+    _tool_call_deltas(list(result.tool_calls), events)
+    if finish_reason is None:
+        finish_reason = "content_filter" if result.moderated else "length" if result.truncated else None
+    events.append(StreamEnd(finish_reason=finish_reason, usage=result.usage, model=result.model))
+    return events
+
+
+def _idle_timeout(base: httpx.Timeout, idle_timeout_s: float) -> httpx.Timeout:
+    """The client's timeouts, with the read timeout (no byte for that long) set to the idle
+    limit: httpx enforces it per socket read, so a healthy stream pays nothing per event."""
+    return httpx.Timeout(connect=base.connect, read=idle_timeout_s, write=base.write, pool=base.pool)
+
+
+def _is_json(response: httpx.Response) -> bool:
+    kind: str = response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return kind == "application/json" or kind.endswith("+json")
+
+
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    """Read what is left of a completed stream, briefly and boundedly, so the connection can be
+    reused; on any trouble the connection is simply closed with the response."""
+    size = 0
+    with contextlib.suppress(httpx.HTTPError), anyio.move_on_after(_DRAIN_S):
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > _DRAIN_BYTES:
+                return
+
+
+async def stream_sse(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    body: Mapping[str, Any],
+    headers: httpx.Headers | Mapping[str, str],
+    provider: str,
+    decoder: ChunkDecoder,
+    parse_whole: WholeParser,
+    idle_timeout_s: float,
+    max_reconnects: int,
+    resume_base: str | None,
+    max_event_bytes: int,
+) -> AsyncGenerator[StreamEvent, None]:
+    """POST `body` to `url` and yield its stream events, then exactly one `StreamEnd`.
+
+    Raises `ProviderError`: an error status before the body (parsed by `parse_whole`, like
+    `run`); an in-band error (from `decoder`); `note="stream stalled"` when no byte came for
+    `idle_timeout_s` (status None); `note="stream truncated"` when the body ends, or the
+    connection breaks, before the completion signal (status None); a transport failure before
+    the answer, as `run`.
+
+    Resume: when the answer carries `cf-aig-run-id` and `resume_base` is set, a cut after at
+    least one complete event reconnects with `GET {resume_base}/run/{id}/resume?from=N`, N the
+    complete events received so far on this run (a trailing partial event is dropped, never
+    yielded), with the same headers; the events continue with no gap and no duplicate. At most
+    `max_reconnects` reconnections per stream (then `note="stream interrupted"`, status None);
+    a 404 means the gateway's buffer expired (`status=404, note="stream resume expired"`).
+    A stall is not resumed: the gateway would wait on the same provider.
+
+    Closing the generator (or cancelling its consumer) closes the connection at once.
+    """
+    timeout = _idle_timeout(client.timeout, idle_timeout_s)
+    method, target = "POST", url
+    payload: dict[str, Any] | None = dict(body)
+    resume_url: str | None = None  # the run's resume address, once the answer gave a run id
+    delivered = 0  # complete SSE events received on this run (the resume position)
+    reconnects = 0
+    while True:
+        resuming = method == "GET"
+        reading = False  # past the answer's head, into the event stream
+        try:
+            async with client.stream(
+                method, target, json=payload, headers=headers, timeout=timeout
+            ) as response:
+                status = response.status_code
+                if resuming and status == 404:
+                    raise ProviderError(provider, status=404, note="stream resume expired")
+                if not 200 <= status < 300 or (not resuming and _is_json(response)):
+                    raw = await read_capped(response, provider, max_event_bytes)
+                    for event in result_events(parse_whole(response, raw)):
+                        yield event
+                    return
+                if not resuming and resume_base is not None and max_reconnects > 0:
+                    run_id = response.headers.get(RUN_ID_HEADER)
+                    if run_id:
+                        resume_url = f"{resume_base}/run/{run_id}/resume"
+                parser = SSEParser(max_event_bytes=max_event_bytes)
+                reading = True
+                chunks = response.aiter_bytes()
+                try:
+                    async for chunk in chunks:
+                        for sse in parser.feed(chunk):
+                            delivered += 1
+                            events = decoder.decode(sse)
+                            if decoder.complete:
+                                # Before the end is handed over: a consumer may stop there.
+                                await _drain(chunks)
+                            for event in events:
+                                yield event
+                            if decoder.complete:
+                                return
+                except EventTooLarge as exc:
+                    raise ProviderError(provider, status=status, note=str(exc)) from None
+        except httpx.ReadTimeout:
+            raise ProviderError(provider, note="stream stalled") from None
+        except httpx.HTTPError as exc:
+            if not reading and not resuming:
+                raise transport_error(provider, exc) from None
+        # The body ended, or the connection broke, before the completion signal.
+        end = decoder.end_at_eof()
+        if end is not None:
+            yield end
+            return
+        if resume_url is None or delivered == 0:
+            raise ProviderError(provider, note="stream truncated")
+        if reconnects >= max_reconnects:
+            raise ProviderError(provider, note="stream interrupted")
+        reconnects += 1
+        method, target, payload = "GET", f"{resume_url}?from={delivered}", None
