@@ -47,6 +47,8 @@ from ._stream import (
 from .stores import StoreUnavailable
 
 if typing.TYPE_CHECKING:
+    from starlette.requests import Request
+
     from ._guards import Guards
     from ._route import GuardedRoute, Leg
 
@@ -57,6 +59,8 @@ R = TypeVar("R")
 
 #: Retry-After when a guard refuses calls because its store is unavailable.
 STORE_RETRY_AFTER_S = 5.0
+#: How long a walk runs before it starts watching for the client disconnecting.
+WATCH_AFTER_S = 0.1
 _COOLDOWN_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
 #: The longest attempt summary a detail or a log line carries.
 _SUMMARY_MAX = 400
@@ -78,14 +82,16 @@ class AI(Generic[T]):
         "_charged",
         "_cost",
         "_deadline",
-        "_disconnected",
+        "_gone",
         "_guards",
         "_hold",
         "_leg",
         "_notes",
+        "_request",
         "_route",
         "_started",
         "_tokens",
+        "_watch",
         "attempt_budget",
         "attempts",
         "fallback_model",
@@ -100,7 +106,7 @@ class AI(Generic[T]):
         *,
         budget_key: str | None,
         trace_id: str,
-        disconnected: Callable[[], Awaitable[bool]] | None = None,
+        request: Request | None = None,
         started: float | None = None,
     ) -> None:
         self._guards = guards
@@ -108,7 +114,10 @@ class AI(Generic[T]):
         self._deadline = 0.0
         self._route = route
         self._budget_key = budget_key
-        self._disconnected = disconnected
+        #: The client's request (None outside a route), watched for a disconnect during calls.
+        self._request = request
+        self._watch: asyncio.Task[None] | None = None
+        self._gone = False
         self._charged = False
         #: The spend hold of this request (None without a spend cap) and the cost so far.
         self._hold: str | None = None
@@ -210,52 +219,66 @@ class AI(Generic[T]):
             # One deadline for every leg, attempt and wait. When it passes, the task is
             # cancelled where it awaits: the provider request is aborted, its connection
             # closed, and no further leg is tried (cancellation never moves on).
-            async with asyncio.timeout_at(deadline):
-                for index, leg in enumerate(route.legs):
-                    if waits is not None and waits[index] > 0:
-                        self._skip(leg, "cooldown", waits[index])
-                        continue
-                    if self.attempts >= self.attempt_budget:
-                        break
-                    if self.attempts and self._disconnected is not None and await self._disconnected():
-                        raise GuardTripped(
-                            Reason.provider_error,
-                            "the client disconnected: no further model was tried",
-                            kind=Kind.cancelled,
-                            attempts=self.attempts,
-                            model=leg.ref.key,
-                        )
-                    admitted = await self._admit(leg)
-                    if admitted is None:
-                        continue
-                    probe, record_success = admitted
-                    inflight = (leg, probe)
-                    if not self._charged:
-                        await self._charge(inputs)
-                        self._charged = True
-                    self._leg = leg
-                    try:
-                        result, _ = await call_model(
-                            call_for(leg),
-                            policy=route.retry,
-                            deadline=deadline,
-                            limit=self._leg_limit(index, waits),
-                            sleep=self._guards.sleep,
-                            on_attempt=self._on_attempt,
-                            on_retry=self._log_retry,
-                        )
-                    except CallFailed as failed:
-                        inflight = None
-                        last = self._leg_failed(leg, failed)
-                        # JSON mode not met: the model answered, just not in shape.
-                        json_mode = getattr(failed.error, "json_mode_failed", False)
-                        await self._record(leg, Outcome.success if json_mode else Outcome.failure, probe)
-                        if failed.verdict.kind in _COOLDOWN_KINDS:
-                            await self._cool(leg, failed.error)
-                        continue
-                    return leg, result, probe, record_success
+            async with asyncio.timeout_at(deadline) as scope:
+                # A walk that outlasts WATCH_AFTER_S starts watching for the client leaving,
+                # which ends it at once the same way (the call is cancelled, no further model
+                # is tried). Quick calls never pay for the watcher.
+                watch = (
+                    asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start_watch, scope)
+                    if self._request is not None
+                    else None
+                )
+                try:
+                    for index, leg in enumerate(route.legs):
+                        if waits is not None and waits[index] > 0:
+                            self._skip(leg, "cooldown", waits[index])
+                            continue
+                        if self.attempts >= self.attempt_budget:
+                            break
+                        if self.attempts and await self._client_gone():
+                            raise self._gone_tripped(leg)
+                        admitted = await self._admit(leg)
+                        if admitted is None:
+                            continue
+                        probe, record_success = admitted
+                        inflight = (leg, probe)
+                        if not self._charged:
+                            await self._charge(inputs)
+                            self._charged = True
+                        self._leg = leg
+                        try:
+                            result, _ = await call_model(
+                                call_for(leg),
+                                policy=route.retry,
+                                deadline=deadline,
+                                limit=self._leg_limit(index, waits),
+                                sleep=self._guards.sleep,
+                                on_attempt=self._on_attempt,
+                                on_retry=self._log_retry,
+                            )
+                        except CallFailed as failed:
+                            inflight = None
+                            last = self._leg_failed(leg, failed)
+                            # JSON mode not met: the model answered, just not in shape.
+                            json_mode = getattr(failed.error, "json_mode_failed", False)
+                            await self._record(leg, Outcome.success if json_mode else Outcome.failure, probe)
+                            if failed.verdict.kind in _COOLDOWN_KINDS:
+                                await self._cool(leg, failed.error)
+                            continue
+                        return leg, result, probe, record_success
+                finally:
+                    if watch is not None:
+                        watch.cancel()
+                    if self._watch is not None:
+                        self._watch.cancel()
+                        self._watch = None
         except TimeoutError:
             leg = inflight[0] if inflight is not None else self._leg
+            if self._gone:  # the watcher ended the walk: no verdict on the model
+                if inflight is not None:
+                    await self._record(leg, Outcome.released, inflight[1])
+                await self._settle()
+                raise self._gone_tripped(leg) from None
             if inflight is not None:
                 await self._record(leg, Outcome.failure, inflight[1])
             await self._settle()
@@ -273,9 +296,8 @@ class AI(Generic[T]):
             await self._settle()
             raise
         except BaseException:
-            # Cancelled from outside (client gone, server stopping): no verdict on the model,
-            # but a probe slot must be freed and the spend settled, shielded from the
-            # cancellation under way.
+            # Cancelled from outside (server stopping): no verdict on the model, but a probe
+            # slot must be freed and the spend settled, shielded from the cancellation.
             with anyio.CancelScope(shield=True):
                 if inflight is not None:
                     await self._record(inflight[0], Outcome.released, inflight[1])
@@ -283,6 +305,33 @@ class AI(Generic[T]):
             raise
         await self._settle()
         raise self._exhausted(last)
+
+    def _start_watch(self, scope: asyncio.Timeout) -> None:
+        self._watch = asyncio.get_running_loop().create_task(self._watch_client(scope))
+
+    async def _watch_client(self, scope: asyncio.Timeout) -> None:
+        """Wait for the client to disconnect, then end the walk now (see `_walk`)."""
+        assert self._request is not None
+        receive = self._request.receive
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._gone = True
+        scope.reschedule(asyncio.get_running_loop().time())
+
+    async def _client_gone(self) -> bool:
+        """Whether the client disconnected (checked before a further model, without waiting)."""
+        if not self._gone and self._request is not None:
+            self._gone = await self._request.is_disconnected()
+        return self._gone
+
+    def _gone_tripped(self, leg: Leg) -> GuardTripped:
+        return GuardTripped(
+            Reason.provider_error,
+            "the client disconnected: the call was cancelled, no further model was tried",
+            kind=Kind.cancelled,
+            attempts=self.attempts,
+            model=leg.ref.key,
+        )
 
     async def _finish_leg(
         self, leg: Leg, outcome: Outcome, probe: float | None, record_success: bool
@@ -395,6 +444,8 @@ class AI(Generic[T]):
                 )
                 yield sse("error", self._error_data(failure))
             else:
+                if end is not None and end.model:
+                    self.model = end.model  # the provider names the model that served at the end
                 yield sse("done", self._done_data(end))
         self._stream_done(leg, opened, kind, end, delivered, recorded)
         await self._finish_leg(leg, outcome, probe, record_success)
@@ -720,7 +771,8 @@ async def _open_stream(binding: StreamingBinding, model: str, inputs: Mapping[st
     first: list[StreamEvent] = []
     try:
         async for event in events:
-            if isinstance(event, StreamEnd):
+            if isinstance(event, StreamEnd):  # complete, without output
+                await _aclose(events)
                 return _Opened(events, first, event, started, model=event.model)
             first.append(event)
             if is_output(event):

@@ -293,7 +293,7 @@ def guard_route(
             route,
             budget_key=budget_key,
             trace_id=trace_id,
-            disconnected=request.is_disconnected,
+            request=request,
             started=started,
         )
         kwargs[ai_name] = ai

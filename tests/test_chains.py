@@ -376,6 +376,29 @@ def test_a_client_that_disconnects_mid_call_gets_no_further_leg(
     assert len(backup_server.calls) == 0
 
 
+def test_a_client_that_disconnects_cancels_the_call_in_flight(
+    build: Build,
+    fake_workers_ai: FakeWorkersAI,
+    backup_server: FakeWorkersAI,
+    guards_log: LogLines,
+    ledger: Recorder,
+) -> None:
+    """The primary hangs; the route's deadline is 30 s. The client leaves after 0.3 s: the
+    provider call is cancelled (its connection closed) long before the deadline, and no
+    fallback is tried."""
+    fake_workers_ai.script(PRIMARY, Hang())
+    client = build(timeout_s=30.0)
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/label", json={"text": "hello"}, timeout=0.3)
+    assert fake_workers_ai.wait_for(lambda calls: calls[0].disconnected, timeout=5)
+    assert guards_log.wait_for(lambda: guards_log.events("request"), timeout=5)
+    (line,) = guards_log.events("request")
+    assert (line["outcome"], line["kind"]) == ("cancelled", "cancelled")
+    assert line["latency_ms"] < 5_000
+    assert len(backup_server.calls) == 0
+    assert [a.outcome for a in ledger.attempts] == ["cancelled"]
+
+
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [
