@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 from app.main import create_app
 from app.settings import SettingsError, load_settings
-from fixtures import Drop, Fail, FakeWorkersAI, Hang, ManualClock, Raw, Reply
+from fixtures import Drop, Fail, FakeWorkersAI, Hang, ManualClock, Raw, Reply, Stream, Text
 
 from .conftest import LogLines, no_sleep, workers_ai_settings
 
@@ -65,6 +65,15 @@ def model_answers() -> list[Any]:
     ]
 
 
+def stream_failures() -> list[Any]:
+    """Streams that fail after HTTP 200, their error text carrying the provider canary."""
+    return [
+        Stream(parts=(Text("Hello"),), error_after=0, error_message=f"AiError: {PROVIDER}"),
+        Stream(parts=(Text("Hello"), Text(" there")), error_after=1, error_code=3040, error_message=PROVIDER),
+        Stream(parts=(Text("Hello"),), cut_after=1, partial_tail=True),
+    ]
+
+
 @pytest.fixture
 def canary_server() -> Iterator[FakeWorkersAI]:
     with FakeWorkersAI(api_token=TOKEN) as server:
@@ -94,11 +103,16 @@ def test_canaries_never_leak(
             text = text.replace(REPLY, "")
         seen.append(f"{response.status_code} {dict(response.headers)} {text}")
 
-    outcomes = provider_failures() + model_answers() + [Hang()]
+    outcomes = provider_failures() + model_answers() + stream_failures() + [Hang()]
+    paths = (
+        ("/draft-reply", {"message": f"Hi {USER}"}),
+        ("/draft-reply/stream", {"message": f"Hi {USER}"}),
+        ("/summary", {"text": f"Hi {USER}"}),
+    )
     for outcome in outcomes:
-        for path, body in (("/draft-reply", {"message": f"Hi {USER}"}), ("/summary", {"text": f"Hi {USER}"})):
+        for path, body in paths:
             canary_server.script(MODEL, outcome, outcome)
-            record(client.post(path, json=body), reply_allowed=path == "/draft-reply")
+            record(client.post(path, json=body), reply_allowed=path.startswith("/draft-reply"))
             clock.advance(3_601)  # past any cooldown a quota failure started
     # Invalid inputs that carry the canary.
     record(client.post("/draft-reply", json={"message": USER * 100}))
