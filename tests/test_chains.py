@@ -546,3 +546,25 @@ def test_default_attempt_budget_is_chain_length_plus_one_retry(
 
     assert serve(app).get("/x").status_code == 200
     assert seen == [5]  # 3 models + 2 retries in total
+
+
+@pytest.mark.parametrize(
+    ("mode", "headers"),
+    [
+        ("detailed", {"x-ai-model", "x-ai-fallback", "x-trace-id"}),
+        ("redacted", {"x-ai-fallback", "x-trace-id"}),
+        ("off", {"x-trace-id"}),
+    ],
+)
+def test_openapi_documents_the_attribution_headers(fake_ai: Any, mode: Any, headers: set[str]) -> None:
+    guards = Guards(fake_ai, attribution=mode)
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/x")
+    @guards.route(model="@cf/a", fallbacks=("@cf/b",))
+    async def route(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "x"})
+
+    documented = app.openapi()["paths"]["/x"]["post"]["responses"]["200"]["headers"]
+    assert set(documented) == headers
