@@ -56,6 +56,8 @@ __all__ = ["AI", "finish_request"]
 
 T = TypeVar("T")
 R = TypeVar("R")
+#: One attempt on a leg: `call(model, inputs)`.
+Call = Callable[[str, Mapping[str, Any]], Awaitable[R]]
 
 #: Retry-After when a guard refuses calls because its store is unavailable.
 STORE_RETRY_AFTER_S = 5.0
@@ -152,9 +154,7 @@ class AI(Generic[T]):
             inputs = {**inputs, "response_format": route.response_format}
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
-        leg, result, probe, record_success = await self._walk(
-            inputs, lambda leg: functools.partial(self._binding(leg).run, leg.ref.model, inputs)
-        )
+        leg, result, probe, record_success = await self._walk(inputs, self._run_call)
         if record_success or probe is not None or self._hold is not None:
             await self._finish_leg(leg, Outcome.success, probe, record_success)
         self._served(leg, result.model)
@@ -180,7 +180,7 @@ class AI(Generic[T]):
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
         leg, opened, probe, record_success = await self._walk(
-            inputs, lambda leg: functools.partial(_open_stream, self._streaming(leg), leg.ref.model, inputs)
+            inputs, lambda leg: functools.partial(_open_stream, self._streaming(leg))
         )
         if opened.committed:
             self._served(leg, opened.model)
@@ -204,30 +204,33 @@ class AI(Generic[T]):
         return EventStream(self._relay(leg, recovered, None, False, recorded=True))
 
     async def _walk(
-        self, inputs: Mapping[str, Any], call_for: Callable[[Leg], Callable[[], Awaitable[R]]]
+        self, inputs: Mapping[str, Any], call_for: Callable[[Leg], Call[R]]
     ) -> tuple[Leg, R, float | None, bool]:
         """Walk the chain until a call succeeds: (its leg, its result, the leg's breaker probe
-        ticket, whether its success must be recorded). The caller records the outcome and
-        settles the spend; on failure this settles and raises `GuardTripped`."""
+        ticket, whether its success must be recorded). `call_for(leg)` is what makes one
+        attempt on a leg: `call(model, inputs)`. The caller records the outcome and settles
+        the spend; on failure this settles and raises `GuardTripped`."""
         route = self._route
         self._notes.clear()
         waits = await self._cooldowns()
-        deadline = self._deadline = asyncio.get_running_loop().time() + route.timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = self._deadline = loop.time() + route.timeout_s
+        # A walk that outlasts WATCH_AFTER_S starts watching for the client leaving, which
+        # ends it at once the same way as the deadline (the call is cancelled, no further
+        # model is tried). A deadline that comes first leaves nothing to watch for.
+        watching = self._request is not None and route.timeout_s > WATCH_AFTER_S
         inflight: tuple[Leg, float | None] | None = None
         last: GuardTripped | None = None
         try:
             # One deadline for every leg, attempt and wait. When it passes, the task is
             # cancelled where it awaits: the provider request is aborted, its connection
             # closed, and no further leg is tried (cancellation never moves on).
-            async with asyncio.timeout_at(deadline) as scope:
-                # A walk that outlasts WATCH_AFTER_S starts watching for the client leaving,
-                # which ends it at once the same way (the call is cancelled, no further model
-                # is tried). Quick calls never pay for the watcher.
-                watch = (
-                    asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start_watch, scope)
-                    if self._request is not None
-                    else None
-                )
+            async with asyncio.timeout_at(None if watching else deadline) as scope:
+                # When watching, one timer serves both (each costs microseconds, and most
+                # walks end long before either): at WATCH_AFTER_S it sets the deadline on the
+                # scope and starts the watcher (`_start_watch`). Quick calls never pay for
+                # the watcher.
+                watch = loop.call_later(WATCH_AFTER_S, self._start_watch, scope) if watching else None
                 try:
                     for index, leg in enumerate(route.legs):
                         if waits is not None and waits[index] > 0:
@@ -249,6 +252,8 @@ class AI(Generic[T]):
                         try:
                             result, _ = await call_model(
                                 call_for(leg),
+                                leg.ref.model,
+                                inputs,
                                 policy=route.retry,
                                 deadline=deadline,
                                 limit=self._leg_limit(index, waits),
@@ -307,6 +312,8 @@ class AI(Generic[T]):
         raise self._exhausted(last)
 
     def _start_watch(self, scope: asyncio.Timeout) -> None:
+        """WATCH_AFTER_S into a walk: set the walk's deadline, and watch the client."""
+        scope.reschedule(self._deadline)
         self._watch = asyncio.get_running_loop().create_task(self._watch_client(scope))
 
     async def _watch_client(self, scope: asyncio.Timeout) -> None:
@@ -363,7 +370,9 @@ class AI(Generic[T]):
         try:
             async with asyncio.timeout_at(self._deadline):
                 result, _ = await call_model(
-                    functools.partial(self._binding(leg).run, leg.ref.model, inputs),
+                    self._binding(leg).run,
+                    leg.ref.model,
+                    inputs,
                     policy=self._route.retry,
                     deadline=self._deadline,
                     limit=1,
@@ -490,6 +499,9 @@ class AI(Generic[T]):
             "detail": tripped.detail,
             "trace_id": self.trace_id,
         }
+
+    def _run_call(self, leg: Leg) -> Call[AIResult]:
+        return self._binding(leg).run
 
     def _binding(self, leg: Leg) -> Binding:
         provider = leg.ref.provider

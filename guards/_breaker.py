@@ -101,10 +101,16 @@ class BreakerDecision:
     record_success: bool = True
 
 
+#: The closed breaker's two answers (decisions are immutable: one shared instance each, so the
+#: common case allocates nothing).
+ADMIT_CLOSED = BreakerDecision(True, record_success=False)
+ADMIT_CLOSED_RECORD = BreakerDecision(True, record_success=True)
+
+
 def admit(s: BreakerState, policy: Breaker, now: float) -> tuple[BreakerState, BreakerDecision]:
     """May a call go through now? Returns the new state and the decision."""
     if s.state is CircuitState.closed:
-        return s, BreakerDecision(True, record_success=policy.window_s is None and bool(s.failures))
+        return s, ADMIT_CLOSED_RECORD if policy.window_s is None and s.failures else ADMIT_CLOSED
     if s.state is CircuitState.open:
         reopen_at = s.opened_at + policy.reset_timeout_s
         if now < reopen_at:

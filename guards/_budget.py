@@ -28,14 +28,24 @@ __all__ = ["Budget", "Price", "StoreFailureMode", "client_key", "header_key"]
 
 def client_key(request: Request) -> str:
     """The client's address (the budget key when nothing better identifies the caller)."""
-    return request.client.host if request.client else "unknown"
+    client = request.client
+    return client.host if client else "unknown"
 
 
 def header_key(name: str) -> Callable[[Request], str]:
     """Key budgets by a request header (a user or tenant id), falling back to the client address."""
+    wanted = name.lower().encode("latin-1")
 
     def key(request: Request) -> str:
-        return request.headers.get(name) or client_key(request)
+        # The raw ASGI headers (lower-case names): what `request.headers.get(name)` reads,
+        # without building `Headers` on every request. The first one counts; empty is absent.
+        for header, value in request.scope["headers"]:
+            if header == wanted:
+                if value:
+                    found: str = value.decode("latin-1")
+                    return found
+                break
+        return client_key(request)
 
     return key
 

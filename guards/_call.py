@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -80,7 +80,9 @@ OnRetry = Callable[[int, Classification, float], None]
 
 
 async def call_model(
-    call: Callable[[], Awaitable[R]],
+    call: Callable[[str, Mapping[str, Any]], Awaitable[R]],
+    model: str,
+    inputs: Mapping[str, Any],
     *,
     policy: Retry,
     deadline: float,
@@ -89,8 +91,8 @@ async def call_model(
     on_attempt: OnAttempt | None = None,
     on_retry: OnRetry | None = None,
 ) -> tuple[R, int]:
-    """Make one provider call (`await call()`) with bounded retry. Returns its result and the
-    number of attempts.
+    """Make one provider call (`await call(model, inputs)`) with bounded retry. Returns its
+    result and the number of attempts.
 
     At most `limit` calls (default and cap: `policy.attempts`). `deadline` is in event-loop
     time (`loop.time()`) and only informs the retry decision; the caller's timeout scope
@@ -102,7 +104,7 @@ async def call_model(
         attempt += 1
         started = time.perf_counter()
         try:
-            result = await call()
+            result = await call(model, inputs)
         except Exception as error:  # a binding raises ProviderError; any other bug is "unavailable"
             if on_attempt is not None:
                 on_attempt(attempt, error, started)

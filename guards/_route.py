@@ -382,7 +382,11 @@ def _attribution(ai: AI[Any], mode: str) -> list[tuple[bytes, bytes]]:
 
 def _header_value(text: str) -> bytes:
     # A served-model name comes from the provider: keep it a short, printable ASCII token.
-    return _UNSAFE_HEADER.sub("?", text[:200]).encode("ascii")
+    text = text[:200]
+    # Printable ASCII but the space is exactly what the pattern keeps: most names need no sub.
+    if not (text.isascii() and text.isprintable() and " " not in text):
+        text = _UNSAFE_HEADER.sub("?", text)
+    return text.encode("ascii")
 
 
 def _application_failure(route: GuardedRoute, ai: AI[Any], started: float, exc: Exception) -> Response:

@@ -42,31 +42,34 @@ class MemoryStore:
 
     async def charge_budget(self, key: str, *, per_minute: int | None, per_day: int | None) -> Admission:
         now = self._tick()
+        data = self._data
         refusal: Admission | None = None
         stamps: deque[float] | None = None
         if per_minute is not None:
             rate_key = key + ":rate"
-            item = self._data.get(rate_key)
+            item = data.get(rate_key)
             stamps = item[0] if item is not None and item[1] > now else deque()
-            while stamps and stamps[0] <= now - MINUTE_S:
+            horizon = now - MINUTE_S
+            while stamps and stamps[0] <= horizon:
                 stamps.popleft()
             if len(stamps) >= per_minute:
                 refusal = Admission(False, "per_minute", stamps[0] + MINUTE_S - now if stamps else MINUTE_S)
-        count = 0
         if per_day is not None:
             day_key = f"{key}:day:{utc_day(now)}"
-            count, expires = self._get(day_key, now, (0, now + DAILY_TTL_S))
-            wait = DAY_S - now % DAY_S  # until the next UTC midnight
-            # Both spent: name the limit that frees up last, so Retry-After is honest.
-            if count >= per_day and (refusal is None or wait > (refusal.retry_after_s or 0.0)):
-                refusal = Admission(False, "per_day", wait)
+            item = data.get(day_key)
+            count, expires = item if item is not None and item[1] > now else (0, now + DAILY_TTL_S)
+            if count >= per_day:
+                wait = DAY_S - now % DAY_S  # until the next UTC midnight
+                # Both spent: name the limit that frees up last, so Retry-After is honest.
+                if refusal is None or wait > (refusal.retry_after_s or 0.0):
+                    refusal = Admission(False, "per_day", wait)
+            if refusal is None:
+                data[day_key] = (count + 1, expires)
         if refusal is not None:
             return refusal
-        if per_day is not None:
-            self._data[day_key] = (count + 1, expires)
         if stamps is not None:
             stamps.append(now)
-            self._data[rate_key] = (stamps, now + MINUTE_S)
+            data[rate_key] = (stamps, now + MINUTE_S)
         return ADMITTED
 
     async def reserve_spend(self, key: str, *, amount: float, cap: float, hold_s: float) -> SpendReservation:
@@ -95,8 +98,11 @@ class MemoryStore:
 
     async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:
         now = self._tick()
-        state, decision = breaker_admit(self._get(key, now, (CLOSED, 0.0))[0], policy, now)
-        self._put_breaker(key, state, policy, now)
+        item = self._data.get(key)
+        current = item[0] if item is not None and item[1] > now else CLOSED
+        state, decision = breaker_admit(current, policy, now)
+        if state is not CLOSED:  # a healthy breaker has no key (see `_put_breaker`): nothing to write
+            self._put_breaker(key, state, policy, now)
         return decision
 
     async def breaker_record(
@@ -109,7 +115,11 @@ class MemoryStore:
 
     async def cooldowns(self, keys: Sequence[str]) -> tuple[float, ...]:
         now = self._tick()
-        return tuple(max(0.0, self._get(key, now, (now, 0.0))[0] - now) for key in keys)
+        waits = []
+        for key in keys:
+            item = self._data.get(key)  # (until, until): a cooldown's value is its expiry
+            waits.append(max(0.0, item[0] - now) if item is not None and item[1] > now else 0.0)
+        return tuple(waits)
 
     async def start_cooldown(self, key: str, seconds: float) -> None:
         now = self._tick()
@@ -121,7 +131,8 @@ class MemoryStore:
         self._data.clear()
 
     def _put_breaker(self, key: str, state: BreakerState, policy: Breaker, now: float) -> None:
-        if state == CLOSED:
+        # `is` first: the usual closed state is CLOSED itself, and comparing field by field costs.
+        if state is CLOSED or state == CLOSED:
             self._data.pop(key, None)  # a healthy breaker needs no key at all
         else:
             self._data[key] = (state, now + policy.ttl_s)
