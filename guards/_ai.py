@@ -144,7 +144,8 @@ class AI(Generic[T]):
 
         Walks the chain: a model cooling down or behind an open breaker is skipped without a
         call; a failure moves to the next model (after a bounded retry of transient ones);
-        the whole walk has one deadline and at most `attempt_budget` calls. JSON mode is
+        the whole walk has one deadline, and the request at most `attempt_budget` calls
+        (shared by every `run` and `stream` of the request). JSON mode is
         requested from the output type when it is not a string, and the route's `max_tokens`
         when the inputs do not set it. Raises `GuardTripped` when a guard refuses the call
         or rejects its answer.
@@ -221,6 +222,7 @@ class AI(Generic[T]):
         watching = self._request is not None and route.timeout_s > WATCH_AFTER_S
         inflight: tuple[Leg, float | None] | None = None
         last: GuardTripped | None = None
+        spent = False  # the request's attempt budget ran out before a leg
         try:
             # One deadline for every leg, attempt and wait. When it passes, the task is
             # cancelled where it awaits: the provider request is aborted, its connection
@@ -237,6 +239,7 @@ class AI(Generic[T]):
                             self._skip(leg, "cooldown", waits[index])
                             continue
                         if self.attempts >= self.attempt_budget:
+                            spent = True
                             break
                         if self.attempts and await self._client_gone():
                             raise self._gone_tripped(leg)
@@ -309,7 +312,7 @@ class AI(Generic[T]):
                 await self._settle()
             raise
         await self._settle()
-        raise self._exhausted(last)
+        raise self._exhausted(last, spent)
 
     def _start_watch(self, scope: asyncio.Timeout) -> None:
         """WATCH_AFTER_S into a walk: set the walk's deadline, and watch the client."""
@@ -681,12 +684,21 @@ class AI(Generic[T]):
             model=leg.ref.key,
         )
 
-    def _exhausted(self, last: GuardTripped | None) -> GuardTripped:
-        """No leg answered: the last failure, or `circuit_open` when every leg was skipped."""
+    def _exhausted(self, last: GuardTripped | None, spent: bool) -> GuardTripped:
+        """No leg answered: the last failure; else the attempt budget, when an earlier call of
+        the request spent it; else `circuit_open` (every leg was skipped)."""
         legs = self._route.legs
         if last is not None and len(legs) == 1:
             return last
         summary = self._summary(self._guards.attribution == "detailed")
+        if last is None and spent:
+            return GuardTripped(
+                Reason.provider_error,
+                f"the request's attempt budget of {self.attempt_budget} provider calls is spent",
+                kind=Kind.model_unavailable,
+                attempts=self.attempts,
+                model=legs[0].ref.key,
+            )
         if last is None:
             waits = [wait for _, _, wait in self._notes if wait is not None]
             return GuardTripped(

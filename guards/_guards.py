@@ -116,8 +116,9 @@ class Guards:
         - `model`: the model (a model id, `"provider:model"`, or a `Profile` name);
           `fallbacks`: the models to try after it, in order (same forms). The chain is
           flattened now; invalid entries are logged (`chain_invalid`) and removed.
-        - `attempts`: the most provider calls one guarded call makes across the whole chain
-          (default: the chain's length plus `retry.attempts - 1`, i.e. one retry in total).
+        - `attempts`: the most provider calls one request makes across the whole chain, every
+          `ai.run` / `ai.stream` of the request together (default: the chain's length plus
+          `retry.attempts - 1`, i.e. one retry in total).
         - `timeout_s`: one deadline for the whole call: every model, retry and wait.
         - `retry`: bounded retry of transient failures (`retry.attempts` calls per model at
           most); `budget`: per-key limits; `breaker`: circuit breaker policy, one breaker per

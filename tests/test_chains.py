@@ -19,6 +19,7 @@ from guards import (
     Breaker,
     ConfigurationError,
     Guards,
+    GuardTripped,
     Profile,
     Retry,
     flatten_chain,
@@ -26,7 +27,7 @@ from guards import (
 from guards.providers import WorkersAI
 from guards.stores import MemoryStore
 
-from .conftest import LogLines
+from .conftest import LogLines, no_sleep
 
 PRIMARY = "@cf/test/primary"
 BACKUP = "@cf/test/backup"
@@ -568,3 +569,29 @@ def test_openapi_documents_the_attribution_headers(fake_ai: Any, mode: Any, head
 
     documented = app.openapi()["paths"]["/x"]["post"]["responses"]["200"]["headers"]
     assert set(documented) == headers
+
+
+def test_the_attempt_budget_is_per_request_across_calls(
+    fake_ai: Any, serve: Callable[[FastAPI], httpx.Client]
+) -> None:
+    """A handler that calls the model again after a failure shares the request's budget: once
+    it is spent, the next call fails at once, without a provider call."""
+    guards = Guards(fake_ai, sleep=no_sleep)
+    app = FastAPI()
+    guards.install(app)
+    seen: list[str] = []
+
+    @app.get("/twice")
+    @guards.route(model="@cf/a", breaker=None)
+    async def twice(ai: AI[str]) -> str:
+        for _ in range(2):
+            try:
+                return await ai.run({"prompt": "x"})
+            except GuardTripped as tripped:
+                seen.append(tripped.detail)
+        return "gave up"
+
+    fake_ai.script("@cf/a", Fail(code=3040, status=429), Fail(code=3040, status=429), Reply("late"))
+    assert serve(app).get("/twice").json() == "gave up"
+    assert len(fake_ai.calls) == 2  # the budget: one model, one retry
+    assert seen[1] == "the request's attempt budget of 2 provider calls is spent"
