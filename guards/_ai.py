@@ -31,7 +31,6 @@ from ._event_stream import EventStream, delta, encode, end_data, sse
 from ._ledger import Attempt
 from ._log import emit, emit_warning, logger
 from ._metrics import (
-    REQUESTS,
     SKIPS,
     STORE_UNAVAILABLE,
 )
@@ -290,13 +289,7 @@ class AI(Generic[T]):
             if inflight is not None:
                 await self._record(leg, Outcome.failure, inflight[1])
             await self._settle()
-            raise GuardTripped(
-                Reason.timeout,
-                f"no answer within {route.timeout_s:g}s",
-                kind=Kind.model_temporarily_unavailable,
-                attempts=self.attempts,
-                model=leg.ref.key,
-            ) from None
+            raise self._timed_out(leg) from None
         except GuardTripped:
             # A budget refusal (before any call) or the client gone: no verdict on the model.
             if inflight is not None:
@@ -333,6 +326,15 @@ class AI(Generic[T]):
         if not self._gone and self._request is not None:
             self._gone = await self._request.is_disconnected()
         return self._gone
+
+    def _timed_out(self, leg: Leg) -> GuardTripped:
+        return GuardTripped(
+            Reason.timeout,
+            f"no answer within {self._route.timeout_s:g}s",
+            kind=Kind.model_temporarily_unavailable,
+            attempts=self.attempts,
+            model=leg.ref.key,
+        )
 
     def _gone_tripped(self, leg: Leg) -> GuardTripped:
         return GuardTripped(
@@ -386,13 +388,7 @@ class AI(Generic[T]):
             raise self._leg_failed(leg, failed) from None
         except TimeoutError:
             await self._finish_leg(leg, Outcome.failure, probe, record_success)
-            raise GuardTripped(
-                Reason.timeout,
-                f"no answer within {self._route.timeout_s:g}s",
-                kind=Kind.model_temporarily_unavailable,
-                attempts=self.attempts,
-                model=leg.ref.key,
-            ) from None
+            raise self._timed_out(leg) from None
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._finish_leg(leg, Outcome.released, probe, record_success)
@@ -854,7 +850,7 @@ def finish_request(
     elif outcome == "fallback":
         metrics.fallback.inc()
     elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback
-        REQUESTS.labels(route.name, outcome).inc()
+        metrics.cancelled.inc()
     else:
         metrics.error.inc()
     if tripped is not None and outcome != "cancelled":

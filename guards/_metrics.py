@@ -49,7 +49,8 @@ STORE_UNAVAILABLE = Counter(
 REQUESTS = Counter(
     "guards_requests",
     "Requests to guarded routes by outcome: ok (the model answered), fallback (200 with a "
-    "fallback envelope), error (a public error or an application failure).",
+    "fallback envelope), error (a public error or an application failure), cancelled (the "
+    "client left before the answer).",
     ["route", "outcome"],
 )
 FALLBACKS = Counter(
@@ -91,13 +92,14 @@ STATE_VALUE = {CircuitState.closed: 0, CircuitState.half_open: 1, CircuitState.o
 class RouteMetrics:
     """The labelled children of one route, bound once at start-up (labels() per request costs)."""
 
-    __slots__ = ("_fallbacks", "_route", "error", "fallback", "ok", "seconds")
+    __slots__ = ("_fallbacks", "_route", "cancelled", "error", "fallback", "ok", "seconds")
 
     def __init__(self, route: str) -> None:
         self._route = route
         self.ok = REQUESTS.labels(route, "ok")
         self.fallback = REQUESTS.labels(route, "fallback")
         self.error = REQUESTS.labels(route, "error")
+        self.cancelled = REQUESTS.labels(route, "cancelled")
         self.seconds = REQUEST_SECONDS.labels(route)
         self._fallbacks: dict[tuple[str, str], Counter] = {}
 

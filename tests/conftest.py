@@ -1,4 +1,5 @@
-"""Shared test helpers: a real uvicorn server in a thread, and captured `guards` log lines."""
+"""Shared test helpers: a real uvicorn server in a thread, captured `guards` log lines, the
+assertions on the two public answer shapes, bounded polling, and the store fixtures."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import logging
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,8 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import uvicorn
 from fastapi import FastAPI
+from redis.asyncio.connection import AbstractConnection
 
 from app.settings import Settings
 from fixtures import FakeWorkersAI, ManualClock
@@ -119,6 +123,51 @@ async def no_sleep(seconds: float) -> None:
     """Retry delays in tests: recorded by nobody, waited by nobody."""
 
 
+def assert_error(response: httpx.Response, status: int, error: str, retryable: bool) -> None:
+    """A strict route's public error, whole."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body == {"error": error, "retryable": retryable, "trace_id": response.headers["x-trace-id"]}
+
+
+def assert_fallback(response: httpx.Response, guard: str, reason: str, data: Any) -> dict[str, Any]:
+    """A degrading route's fallback envelope, whole (`detail`: any non-empty text); returns it."""
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    detail = body["fallback"]["detail"]
+    assert isinstance(detail, str)
+    assert detail
+    assert body == {
+        "ok": True,
+        "data": data,
+        "fallback": {"guard": guard, "reason": reason, "detail": detail},
+    }
+    return body
+
+
+def wait_until(condition: Callable[[], Any], timeout_s: float = 5.0) -> None:
+    """Poll `condition` until it holds, failing after `timeout_s`: for what another process or
+    thread does on its own time (a server noticing a closed connection, a key expiring on
+    Redis' clock), which the test cannot be told about."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the requests a Redis client sends (a pipeline is one): its round trips."""
+    writes = [0]
+    original = AbstractConnection.send_packed_command
+
+    async def counting(self: AbstractConnection, *args: Any, **kwargs: Any) -> None:
+        writes[0] += 1
+        await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+    return writes
+
+
 # --- stores -------------------------------------------------------------------------------------
 #: Every store implementation; tests taking the `make_store` fixture run against each.
 STORE_KINDS = ("memory", "sqlite", "redis")
@@ -168,3 +217,16 @@ def store(make_store: Callable[[ManualClock], Store], clock: ManualClock) -> Sto
     """A fresh store of each kind (memory, SQLite, Redis) on `clock`: the guards' state behaves
     alike in all."""
     return make_store(clock)
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own on the shared Redis."""
+    return f"t-{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture
+def admin(redis_url: str) -> Iterator[redis.Redis]:
+    """A plain client to look at the Redis the stores use."""
+    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
+        yield client

@@ -15,7 +15,7 @@ from app.main import create_app
 from fixtures import Drop, Fail, FakeWorkersAI, Hang, Raw, Reply
 from guards import AI, Guards
 
-from .conftest import no_sleep, workers_ai_settings
+from .conftest import assert_error, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
 Serve = Callable[[FastAPI], httpx.Client]
@@ -29,12 +29,6 @@ def client(fake_workers_ai: FakeWorkersAI, serve: Serve) -> httpx.Client:
 
 def post(client: httpx.Client, message: Any = "Where is my parcel?") -> httpx.Response:
     return client.post("/draft-reply", json={"message": message})
-
-
-def assert_error(response: httpx.Response, status: int, error: str, retryable: bool) -> None:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert body == {"error": error, "retryable": retryable, "trace_id": response.headers["x-trace-id"]}
 
 
 def test_success_answers_the_trimmed_reply_in_one_call(

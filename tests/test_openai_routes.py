@@ -20,7 +20,7 @@ from fixtures import Drop, Fail, FakeOpenAI, Hang, Raw, Reply
 from guards import AI, Guards
 from guards.providers import OpenAICompatible
 
-from .conftest import no_sleep
+from .conftest import assert_error, assert_fallback, no_sleep
 
 MODEL = "gpt-4o-mini"
 SERVED = "gpt-4o-mini-2024-07-18"
@@ -92,27 +92,6 @@ def strict(client: httpx.Client) -> httpx.Response:
 
 def degrading(client: httpx.Client) -> httpx.Response:
     return client.post("/degrading", json={"text": "I was charged twice."})
-
-
-def assert_error(response: httpx.Response, status: int, error: str, retryable: bool) -> None:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert body == {"error": error, "retryable": retryable, "trace_id": response.headers["x-trace-id"]}
-
-
-def assert_fallback(response: httpx.Response, guard: str, reason: str) -> str:
-    """Assert the envelope of a fallback, whole; return its `detail`."""
-    assert response.status_code == 200, response.text
-    body = response.json()
-    detail = body["fallback"]["detail"]
-    assert isinstance(detail, str)
-    assert detail
-    assert body == {
-        "ok": True,
-        "data": FALLBACK,
-        "fallback": {"guard": guard, "reason": reason, "detail": detail},
-    }
-    return detail
 
 
 # --- strict -------------------------------------------------------------------------------------
@@ -252,7 +231,7 @@ def test_degrading_success_has_no_fallback(client: httpx.Client, fake_openai: Fa
 def test_degrading_timeout(make_client: MakeClient, fake_openai: FakeOpenAI) -> None:
     client = make_client(timeout_s=0.3)
     fake_openai.script(MODEL, Hang())
-    detail = assert_fallback(degrading(client), "call", "timeout")
+    detail = assert_fallback(degrading(client), "call", "timeout", FALLBACK)["fallback"]["detail"]
     assert "0.3s" in detail
     assert fake_openai.wait_for(lambda calls: len(calls) == 1 and calls[0].disconnected)
 
@@ -261,24 +240,24 @@ def test_degrading_quota_is_a_provider_error(client: httpx.Client, fake_openai: 
     fake_openai.script(
         MODEL, Fail(status=429, error_type="insufficient_quota", error_code="insufficient_quota")
     )
-    detail = assert_fallback(degrading(client), "call", "provider_error")
+    detail = assert_fallback(degrading(client), "call", "provider_error", FALLBACK)["fallback"]["detail"]
     assert "model_quota_exhausted" in detail
     assert len(fake_openai.calls) == 1
 
 
 def test_content_filter_is_moderation_blocked(client: httpx.Client, fake_openai: FakeOpenAI) -> None:
     fake_openai.script(MODEL, Reply(GOOD, finish_reason="content_filter"))
-    assert_fallback(degrading(client), "output", "moderation_blocked")
+    assert_fallback(degrading(client), "output", "moderation_blocked", FALLBACK)
     assert len(fake_openai.calls) == 1
 
 
 @pytest.mark.parametrize("content", ["", "  \n ", None], ids=["empty", "blank", "null"])
 def test_empty_content_is_empty_response(client: httpx.Client, fake_openai: FakeOpenAI, content: Any) -> None:
     fake_openai.script(MODEL, Reply(content))
-    assert_fallback(degrading(client), "output", "empty_response")
+    assert_fallback(degrading(client), "output", "empty_response", FALLBACK)
     assert len(fake_openai.calls) == 1
 
 
 def test_schema_invalid(client: httpx.Client, fake_openai: FakeOpenAI) -> None:
     fake_openai.script(MODEL, Reply('{"label": "billing", "confidence": "high"}'))
-    assert_fallback(degrading(client), "output", "schema_invalid")
+    assert_fallback(degrading(client), "output", "schema_invalid", FALLBACK)

@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import redis
-from redis.asyncio.connection import AbstractConnection
 from redis.crc import key_slot
 
 from fixtures import ManualClock
@@ -32,21 +31,11 @@ from fixtures.redis_server import RedisServer, free_port
 from guards import Breaker, CircuitState, Outcome
 from guards.stores import DAILY_TTL_S, MemoryStore, RedisStore, Store, StoreUnavailable, utc_day
 
+from .conftest import count_writes, wait_until
+
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600
 POLICY = Breaker(failure_threshold=2, reset_timeout_s=30)
-
-
-@pytest.fixture
-def prefix() -> str:
-    return f"t-{uuid.uuid4().hex[:12]}:"
-
-
-@pytest.fixture
-def admin(redis_url: str) -> Iterator[redis.Redis]:
-    """A plain client to look at the server the stores use."""
-    with redis.Redis.from_url(redis_url, decode_responses=True) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
@@ -91,19 +80,6 @@ class Commands:
         self.take()
 
 
-def count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the requests the client sends (a pipeline is one): its round trips."""
-    writes = [0]
-    original = AbstractConnection.send_packed_command
-
-    async def counting(self: AbstractConnection, *args: Any, **kwargs: Any) -> None:
-        writes[0] += 1
-        await original(self, *args, **kwargs)
-
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
-    return writes
-
-
 def every_operation(store: Store) -> list[tuple[str, Callable[[], Awaitable[object]]]]:
     return [
         ("now", store.now),
@@ -116,13 +92,6 @@ def every_operation(store: Store) -> list[tuple[str, Callable[[], Awaitable[obje
         ("cooldowns", lambda: store.cooldowns(["k"])),  # one key: one EVALSHA
         ("start_cooldown", lambda: store.start_cooldown("k", 30)),
     ]
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)  # bounded polling: the server notices closed connections on its own
 
 
 def settled(count: Callable[[], int], quiet_s: float = 0.2, timeout_s: float = 5.0) -> int:

@@ -8,7 +8,6 @@ fallback (`fake_openai`); each case counts the calls each server received."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from fixtures import (
 from guards import AI, Attempt, Breaker, EventStream, Guards
 from guards.providers import OpenAICompatible, WorkersAI
 
-from .conftest import LogLines, no_sleep
+from .conftest import LogLines, no_sleep, wait_until
 
 PRIMARY = "@cf/test/model"
 FALLBACK = "gpt-4o-mini"
@@ -415,9 +414,7 @@ def test_an_expired_run_ends_with_the_error_event(resume_post: Post, fake_gatewa
         pending = pool.submit(resume_post)
         # The run exists once the answer started; expire it before the cut (0.4 s later).
         assert fake_gateway.wait_for(lambda calls: calls, timeout=5)
-        deadline = time.monotonic() + 5
-        while not fake_gateway.run_ids and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: fake_gateway.run_ids)
         fake_gateway.expire_runs()
         result = pending.result(timeout=10)
     assert result.text == "One two"

@@ -15,7 +15,7 @@ from app.main import create_app
 from fixtures import Fail, FakeWorkersAI, Hang, ManualClock, Reply
 from guards import AI, Budget, Guards, header_key
 
-from .conftest import no_sleep, workers_ai_settings
+from .conftest import assert_fallback, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
 TEXT = "I was charged twice and need a refund for the second invoice."
@@ -45,18 +45,8 @@ def summarize(client: httpx.Client, text: Any = TEXT, user: str = "user-1") -> h
 
 
 def fallback(response: httpx.Response, guard: str, reason: str) -> dict[str, Any]:
-    """Assert the envelope of a fallback, whole; return its `detail` for further checks."""
-    assert response.status_code == 200, response.text
-    body = response.json()
-    detail = body["fallback"]["detail"]
-    assert isinstance(detail, str)
-    assert detail
-    assert body == {
-        "ok": True,
-        "data": FALLBACK,
-        "fallback": {"guard": guard, "reason": reason, "detail": detail},
-    }
-    return body
+    """The envelope of a fallback carrying the keyword label, whole; returned for more checks."""
+    return assert_fallback(response, guard, reason, FALLBACK)
 
 
 def test_model_answer_in_json_mode(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
