@@ -16,24 +16,22 @@ import time
 import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar
 
 import anyio
 
 from ._binding import AIResult, Binding, Usage
 from ._breaker import Outcome
-from ._budget import charge_budget, hold_spend, input_tokens_bound
+from ._budget import budget_refusal, hold_spend, input_tokens_bound
 from ._call import CallFailed, call_model
 from ._classify import Classification, Kind, classify
+from ._deadline import Deadline
 from ._envelope import ErrorCode, Reason
 from ._errors import ConfigurationError, GuardTripped, ProviderError
 from ._event_stream import EventStream, delta, encode, end_data, sse
 from ._ledger import Attempt
 from ._log import emit, emit_warning, logger
-from ._metrics import (
-    SKIPS,
-    STORE_UNAVAILABLE,
-)
+from ._metrics import SKIPS, STORE_UNAVAILABLE, counter, flush_soon
 from ._stream import (
     ReasoningDelta,
     StreamEnd,
@@ -60,8 +58,6 @@ Call = Callable[[str, Mapping[str, Any]], Awaitable[R]]
 
 #: Retry-After when a guard refuses calls because its store is unavailable.
 STORE_RETRY_AFTER_S = 5.0
-#: How long a walk runs before it starts watching for the client disconnecting.
-WATCH_AFTER_S = 0.1
 _COOLDOWN_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
 #: The longest attempt summary a detail or a log line carries.
 _SUMMARY_MAX = 400
@@ -90,6 +86,7 @@ class AI(Generic[T]):
         "_notes",
         "_request",
         "_route",
+        "_scope",
         "_started",
         "_tokens",
         "_watch",
@@ -118,6 +115,7 @@ class AI(Generic[T]):
         #: The client's request (None outside a route), watched for a disconnect during calls.
         self._request = request
         self._watch: asyncio.Task[None] | None = None
+        self._scope: Deadline | None = None
         self._gone = False
         self._charged = False
         #: The spend hold of this request (None without a spend cap) and the cost so far.
@@ -159,8 +157,8 @@ class AI(Generic[T]):
             await self._finish_leg(leg, Outcome.success, probe, record_success)
         self._served(leg, result.model)
         output = route.output
-        value = output.check_shape(result) if output.moderation is None else await output.check(result)
-        return cast(T, value)
+        value: T = output.check_shape(result) if output.moderation is None else await output.check(result)
+        return value
 
     async def stream(self, inputs: Mapping[str, Any]) -> EventStream:
         """Stream the answer of the route's models to the client (Server-Sent Events, see
@@ -213,25 +211,19 @@ class AI(Generic[T]):
         route = self._route
         self._notes.clear()
         waits = await self._cooldowns()
-        loop = asyncio.get_running_loop()
-        deadline = self._deadline = loop.time() + route.timeout_s
-        # A walk that outlasts WATCH_AFTER_S starts watching for the client leaving, which
-        # ends it at once the same way as the deadline (the call is cancelled, no further
-        # model is tried). A deadline that comes first leaves nothing to watch for.
-        watching = self._request is not None and route.timeout_s > WATCH_AFTER_S
         inflight: tuple[Leg, float | None] | None = None
         last: GuardTripped | None = None
         spent = False  # the request's attempt budget ran out before a leg
         try:
             # One deadline for every leg, attempt and wait. When it passes, the task is
             # cancelled where it awaits: the provider request is aborted, its connection
-            # closed, and no further leg is tried (cancellation never moves on).
-            async with asyncio.timeout_at(None if watching else deadline) as scope:
-                # When watching, one timer serves both (each costs microseconds, and most
-                # walks end long before either): at WATCH_AFTER_S it sets the deadline on the
-                # scope and starts the watcher (`_start_watch`). Quick calls never pay for
-                # the watcher.
-                watch = loop.call_later(WATCH_AFTER_S, self._start_watch, scope) if watching else None
+            # closed, and no further leg is tried (cancellation never moves on). A walk that
+            # outlasts MARK_AFTER_S starts watching for the client leaving, which ends it at
+            # once the same way (`_start_watch`); quick walks never pay for the watcher.
+            on_mark = self._start_watch if self._request is not None else None
+            with Deadline(route.timeout_s, on_mark=on_mark) as scope:
+                self._scope = scope
+                deadline = self._deadline = scope.when
                 try:
                     for index, leg in enumerate(route.legs):
                         if waits is not None and waits[index] > 0:
@@ -258,7 +250,11 @@ class AI(Generic[T]):
                                 inputs,
                                 policy=route.retry,
                                 deadline=deadline,
-                                limit=self._leg_limit(index, waits),
+                                limit=(
+                                    self.attempt_budget - self.attempts
+                                    if len(route.legs) == 1
+                                    else self._leg_limit(index, waits)
+                                ),
                                 sleep=self._guards.sleep,
                                 on_attempt=self._on_attempt,
                                 on_retry=self._log_retry,
@@ -274,8 +270,6 @@ class AI(Generic[T]):
                             continue
                         return leg, result, probe, record_success
                 finally:
-                    if watch is not None:
-                        watch.cancel()
                     if self._watch is not None:
                         self._watch.cancel()
                         self._watch = None
@@ -307,19 +301,19 @@ class AI(Generic[T]):
         await self._settle()
         raise self._exhausted(last, spent)
 
-    def _start_watch(self, scope: asyncio.Timeout) -> None:
-        """WATCH_AFTER_S into a walk: set the walk's deadline, and watch the client."""
-        scope.reschedule(self._deadline)
-        self._watch = asyncio.get_running_loop().create_task(self._watch_client(scope))
+    def _start_watch(self) -> None:
+        """MARK_AFTER_S into a walk: watch the client."""
+        assert self._scope is not None
+        self._watch = asyncio.get_running_loop().create_task(self._watch_client(self._scope))
 
-    async def _watch_client(self, scope: asyncio.Timeout) -> None:
+    async def _watch_client(self, scope: Deadline) -> None:
         """Wait for the client to disconnect, then end the walk now (see `_walk`)."""
         assert self._request is not None
         receive = self._request.receive
         while (await receive())["type"] != "http.disconnect":
             pass
         self._gone = True
-        scope.reschedule(asyncio.get_running_loop().time())
+        scope.expire()
 
     async def _client_gone(self) -> bool:
         """Whether the client disconnected (checked before a further model, without waiting)."""
@@ -547,7 +541,7 @@ class AI(Generic[T]):
 
     def _skip(self, leg: Leg, why: str, wait_s: float | None) -> None:
         self._notes.append((leg, f"skipped ({why})", wait_s))
-        SKIPS.labels(leg.ref.key, why).inc()
+        counter(SKIPS, leg.ref.key, why).add()
         emit(
             "skip",
             route=self._route.name,
@@ -568,7 +562,8 @@ class AI(Generic[T]):
         except StoreUnavailable:
             self._store_failed("breaker", breaker.on_store_failure)
             return None, False
-        leg.saw(decision.state)
+        if decision.state is not leg.last_state[0]:
+            leg.saw(decision.state)
         if not decision.allowed:
             self._skip(leg, "circuit_open", decision.retry_after_s)
             return None
@@ -582,7 +577,9 @@ class AI(Generic[T]):
             return
         store = self._guards.store
         try:
-            await charge_budget(store, budget, key)
+            admission = await store.charge_budget(key, per_minute=budget.per_minute, per_day=budget.per_day)
+            if not admission.allowed:
+                raise budget_refusal(budget, admission)
             if route.spend_capped:
                 self._tokens = tokens = input_tokens_bound(inputs)
                 worst = max(_worst(leg, tokens, route.max_tokens) for leg in route.legs)
@@ -636,7 +633,7 @@ class AI(Generic[T]):
     ) -> None:
         route = self._route
         leg.seconds.observe(elapsed)
-        leg.attempts[kind].inc()
+        leg.attempts[kind].add()
         if route.spend_capped and leg.price is not None:
             # Usage when known; else the worst case when the provider may have billed.
             if usage is not None:
@@ -846,15 +843,16 @@ def finish_request(
     metrics = route.metrics
     metrics.seconds.observe(elapsed)
     if outcome == "ok":
-        metrics.ok.inc()
+        metrics.ok.add()
     elif outcome == "fallback":
-        metrics.fallback.inc()
+        metrics.fallback.add()
     elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback
-        metrics.cancelled.inc()
+        metrics.cancelled.add()
     else:
-        metrics.error.inc()
+        metrics.error.add()
     if tripped is not None and outcome != "cancelled":
         metrics.tripped(tripped.guard.value, tripped.reason.value)
+    flush_soon()
     if not logger.isEnabledFor(logging.INFO):
         return
     emit(

@@ -21,7 +21,7 @@ from starlette.requests import Request
 
 from ._envelope import Reason
 from ._errors import GuardTripped
-from .stores import Store
+from .stores import Admission, Store
 
 __all__ = ["Budget", "Price", "StoreFailureMode", "client_key", "header_key"]
 
@@ -125,15 +125,19 @@ async def charge_budget(store: Store, budget: Budget, key: str) -> None:
     """Charge one request to `key`'s budget, or raise `GuardTripped` (`rate_limited` or
     `budget_exceeded`) without charging anything."""
     admission = await store.charge_budget(key, per_minute=budget.per_minute, per_day=budget.per_day)
-    if admission.allowed:
-        return
+    if not admission.allowed:
+        raise budget_refusal(budget, admission)
+
+
+def budget_refusal(budget: Budget, admission: Admission) -> GuardTripped:
+    """What a guarded call raises when the store refused to charge `budget`."""
     if admission.refused_by == "per_minute":
-        raise GuardTripped(
+        return GuardTripped(
             Reason.rate_limited,
             f"at most {budget.per_minute} requests per minute",
             retry_after_s=admission.retry_after_s,
         )
-    raise GuardTripped(
+    return GuardTripped(
         Reason.budget_exceeded,
         f"daily cap of {budget.per_day} calls reached",
         retry_after_s=admission.retry_after_s,

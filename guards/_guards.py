@@ -24,6 +24,7 @@ from ._envelope import ErrorCode
 from ._errors import ConfigurationError
 from ._ledger import Ledger, LogLedger
 from ._log import emit, logger
+from ._metrics import flush_metrics
 from ._openapi import document_guarded_routes
 from ._output import Moderation
 from ._responses import PublicError, error_response
@@ -183,7 +184,8 @@ class Guards:
         return guards
 
     async def aclose(self) -> None:
-        """Close the bindings and the store."""
+        """Close the bindings and the store, and write this process's metrics."""
+        flush_metrics()
         try:
             # A binding may serve under several names: close each once.
             for binding in {id(b): b for b in (self.binding, *self.providers.values())}.values():

@@ -8,11 +8,22 @@ several; see its docstring for several worker processes).
 A 200 with a fallback is a successful request: `guards_requests_total{outcome="fallback"}`, and
 `guards_fallbacks_total` says which guard and reason; `outcome="error"` counts public errors
 and application failures.
+
+The counts of every request are tallied in plain process memory (`Tally`, `HistogramTally`:
+an integer increment, a bucket search) and written to prometheus-client at most
+`FLUSH_INTERVAL_S` later, by a timer of the event loop: prometheus-client's own update path
+(locks, and in multiprocess mode a write to a shared file per update) costs more than all of a
+request's guards. `render_metrics()` writes this process's tallies first, so a scrape of one
+process is exact; with several workers, another worker's last `FLUSH_INTERVAL_S` of requests
+shows in the next scrape. `Guards.aclose()` (app shutdown) writes the rest.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+from bisect import bisect_left
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -35,10 +46,20 @@ __all__ = [
     "REQUESTS",
     "REQUEST_SECONDS",
     "SKIPS",
+    "FLUSH_INTERVAL_S",
     "STORE_UNAVAILABLE",
+    "HistogramTally",
     "RouteMetrics",
+    "Tally",
+    "counter",
+    "flush_metrics",
+    "flush_soon",
+    "histogram",
     "render_metrics",
 ]
+
+#: The longest a request's counts wait in this process before prometheus-client sees them.
+FLUSH_INTERVAL_S = 1.0
 
 STORE_UNAVAILABLE = Counter(
     "guards_store_unavailable",
@@ -89,25 +110,124 @@ BREAKER_STATE = Gauge(
 STATE_VALUE = {CircuitState.closed: 0, CircuitState.half_open: 1, CircuitState.open: 2}
 
 
-class RouteMetrics:
-    """The labelled children of one route, bound once at start-up (labels() per request costs)."""
+class Tally:
+    """This process's count of one counter series (`counter(metric, *labels)`): `add()` on the
+    request path; `flush_metrics()` adds what is new to the prometheus-client series."""
 
-    __slots__ = ("_fallbacks", "_route", "cancelled", "error", "fallback", "ok", "seconds")
+    __slots__ = ("_child", "_flushed", "count")
+
+    def __init__(self, child: Counter) -> None:
+        self._child = child
+        #: Only ever grows; `_flushed` is what prometheus-client has of it.
+        self.count = 0
+        self._flushed = 0
+
+    def add(self) -> None:
+        self.count += 1
+
+    def _flush(self) -> None:
+        count = self.count
+        if count != self._flushed:
+            self._child.inc(count - self._flushed)
+            self._flushed = count
+
+
+class HistogramTally:
+    """This process's observations of one histogram series (`histogram(metric, *labels)`):
+    per bucket (the first bound >= the value, as prometheus-client counts) and their sum."""
+
+    __slots__ = ("_bounds", "_child", "_counts", "_flushed", "_flushed_sum", "_sum")
+
+    def __init__(self, child: Histogram) -> None:
+        self._child = child
+        # prometheus-client's bounds of this histogram, +Inf last.
+        self._bounds: tuple[float, ...] = tuple(child._upper_bounds)
+        self._counts = [0] * len(self._bounds)
+        self._flushed = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._flushed_sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def _flush(self) -> None:
+        # prometheus-client has no public "add n observations": its histogram child keeps one
+        # value per bucket (`_buckets`, non-cumulative) and `_sum`, which this adds to.
+        child = self._child
+        for index, count in enumerate(self._counts):
+            if count != self._flushed[index]:
+                child._buckets[index].inc(count - self._flushed[index])
+                self._flushed[index] = count
+        total = self._sum
+        if total != self._flushed_sum:
+            child._sum.inc(total - self._flushed_sum)
+            self._flushed_sum = total
+
+
+_tallies: dict[tuple[str, tuple[str, ...]], Tally | HistogramTally] = {}
+_flush_lock = threading.Lock()
+#: The event loop a flush is pending on (None: none pending).
+_pending_on: asyncio.AbstractEventLoop | None = None
+
+
+def counter(metric: Counter, *labels: str) -> Tally:
+    """The process's tally of `metric`'s series with `labels` (one per series, kept)."""
+    key = (metric._name, labels)
+    tally = _tallies.get(key)
+    if tally is None:
+        tally = _tallies[key] = Tally(metric.labels(*labels))
+    assert isinstance(tally, Tally)
+    return tally
+
+
+def histogram(metric: Histogram, *labels: str) -> HistogramTally:
+    """The process's tally of `metric`'s series with `labels` (one per series, kept)."""
+    key = (metric._name, labels)
+    tally = _tallies.get(key)
+    if tally is None:
+        tally = _tallies[key] = HistogramTally(metric.labels(*labels))
+    assert isinstance(tally, HistogramTally)
+    return tally
+
+
+def flush_metrics() -> None:
+    """Write this process's new counts to prometheus-client (any thread)."""
+    with _flush_lock:
+        for tally in list(_tallies.values()):
+            tally._flush()
+
+
+def flush_soon() -> None:
+    """Make sure a flush runs within FLUSH_INTERVAL_S (called once per request, in a loop)."""
+    global _pending_on
+    loop = asyncio.get_running_loop()
+    if _pending_on is not loop:
+        _pending_on = loop
+        loop.call_later(FLUSH_INTERVAL_S, _timed_flush)
+
+
+def _timed_flush() -> None:
+    global _pending_on
+    _pending_on = None
+    flush_metrics()
+
+
+class RouteMetrics:
+    """The tallies of one route's series, bound once at start-up."""
+
+    __slots__ = ("_route", "cancelled", "error", "fallback", "ok", "seconds")
 
     def __init__(self, route: str) -> None:
         self._route = route
-        self.ok = REQUESTS.labels(route, "ok")
-        self.fallback = REQUESTS.labels(route, "fallback")
-        self.error = REQUESTS.labels(route, "error")
-        self.cancelled = REQUESTS.labels(route, "cancelled")
-        self.seconds = REQUEST_SECONDS.labels(route)
-        self._fallbacks: dict[tuple[str, str], Counter] = {}
+        self.ok = counter(REQUESTS, route, "ok")
+        self.fallback = counter(REQUESTS, route, "fallback")
+        self.error = counter(REQUESTS, route, "error")
+        self.cancelled = counter(REQUESTS, route, "cancelled")
+        self.seconds = histogram(REQUEST_SECONDS, route)
 
     def tripped(self, guard: str, reason: str) -> None:
-        child = self._fallbacks.get((guard, reason))
-        if child is None:
-            child = self._fallbacks[guard, reason] = FALLBACKS.labels(self._route, guard, reason)
-        child.inc()
+        counter(FALLBACKS, self._route, guard, reason).add()
 
 
 def render_metrics() -> tuple[bytes, str]:
@@ -134,7 +254,11 @@ def render_metrics() -> tuple[bytes, str]:
 
     In multiprocess mode the per-process collectors (`process_*`, `python_gc_*`) and the
     `*_created` samples are not exported.
+
+    This process's tallies are written first; other workers write theirs every
+    `FLUSH_INTERVAL_S` (see the module's docstring).
     """
+    flush_metrics()
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ:
         registry = CollectorRegistry()
         MultiProcessCollector(registry)  # type: ignore[no-untyped-call]

@@ -34,6 +34,8 @@ class OutputGuard:
         self.output_type = output_type
         self.moderation = moderation
         self._adapter: TypeAdapter[Any] | None = None if output_type is Any else TypeAdapter(output_type)
+        # The adapter's compiled validator, called directly (the adapter's methods add a layer).
+        self._validator = self._adapter.validator if self._adapter is not None else None
         schema = self._adapter.json_schema() if self._adapter else None
         #: The JSON Schema to request JSON mode with; None when the route wants plain text.
         self.json_schema: dict[str, Any] | None = (
@@ -61,13 +63,14 @@ class OutputGuard:
         return self._validate(answer)
 
     def _validate(self, answer: Any) -> Any:
-        if self._adapter is None:
+        validator = self._validator
+        if validator is None:
             return answer
         try:
             if self.json_schema is not None and isinstance(answer, str):
                 fenced = _FENCE.match(answer)
-                return self._adapter.validate_json(fenced.group(1) if fenced else answer)
-            return self._adapter.validate_python(answer)
+                return validator.validate_json(fenced.group(1) if fenced else answer)
+            return validator.validate_python(answer)
         except ValidationError as exc:
             # Only error locations and types: the input values may echo the prompt.
             where = ", ".join(sorted({_loc(e["loc"]) + e["type"] for e in exc.errors()}))[:200]

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Gauge
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -43,7 +43,11 @@ from ._metrics import (
     ATTEMPTS,
     BREAKER_STATE,
     STATE_VALUE,
+    HistogramTally,
     RouteMetrics,
+    Tally,
+    counter,
+    histogram,
 )
 from ._output import Moderation, OutputGuard
 from ._responses import PublicError, error_response, public_error
@@ -76,9 +80,9 @@ class Leg:
     cooldown_key: str
     #: The model's price, when the route has a spend cap.
     price: Price | None
-    seconds: Histogram
+    seconds: HistogramTally
     breaker_state: Gauge
-    attempts: dict[str, Counter]
+    attempts: dict[str, Tally]
     #: The breaker state this process last saw (the gauge is set only when it changes).
     last_state: list[CircuitState | None]
 
@@ -89,9 +93,9 @@ class Leg:
             breaker_key=f"guards:breaker:{ref.key}",
             cooldown_key=f"guards:cooldown:{ref.key}",
             price=price,
-            seconds=ATTEMPT_SECONDS.labels(ref.key),
+            seconds=histogram(ATTEMPT_SECONDS, ref.key),
             breaker_state=BREAKER_STATE.labels(ref.key),
-            attempts={kind: ATTEMPTS.labels(ref.key, kind) for kind in ("ok", *Kind)},
+            attempts={kind: counter(ATTEMPTS, ref.key, kind) for kind in ("ok", *Kind)},
             last_state=[None],
         )
 
@@ -382,11 +386,19 @@ def _attribution(ai: AI[Any], mode: str) -> list[tuple[bytes, bytes]]:
 
 def _header_value(text: str) -> bytes:
     # A served-model name comes from the provider: keep it a short, printable ASCII token.
-    text = text[:200]
-    # Printable ASCII but the space is exactly what the pattern keeps: most names need no sub.
-    if not (text.isascii() and text.isprintable() and " " not in text):
-        text = _UNSAFE_HEADER.sub("?", text)
-    return text.encode("ascii")
+    # The same few names come back on every request: each is cleaned once (bounded cache).
+    value = _header_values.get(text)
+    if value is None:
+        clean = text[:200]
+        if not (clean.isascii() and clean.isprintable() and " " not in clean):
+            clean = _UNSAFE_HEADER.sub("?", clean)
+        if len(_header_values) >= 256:
+            _header_values.clear()
+        value = _header_values[text] = clean.encode("ascii")
+    return value
+
+
+_header_values: dict[str, bytes] = {}
 
 
 def _application_failure(route: GuardedRoute, ai: AI[Any], started: float, exc: Exception) -> Response:

@@ -18,7 +18,8 @@ import httpx
 import pytest
 import yaml
 from fastapi import FastAPI
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram
+from prometheus_client import Counter as PromCounter
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,7 +29,7 @@ from app.main import create_app
 from fixtures import Fail, FakeWorkersAI, Reply
 from guards import GuardName, Kind, Reason, render_metrics
 
-from .conftest import no_sleep, workers_ai_settings
+from .conftest import no_sleep, wait_until, workers_ai_settings
 from .test_shared_state import MODEL, AppProcess, app_process_env, burst
 
 ALERTS = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "alerts.yml"
@@ -37,6 +38,8 @@ SUMMARY = Reply({"label": "billing", "confidence": 0.9})
 #: Not the route's schema: an empty label and a confidence above 1.
 INVALID_SUMMARY = Reply({"label": "", "confidence": 2})
 INCOMPATIBLE = Fail(code=5035, status=403)
+#: How long another worker's counts may take to reach the shared files (see FLUSH_INTERVAL_S).
+FLUSHED_S = guards._metrics.FLUSH_INTERVAL_S + 5
 TRANSIENT = Fail(code=3040, status=429)
 
 Series = tuple[str, tuple[tuple[str, str], ...]]
@@ -198,14 +201,15 @@ def test_totals_are_exact_across_two_uvicorn_workers(tmp_path: Path, fake_worker
         app.wait_ready()
         # Concurrent bursts over fresh connections until both workers have answered some
         # (the kernel picks the worker that accepts each connection).
+        # Each worker writes its counts to its file within FLUSH_INTERVAL_S: wait for them.
         burst_ok = 0
         for _ in range(10):
             burst_ok += sum(r.json()["fallback"] is None for r in asyncio.run(burst([app.url], 20)))
+            wait_until(lambda ok=burst_ok: sum(requests_per_worker(directory).values()) == ok, FLUSHED_S)
             if len([n for n in requests_per_worker(directory).values() if n]) == 2:
                 break
         served = requests_per_worker(directory)
         assert len([n for n in served.values() if n]) == 2, served
-        assert burst_ok == sum(served.values())
 
         with httpx.Client(base_url=app.url, timeout=30, limits=fresh) as client:
             # Scripted failures, one request at a time: each takes its outcomes in order.
@@ -220,11 +224,26 @@ def test_totals_are_exact_across_two_uvicorn_workers(tmp_path: Path, fake_worker
             fake_workers_ai.script(MODEL, Reply("Sure."), TRANSIENT, Reply("Sure."), INCOMPATIBLE)
             statuses = [client.post("/draft-reply", json={"message": "hi"}).status_code for _ in range(3)]
             assert statuses == [200, 200, 502]
+            expected = expected_totals(burst_ok + 1)
+            # Once both workers wrote their last requests, every scrape, whichever worker
+            # answers it, shows the totals of both.
+            wait_until(lambda: nonzero(parse(scrape(client))) == expected, FLUSHED_S)
             scrapes = [parse(scrape(client)) for _ in range(10)]
     finally:
         app.stop()
 
-    summary_ok = burst_ok + 1
+    assert len(fake_workers_ai.calls) == burst_ok + 1 + 3 + 4
+    for samples in scrapes:
+        assert nonzero(samples) == expected
+        assert samples[series("guards_breaker_state", model=MODEL)] == 0  # one series, no pid
+
+
+def nonzero(samples: Mapping[Series, float]) -> dict[Series, float]:
+    return {key: value for key, value in counters(samples).items() if value}
+
+
+def expected_totals(summary_ok: int) -> dict[Series, float]:
+    """The non-zero counts of the scripted sequence of the two-worker test."""
     expected = {
         series("guards_requests_total", route="summary", outcome="ok"): summary_ok,
         series("guards_requests_total", route="summary", outcome="fallback"): 3,
@@ -242,11 +261,7 @@ def test_totals_are_exact_across_two_uvicorn_workers(tmp_path: Path, fake_worker
         series("guards_request_duration_seconds_count", route="draft_reply"): 3,
         series("guards_provider_attempt_duration_seconds_count", model=MODEL): summary_ok + 3 + 4,
     }
-    assert len(fake_workers_ai.calls) == summary_ok + 3 + 4
-    for samples in scrapes:  # whichever worker answered: the totals of both
-        nonzero = {key: value for key, value in counters(samples).items() if value}
-        assert nonzero == {key: value for key, value in expected.items() if value}
-        assert samples[series("guards_breaker_state", model=MODEL)] == 0  # one series, no pid
+    return {key: value for key, value in expected.items() if value}
 
 
 # --- alert rules -------------------------------------------------------------------------------
@@ -325,3 +340,40 @@ def test_alert_rules_use_only_what_guards_exports(
             assert grouping <= labels_of[metric], (name, metric, grouping)
         for text in rule["annotations"].values():
             assert set(re.findall(r"\$labels\.(\w+)", text)) <= grouping, name
+
+
+def test_tallies_write_what_prometheus_client_would_have_counted() -> None:
+    """Requests are tallied in process memory and written to prometheus-client in batches:
+    the buckets (values on a bound count in it), sums and counts must be what observing each
+    value directly would have given, however the flushes fall."""
+    registry = CollectorRegistry()
+    buckets = (0.01, 0.1, 1.0)
+    direct = Histogram("direct_seconds", "h", ["route"], buckets=buckets, registry=registry)
+    batched = Histogram("batched_seconds", "h", ["route"], buckets=buckets, registry=registry)
+    direct_count = PromCounter("direct", "c", ["route"], registry=registry)
+    batched_count = PromCounter("batched", "c", ["route"], registry=registry)
+    hist = guards._metrics.histogram(batched, "r")
+    count = guards._metrics.counter(batched_count, "r")
+    values = [0.0, 0.01, 0.010001, 0.1, 0.5, 1.0, 1.5, 1e9, 0.003]
+    for index, value in enumerate(values):
+        direct.labels("r").observe(value)
+        direct_count.labels("r").inc()
+        hist.observe(value)
+        count.add()
+        if index in (2, 3, 7):
+            guards._metrics.flush_metrics()
+    guards._metrics.flush_metrics()
+    guards._metrics.flush_metrics()  # nothing new: adds nothing
+
+    def samples(prefix: str) -> dict[tuple[str, str], float]:
+        return {
+            (sample.name.removeprefix(prefix), sample.labels.get("le", "")): sample.value
+            for family in registry.collect()
+            if family.name.startswith(prefix)
+            for sample in family.samples
+            if not sample.name.endswith("_created")
+        }
+
+    assert samples("batched") == samples("direct")
+    assert samples("batched")[("_seconds_bucket", "0.01")] == 3
+    assert samples("batched")[("_total", "")] == len(values)

@@ -1,0 +1,153 @@
+"""`Deadline`: the one deadline of a walk, cheap enough for every request.
+
+A walk (`AI.run`, or `AI.stream` up to its first output) has one deadline. When it passes, the
+walk's task is cancelled where it awaits, so the provider request in flight is aborted and its
+connection closed, and the walk sees `TimeoutError`: what `asyncio.timeout_at` does. But most
+walks end within milliseconds, and an event-loop timer per walk (a `TimerHandle`, a heap push,
+then the cancelled handle's removal) costs more than every guard of the walk together. So a
+deadline is armed in two steps:
+
+1. At the start the walk joins its event loop's *mark queue*: running walks in start order,
+   with one loop timer for the oldest. Joining and leaving cost a deque append and a flag.
+2. `MARK_AFTER_S` into the walk, if it still runs, the queue's timer gives it a real timer at
+   its deadline and calls its `on_mark` (the disconnect watcher starts there).
+
+A deadline closer than `MARK_AFTER_S` gets its real timer at once. `expire()` ends the walk now,
+the same way (the client left).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import deque
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+__all__ = ["MARK_AFTER_S", "Deadline"]
+
+#: How long a deadline runs on the shared mark queue before it gets its own timer.
+MARK_AFTER_S = 0.1
+
+_RUNNING, _EXPIRED, _DONE = 0, 1, 2
+
+
+class Deadline:
+    """A deadline `timeout_s` from entering a `with` block of the current task; `when` is it in
+    event-loop time (`loop.time()`).
+
+    On exit after it expired, the task's cancellation becomes `TimeoutError` (unless the task
+    was also cancelled from elsewhere: then the `CancelledError` goes on), like
+    `asyncio.timeout`.
+    """
+
+    __slots__ = ("_cancelling", "_on_mark", "_state", "_task", "_timer", "timeout_s", "when")
+    _task: asyncio.Task[Any] | None
+
+    def __init__(self, timeout_s: float, *, on_mark: Callable[[], None] | None = None) -> None:
+        self.timeout_s = timeout_s
+        self._on_mark = on_mark
+        self._timer: asyncio.TimerHandle | None = None
+        self._state = _RUNNING
+
+    def __enter__(self) -> Deadline:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
+        if task is None:
+            raise RuntimeError("a Deadline must be used inside a task")
+        self._task = task
+        now = loop.time()
+        when = self.when = now + self.timeout_s
+        if self.timeout_s <= MARK_AFTER_S:
+            self._timer = loop.call_at(when, self.expire)
+            return self
+        queue = _last
+        if queue is None or queue.loop() is not loop:
+            queue = _queue(loop)
+        queue.entries.append((now + MARK_AFTER_S, self))
+        if queue.timer is None:
+            queue.timer = loop.call_at(now + MARK_AFTER_S, queue.fire)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        task, expired = self._task, self._state == _EXPIRED
+        # Leave the mark queue (it drops done entries) and let go of the task and callback.
+        self._state, self._task, self._on_mark = _DONE, None, None
+        # `uncancel` first, whatever the exception: the expiry's cancel request is spent.
+        if (
+            expired
+            and task is not None
+            and task.uncancel() <= self._cancelling
+            and exc_type is asyncio.CancelledError
+        ):
+            raise TimeoutError from exc
+
+    @property
+    def expired(self) -> bool:
+        return self._state == _EXPIRED
+
+    def expire(self) -> None:
+        """End the block now: cancel the task where it awaits (no effect once it ended)."""
+        task = self._task
+        if self._state == _RUNNING and task is not None:
+            self._state = _EXPIRED
+            # Cancellations already requested are not this deadline's (see `__exit__`).
+            self._cancelling = task.cancelling()
+            task.cancel()
+
+    def _marked(self, loop: asyncio.AbstractEventLoop) -> None:
+        """`MARK_AFTER_S` into the block: a real timer at the deadline, then `on_mark`."""
+        if self._state != _RUNNING:
+            return
+        self._timer = loop.call_at(self.when, self.expire)
+        if self._on_mark is not None:
+            self._on_mark()
+
+
+class _MarkQueue:
+    """One event loop's running deadlines in mark order (start + MARK_AFTER_S, so they join in
+    order), with one loop timer for the oldest. Entries of ended deadlines are dropped when
+    the timer passes them: the queue holds at most MARK_AFTER_S worth of walks."""
+
+    __slots__ = ("entries", "loop", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        #: A weak reference: the queue lives as long as its loop, not the other way round.
+        self.loop = weakref.ref(loop)
+        self.entries: deque[tuple[float, Deadline]] = deque()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def fire(self) -> None:
+        self.timer = None
+        loop = self.loop()
+        if loop is None:
+            return
+        entries = self.entries
+        now = loop.time()
+        while entries:
+            mark, deadline = entries[0]
+            if mark > now:
+                self.timer = loop.call_at(mark, self.fire)
+                return
+            entries.popleft()
+            deadline._marked(loop)
+
+
+_queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _MarkQueue] = weakref.WeakKeyDictionary()
+#: The queue of the last loop asked for: one loop per process or thread is the usual case.
+_last: _MarkQueue | None = None
+
+
+def _queue(loop: asyncio.AbstractEventLoop) -> _MarkQueue:
+    global _last
+    queue = _queues.get(loop)
+    if queue is None:
+        queue = _queues[loop] = _MarkQueue(loop)
+    _last = queue
+    return queue
