@@ -4,8 +4,9 @@ Both sides run in the same process, interleaved, and each figure is the median o
 rounds, so the ratio holds on a shared, noisy machine:
 
 - bare: a handler that awaits the zero-latency fake binding directly;
-- guarded: the same handler behind `Guards.route` (rate limit, daily cap, breaker, deadline,
-  output validation, trace id), called as FastAPI calls it, minus HTTP and FastAPI itself.
+- guarded: the same handler behind `Guards.route` (rate limit, daily cap, breaker, cooldown
+  read, deadline, output validation, metrics, trace id, attribution headers), called as
+  FastAPI calls it, minus HTTP and FastAPI itself.
 
 The fixtures' `FakeBinding` renders and parses Workers AI's wire format on every call; the same
 pair is also measured with a binding that returns a ready result (`const`), which isolates the

@@ -130,13 +130,12 @@ class _MarkQueue:
             return
         entries = self.entries
         now = loop.time()
-        while entries:
-            mark, deadline = entries[0]
-            if mark > now:
-                self.timer = loop.call_at(mark, self.fire)
-                return
-            entries.popleft()
-            deadline._marked(loop)
+        try:
+            while entries and entries[0][0] <= now:
+                entries.popleft()[1]._marked(loop)
+        finally:  # even if a mark callback raised: the later entries still get theirs
+            if entries:
+                self.timer = loop.call_at(entries[0][0], self.fire)
 
 
 _queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _MarkQueue] = weakref.WeakKeyDictionary()

@@ -60,9 +60,6 @@ class OutputGuard:
             raise GuardTripped(Reason.moderation_blocked, "the provider flagged the completion")
         if answer is None or (isinstance(answer, str) and not answer.strip()):
             raise GuardTripped(Reason.empty_response, "the model returned an empty completion")
-        return self._validate(answer)
-
-    def _validate(self, answer: Any) -> Any:
         validator = self._validator
         if validator is None:
             return answer
