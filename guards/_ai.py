@@ -250,11 +250,7 @@ class AI(Generic[T]):
                                 inputs,
                                 policy=route.retry,
                                 deadline=deadline,
-                                limit=(
-                                    self.attempt_budget - self.attempts
-                                    if len(route.legs) == 1
-                                    else self._leg_limit(index, waits)
-                                ),
+                                limit=self._leg_limit(index, waits),
                                 sleep=self._guards.sleep,
                                 on_attempt=self._on_attempt,
                                 on_retry=self._log_retry,

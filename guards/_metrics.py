@@ -139,6 +139,12 @@ class HistogramTally:
     __slots__ = ("_bounds", "_child", "_counts", "_flushed", "_flushed_sum", "_sum")
 
     def __init__(self, child: Histogram) -> None:
+        if not all(hasattr(child, name) for name in ("_upper_bounds", "_buckets", "_sum")):
+            # Checked at start-up (routes bind their tallies then), not at the first flush.
+            raise RuntimeError(
+                "this prometheus-client's Histogram has no _upper_bounds/_buckets/_sum: "
+                "guards needs prometheus-client 0.20 to 0.26 or a release keeping them"
+            )
         self._child = child
         # prometheus-client's bounds of this histogram, +Inf last.
         self._bounds: tuple[float, ...] = tuple(child._upper_bounds)
@@ -165,7 +171,7 @@ class HistogramTally:
             self._flushed_sum = total
 
 
-_tallies: dict[tuple[str, tuple[str, ...]], Tally | HistogramTally] = {}
+_tallies: dict[tuple[Counter | Histogram, tuple[str, ...]], Tally | HistogramTally] = {}
 _flush_lock = threading.Lock()
 #: The event loop a flush is pending on (None: none pending).
 _pending_on: asyncio.AbstractEventLoop | None = None
@@ -173,20 +179,18 @@ _pending_on: asyncio.AbstractEventLoop | None = None
 
 def counter(metric: Counter, *labels: str) -> Tally:
     """The process's tally of `metric`'s series with `labels` (one per series, kept)."""
-    key = (metric._name, labels)
-    tally = _tallies.get(key)
+    tally = _tallies.get((metric, labels))
     if tally is None:
-        tally = _tallies[key] = Tally(metric.labels(*labels))
+        tally = _tallies[metric, labels] = Tally(metric.labels(*labels))
     assert isinstance(tally, Tally)
     return tally
 
 
 def histogram(metric: Histogram, *labels: str) -> HistogramTally:
     """The process's tally of `metric`'s series with `labels` (one per series, kept)."""
-    key = (metric._name, labels)
-    tally = _tallies.get(key)
+    tally = _tallies.get((metric, labels))
     if tally is None:
-        tally = _tallies[key] = HistogramTally(metric.labels(*labels))
+        tally = _tallies[metric, labels] = HistogramTally(metric.labels(*labels))
     assert isinstance(tally, HistogramTally)
     return tally
 
