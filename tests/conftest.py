@@ -25,6 +25,10 @@ from app.settings import Settings
 from fixtures import FakeWorkersAI, ManualClock
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
+#: The Redis store timeout of tests about state, not timeouts: on a loaded machine a round
+#: trip can take longer than the default 0.1 s.
+REDIS_TIMEOUT_S = 5.0
+
 
 class LiveServer:
     """`app` served by uvicorn on a free loopback port, in a background thread."""
@@ -197,7 +201,9 @@ def make_store(
         elif store_kind == "sqlite":
             store = SQLiteStore(tmp_path / "guards.db", clock=clock)
         else:
-            store = RedisStore(request.getfixturevalue("redis_url"), clock=clock, prefix=prefix)
+            store = RedisStore(
+                request.getfixturevalue("redis_url"), clock=clock, prefix=prefix, timeout_s=REDIS_TIMEOUT_S
+            )
         made.append(store)
         return store
 
