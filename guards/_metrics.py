@@ -24,6 +24,8 @@ import asyncio
 import os
 import threading
 from bisect import bisect_left
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -179,19 +181,22 @@ _pending_on: asyncio.AbstractEventLoop | None = None
 
 def counter(metric: Counter, *labels: str) -> Tally:
     """The process's tally of `metric`'s series with `labels` (one per series, kept)."""
-    tally = _tallies.get((metric, labels))
-    if tally is None:
-        tally = _tallies[metric, labels] = Tally(metric.labels(*labels))
+    tally = _tally(metric, labels, Tally)
     assert isinstance(tally, Tally)
     return tally
 
 
 def histogram(metric: Histogram, *labels: str) -> HistogramTally:
     """The process's tally of `metric`'s series with `labels` (one per series, kept)."""
+    tally = _tally(metric, labels, HistogramTally)
+    assert isinstance(tally, HistogramTally)
+    return tally
+
+
+def _tally(metric: Any, labels: tuple[str, ...], make: Callable[[Any], Tally | HistogramTally]) -> Any:
     tally = _tallies.get((metric, labels))
     if tally is None:
-        tally = _tallies[metric, labels] = HistogramTally(metric.labels(*labels))
-    assert isinstance(tally, HistogramTally)
+        tally = _tallies[metric, labels] = make(metric.labels(*labels))
     return tally
 
 
