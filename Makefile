@@ -9,7 +9,7 @@ WORKERS ?= 1
 METRICS_DIR ?= .run/prometheus
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test lint format bench clean
+.PHONY: help install run test lint format bench bench-instructions clean
 
 help: ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ format: install ## apply ruff's fixes and formatting
 
 bench: install ## print the performance figures (name = value unit)
 	$(BIN)/python bench/bench.py
+
+bench-instructions: install ## the guard pipeline's cost in CPU instructions (valgrind: deterministic)
+	$(BIN)/python bench/instructions.py
 
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .run .pytest_cache .mypy_cache .ruff_cache .hypothesis

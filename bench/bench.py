@@ -12,7 +12,8 @@ The fixtures' `FakeBinding` renders and parses Workers AI's wire format on every
 pair is also measured with a binding that returns a ready result (`const`), which isolates the
 pipeline from the fake's own work.
 
-Each figure is printed on its own line as `name = value unit`.
+Each figure is printed on its own line as `name = value unit`. The same pipeline's cost in
+CPU instructions, which the machine's noise does not move: `make bench-instructions`.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ async def measure(fake: FakeBinding | ConstantBinding) -> dict[str, float]:
     response = Response()  # FastAPI makes one per request; reused here, it is not guards' cost
 
     # Each request passes through the event loop once (`sleep(0)`), as a served one does; that
-    # also lets the loop drop the deadline timers the guarded side cancels.
+    # also lets the loop run the deadlines' shared timer (see guards/_deadline.py).
     async def bare() -> None:
         for _ in range(PER_ROUND):
             result = await fake.run(MODEL, INPUTS)

@@ -1,0 +1,104 @@
+"""`make bench-instructions`: the guard pipeline's cost per request in CPU instructions.
+
+Timings on a shared machine move by +-15 us between runs; instruction counts do not. This runs
+the same two sides as `bench.py` (the bare awaited fake call; the same handler behind
+`Guards.route`, called as FastAPI calls it) under valgrind's callgrind, which counts every
+instruction the process executes, whatever else the machine does. Each side runs twice, with
+`SHORT` and `LONG` requests after the same start-up, so the difference divided by
+`LONG - SHORT` is the cost of one request alone. Needs `valgrind` on the PATH; takes a minute
+or two (the runs go two at a time).
+
+Prints `guard_overhead_instructions` (guarded minus bare, per request) for the fixtures'
+`FakeBinding` and `const_guard_overhead_instructions` for a binding that returns a ready result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+SHORT = 1_000
+LONG = 3_000
+
+
+def run_requests(side: str, binding_kind: str, count: int) -> None:
+    """In the process valgrind watches: start up, then make `count` requests on one side."""
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from bench import INPUTS, MODEL, USERS, ConstantBinding, Label, guarded_endpoint, scope_for
+    from fixtures import FakeBinding, Reply
+
+    logging.getLogger("guards").setLevel(logging.WARNING)
+    fake = (
+        FakeBinding(Reply({"label": "billing", "confidence": 0.9}))
+        if binding_kind == "fake"
+        else ConstantBinding()
+    )
+    endpoint, request_param, response_param = guarded_endpoint(fake)
+    requests = [Request(scope_for(f"user-{i}")) for i in range(USERS)]
+    response = Response()
+
+    async def main() -> None:
+        for i in range(count):
+            if side == "bare":
+                result = await fake.run(MODEL, INPUTS)
+                Label.model_validate(result.response)
+            else:
+                response.raw_headers.clear()
+                await endpoint(**{request_param: requests[i % USERS], response_param: response})
+            await asyncio.sleep(0)
+            if i % 1_000 == 999:
+                fake.reset()  # the fake's call record is not what is measured
+
+    asyncio.run(main())
+
+
+def count(side: str, binding_kind: str, requests: int) -> int:
+    """Instructions of a whole process making `requests` requests on `side`."""
+    out = subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            sys.executable,
+            __file__,
+            side,
+            binding_kind,
+            str(requests),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    if found is None:
+        raise RuntimeError(f"no instruction count in valgrind's output:\n{out.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def per_request(side: str, binding_kind: str, pool: ThreadPoolExecutor) -> float:
+    short, long = pool.map(lambda n: count(side, binding_kind, n), (SHORT, LONG))
+    return (long - short) / (LONG - SHORT)
+
+
+def main() -> None:
+    if shutil.which("valgrind") is None:
+        sys.exit("bench/instructions.py needs valgrind on the PATH (Debian: apt-get install valgrind)")
+    with ThreadPoolExecutor(2) as pool:
+        for binding_kind, name in (("fake", "guard_overhead"), ("const", "const_guard_overhead")):
+            bare = per_request("bare", binding_kind, pool)
+            guarded = per_request("guarded", binding_kind, pool)
+            print(f"{name}_instructions = {guarded - bare:.0f} instructions")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4:
+        run_requests(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    else:
+        main()
