@@ -16,6 +16,9 @@ an integer increment, a bucket search) and written to prometheus-client at most
 request's guards. `render_metrics()` writes this process's tallies first, so a scrape of one
 process is exact; with several workers, another worker's last `FLUSH_INTERVAL_S` of requests
 shows in the next scrape. `Guards.aclose()` (app shutdown) writes the rest.
+
+Tallies are updated from event-loop threads and only grow; a flush (under a lock, from any
+thread) adds what grew since the last one, so an update racing a flush is written by the next.
 """
 
 from __future__ import annotations
