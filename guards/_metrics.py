@@ -148,7 +148,7 @@ class HistogramTally:
             # Checked at start-up (routes bind their tallies then), not at the first flush.
             raise RuntimeError(
                 "this prometheus-client's Histogram has no _upper_bounds/_buckets/_sum: "
-                "guards needs prometheus-client 0.20 to 0.26 or a release keeping them"
+                "guards needs a release that keeps them (0.26 does)"
             )
         self._child = child
         # prometheus-client's bounds of this histogram, +Inf last.
