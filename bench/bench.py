@@ -149,7 +149,7 @@ async def measure(fake: FakeBinding | ConstantBinding) -> dict[str, float]:
 
 
 async def store_checks(store: Store, count: int = 2_000) -> float:
-    """Median wall time of one budget check (`charge_budget`), in microseconds."""
+    """Median wall time of one budget check (`Store.charge_budget`), in microseconds."""
     samples = []
     for i in range(count):
         start = time.perf_counter()

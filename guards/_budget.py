@@ -121,14 +121,6 @@ async def hold_spend(store: Store, budget: Budget, key: str, amount: float, hold
     return hold.reservation
 
 
-async def charge_budget(store: Store, budget: Budget, key: str) -> None:
-    """Charge one request to `key`'s budget, or raise `GuardTripped` (`rate_limited` or
-    `budget_exceeded`) without charging anything."""
-    admission = await store.charge_budget(key, per_minute=budget.per_minute, per_day=budget.per_day)
-    if not admission.allowed:
-        raise budget_refusal(budget, admission)
-
-
 def budget_refusal(budget: Budget, admission: Admission) -> GuardTripped:
     """What a guarded call raises when the store refused to charge `budget`."""
     if admission.refused_by == "per_minute":

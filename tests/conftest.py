@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from redis.asyncio.connection import AbstractConnection
 
 from app.settings import Settings
 from fixtures import FakeWorkersAI, ManualClock
+from guards import AIResult, Binding
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
 #: The Redis store timeout of tests about state, not timeouts: on a loaded machine a round
@@ -157,6 +158,19 @@ def wait_until(condition: Callable[[], Any], timeout_s: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)
+
+
+def run_binding_once(make: Callable[[], Binding], model: str, inputs: Mapping[str, Any]) -> AIResult:
+    """One `run` through a fresh binding from `make()`, closed afterwards."""
+
+    async def call() -> AIResult:
+        binding = make()
+        try:
+            return await binding.run(model, inputs)
+        finally:
+            await binding.aclose()
+
+    return asyncio.run(call())
 
 
 def count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:

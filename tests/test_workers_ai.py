@@ -16,6 +16,8 @@ from fixtures.script import Outcome
 from guards import AIResult, ConfigurationError, ProviderError, Usage
 from guards.providers import WorkersAI
 
+from .conftest import run_binding_once
+
 MODEL = "@cf/meta/llama-3.3-70b-instruct-fp8-fast"
 INPUTS: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hello."}]}
 CANARY = "CANARY-PROVIDER-TEXT"
@@ -41,15 +43,7 @@ def run_once(
     """One call through a fresh binding (closed afterwards), with `outcome` scripted first."""
     if outcome is not None:
         server.script(MODEL, outcome)
-
-    async def call() -> AIResult:
-        binding = binding_for(server, **overrides)
-        try:
-            return await binding.run(MODEL, inputs)
-        finally:
-            await binding.aclose()
-
-    return asyncio.run(call())
+    return run_binding_once(lambda: binding_for(server, **overrides), MODEL, inputs)
 
 
 def failure_of(server: FakeWorkersAI, outcome: Outcome | None = None, **overrides: Any) -> ProviderError:
