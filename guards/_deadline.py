@@ -88,10 +88,6 @@ class Deadline:
         ):
             raise TimeoutError from exc
 
-    @property
-    def expired(self) -> bool:
-        return self._state == _EXPIRED
-
     def expire(self) -> None:
         """End the block now: cancel the task where it awaits (no effect once it ended)."""
         task = self._task
