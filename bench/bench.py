@@ -42,6 +42,8 @@ from guards import (
     EventStream,
     Guards,
     Outcome,
+    ProviderError,
+    Retry,
     StreamEnd,
     StreamEvent,
     TextDelta,
@@ -173,29 +175,142 @@ async def store_cooldown_reads(store: Store, count: int = 2_000) -> float:
     return statistics.median(samples) * 1e6
 
 
-async def redis_round_trips(url: str, requests: int = 500) -> float:
-    """Round trips to Redis per guarded request (success path, closed breaker)."""
+class CountingStore:
+    """A store that counts the operations the guards make on it: every awaited method call but
+    `now` and `aclose` is one store operation (one transaction on SQLite, one round trip on
+    Redis when nothing else is in flight)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.operations = 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+        if name in ("now", "aclose") or not inspect.iscoroutinefunction(method):
+            return method
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            self.operations += 1
+            return await method(*args, **kwargs)
+
+        return counted
+
+
+class FailingBinding:
+    """Every call fails with the provider error given (no retry: the route's `Retry(attempts=1)`)."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+    async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
+        raise ProviderError("bench", status=self.status)
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def store_operations(make: Callable[[], Store], binding: Any, requests: int = 200) -> float:
+    """Store operations per request of a route with a daily cap, a rate limit and a breaker
+    (which never opens here), counted by wrapping the store. A failing binding gets a route of
+    its own per request, so a cooldown started by one request does not skip the next."""
+    total = 0
+    store = make()
+    for i in range(requests):
+        counting = CountingStore(store)
+        guards = Guards(binding, store=counting)  # type: ignore[arg-type]
+
+        @guards.route(
+            model=f"{MODEL}-{i}",
+            fallback="fallback",
+            retry=Retry(attempts=1),
+            breaker=Breaker(failure_threshold=10**9),
+            budget=Budget(per_minute=10**9, per_day=10**9, key=header_key("x-user-id")),
+        )
+        async def label(ai: AI[str]) -> str:
+            return await ai.run(INPUTS)
+
+        params = inspect.signature(label).parameters.values()
+        request_param = next(p.name for p in params if p.annotation is Request)
+        response_param = next(p.name for p in params if p.annotation is Response)
+        await label(**{request_param: Request(scope_for(f"user-{i}")), response_param: Response()})
+        total += counting.operations
+    await store.aclose()
+    return total / requests
+
+
+async def redis_round_trips(url: str, binding: Any, requests: int = 200) -> float:
+    """Round trips to Redis per guarded request (one model, breaker and budget), counted by the
+    server: each is one EVALSHA (`INFO commandstats`; the commands a script runs inside Redis
+    are counted apart, under their own names)."""
     import redis.asyncio as redis
 
-    store = RedisStore(url)
-    label, request_param, response_param = guarded_endpoint(ConstantBinding(), store)
-    await label(**{request_param: Request(scope_for("warm-up")), response_param: Response()})
     admin = redis.Redis.from_url(url)
     before = await _commands(admin)
-    for i in range(requests):
-        await label(**{request_param: Request(scope_for(f"user-{i}")), response_param: Response()})
+    per_request = await store_operations(lambda: RedisStore(url), binding, requests)
     after = await _commands(admin)
     await admin.aclose()
-    await store.aclose()
+    if int(after - before) != round(per_request * requests):
+        raise AssertionError(f"{after - before} EVALSHA for {per_request * requests:.0f} store operations")
     return (after - before) / requests
 
 
 async def _commands(admin: Any) -> int:
-    """Script calls so far: each store operation is one EVALSHA, one round trip (the commands a
-    script runs inside Redis are counted apart, under their own names). A cooldown read is one
-    EVALSHA per model of the chain, pipelined in one round trip: the route here has one model."""
     stats = await admin.info("commandstats")
     return sum(int(stats.get(name, {}).get("calls", 0)) for name in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
+async def window_check(store: Store, in_window: int, count: int = 300) -> float:
+    """Median wall time of one per-minute check on a key that already holds `in_window`
+    admissions in its 60 s window (filled concurrently, so SQLite batches them)."""
+    key = f"bench:window-{in_window}"
+    for start in range(0, in_window, 100):
+        await asyncio.gather(
+            *(
+                store.charge_budget(key, per_minute=10**9, per_day=None)
+                for _ in range(min(100, in_window - start))
+            )
+        )
+    samples = []
+    for _ in range(count):
+        began = time.perf_counter()
+        await store.charge_budget(key, per_minute=10**9, per_day=None)
+        samples.append(time.perf_counter() - began)
+    await store.aclose()
+    return statistics.median(samples) * 1e6
+
+
+def print_store_figures() -> None:
+    """Store operations per request (success and failure), and what a check costs as its key's
+    window fills up (300 vs 30,000 admissions in the last 60 s)."""
+    success, failure, limited = ConstantBinding(), FailingBinding(500), FailingBinding(429)
+    memory_ops = {
+        name: asyncio.run(store_operations(MemoryStore, b))
+        for name, b in (("success", success), ("failure", failure), ("rate_limited", limited))
+    }
+    print(f"store_ops_per_success_request = {memory_ops['success']:.2f} ops")
+    print(f"store_ops_per_failed_request = {memory_ops['failure']:.2f} ops")
+    print(f"store_ops_per_rate_limited_request = {memory_ops['rate_limited']:.2f} ops")
+    with RedisServer() as server:
+        print(
+            f"redis_round_trips_per_request = {asyncio.run(redis_round_trips(server.url, success)):.2f} round trips"
+        )
+        print(
+            f"redis_round_trips_per_failed_request = {asyncio.run(redis_round_trips(server.url, failure)):.2f} round trips"
+        )
+        print(
+            f"redis_round_trips_per_rate_limited_request = {asyncio.run(redis_round_trips(server.url, limited)):.2f} round trips"
+        )
+        small = asyncio.run(window_check(RedisStore(server.url, timeout_s=10), 300))
+        large = asyncio.run(window_check(RedisStore(server.url, timeout_s=10), 30_000))
+        print(f"store_redis_check_300_us = {small:.1f} us")
+        print(f"store_redis_check_30k_us = {large:.1f} us")
+        print(f"store_redis_check_30k_vs_300 = {large / small:.2f} x")
+    with tempfile.TemporaryDirectory() as folder:
+        small = asyncio.run(window_check(SQLiteStore(f"{folder}/window.db", timeout_s=10), 300))
+        large = asyncio.run(window_check(SQLiteStore(f"{folder}/window.db", timeout_s=10), 30_000))
+        print(f"store_sqlite_check_300_us = {small:.1f} us")
+        print(f"store_sqlite_check_30k_us = {large:.1f} us")
+        print(f"store_sqlite_check_30k_vs_300 = {large / small:.2f} x")
 
 
 async def chain_skip() -> dict[str, float]:
@@ -381,7 +496,7 @@ def main() -> None:
         print(f"store_redis_check_us = {asyncio.run(store_checks(RedisStore(server.url))):.1f} us")
         cooldowns_us = asyncio.run(store_cooldown_reads(RedisStore(server.url)))
         print(f"store_redis_cooldowns_us = {cooldowns_us:.1f} us")
-        print(f"redis_round_trips_per_request = {asyncio.run(redis_round_trips(server.url)):.2f} round trips")
+    print_store_figures()
 
 
 if __name__ == "__main__":
