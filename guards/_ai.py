@@ -10,6 +10,7 @@ Server-Sent Events (see `guards.EventStream`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -21,8 +22,8 @@ from typing import Any, Generic, TypeVar
 import anyio
 
 from ._binding import AIResult, Binding, Usage
-from ._breaker import Outcome
-from ._budget import budget_refusal, hold_spend, input_tokens_bound
+from ._breaker import CircuitState, Outcome
+from ._budget import budget_refusal, input_tokens_bound
 from ._call import CallFailed, call_model
 from ._classify import Classification, Kind, classify
 from ._deadline import Deadline
@@ -41,7 +42,7 @@ from ._stream import (
     ToolCallDelta,
     is_output,
 )
-from .stores import StoreUnavailable
+from .stores import Charge, Report, Step, StoreUnavailable
 
 if typing.TYPE_CHECKING:
     from starlette.requests import Request
@@ -89,6 +90,7 @@ class AI(Generic[T]):
         "_scope",
         "_started",
         "_tokens",
+        "_waits",
         "_watch",
         "attempt_budget",
         "attempts",
@@ -125,6 +127,8 @@ class AI(Generic[T]):
         self._leg: Leg = route.legs[0]
         self._notes: list[tuple[Leg, str, float | None]] = []
         self._tokens = 0
+        #: Seconds of cooldown left per leg, as the last store step read them (None: unknown).
+        self._waits: list[float] | None = None
         self.trace_id = trace_id
         self.model: str | None = None
         self.fallback_model: str | None = None
@@ -210,7 +214,7 @@ class AI(Generic[T]):
         the spend; on failure this settles and raises `GuardTripped`."""
         route = self._route
         self._notes.clear()
-        waits = await self._cooldowns()
+        self._waits = None
         inflight: tuple[Leg, float | None] | None = None
         last: GuardTripped | None = None
         spent = False  # the request's attempt budget ran out before a leg
@@ -225,23 +229,20 @@ class AI(Generic[T]):
                 self._scope = scope
                 deadline = self._deadline = scope.when
                 try:
-                    for index, leg in enumerate(route.legs):
-                        if waits is not None and waits[index] > 0:
-                            self._skip(leg, "cooldown", waits[index])
-                            continue
-                        if self.attempts >= self.attempt_budget:
-                            spent = True
-                            break
-                        if self.attempts and await self._client_gone():
-                            raise self._gone_tripped(leg)
-                        admitted = await self._admit(leg)
+                    legs, start, report = route.legs, 0, None
+                    while True:
+                        # One store operation: the last call's report, then the next admission.
+                        if start < len(legs) and self.attempts >= self.attempt_budget:
+                            spent, start = True, len(legs)  # no further call: report only
+                        gone = start < len(legs) and self.attempts > 0 and await self._client_gone()
+                        admitted = await self._admit(len(legs) if gone else start, report, inputs)
+                        if gone:
+                            raise self._gone_tripped(legs[start])
                         if admitted is None:
-                            continue
-                        probe, record_success = admitted
+                            break
+                        index, probe, record_success = admitted
+                        leg = legs[index]
                         inflight = (leg, probe)
-                        if not self._charged:
-                            await self._charge(inputs)
-                            self._charged = True
                         self._leg = leg
                         try:
                             result, _ = await call_model(
@@ -250,7 +251,7 @@ class AI(Generic[T]):
                                 inputs,
                                 policy=route.retry,
                                 deadline=deadline,
-                                limit=self._leg_limit(index, waits),
+                                limit=self._leg_limit(index, self._waits),
                                 sleep=self._guards.sleep,
                                 on_attempt=self._on_attempt,
                                 on_retry=self._log_retry,
@@ -260,9 +261,14 @@ class AI(Generic[T]):
                             last = self._leg_failed(leg, failed)
                             # JSON mode not met: the model answered, just not in shape.
                             json_mode = getattr(failed.error, "json_mode_failed", False)
-                            await self._record(leg, Outcome.success if json_mode else Outcome.failure, probe)
-                            if failed.verdict.kind in _COOLDOWN_KINDS:
-                                await self._cool(leg, failed.error)
+                            outcome = Outcome.success if json_mode else Outcome.failure
+                            cool_s = (
+                                self._guards.cooldown.seconds(failed.error)
+                                if failed.verdict.kind in _COOLDOWN_KINDS
+                                else 0.0
+                            )
+                            report = self._report(leg, outcome, probe, cool_s, settle=False)
+                            start = index + 1
                             continue
                         return leg, result, probe, record_success
                 finally:
@@ -496,7 +502,7 @@ class AI(Generic[T]):
         provider = leg.ref.provider
         return self._guards.binding if provider is None else self._guards.providers[provider]
 
-    def _leg_limit(self, index: int, waits: tuple[float, ...] | None) -> int:
+    def _leg_limit(self, index: int, waits: list[float] | None) -> int:
         """Calls this leg may make: what the budget has left, minus one for each later leg
         that is not cooling down (so a retry never starves the fallbacks)."""
         left = self.attempt_budget - self.attempts
@@ -507,33 +513,6 @@ class AI(Generic[T]):
         else:
             reserved = sum(1 for wait in waits[index + 1 :] if wait <= 0)
         return max(1, left - reserved)
-
-    async def _cooldowns(self) -> tuple[float, ...] | None:
-        """Seconds of cooldown left per leg, read in one store operation (None: unknown)."""
-        try:
-            return await self._guards.store.cooldowns(self._route.cooldown_keys)
-        except StoreUnavailable:
-            # Cooldowns only spare a provider that asked for a pause: try the models.
-            self._warn_store("cooldown", mode="open")
-            STORE_UNAVAILABLE.labels(guard="cooldown", action="open").inc()
-            return None
-
-    async def _cool(self, leg: Leg, error: Exception) -> None:
-        """Put `leg` in cooldown after a rate limit or an exhausted quota."""
-        seconds = self._guards.cooldown.seconds(error)
-        try:
-            await self._guards.store.start_cooldown(leg.cooldown_key, seconds)
-        except StoreUnavailable:
-            self._warn_store("cooldown", op="start_cooldown")
-            STORE_UNAVAILABLE.labels(guard="cooldown", action="start_cooldown").inc()
-            return
-        emit(
-            "cooldown",
-            route=self._route.name,
-            trace_id=self.trace_id,
-            model=leg.ref.key,
-            seconds=round(seconds, 3),
-        )
 
     def _skip(self, leg: Leg, why: str, wait_s: float | None) -> None:
         self._notes.append((leg, f"skipped ({why})", wait_s))
@@ -547,55 +526,94 @@ class AI(Generic[T]):
             retry_after_s=round(wait_s, 3) if wait_s is not None else None,
         )
 
-    async def _admit(self, leg: Leg) -> tuple[float | None, bool] | None:
-        """The leg's breaker verdict: (probe ticket, whether a success must be recorded), or
-        None when the breaker is open (the leg is skipped)."""
-        breaker = self._route.breaker
-        if breaker is None:
-            return None, False
-        try:
-            decision = await self._guards.store.breaker_admit(leg.breaker_key, breaker)
-        except StoreUnavailable:
-            self._store_failed("breaker", breaker.on_store_failure)
-            return None, False
-        if decision.state is not leg.last_state[0]:
-            leg.saw(decision.state)
-        if not decision.allowed:
-            self._skip(leg, "circuit_open", decision.retry_after_s)
+    async def _admit(
+        self, start: int, report: Report | None, inputs: Mapping[str, Any]
+    ) -> tuple[int, float | None, bool] | None:
+        """One store operation (`Store.step`): apply `report` (the last call's outcome), then
+        admit the first leg from `start` that is not cooling down and whose breaker lets it
+        through, charging the request's budget on its first admission. Logs each leg skipped.
+        Returns (the leg's index, its probe ticket, whether its success must be recorded), or
+        None when no leg is admitted; raises `GuardTripped` when the budget refuses. With no
+        leg left, the walk is over: the report settles the spend too."""
+        route = self._route
+        legs = route.legs[start:]
+        if not legs:
+            await self._send(self._report_end(report))
             return None
-        return decision.probe, decision.record_success
+        charge = None if self._charged else self._charge(inputs)
+        step = Step(
+            report=report,
+            legs=[(leg.cooldown_key, leg.breaker_key) for leg in legs],
+            breaker=route.breaker,
+            charge=charge,
+        )
+        try:
+            passage = await self._guards.store.step(step)
+        except StoreUnavailable:
+            self._report_lost(report)
+            # Each guard its own failure mode: cooldowns only spare a provider that asked for a
+            # pause (try the models); the breaker and the budget as configured (raises if closed).
+            self._warn_store("cooldown", mode="open")
+            STORE_UNAVAILABLE.labels(guard="cooldown", action="open").inc()
+            if route.breaker is not None:
+                self._store_failed("breaker", route.breaker.on_store_failure)
+            if charge is not None and route.budget is not None:
+                self._store_failed("budget", route.budget.on_store_failure)
+                self._charged = True
+            return start, None, False
+        if passage.recorded is not None and report is not None:
+            self._saw_report(report, passage.recorded.state)
+        waits, decisions = passage.waits, passage.decisions
+        if self._waits is None:
+            self._waits = [0.0] * len(route.legs)
+        self._waits[start:] = waits
+        for offset, leg in enumerate(legs):
+            if waits[offset] > 0:
+                self._skip(leg, "cooldown", waits[offset])
+                continue
+            decision = decisions[offset] if offset < len(decisions) else None
+            if decision is not None:
+                if decision.state is not leg.last_state[0]:
+                    leg.saw(decision.state)
+                if not decision.allowed:
+                    self._skip(leg, "circuit_open", decision.retry_after_s)
+                    continue
+            break  # the leg admitted, or the one whose charge was refused
+        if passage.refusal is not None:
+            assert route.budget is not None
+            raise budget_refusal(route.budget, passage.refusal)
+        if charge is not None:
+            self._charged = True
+            self._hold = passage.reservation
+        if passage.admitted is None:
+            return None
+        decision = decisions[passage.admitted] if passage.admitted < len(decisions) else None
+        if decision is None:
+            return start + passage.admitted, None, False
+        return start + passage.admitted, decision.probe, decision.record_success
 
-    async def _charge(self, inputs: Mapping[str, Any]) -> None:
-        """Charge the request's budget once (rate, daily cap), and hold its worst-case spend."""
+    def _charge(self, inputs: Mapping[str, Any]) -> Charge | None:
+        """What the request's first admission pays: rate, daily cap, and its worst-case spend."""
         route, key = self._route, self._budget_key
         budget = route.budget
         if budget is None or key is None:
-            return
-        store = self._guards.store
-        try:
-            admission = await store.charge_budget(key, per_minute=budget.per_minute, per_day=budget.per_day)
-            if not admission.allowed:
-                raise budget_refusal(budget, admission)
-            if route.spend_capped:
-                self._tokens = tokens = input_tokens_bound(inputs)
-                worst = max(_worst(leg, tokens, route.max_tokens) for leg in route.legs)
-                self._hold = await hold_spend(
-                    store, budget, key, worst * self.attempt_budget, hold_s=2 * route.timeout_s + 60
-                )
-        except StoreUnavailable:
-            self._store_failed("budget", budget.on_store_failure)
+            return None
+        spend = None
+        if route.spend_capped:
+            self._tokens = tokens = input_tokens_bound(inputs)
+            spend = max(_worst(leg, tokens, route.max_tokens) for leg in route.legs) * self.attempt_budget
+        return Charge(
+            key=key,
+            per_minute=budget.per_minute,
+            per_day=budget.per_day,
+            spend=spend,
+            spend_cap=budget.spend_per_day or 0.0,
+            hold_s=2 * route.timeout_s + 60,
+        )
 
     async def _settle(self) -> None:
         """Replace the spend hold by what the calls cost (see `_on_attempt`)."""
-        if self._hold is None or self._budget_key is None:
-            return
-        reservation, self._hold = self._hold, None
-        try:
-            await self._guards.store.settle_spend(self._budget_key, reservation, actual=self._cost)
-        except StoreUnavailable:
-            # The hold lapses by itself; the cost it stood for stays unrecorded.
-            self._warn_store("budget", op="settle_spend")
-            STORE_UNAVAILABLE.labels(guard="budget", action="settle_spend").inc()
+        await self._send(self._report_end(None))
 
     def _on_attempt(self, attempt: int, outcome: Any, started: float) -> None:
         """Count one provider call: attempts, metrics, the usage ledger and its cost. A stream
@@ -716,19 +734,84 @@ class AI(Generic[T]):
         text = "; ".join(parts)
         return text if len(text) <= _SUMMARY_MAX else text[: _SUMMARY_MAX - 3] + "..."
 
-    async def _record(self, leg: Leg, outcome: Outcome, probe: float | None) -> None:
+    def _report(
+        self, leg: Leg, outcome: Outcome, probe: float | None, cool_s: float = 0.0, *, settle: bool
+    ) -> Report | None:
+        """What the next store step reports of a call to `leg`: its breaker outcome (a
+        released call without a probe changes nothing), its cooldown, and (`settle`, at the
+        walk's end) the spend. None when there is nothing to report."""
         breaker = self._route.breaker
-        if breaker is not None and (probe is not None or outcome is not Outcome.released):
-            try:
-                state = await self._guards.store.breaker_record(
-                    leg.breaker_key, breaker, outcome, probe=probe
-                )
-            except StoreUnavailable:
-                # The outcome is lost; a lost probe's slot is reclaimed after the reset timeout.
-                self._warn_store("breaker", op="breaker_record")
-                STORE_UNAVAILABLE.labels(guard="breaker", action="breaker_record").inc()
-                return
-            leg.saw(state.state)
+        record = breaker is not None and (probe is not None or outcome is not Outcome.released)
+        report: Report | None = Report(
+            breaker_key=leg.breaker_key if record else None,
+            breaker=breaker if record else None,
+            outcome=outcome,
+            probe=probe,
+            cooldown_key=leg.cooldown_key if cool_s > 0 else None,
+            cooldown_s=cool_s,
+        )
+        report = self._report_end(report) if settle else report
+        if report is None or report.breaker_key is report.cooldown_key is report.spend_key is None:
+            return None  # nothing to report
+        return report
+
+    def _report_end(self, report: Report | None) -> Report | None:
+        """`report` with the spend settled too (the walk is over), if the request holds spend."""
+        if self._hold is None or self._budget_key is None:
+            return report
+        reservation, self._hold = self._hold, None
+        if report is None:
+            return Report(spend_key=self._budget_key, reservation=reservation, actual=self._cost)
+        return dataclasses.replace(
+            report, spend_key=self._budget_key, reservation=reservation, actual=self._cost
+        )
+
+    async def _record(self, leg: Leg, outcome: Outcome, probe: float | None) -> None:
+        """Report the end of a call to `leg` (and settle the spend) in one store operation."""
+        await self._send(self._report(leg, outcome, probe, settle=True))
+
+    async def _send(self, report: Report | None) -> None:
+        """A step that only reports (nothing to report: no store operation)."""
+        if report is None:
+            return
+        try:
+            passage = await self._guards.store.step(Step(report=report))
+        except StoreUnavailable:
+            self._report_lost(report)
+            return
+        if passage.recorded is not None:
+            self._saw_report(report, passage.recorded.state)
+
+    def _saw_report(self, report: Report, state: CircuitState) -> None:
+        """After a step's report: the breaker state it recorded, and the cooldown it started."""
+        for leg in self._route.legs:
+            if leg.breaker_key == report.breaker_key:
+                leg.saw(state)
+                break
+        if report.cooldown_key is not None:
+            model = next(leg.ref.key for leg in self._route.legs if leg.cooldown_key == report.cooldown_key)
+            emit(
+                "cooldown",
+                route=self._route.name,
+                trace_id=self.trace_id,
+                model=model,
+                seconds=round(report.cooldown_s, 3),
+            )
+
+    def _report_lost(self, report: Report | None) -> None:
+        """The store did not take a report: each part is lost, and said so. A lost probe's
+        slot is reclaimed after the reset timeout; a lost hold lapses by itself."""
+        if report is None:
+            return
+        if report.breaker_key is not None:
+            self._warn_store("breaker", op="breaker_record")
+            STORE_UNAVAILABLE.labels(guard="breaker", action="breaker_record").inc()
+        if report.cooldown_key is not None:
+            self._warn_store("cooldown", op="start_cooldown")
+            STORE_UNAVAILABLE.labels(guard="cooldown", action="start_cooldown").inc()
+        if report.spend_key is not None:
+            self._warn_store("budget", op="settle_spend")
+            STORE_UNAVAILABLE.labels(guard="budget", action="settle_spend").inc()
 
     def _store_failed(self, guard: str, mode: str) -> None:
         """The store did not answer a guard's check: admit (fail open) or refuse (fail closed)."""

@@ -21,7 +21,7 @@ from starlette.requests import Request
 
 from ._envelope import Reason
 from ._errors import GuardTripped
-from .stores import Admission, Store
+from .stores import Admission
 
 __all__ = ["Budget", "Price", "StoreFailureMode", "client_key", "header_key"]
 
@@ -107,22 +107,14 @@ def input_tokens_bound(inputs: Mapping[str, Any]) -> int:
     return len(json.dumps(inputs, separators=(",", ":"), default=str).encode())
 
 
-async def hold_spend(store: Store, budget: Budget, key: str, amount: float, hold_s: float) -> str:
-    """Hold `amount` of the key's daily spend cap; return the reservation to settle, or raise
-    `GuardTripped(budget_exceeded)` without holding anything."""
-    assert budget.spend_per_day is not None
-    hold = await store.reserve_spend(key, amount=amount, cap=budget.spend_per_day, hold_s=hold_s)
-    if not hold.allowed or hold.reservation is None:
-        raise GuardTripped(
-            Reason.budget_exceeded,
-            f"daily spend cap of {budget.spend_per_day:g} reached",
-            retry_after_s=hold.retry_after_s,
-        )
-    return hold.reservation
-
-
 def budget_refusal(budget: Budget, admission: Admission) -> GuardTripped:
     """What a guarded call raises when the store refused to charge `budget`."""
+    if admission.refused_by == "spend_per_day":
+        return GuardTripped(
+            Reason.budget_exceeded,
+            f"daily spend cap of {budget.spend_per_day:g} reached",
+            retry_after_s=admission.retry_after_s,
+        )
     if admission.refused_by == "per_minute":
         return GuardTripped(
             Reason.rate_limited,

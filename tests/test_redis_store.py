@@ -230,11 +230,11 @@ def test_every_key_has_a_ttl(redis_url: str, admin: redis.Redis, prefix: str, wi
     days = {utc_day(T0)} if with_clock else {utc_day(before), utc_day(after)}
     names = {re.sub(r"\d{4}-\d\d-\d\d$", "DAY", key.removeprefix(prefix)) for key in ttls}
     assert names == {
-        "{both}:rate",
+        "{both}:window",
         "{both}:day:DAY",
-        "{minute}:rate",
+        "{minute}:window",
         "{day}:day:DAY",
-        "{refused}:rate",
+        "{refused}:window",
         "{refused}:day:DAY",
         "{spend}:spend:DAY",
         "{held}:spend:DAY",
@@ -245,7 +245,7 @@ def test_every_key_has_a_ttl(redis_url: str, admin: redis.Redis, prefix: str, wi
     assert {key[-10:] for key in ttls if ":day:" in key or ":spend:" in key} <= days
     minute_ms, daily_ms = 60_000, DAILY_TTL_S * 1000
     for key, ttl in ttls.items():
-        if key.endswith(":rate"):
+        if key.endswith(":window"):
             assert minute_ms - 10_000 < ttl <= minute_ms
         elif key.endswith(":breaker"):
             assert consecutive.ttl_s * 1000 - 10_000 < ttl <= windowed.ttl_s * 1000
@@ -274,13 +274,13 @@ def test_keys_of_one_operation_share_a_hash_tag(redis_url: str, admin: redis.Red
     by_tag: dict[str, set[str]] = {}
     for name in admin.scan_iter(match=prefix + "*"):
         match = re.fullmatch(
-            r"\{([^{}]+)\}:(rate|day:[\d-]{10}|spend:[\d-]{10}|breaker)", name[len(prefix) :]
+            r"\{([^{}]+)\}:(window|day:[\d-]{10}|spend:[\d-]{10}|breaker)", name[len(prefix) :]
         )
         assert match, name
         by_tag.setdefault(match[1], set()).add(name)
     assert len(by_tag) == len(keys)
     for names in by_tag.values():
-        assert len(names) == 4  # rate, day, spend, breaker
+        assert len(names) == 4  # window, day, spend, breaker
         assert len({key_slot(name.encode()) for name in names}) == 1
 
 
@@ -441,7 +441,7 @@ def test_a_key_spoiled_by_someone_else_fails_only_its_own_operations(
 ) -> None:
     """A script error (here WRONGTYPE: another program wrote our key) is `StoreUnavailable` for
     that operation only, alone or within a pipelined burst; its neighbours are answered."""
-    admin.set(f"{prefix}{{spoiled}}:rate", "not a sorted set", ex=600)  # no immortal keys, even here
+    admin.set(f"{prefix}{{spoiled}}:window", "not a hash", ex=600)  # no immortal keys, even here
     store = RedisStore(redis_url, clock=ManualClock(T0), prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
 
     async def scenario() -> None:

@@ -96,7 +96,7 @@ def test_every_table_has_expires_at_and_every_row_sets_it(
     asyncio.run(leave_state_everywhere(store, clock))
     counts = row_counts(path)
     assert set(counts) == {
-        "guards_rate",
+        "guards_window",
         "guards_counter",
         "guards_spend",
         "guards_hold",
@@ -120,7 +120,8 @@ def test_every_table_has_expires_at_and_every_row_sets_it(
 
 def test_rows_carry_the_memory_stores_ttls(store: SQLiteStore, path: Path, clock: ManualClock) -> None:
     """Rate rows a minute after their admission, daily counters DAILY_TTL_S after their first
-    unit, holds `hold_s`, settled spend DAILY_TTL_S, breakers `ttl_s` after their last use."""
+    unit, holds `hold_s`, settled spend DAILY_TTL_S, breakers `ttl_s` after their last change
+    (an admission that changes nothing writes nothing)."""
     policy = Breaker(failure_threshold=3, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -131,11 +132,11 @@ def test_rows_carry_the_memory_stores_ttls(store: SQLiteStore, path: Path, clock
         clock.advance(10)
         assert (await store.charge_budget("user", per_minute=5, per_day=10)).allowed
         await store.settle_spend("team", hold.reservation, actual=2.5)
-        assert (await store.breaker_admit("breaker", policy)).allowed  # a use: the row is kept longer
+        assert (await store.breaker_admit("breaker", policy)).allowed  # no change: no write
 
     asyncio.run(scenario())
     with peek(path) as conn:
-        assert conn.execute("SELECT key, ts, expires_at FROM guards_rate ORDER BY ts").fetchall() == [
+        assert conn.execute("SELECT key, ts, expires_at FROM guards_window ORDER BY ts").fetchall() == [
             ("user", T0, T0 + 60),
             ("user", T0 + 10, T0 + 70),
         ]
@@ -147,7 +148,7 @@ def test_rows_carry_the_memory_stores_ttls(store: SQLiteStore, path: Path, clock
             (f"team:spend:{DAY}", 2.5, T0 + 10 + DAILY_TTL_S)
         ]
         assert conn.execute("SELECT key, expires_at FROM guards_breaker").fetchall() == [
-            ("breaker", T0 + 10 + policy.ttl_s)
+            ("breaker", T0 + policy.ttl_s)
         ]
 
 
@@ -213,10 +214,11 @@ def test_expired_rows_are_ignored_until_swept_at_most_once_per_interval(
         await store.breaker_record("breaker", policy, Outcome.failure, probe=None)  # open; swept at T0
         assert (await store.charge_budget("k", per_minute=1, per_day=None)).allowed
         clock.set(T0 + policy.ttl_s)  # both rows expired, not yet swept
-        assert row_counts(path)["guards_rate"] == 1
+        assert row_counts(path)["guards_window"] == 1
         assert (await store.charge_budget("k", per_minute=1, per_day=None)).allowed
-        assert row_counts(path)["guards_rate"] == 2  # the expired one is still there: no sweep yet
-        assert row_counts(path)["guards_breaker"] == 1
+        # The admission deleted the expired one at its window's tail (at most two per admission).
+        assert row_counts(path)["guards_window"] == 1
+        assert row_counts(path)["guards_breaker"] == 1  # expired, not yet swept
         # An open breaker read after its row expired would half-open; a forgotten one is closed.
         decision = await store.breaker_admit("breaker", policy)
         assert (decision.allowed, decision.probe, decision.state) == (True, None, CircuitState.closed)
@@ -234,12 +236,12 @@ def test_a_sweep_deletes_a_bounded_batch_and_resumes_at_the_next_operation(
     async def scenario() -> None:
         for _ in range(1_500):
             assert (await store.charge_budget("busy", per_minute=2_000, per_day=None)).allowed
-        assert row_counts(path)["guards_rate"] == 1_500
+        assert row_counts(path)["guards_window"] == 1_500
         clock.advance(120)
         await store.spent("nobody")
-        assert row_counts(path)["guards_rate"] == 500  # one batch of 1,000
+        assert row_counts(path)["guards_window"] == 500  # one batch of 1,000
         await store.spent("nobody")
-        assert row_counts(path)["guards_rate"] == 0
+        assert row_counts(path)["guards_window"] == 0
 
     asyncio.run(scenario())
 

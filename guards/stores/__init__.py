@@ -2,13 +2,19 @@
 
 from ._base import (
     DAILY_TTL_S,
+    MAX_KEY_CHARS,
     Admission,
     BreakerDecision,
     BreakerState,
+    Charge,
     Outcome,
+    Passage,
+    Report,
     SpendReservation,
+    Step,
     Store,
     StoreUnavailable,
+    bounded_key,
     utc_day,
 )
 from ._memory import MemoryStore
@@ -18,16 +24,22 @@ from ._url import open_store
 
 __all__ = [
     "DAILY_TTL_S",
+    "MAX_KEY_CHARS",
     "Admission",
     "BreakerDecision",
     "BreakerState",
+    "Charge",
     "MemoryStore",
     "Outcome",
+    "Passage",
     "RedisStore",
+    "Report",
     "SQLiteStore",
     "SpendReservation",
+    "Step",
     "Store",
     "StoreUnavailable",
+    "bounded_key",
     "open_store",
     "utc_day",
 ]

@@ -10,6 +10,7 @@ store bounds its operations by its own short timeout.
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,14 +33,20 @@ __all__ = [
     "ADMITTED",
     "DAILY_TTL_S",
     "DAY_S",
+    "MAX_KEY_CHARS",
     "MINUTE_S",
     "Admission",
     "BreakerDecision",
     "BreakerState",
+    "Charge",
     "Outcome",
+    "Passage",
+    "Report",
     "SpendReservation",
+    "Step",
     "Store",
     "StoreUnavailable",
+    "bounded_key",
     "utc_day",
 ]
 
@@ -49,6 +56,24 @@ DAY_S = 86_400.0
 DAILY_TTL_S = DAY_S + 3_600.0
 #: The window of `per_minute` limits.
 MINUTE_S = 60.0
+
+
+#: The longest key a store keeps as it is given; a longer one is hashed (see `bounded_key`).
+MAX_KEY_CHARS = 200
+#: A hashed key keeps this many characters of the caller's key, so it stays recognisable.
+_KEPT_CHARS = MAX_KEY_CHARS - 64
+
+
+def bounded_key(key: str) -> str:
+    """The key a store writes for the caller's `key`: `key` itself when it has at most
+    `MAX_KEY_CHARS` characters; else its first 136 characters, `#` and the SHA-256 of the whole
+    key in hex (201 characters). Every store passes every key through this, so a key's size is
+    bounded whatever the caller's, and a long key cannot collide with a short one (no kept key
+    has 201 characters) nor, short of a SHA-256 collision, with another long one."""
+    if len(key) <= MAX_KEY_CHARS:
+        return key
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{key[:_KEPT_CHARS]}#{digest}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -82,6 +107,85 @@ class SpendReservation:
     allowed: bool
     reservation: str | None = None
     retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Charge:
+    """The budget a request pays once, in the step that admits its first call.
+
+    `per_minute` and `per_day` as in `Store.charge_budget`; `spend`, when set, holds that many
+    cost units of the UTC day's spend under `key` if settled spend plus live holds plus `spend`
+    stays within `spend_cap` (as `Store.reserve_spend`, the hold lapsing after `hold_s`).
+    The charge is all or nothing: a refusal by any limit charges none of them."""
+
+    key: str
+    per_minute: int | None = None
+    per_day: int | None = None
+    spend: float | None = None
+    spend_cap: float = 0.0
+    hold_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Report:
+    """What became of a call that an earlier step admitted, applied first in a step.
+
+    - `breaker_key` (with `breaker`, `outcome`, `probe`): record the call's outcome, as
+      `Store.breaker_record` does; None: nothing to record;
+    - `cooldown_key`, `cooldown_s`: start a cooldown, as `Store.start_cooldown` (0: none);
+    - `spend_key`, `reservation`, `actual`: settle the request's spend hold, as
+      `Store.settle_spend` (None: no hold).
+    """
+
+    breaker_key: str | None = None
+    breaker: Breaker | None = None
+    outcome: Outcome = Outcome.released
+    probe: float | None = None
+    cooldown_key: str | None = None
+    cooldown_s: float = 0.0
+    spend_key: str | None = None
+    reservation: str | None = None
+    actual: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Step:
+    """One step of a request's walk along its fallback chain, done as one atomic store
+    operation (see `Store.step`).
+
+    `report` (optional) is applied first. Then, when `legs` is not empty, the first leg that
+    is not cooling down and whose breaker (`breaker`; None: no breaker) lets a call through is
+    admitted; each leg is `(cooldown_key, breaker_key)`. When `charge` is set, the admission
+    also pays it; if the charge is refused, nothing of the admission is written.
+    """
+
+    report: Report | None = None
+    legs: Sequence[tuple[str, str]] = ()
+    breaker: Breaker | None = None
+    charge: Charge | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Passage:
+    """The answer of `Store.step`.
+
+    - `waits`: seconds of cooldown left for each leg of the step (0.0: not cooling down);
+    - `decisions`: the breaker's decision for each leg up to the one admitted (None for a leg
+      skipped for its cooldown, and for every leg when the step has no breaker);
+    - `admitted`: the index in `legs` of the leg admitted, or None (every leg skipped, or the
+      charge refused);
+    - `refusal`: why the charge was refused (`refused_by`: `per_minute`, `per_day` or
+      `spend_per_day`), or None;
+    - `reservation`: the spend hold to settle later, when the charge held spend;
+    - `recorded`: the reported breaker's state after the report, when one was recorded.
+    """
+
+    waits: tuple[float, ...] = ()
+    decisions: tuple[BreakerDecision | None, ...] = ()
+    admitted: int | None = None
+    refusal: Admission | None = None
+    reservation: str | None = None
+    recorded: BreakerState | None = None
 
 
 @runtime_checkable
@@ -137,6 +241,18 @@ class Store(Protocol):
     async def start_cooldown(self, key: str, seconds: float) -> None:
         """Cool `key` down for `seconds` from now (the store's clock), in one atomic step.
         Never shortens a cooldown already running; the key expires when its cooldown ends."""
+        ...
+
+    async def step(self, step: Step) -> Passage:
+        """Do `step` in one atomic operation (one transaction on SQLite, one script call on
+        Redis, one synchronous call in memory): report the last call, then admit the next
+        one and charge the request's budget (see `Step`). What a guard needs per request:
+        one operation to admit its first call, and one more per call that failed or must
+        report (a probe, a success after counted failures, a spend hold to settle).
+
+        A breaker whose state does not change is not written: a closed breaker's success,
+        an open breaker's refusal. Raises `StoreUnavailable` when the store cannot be
+        reached, and then nothing of the step was done."""
         ...
 
     async def aclose(self) -> None: ...

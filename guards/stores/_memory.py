@@ -25,9 +25,14 @@ from ._base import (
     DAY_S,
     MINUTE_S,
     Admission,
+    Charge,
+    Passage,
     SpendReservation,
+    Step,
+    bounded_key,
     utc_day,
 )
+from ._step import run_step
 
 __all__ = ["MemoryStore"]
 
@@ -42,6 +47,7 @@ class MemoryStore:
         self._data: dict[str, tuple[Any, float]] = {}
         self._sweep_interval_s = sweep_interval_s
         self._next_sweep = 0.0
+        self._state = _State(self)
 
     def __len__(self) -> int:
         """Live keys (expired ones may linger until the next sweep; they are not counted)."""
@@ -53,101 +59,55 @@ class MemoryStore:
 
     async def charge_budget(self, key: str, *, per_minute: int | None, per_day: int | None) -> Admission:
         now = self._tick()
-        data = self._data
-        refusal: Admission | None = None
-        stamps: deque[float] | None = None
-        if per_minute is not None:
-            rate_key = key + ":rate"
-            item = data.get(rate_key)
-            stamps = item[0] if item is not None and item[1] > now else deque()
-            horizon = now - MINUTE_S
-            while stamps and stamps[0] <= horizon:
-                stamps.popleft()
-            if len(stamps) >= per_minute:
-                refusal = Admission(False, "per_minute", stamps[0] + MINUTE_S - now if stamps else MINUTE_S)
-        if per_day is not None:
-            day_key = f"{key}:day:{utc_day(now)}"
-            item = data.get(day_key)
-            count, expires = item if item is not None and item[1] > now else (0, now + DAILY_TTL_S)
-            if count >= per_day:
-                wait = DAY_S - now % DAY_S  # until the next UTC midnight
-                # Both spent: name the limit that frees up last, so Retry-After is honest.
-                if refusal is None or wait > (refusal.retry_after_s or 0.0):
-                    refusal = Admission(False, "per_day", wait)
-            if refusal is None:
-                data[day_key] = (count + 1, expires)
-        if refusal is not None:
-            return refusal
-        if stamps is not None:
-            stamps.append(now)
-            data[rate_key] = (stamps, now + MINUTE_S)
-        return ADMITTED
+        refusal, _ = self._state.charge(Charge(key=key, per_minute=per_minute, per_day=per_day), now)
+        return refusal or ADMITTED
 
     async def reserve_spend(self, key: str, *, amount: float, cap: float, hold_s: float) -> SpendReservation:
         now = self._tick()
-        day_key = f"{key}:spend:{utc_day(now)}"
-        settled, holds = self._get(day_key, now, ((0.0, {}), 0.0))[0]
-        live = {rid: hold for rid, hold in holds.items() if hold[1] > now}
-        if settled + sum(amount for amount, _ in live.values()) + amount > cap:
-            return SpendReservation(False, retry_after_s=DAY_S - now % DAY_S)
-        reservation = os.urandom(8).hex()
-        live[reservation] = (amount, now + hold_s)
-        self._data[day_key] = ((settled, live), now + DAILY_TTL_S)
+        refusal, reservation = self._state.charge(
+            Charge(key=key, spend=amount, spend_cap=cap, hold_s=hold_s), now
+        )
+        if refusal is not None:
+            return SpendReservation(False, retry_after_s=refusal.retry_after_s)
         return SpendReservation(True, reservation)
 
     async def settle_spend(self, key: str, reservation: str, *, actual: float) -> None:
-        now = self._tick()
-        day_key = f"{key}:spend:{utc_day(now)}"
-        (settled, holds), expires = self._get(day_key, now, ((0.0, {}), now + DAILY_TTL_S))
-        holds = {rid: hold for rid, hold in holds.items() if rid != reservation and hold[1] > now}
-        self._data[day_key] = ((settled + actual, holds), expires)
+        self._state.settle(key, reservation, actual, self._tick())
 
     async def spent(self, key: str) -> float:
         """Settled spend of the current UTC day under `key` (for dashboards and tests)."""
         now = self._tick()
-        return float(self._get(f"{key}:spend:{utc_day(now)}", now, ((0.0, {}), 0.0))[0][0])
+        return float(self._get(f"{bounded_key(key)}:spend:{utc_day(now)}", now, ((0.0, {}), 0.0))[0][0])
 
     async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:
         now = self._tick()
-        item = self._data.get(key)
-        current = item[0] if item is not None and item[1] > now else CLOSED
-        state, decision = breaker_admit(current, policy, now)
-        if state is not CLOSED:  # a healthy breaker has no key (see `_put_breaker`): nothing to write
-            self._put_breaker(key, state, policy, now)
+        before = self._state.breaker(key, now)
+        state, decision = breaker_admit(before, policy, now)
+        if state is not before:  # an open breaker's refusal, a closed one's admission: no write
+            self._state.put_breaker(key, state, policy, now)
         return decision
 
     async def breaker_record(
         self, key: str, policy: Breaker, outcome: Outcome, *, probe: float | None
     ) -> BreakerState:
         now = self._tick()
-        state = breaker_record(self._get(key, now, (CLOSED, 0.0))[0], policy, now, outcome, probe=probe)
-        self._put_breaker(key, state, policy, now)
+        before = self._state.breaker(key, now)
+        state = breaker_record(before, policy, now, outcome, probe=probe)
+        if state is not before:
+            self._state.put_breaker(key, state, policy, now)
         return state
 
     async def cooldowns(self, keys: Sequence[str]) -> tuple[float, ...]:
-        now = self._tick()
-        data = self._data
-        waits = []
-        for key in keys:
-            item = data.get(key)  # (until, until): a cooldown's value is its expiry
-            waits.append(0.0 if item is None or item[1] <= now else max(0.0, item[0] - now))
-        return tuple(waits)
+        return self._state.cooldowns(keys, self._tick())
 
     async def start_cooldown(self, key: str, seconds: float) -> None:
-        now = self._tick()
-        until = max(now + seconds, self._get(key, now, (now, 0.0))[0])
-        if until > now:
-            self._data[key] = (until, until)
+        self._state.start_cooldown(key, seconds, self._tick())
+
+    async def step(self, step: Step) -> Passage:
+        return run_step(self._state, step, self._tick())
 
     async def aclose(self) -> None:
         self._data.clear()
-
-    def _put_breaker(self, key: str, state: BreakerState, policy: Breaker, now: float) -> None:
-        # `is` first: the usual closed state is CLOSED itself, and comparing field by field costs.
-        if state is CLOSED or state == CLOSED:
-            self._data.pop(key, None)  # a healthy breaker needs no key at all
-        else:
-            self._data[key] = (state, now + policy.ttl_s)
 
     def _get(self, key: str, now: float, default: tuple[Any, float]) -> tuple[Any, float]:
         item = self._data.get(key)
@@ -162,3 +122,94 @@ class MemoryStore:
             self._data = {k: v for k, v in self._data.items() if v[1] > now}
             self._next_sweep = now + self._sweep_interval_s
         return now
+
+
+class _State:
+    """The primitives of a step (see `guards.stores._step`) on a memory store's data. Each
+    runs synchronously: no other task interleaves."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+
+    def cooldowns(self, keys: Sequence[str], now: float) -> tuple[float, ...]:
+        data = self._store._data
+        waits = []
+        for key in keys:
+            item = data.get(bounded_key(key))  # (until, until): a cooldown's value is its expiry
+            waits.append(0.0 if item is None or item[1] <= now else max(0.0, item[0] - now))
+        return tuple(waits)
+
+    def start_cooldown(self, key: str, seconds: float, now: float) -> None:
+        key = bounded_key(key)
+        until = max(now + seconds, self._store._get(key, now, (now, 0.0))[0])
+        if until > now:
+            self._store._data[key] = (until, until)
+
+    def breaker(self, key: str, now: float) -> BreakerState:
+        item = self._store._data.get(bounded_key(key))
+        return item[0] if item is not None and item[1] > now else CLOSED
+
+    def put_breaker(self, key: str, state: BreakerState, policy: Breaker, now: float) -> None:
+        key = bounded_key(key)
+        # `is` first: the usual closed state is CLOSED itself, and comparing field by field costs.
+        if state is CLOSED or state == CLOSED:
+            self._store._data.pop(key, None)  # a healthy breaker needs no key at all
+        else:
+            self._store._data[key] = (state, now + policy.ttl_s)
+
+    def charge(self, charge: Charge, now: float) -> tuple[Admission | None, str | None]:
+        store, key = self._store, bounded_key(charge.key)
+        data = store._data
+        refusal: Admission | None = None
+        per_minute, per_day = charge.per_minute, charge.per_day
+        stamps: deque[float] | None = None
+        if per_minute is not None:
+            item = data.get(key + ":rate")
+            stamps = item[0] if item is not None and item[1] > now else deque()
+            horizon = now - MINUTE_S
+            while stamps and stamps[0] <= horizon:  # each stamp leaves once: amortized O(1)
+                stamps.popleft()
+            if len(stamps) >= per_minute:
+                # Room comes back when the `per_minute`-th most recent admission leaves the window.
+                refusal = Admission(False, "per_minute", stamps[-per_minute] + MINUTE_S - now)
+        next_day = DAY_S - now % DAY_S  # until the next UTC midnight
+        day: tuple[str, int, float] | None = None
+        if per_day is not None:
+            day_key = f"{key}:day:{utc_day(now)}"
+            count, expires = store._get(day_key, now, (0, now + DAILY_TTL_S))
+            day = (day_key, count, expires)
+            # Both spent: name the limit that frees up last, so Retry-After is honest.
+            if count >= per_day and (refusal is None or next_day > (refusal.retry_after_s or 0.0)):
+                refusal = Admission(False, "per_day", next_day)
+        spend: tuple[str, float, dict[str, tuple[float, float]]] | None = None
+        if charge.spend is not None:
+            spend_key = f"{key}:spend:{utc_day(now)}"
+            settled, holds = store._get(spend_key, now, ((0.0, {}), 0.0))[0]
+            live = {rid: hold for rid, hold in holds.items() if hold[1] > now}
+            spend = (spend_key, settled, live)
+            over = settled + sum(amount for amount, _ in live.values()) + charge.spend > charge.spend_cap
+            if over and (refusal is None or next_day > (refusal.retry_after_s or 0.0)):
+                refusal = Admission(False, "spend_per_day", next_day)
+        if refusal is not None:
+            return refusal, None
+        if day is not None:
+            data[day[0]] = (day[1] + 1, day[2])
+        if stamps is not None:
+            stamps.append(now)
+            data[key + ":rate"] = (stamps, now + MINUTE_S)
+        reservation = None
+        if spend is not None:
+            assert charge.spend is not None
+            reservation = os.urandom(8).hex()
+            spend[2][reservation] = (charge.spend, now + charge.hold_s)
+            data[spend[0]] = ((spend[1], spend[2]), now + DAILY_TTL_S)
+        return None, reservation
+
+    def settle(self, key: str, reservation: str, actual: float, now: float) -> None:
+        store = self._store
+        day_key = f"{bounded_key(key)}:spend:{utc_day(now)}"
+        (settled, holds), expires = store._get(day_key, now, ((0.0, {}), now + DAILY_TTL_S))
+        holds = {rid: hold for rid, hold in holds.items() if rid != reservation and hold[1] > now}
+        store._data[day_key] = ((settled + actual, holds), expires)

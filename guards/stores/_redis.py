@@ -63,7 +63,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._clock import Clock
-from ._base import ADMITTED, Admission, SpendReservation, StoreUnavailable
+from ._base import ADMITTED, Admission, Passage, SpendReservation, Step, StoreUnavailable, bounded_key
 
 __all__ = ["RedisStore"]
 
@@ -134,49 +134,12 @@ local function ensure_ttl(key, ms)
   if redis.call('PTTL', key) == -1 then redis.call('PEXPIRE', key, ms) end
 end
 
--- budget: KEYS = {rate key, day key stem}; ARGV[3] per_minute or '', ARGV[4] per_day or '',
--- ARGV[5] a unique member for the rate set. Returns {} when admitted, else {limit, retry_after}.
-local function charge_budget()
-  local rate_key = KEYS[1]
-  local per_minute = tonumber(ARGV[3])
-  local per_day = tonumber(ARGV[4])
-  local refused_by, retry = nil, nil
-  if per_minute then
-    redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', fmt(now - MINUTE))
-    local n = redis.call('ZCARD', rate_key)
-    if n >= per_minute then
-      refused_by = 'per_minute'
-      retry = MINUTE
-      if n > 0 then
-        local oldest = redis.call('ZRANGE', rate_key, 0, 0, 'WITHSCORES')
-        retry = tonumber(oldest[2]) + MINUTE - now
-      end
-    end
-  end
-  local day_key
-  if per_day then
-    day_key = KEYS[2] .. day_name(now)
-    local count = tonumber(redis.call('GET', day_key) or '0')
-    local wait = DAY - second_of_day(now) -- until the next UTC midnight
-    -- Both spent: name the limit that frees up last.
-    if count >= per_day and (refused_by == nil or wait > retry) then
-      refused_by = 'per_day'
-      retry = wait
-    end
-  end
-  if refused_by then return {refused_by, fmt(retry)} end
-  if per_day then
-    if redis.call('INCR', day_key) == 1 then redis.call('PEXPIRE', day_key, DAILY_TTL_MS) end
-  end
-  if per_minute then
-    redis.call('ZADD', rate_key, fmt(now), ARGV[5])
-    redis.call('PEXPIRE', rate_key, MINUTE_MS)
-  end
-  return {}
+local function int(x)
+  return string.format('%d', x)
 end
 
 -- The day's spend hash: drops lapsed holds (and `drop`, a hold field) and returns the settled
--- total and the sum of live holds.
+-- total, the sum of live holds and the fields to delete.
 local function read_spend(key, drop)
   local flat = redis.call('HGETALL', key)
   local settled, held, gone = 0, 0, {}
@@ -196,53 +159,94 @@ local function read_spend(key, drop)
   return settled, held, gone
 end
 
--- reserve: KEYS = {spend key stem}; ARGV[3] amount, ARGV[4] cap, ARGV[5] hold_s,
--- ARGV[6] reservation id. Returns {} when held, else {retry_after}.
-local function reserve_spend()
-  local key = KEYS[1] .. day_name(now)
-  local amount, cap, hold_s = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-  local settled, held, gone = read_spend(key, nil)
-  if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
-  if settled + held + amount > cap then
-    return {fmt(DAY - second_of_day(now))}
+-- A request's charge, all or nothing: c = {window, day_stem, spend_stem, per_minute, per_day,
+-- spend, cap, hold_s, reservation} (nil for a limit not set). Returns nil when charged, else
+-- {refused_by, retry_after}.
+--
+-- The per-minute window is a hash of admissions numbered 0, 1, 2...: field n = the next number,
+-- t = the lowest number that may still be there, and one field per admission = its time. The
+-- window has room when the admission `per_minute` places back is gone or older than 60 s: one
+-- HGET, whatever the traffic. Each admission deletes at most two expired admissions at the
+-- tail; the hash expires a minute after the last admission.
+local function charge(c)
+  local refused_by, retry = nil, nil
+  local seq = 0
+  if c.per_minute then
+    seq = tonumber(redis.call('HGET', c.window, 'n') or '0')
+    if seq >= c.per_minute then
+      local stamp = tonumber(redis.call('HGET', c.window, int(seq - c.per_minute)) or '')
+      if stamp ~= nil and stamp > now - MINUTE then
+        refused_by = 'per_minute'
+        retry = stamp + MINUTE - now
+      end
+    end
   end
-  redis.call('HSET', key, 'h:' .. ARGV[6], fmt(amount) .. ' ' .. fmt(now + hold_s))
-  redis.call('PEXPIRE', key, DAILY_TTL_MS)
-  return {}
+  local wait = DAY - second_of_day(now) -- until the next UTC midnight
+  local day_key, spend_key, gone
+  if c.per_day then
+    day_key = c.day_stem .. day_name(now)
+    local count = tonumber(redis.call('GET', day_key) or '0')
+    -- Both spent: name the limit that frees up last.
+    if count >= c.per_day and (refused_by == nil or wait > retry) then
+      refused_by = 'per_day'
+      retry = wait
+    end
+  end
+  if c.spend then
+    spend_key = c.spend_stem .. day_name(now)
+    local settled, held
+    settled, held, gone = read_spend(spend_key, nil)
+    if settled + held + c.spend > c.cap and (refused_by == nil or wait > retry) then
+      refused_by = 'spend_per_day'
+      retry = wait
+    end
+  end
+  if refused_by then return {refused_by, fmt(retry)} end
+  if c.per_minute then
+    local tail = tonumber(redis.call('HGET', c.window, 't') or '0')
+    for _ = 1, 2 do
+      if tail >= seq then break end
+      local stamp = tonumber(redis.call('HGET', c.window, int(tail)) or '')
+      if stamp ~= nil and stamp > now - MINUTE then break end
+      if stamp ~= nil then redis.call('HDEL', c.window, int(tail)) end
+      tail = tail + 1
+    end
+    redis.call('HSET', c.window, int(seq), fmt(now), 'n', int(seq + 1), 't', int(tail))
+    redis.call('PEXPIRE', c.window, MINUTE_MS)
+  end
+  if c.per_day then
+    if redis.call('INCR', day_key) == 1 then redis.call('PEXPIRE', day_key, DAILY_TTL_MS) end
+  end
+  if c.spend then
+    if #gone > 0 then redis.call('HDEL', spend_key, unpack(gone)) end
+    redis.call('HSET', spend_key, 'h:' .. c.reservation, fmt(c.spend) .. ' ' .. fmt(now + c.hold_s))
+    redis.call('PEXPIRE', spend_key, DAILY_TTL_MS)
+  end
+  return nil
 end
 
--- settle: KEYS = {spend key stem}; ARGV[3] reservation id, ARGV[4] actual cost.
-local function settle_spend()
-  local key = KEYS[1] .. day_name(now)
-  local settled, _, gone = read_spend(key, 'h:' .. ARGV[3])
-  redis.call('HSET', key, 'settled', fmt(settled + tonumber(ARGV[4])))
+local function settle(stem, reservation, actual)
+  local key = stem .. day_name(now)
+  local settled, _, gone = read_spend(key, 'h:' .. reservation)
+  redis.call('HSET', key, 'settled', fmt(settled + actual))
   if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
   ensure_ttl(key, DAILY_TTL_MS)
-  return {}
 end
 
--- spent: KEYS = {spend key stem}. Returns {settled total}.
-local function spent()
-  local settled = redis.call('HGET', KEYS[1] .. day_name(now), 'settled')
-  return {settled or '0'}
+-- Seconds left on a cooldown ('0' when not cooling down). A key whose end has passed on the
+-- store's clock (an injected clock in tests) counts as gone.
+local function cooldown_left(key)
+  local ends = tonumber(redis.call('GET', key) or '')
+  if ends == nil or ends <= now then return 0 end
+  return ends - now
 end
 
--- cooldown: KEYS = {cooldown key}. Returns {seconds left} ('0' when not cooling down). A key
--- whose end has passed on the store's clock (an injected clock in tests) counts as gone.
-local function cooldown_left()
-  local ends = tonumber(redis.call('GET', KEYS[1]) or '')
-  if ends == nil or ends <= now then return {'0'} end
-  return {fmt(ends - now)}
-end
-
--- cool: KEYS = {cooldown key}; ARGV[3] seconds (> 0). Never shortens a running cooldown; the
--- key expires when the cooldown ends.
-local function start_cooldown()
-  local ends = now + tonumber(ARGV[3])
-  local current = tonumber(redis.call('GET', KEYS[1]) or '')
-  if ends <= now or (current ~= nil and current >= ends) then return {} end
-  redis.call('SET', KEYS[1], fmt(ends), 'PX', string.format('%d', math.ceil((ends - now) * 1000)))
-  return {}
+-- Never shortens a running cooldown; the key expires when the cooldown ends.
+local function start_cooldown(key, seconds)
+  local ends = now + seconds
+  local current = tonumber(redis.call('GET', key) or '')
+  if ends <= now or (current ~= nil and current >= ends) then return end
+  redis.call('SET', key, fmt(ends), 'PX', string.format('%d', math.ceil((ends - now) * 1000)))
 end
 
 -- Breakers: guards._breaker.admit / record, ported line for line. The state is one string:
@@ -294,16 +298,34 @@ local function save_breaker(key, s, ttl_s)
   redis.call('SET', key, raw, 'PX', string.format('%d', math.ceil(ttl_s * 1000)))
 end
 
--- Policy: ARGV[3] failure_threshold, ARGV[4] window_s or '', ARGV[5] reset_timeout_s,
--- ARGV[6] half_open_probes, ARGV[7] success_threshold, ARGV[8] ttl_s.
-local policy = {
-  failure_threshold = tonumber(ARGV[3]), window_s = tonumber(ARGV[4]),
-  reset_timeout_s = tonumber(ARGV[5]), half_open_probes = tonumber(ARGV[6]),
-  success_threshold = tonumber(ARGV[7]), ttl_s = tonumber(ARGV[8]),
-}
+-- Writes `after` unless it equals `before` (an open breaker's refusal, a closed one's
+-- admission or success): a breaker is written only when its state changes.
+local function save_changed(key, before, after, ttl_s)
+  if table.concat(state_fields(before), ' ') ~= table.concat(state_fields(after), ' ') then
+    save_breaker(key, after, ttl_s)
+  end
+end
+
+-- A policy from ARGV[i..i+5]: failure_threshold, window_s or '', reset_timeout_s,
+-- half_open_probes, success_threshold, ttl_s. nil when ARGV[i] is '' (no breaker).
+local function read_policy(i)
+  if ARGV[i] == '' then return nil end
+  return {
+    failure_threshold = tonumber(ARGV[i]), window_s = tonumber(ARGV[i + 1]),
+    reset_timeout_s = tonumber(ARGV[i + 2]), half_open_probes = tonumber(ARGV[i + 3]),
+    success_threshold = tonumber(ARGV[i + 4]), ttl_s = tonumber(ARGV[i + 5]),
+  }
+end
+
+local function copy(s)
+  local c = {}
+  for k, v in pairs(s) do c[k] = v end
+  return c
+end
 
 -- Returns the new state and the decision {allowed, probe, state, retry_after, record_success}.
-local function admit(s)
+local function admit(s, policy)
+  s = copy(s)
   if s.state == 'closed' then
     local record_success = '0'
     if policy.window_s == nil and #s.failures > 0 then record_success = '1' end
@@ -337,7 +359,8 @@ local function admit(s)
   return s, {'1', fmt(s.probe_since), s.state, '', '1'}
 end
 
-local function record(s, outcome, probe)
+local function record(s, policy, outcome, probe)
+  s = copy(s)
   if probe ~= nil then
     if s.state ~= 'half_open' or probe ~= s.probe_since then return s end
     s.probes = math.max(0, s.probes - 1)
@@ -383,22 +406,108 @@ local function record(s, outcome, probe)
   return s2
 end
 
-if op == 'budget' then return charge_budget() end
-if op == 'reserve' then return reserve_spend() end
-if op == 'settle' then return settle_spend() end
-if op == 'spent' then return spent() end
+-- One step of a walk (see guards.stores.Step). KEYS: the legs' cooldown keys (L), their breaker
+-- keys (L), then the charge's window key, day stem and spend stem, then the report's breaker
+-- key, cooldown key and spend stem ('' where unused). ARGV[3] L; ARGV[4..9] the step's breaker
+-- policy; ARGV[10] '1' to charge: ARGV[11..16] per_minute, per_day, spend, cap, hold_s,
+-- reservation; ARGV[17..22] the report's breaker policy, ARGV[23] outcome, ARGV[24] probe;
+-- ARGV[25] cooldown seconds; ARGV[26] the reservation to settle, ARGV[27] its actual cost.
+-- Returns {admitted index (0-based) or '', refused_by or '', retry_after, reservation or '',
+-- recorded state or '', the L waits, then L decisions of 5 fields ('' for none)}.
+local function step()
+  local n = tonumber(ARGV[3])
+  local base = 2 * n
+  local recorded = ''
+  local report_policy = read_policy(17)
+  if report_policy then
+    local key = KEYS[base + 4]
+    local before = load_breaker(key)
+    local after = record(before, report_policy, ARGV[23], tonumber(ARGV[24]))
+    save_changed(key, before, after, report_policy.ttl_s)
+    recorded = table.concat(state_fields(after), ' ')
+  end
+  local cool_s = tonumber(ARGV[25])
+  if cool_s and cool_s > 0 then start_cooldown(KEYS[base + 5], cool_s) end
+  if ARGV[26] ~= '' then settle(KEYS[base + 6], ARGV[26], tonumber(ARGV[27])) end
+  local policy = read_policy(4)
+  local waits, decisions = {}, {}
+  for i = 1, n do waits[i] = cooldown_left(KEYS[i]) end
+  local admitted, opened = nil, nil
+  for i = 1, n do
+    if waits[i] <= 0 then
+      if policy == nil then
+        admitted = i
+        break
+      end
+      local before = load_breaker(KEYS[n + i])
+      local after, d = admit(before, policy)
+      decisions[i] = d
+      if d[1] == '1' then
+        admitted = i
+        opened = {KEYS[n + i], before, after}
+        break
+      end
+    end
+  end
+  local refused_by, retry, reservation = '', '', ''
+  if admitted and ARGV[10] == '1' then
+    local c = {window = KEYS[base + 1], day_stem = KEYS[base + 2], spend_stem = KEYS[base + 3],
+      per_minute = tonumber(ARGV[11]), per_day = tonumber(ARGV[12]), spend = tonumber(ARGV[13]),
+      cap = tonumber(ARGV[14]), hold_s = tonumber(ARGV[15]), reservation = ARGV[16]}
+    local refusal = charge(c)
+    if refusal then
+      refused_by, retry = refusal[1], refusal[2]
+      admitted = nil -- nothing of the admission is written: no probe slot taken
+    elseif c.spend then
+      reservation = c.reservation
+    end
+  end
+  if admitted and opened then save_changed(opened[1], opened[2], opened[3], policy.ttl_s) end
+  local reply = {admitted and string.format('%d', admitted - 1) or '', refused_by, retry,
+    reservation, recorded}
+  for i = 1, n do reply[#reply + 1] = fmt(waits[i]) end
+  for i = 1, n do
+    local d = decisions[i] or {'', '', '', '', ''}
+    for j = 1, 5 do reply[#reply + 1] = d[j] end
+  end
+  return reply
+end
+
+if op == 'step' then return step() end
+if op == 'budget' then
+  return charge({window = KEYS[1], day_stem = KEYS[2], per_minute = tonumber(ARGV[3]),
+    per_day = tonumber(ARGV[4])}) or {}
+end
+if op == 'reserve' then
+  local refusal = charge({spend_stem = KEYS[1], spend = tonumber(ARGV[3]), cap = tonumber(ARGV[4]),
+    hold_s = tonumber(ARGV[5]), reservation = ARGV[6]})
+  if refusal then return {refusal[2]} end
+  return {}
+end
+if op == 'settle' then
+  settle(KEYS[1], ARGV[3], tonumber(ARGV[4]))
+  return {}
+end
+if op == 'spent' then return {redis.call('HGET', KEYS[1] .. day_name(now), 'settled') or '0'} end
 if op == 'now' then return {fmt(now)} end
-if op == 'cooldown' then return cooldown_left() end
-if op == 'cool' then return start_cooldown() end
+if op == 'cooldown' then return {fmt(cooldown_left(KEYS[1]))} end
+if op == 'cool' then
+  start_cooldown(KEYS[1], tonumber(ARGV[3]))
+  return {}
+end
 if op == 'admit' then
-  local s, decision = admit(load_breaker(KEYS[1]))
-  save_breaker(KEYS[1], s, policy.ttl_s)
+  local policy = read_policy(3)
+  local before = load_breaker(KEYS[1])
+  local after, decision = admit(before, policy)
+  save_changed(KEYS[1], before, after, policy.ttl_s)
   return decision
 end
 if op == 'record' then
-  local s = record(load_breaker(KEYS[1]), ARGV[9], tonumber(ARGV[10]))
-  save_breaker(KEYS[1], s, policy.ttl_s)
-  return state_fields(s)
+  local policy = read_policy(3)
+  local before = load_breaker(KEYS[1])
+  local after = record(before, policy, ARGV[9], tonumber(ARGV[10]))
+  save_changed(KEYS[1], before, after, policy.ttl_s)
+  return state_fields(after)
 end
 return redis.error_reply('guards: unknown operation')
 """
@@ -476,10 +585,7 @@ class RedisStore:
         if per_minute is None and per_day is None:
             return ADMITTED  # nothing to check, nothing to charge
         tag = self._key(key)
-        member = os.urandom(8).hex()  # rate set members must be unique, even at one instant
-        reply = await self._run(
-            "budget", [tag + ":rate", tag + ":day:"], _num(per_minute), _num(per_day), member
-        )
+        reply = await self._run("budget", [tag + ":window", tag + ":day:"], _num(per_minute), _num(per_day))
         if not reply:
             return ADMITTED
         return Admission(False, str(reply[0]), float(reply[1]))
@@ -506,15 +612,7 @@ class RedisStore:
         return float(reply[0])
 
     async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:
-        reply = await self._run("admit", [self._key(key) + ":breaker"], *_policy_args(policy))
-        allowed, probe, state, retry_after, record_success = reply
-        return BreakerDecision(
-            allowed == "1",
-            probe=float(probe) if probe else None,
-            state=CircuitState(state),
-            retry_after_s=float(retry_after) if retry_after else None,
-            record_success=record_success == "1",
-        )
+        return _decision(await self._run("admit", [self._key(key) + ":breaker"], *_policy_args(policy)))
 
     async def breaker_record(
         self, key: str, policy: Breaker, outcome: Outcome, *, probe: float | None
@@ -526,16 +624,7 @@ class RedisStore:
             Outcome(outcome).value,
             _num(probe),
         )
-        state, opened_at, probes, last_probe_at, successes, probe_since, failures = reply
-        return BreakerState(
-            CircuitState(state),
-            failures=tuple(float(t) for t in failures.split(",")) if failures != "-" else (),
-            opened_at=float(opened_at),
-            probes=int(probes),
-            last_probe_at=float(last_probe_at),
-            successes=int(successes),
-            probe_since=float(probe_since),
-        )
+        return _state(reply)
 
     async def cooldowns(self, keys: Sequence[str]) -> tuple[float, ...]:
         if not keys:
@@ -550,6 +639,56 @@ class RedisStore:
         if not seconds > 0:
             return  # nothing to start, and a running cooldown is never shortened
         await self._run("cool", [self._key(key) + ":cooldown"], _num(seconds))
+
+    async def step(self, step: Step) -> Passage:
+        legs, report, charge = step.legs, step.report, step.charge
+        keys = [self._key(cooldown_key) + ":cooldown" for cooldown_key, _ in legs]
+        keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
+        args: list[str] = [str(len(legs)), *_policy_args(step.breaker)]
+        reservation = os.urandom(8).hex() if charge is not None and charge.spend is not None else ""
+        if charge is None:
+            keys += ["", "", ""]
+            args += ["", "", "", "", "", "", ""]
+        else:
+            tag = self._key(charge.key)
+            keys += [tag + ":window", tag + ":day:", tag + ":spend:"]
+            args += ["1", _num(charge.per_minute), _num(charge.per_day), _num(charge.spend)]
+            args += [_num(charge.spend_cap), _num(charge.hold_s), reservation]
+        record = report is not None and report.breaker_key is not None and report.breaker is not None
+        if report is None:
+            keys += ["", "", ""]
+            args += [*_policy_args(None), "", "", "", "", ""]
+        else:
+            keys += [
+                self._key(report.breaker_key) + ":breaker" if record and report.breaker_key else "",
+                self._key(report.cooldown_key) + ":cooldown" if report.cooldown_key else "",
+                self._key(report.spend_key) + ":spend:" if report.spend_key else "",
+            ]
+            args += [*_policy_args(report.breaker if record else None), report.outcome.value]
+            args += [_num(report.probe), _num(report.cooldown_s if report.cooldown_key else None)]
+            settle = report.spend_key is not None and report.reservation is not None
+            args += [report.reservation or "" if settle else "", _num(report.actual)]
+        reply = await self._run("step", keys, *args)
+        admitted, refused_by, retry_after, held, recorded = reply[:5]
+        n = len(legs)
+        waits = tuple(float(wait) for wait in reply[5 : 5 + n])
+        decisions = tuple(
+            _decision(reply[5 + n + 5 * i : 10 + n + 5 * i]) if reply[5 + n + 5 * i] else None
+            for i in range(n)
+        )
+        if admitted:
+            decisions = decisions[: int(admitted) + 1]
+        else:
+            last = max((i for i, d in enumerate(decisions) if d is not None), default=-1)
+            decisions = decisions[: max(last + 1, n)]
+        return Passage(
+            waits,
+            decisions,
+            int(admitted) if admitted else None,
+            Admission(False, refused_by, float(retry_after)) if refused_by else None,
+            held or None,
+            _state(recorded.split(" ")) if recorded else None,
+        )
 
     async def aclose(self) -> None:
         """Close the clients: this loop's now, other running loops' in their own loop. Clients
@@ -566,7 +705,7 @@ class RedisStore:
     # --- machinery -------------------------------------------------------------------------
 
     def _key(self, key: str) -> str:
-        return f"{self._prefix}{{{_tag(key)}}}"
+        return f"{self._prefix}{{{_tag(bounded_key(key))}}}"
 
     def _now_arg(self) -> str:
         """The script's time argument: '' (Redis TIME) unless the store has a clock."""
@@ -731,7 +870,33 @@ async def _close(link: _Link) -> None:
     await link.keeper.aclose()
 
 
-def _policy_args(policy: Breaker) -> tuple[str, ...]:
+def _decision(fields: Sequence[str]) -> BreakerDecision:
+    allowed, probe, state, retry_after, record_success = fields
+    return BreakerDecision(
+        allowed == "1",
+        probe=float(probe) if probe else None,
+        state=CircuitState(state),
+        retry_after_s=float(retry_after) if retry_after else None,
+        record_success=record_success == "1",
+    )
+
+
+def _state(fields: Sequence[str]) -> BreakerState:
+    state, opened_at, probes, last_probe_at, successes, probe_since, failures = fields
+    return BreakerState(
+        CircuitState(state),
+        failures=tuple(float(t) for t in failures.split(",")) if failures != "-" else (),
+        opened_at=float(opened_at),
+        probes=int(probes),
+        last_probe_at=float(last_probe_at),
+        successes=int(successes),
+        probe_since=float(probe_since),
+    )
+
+
+def _policy_args(policy: Breaker | None) -> tuple[str, ...]:
+    if policy is None:
+        return ("", "", "", "", "", "")
     return (
         _num(policy.failure_threshold),
         _num(policy.window_s),

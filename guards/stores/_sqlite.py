@@ -15,7 +15,7 @@ time, `NOT NULL`):
   `DAILY_TTL_S` after its first settlement;
 - `guards_hold (id, key, amount, expires_at)`: a spend hold, kept `hold_s` (then it lapses);
 - `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
-  `policy.ttl_s` after its last use. A closed breaker with no failures keeps no row;
+  `policy.ttl_s` after its last change. A closed breaker with no failures keeps no row;
 - `guards_cooldown (key, expires_at)`: a cooldown, which ends (and whose row expires) at
   `expires_at`. Starting one is one upsert that only ever moves `expires_at` later.
 
@@ -73,22 +73,34 @@ from ._base import (
     DAY_S,
     MINUTE_S,
     Admission,
+    Charge,
+    Passage,
     SpendReservation,
+    Step,
     StoreUnavailable,
+    bounded_key,
     utc_day,
 )
+from ._step import run_step
 
 __all__ = ["SQLiteStore"]
 
 _T = TypeVar("_T")
 
 #: Tables of the store, each with an `expires_at` column that the sweep relies on.
-TABLES = ("guards_rate", "guards_counter", "guards_spend", "guards_hold", "guards_breaker", "guards_cooldown")
+TABLES = (
+    "guards_window",
+    "guards_counter",
+    "guards_spend",
+    "guards_hold",
+    "guards_breaker",
+    "guards_cooldown",
+)
 
 _SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS guards_rate (
-        key TEXT NOT NULL, ts REAL NOT NULL, expires_at REAL NOT NULL)""",
-    "CREATE INDEX IF NOT EXISTS guards_rate_window ON guards_rate (key, ts, expires_at)",
+    """CREATE TABLE IF NOT EXISTS guards_window (
+        key TEXT NOT NULL, seq INTEGER NOT NULL, ts REAL NOT NULL, expires_at REAL NOT NULL)""",
+    "CREATE UNIQUE INDEX IF NOT EXISTS guards_window_seq ON guards_window (key, seq)",
     """CREATE TABLE IF NOT EXISTS guards_counter (
         key TEXT PRIMARY KEY, n INTEGER NOT NULL, expires_at REAL NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS guards_spend (
@@ -110,43 +122,32 @@ _SWEEP = {
     for t in TABLES
 }
 
-# --- budget: one conditional statement per check -----------------------------------------------
-#: Fewer than `per_minute` admissions under `key` in the last 60 seconds.
-_RATE_ALLOWS = """(SELECT count(*) FROM guards_rate
-    WHERE key = :key AND ts > :cutoff AND expires_at > :now) < :per_minute"""
-#: `per_minute` only: add this admission's timestamp if the window has room.
-_CHARGE_RATE = f"""INSERT INTO guards_rate (key, ts, expires_at)
-    SELECT :key, :now, :rate_expires WHERE {_RATE_ALLOWS}"""
-#: `per_day` (and maybe `per_minute`): count this admission if the day (and the window) has room.
-#: A live row is incremented below the cap; an expired one starts over.
-_CHARGE_DAY = """INSERT INTO guards_counter (key, n, expires_at)
-    SELECT :day_key, 1, :day_expires WHERE :per_day > 0 AND {rate_allows}
+# --- budget --------------------------------------------------------------------------------------
+# The per-minute window is a log of admissions numbered 0, 1, 2... per key. The window has room
+# when the admission `per_minute` places back (seq = next - per_minute) is missing or older than
+# 60 s: one indexed lookup, whatever the traffic. Each admission deletes at most two expired
+# rows at the log's tail, so a key keeps about its last minute of admissions.
+_WINDOW_LAST = "SELECT max(seq) FROM guards_window WHERE key = ?"
+_WINDOW_AT = "SELECT ts FROM guards_window WHERE key = ? AND seq = ?"
+_WINDOW_ADD = "INSERT OR REPLACE INTO guards_window (key, seq, ts, expires_at) VALUES (?, ?, ?, ?)"
+_WINDOW_PRUNE = """DELETE FROM guards_window WHERE rowid IN (
+    SELECT rowid FROM guards_window WHERE key = ? ORDER BY seq LIMIT 2) AND ts <= ?"""
+_DAY_COUNT = "SELECT n FROM guards_counter WHERE key = ? AND expires_at > ?"
+#: A live row is incremented; an expired one starts over.
+_COUNT_DAY = """INSERT INTO guards_counter (key, n, expires_at) VALUES (:key, 1, :expires)
     ON CONFLICT (key) DO UPDATE SET
         n = CASE WHEN expires_at > :now THEN n + 1 ELSE 1 END,
-        expires_at = CASE WHEN expires_at > :now THEN expires_at ELSE excluded.expires_at END
-    WHERE expires_at <= :now OR n < :per_day
-    RETURNING n"""
-_CHARGE_DAY_ONLY = _CHARGE_DAY.format(rate_allows="1")
-_CHARGE_DAY_AND_RATE = _CHARGE_DAY.format(rate_allows=_RATE_ALLOWS)
-#: Once the day was charged (same transaction): the admission's place in the window.
-_ADD_RATE = "INSERT INTO guards_rate (key, ts, expires_at) VALUES (:key, :now, :rate_expires)"
-#: Refusals only, to say which limit frees up last and when (nothing is written after).
-_WINDOW = """SELECT count(*), min(ts) FROM guards_rate
-    WHERE key = :key AND ts > :cutoff AND expires_at > :now"""
-_DAY_COUNT = "SELECT n FROM guards_counter WHERE key = :day_key AND expires_at > :now"
+        expires_at = CASE WHEN expires_at > :now THEN expires_at ELSE excluded.expires_at END"""
 
 # --- spend ---------------------------------------------------------------------------------------
-_RESERVE = """INSERT INTO guards_hold (id, key, amount, expires_at)
-    SELECT :id, :key, :amount, :hold_expires
-    WHERE coalesce((SELECT settled FROM guards_spend WHERE key = :key AND expires_at > :now), 0.0)
-        + coalesce((SELECT sum(amount) FROM guards_hold WHERE key = :key AND expires_at > :now), 0.0)
-        + :amount <= :cap"""
+_SETTLED = "SELECT settled FROM guards_spend WHERE key = ? AND expires_at > ?"
+_HELD = "SELECT coalesce(sum(amount), 0.0) FROM guards_hold WHERE key = ? AND expires_at > ?"
+_HOLD = "INSERT INTO guards_hold (id, key, amount, expires_at) VALUES (?, ?, ?, ?)"
 _RELEASE_HOLD = "DELETE FROM guards_hold WHERE id = :id AND key = :key"
 _SETTLE = """INSERT INTO guards_spend (key, settled, expires_at) VALUES (:key, :actual, :expires)
     ON CONFLICT (key) DO UPDATE SET
         settled = CASE WHEN expires_at > :now THEN settled + excluded.settled ELSE excluded.settled END,
         expires_at = CASE WHEN expires_at > :now THEN expires_at ELSE excluded.expires_at END"""
-_SPENT = "SELECT settled FROM guards_spend WHERE key = :key AND expires_at > :now"
 
 # --- breaker -------------------------------------------------------------------------------------
 _BREAKER = "SELECT state, expires_at FROM guards_breaker WHERE key = :key"
@@ -207,8 +208,25 @@ class _Tx:
         self._breakers: dict[str, tuple[BreakerState, float | None]] = {}
         self._dirty: set[str] = set()
 
+    # The primitives of a step (see `guards.stores._step`), each on the caller's key as the
+    # store writes it (`bounded_key`).
+
+    def cooldowns(self, keys: Sequence[str], now: float) -> tuple[float, ...]:
+        bounded = [bounded_key(key) for key in keys]
+        unique = list(dict.fromkeys(bounded))
+        ends: dict[str, float] = {}
+        for i in range(0, len(unique), _COOLDOWN_CHUNK):
+            chunk = unique[i : i + _COOLDOWN_CHUNK]
+            ends.update(self.conn.execute(_cooldown_read(len(chunk)), (now, *chunk)).fetchall())
+        return tuple(max(0.0, ends[key] - now) if key in ends else 0.0 for key in bounded)
+
+    def start_cooldown(self, key: str, seconds: float, now: float) -> None:
+        if now + seconds > now:  # not lost in rounding
+            self.conn.execute(_START_COOLDOWN, {"key": bounded_key(key), "until": now + seconds})
+
     def breaker(self, key: str, now: float) -> BreakerState:
         """The breaker's state; a missing or expired row is a closed, healthy breaker."""
+        key = bounded_key(key)
         item = self._breakers.get(key)
         if item is None:
             row = self.conn.execute(_BREAKER, {"key": key}).fetchone()
@@ -220,12 +238,68 @@ class _Tx:
         state, expires = item
         return state if expires is not None and expires > now else CLOSED
 
-    def put_breaker(self, key: str, state: BreakerState, expires: float | None) -> None:
-        """Keep `state` until `expires`; `None`: no row at all (a closed, healthy breaker)."""
+    def put_breaker(self, key: str, state: BreakerState, policy: Breaker, now: float) -> None:
+        """Keep `state` `ttl_s` from now; a healthy closed breaker: no row at all (written back
+        once, at `flush`)."""
+        key = bounded_key(key)
+        expires = None if state == CLOSED else now + policy.ttl_s
         if expires is None and self._breakers.get(key, (CLOSED, None))[1] is None:
             return  # no row, and none wanted
         self._breakers[key] = (state, expires)
         self._dirty.add(key)
+
+    def charge(self, charge: Charge, now: float) -> tuple[Admission | None, str | None]:
+        conn, key = self.conn, bounded_key(charge.key)
+        refusal: Admission | None = None
+        per_minute, per_day = charge.per_minute, charge.per_day
+        seq = 0
+        if per_minute is not None:
+            last = conn.execute(_WINDOW_LAST, (key,)).fetchone()[0]
+            seq = 0 if last is None else last + 1
+            if seq >= per_minute:
+                row = conn.execute(_WINDOW_AT, (key, seq - per_minute)).fetchone()
+                if row is not None and row[0] > now - MINUTE_S:  # still in the window: full
+                    refusal = Admission(False, "per_minute", row[0] + MINUTE_S - now)
+        next_day = DAY_S - now % DAY_S  # until the next UTC midnight
+        day_key = f"{key}:day:{utc_day(now)}"
+        if per_day is not None:
+            row = conn.execute(_DAY_COUNT, (day_key, now)).fetchone()
+            # Both spent: name the limit that frees up last, like MemoryStore.
+            if (0 if row is None else row[0]) >= per_day and (
+                refusal is None or next_day > (refusal.retry_after_s or 0.0)
+            ):
+                refusal = Admission(False, "per_day", next_day)
+        spend_key = f"{key}:spend:{utc_day(now)}"
+        if charge.spend is not None:
+            settled = conn.execute(_SETTLED, (spend_key, now)).fetchone()
+            held = conn.execute(_HELD, (spend_key, now)).fetchone()[0]
+            if (0.0 if settled is None else settled[0]) + held + charge.spend > charge.spend_cap and (
+                refusal is None or next_day > (refusal.retry_after_s or 0.0)
+            ):
+                refusal = Admission(False, "spend_per_day", next_day)
+        if refusal is not None:
+            return refusal, None  # nothing written
+        if per_minute is not None:
+            conn.execute(_WINDOW_ADD, (key, seq, now, now + MINUTE_S))
+            conn.execute(_WINDOW_PRUNE, (key, now - MINUTE_S))
+        if per_day is not None:
+            conn.execute(_COUNT_DAY, {"key": day_key, "expires": now + DAILY_TTL_S, "now": now})
+        if charge.spend is None:
+            return None, None
+        reservation = os.urandom(8).hex()
+        conn.execute(_HOLD, (reservation, spend_key, charge.spend, now + charge.hold_s))
+        return None, reservation
+
+    def settle(self, key: str, reservation: str, actual: float, now: float) -> None:
+        day_key = f"{bounded_key(key)}:spend:{utc_day(now)}"
+        self.conn.execute(_RELEASE_HOLD, {"id": reservation, "key": day_key})
+        self.conn.execute(
+            _SETTLE, {"key": day_key, "actual": actual, "expires": now + DAILY_TTL_S, "now": now}
+        )
+
+    def spent(self, key: str, now: float) -> float:
+        row = self.conn.execute(_SETTLED, (f"{bounded_key(key)}:spend:{utc_day(now)}", now)).fetchone()
+        return 0.0 if row is None else float(row[0])
 
     def flush(self) -> None:
         for key in self._dirty:
@@ -342,100 +416,42 @@ class SQLiteStore:
     async def now(self) -> float:
         return self._clock.time()
 
-    # --- budget ----------------------------------------------------------------------------------
-
-    async def charge_budget(self, key: str, *, per_minute: int | None, per_day: int | None) -> Admission:
-        if per_minute is None and per_day is None:
-            return ADMITTED
-
-        def charge(tx: _Tx, now: float) -> Admission:
-            p: dict[str, Any] = {
-                "key": key,
-                "now": now,
-                "cutoff": now - MINUTE_S,
-                "rate_expires": now + MINUTE_S,
-                "per_minute": per_minute,
-                "day_key": f"{key}:day:{utc_day(now)}",
-                "day_expires": now + DAILY_TTL_S,
-                "per_day": per_day,
-            }
-            if per_day is None:
-                admitted = tx.conn.execute(_CHARGE_RATE, p).rowcount == 1
-            else:
-                sql = _CHARGE_DAY_ONLY if per_minute is None else _CHARGE_DAY_AND_RATE
-                admitted = tx.conn.execute(sql, p).fetchone() is not None
-                if admitted and per_minute is not None:
-                    tx.conn.execute(_ADD_RATE, p)
-            if admitted:
-                return ADMITTED
-            # Refused: nothing was written. Name the limit that frees up last, like MemoryStore.
-            refusal: Admission | None = None
-            if per_minute is not None:
-                count, oldest = tx.conn.execute(_WINDOW, p).fetchone()
-                if count >= per_minute:
-                    refusal = Admission(False, "per_minute", oldest + MINUTE_S - now if count else MINUTE_S)
-            if per_day is not None:
-                row = tx.conn.execute(_DAY_COUNT, p).fetchone()
-                wait = DAY_S - now % DAY_S  # until the next UTC midnight
-                if (0 if row is None else row[0]) >= per_day and (
-                    refusal is None or wait > (refusal.retry_after_s or 0.0)
-                ):
-                    refusal = Admission(False, "per_day", wait)
-            # Same conditions as the statement's, under the same lock: one of them refused.
-            assert refusal is not None
-            return refusal
-
-        return await self._run(charge)
-
-    # --- spend -----------------------------------------------------------------------------------
-
-    async def reserve_spend(self, key: str, *, amount: float, cap: float, hold_s: float) -> SpendReservation:
-        reservation = os.urandom(8).hex()
-
-        def reserve(tx: _Tx, now: float) -> SpendReservation:
-            p = {
-                "id": reservation,
-                "key": f"{key}:spend:{utc_day(now)}",
-                "amount": amount,
-                "hold_expires": now + hold_s,
-                "now": now,
-                "cap": cap,
-            }
-            if tx.conn.execute(_RESERVE, p).rowcount == 1:
-                return SpendReservation(True, reservation)
-            return SpendReservation(False, retry_after_s=DAY_S - now % DAY_S)
-
-        return await self._run(reserve)
-
-    async def settle_spend(self, key: str, reservation: str, *, actual: float) -> None:
-        def settle(tx: _Tx, now: float) -> None:
-            day_key = f"{key}:spend:{utc_day(now)}"
-            tx.conn.execute(_RELEASE_HOLD, {"id": reservation, "key": day_key})
-            tx.conn.execute(
-                _SETTLE, {"key": day_key, "actual": actual, "expires": now + DAILY_TTL_S, "now": now}
-            )
-
-        await self._run(settle)
-
-    async def spent(self, key: str) -> float:
-        """Settled spend of the current UTC day under `key` (for dashboards and tests)."""
-
-        def read(tx: _Tx, now: float) -> float:
-            row = tx.conn.execute(_SPENT, {"key": f"{key}:spend:{utc_day(now)}", "now": now}).fetchone()
-            return 0.0 if row is None else float(row[0])
-
-        return await self._run(read)
-
-    # --- breaker ---------------------------------------------------------------------------------
+    # --- the Store operations: each one transaction (see `_run`) ----------------------------------
     # The breaker's transitions are the pure functions of `_breaker.py`: the row is read and the
     # new state written within one `BEGIN IMMEDIATE` transaction, which holds the file's write
     # lock from its start, so no other worker can change the row in between (the state machine
     # is too rich for one SQL statement; holding the write lock makes the pair atomic).
 
+    async def charge_budget(self, key: str, *, per_minute: int | None, per_day: int | None) -> Admission:
+        if per_minute is None and per_day is None:
+            return ADMITTED
+        charge = Charge(key=key, per_minute=per_minute, per_day=per_day)
+        return await self._run(lambda tx, now: tx.charge(charge, now)[0] or ADMITTED)
+
+    async def reserve_spend(self, key: str, *, amount: float, cap: float, hold_s: float) -> SpendReservation:
+        charge = Charge(key=key, spend=amount, spend_cap=cap, hold_s=hold_s)
+
+        def reserve(tx: _Tx, now: float) -> SpendReservation:
+            refusal, reservation = tx.charge(charge, now)
+            if refusal is not None:
+                return SpendReservation(False, retry_after_s=refusal.retry_after_s)
+            return SpendReservation(True, reservation)
+
+        return await self._run(reserve)
+
+    async def settle_spend(self, key: str, reservation: str, *, actual: float) -> None:
+        await self._run(lambda tx, now: tx.settle(key, reservation, actual, now))
+
+    async def spent(self, key: str) -> float:
+        """Settled spend of the current UTC day under `key` (for dashboards and tests)."""
+        return await self._run(lambda tx, now: tx.spent(key, now))
+
     async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:
         def admit(tx: _Tx, now: float) -> BreakerDecision:
-            state, decision = breaker_admit(tx.breaker(key, now), policy, now)
-            self._put_breaker(tx, key, state, policy, now)
+            before = tx.breaker(key, now)
+            state, decision = breaker_admit(before, policy, now)
+            if state is not before:  # an open breaker's refusal, a closed one's admission: no write
+                tx.put_breaker(key, state, policy, now)
             return decision
 
         return await self._run(admit)
@@ -444,44 +460,27 @@ class SQLiteStore:
         self, key: str, policy: Breaker, outcome: Outcome, *, probe: float | None
     ) -> BreakerState:
         def record(tx: _Tx, now: float) -> BreakerState:
-            state = breaker_record(tx.breaker(key, now), policy, now, outcome, probe=probe)
-            self._put_breaker(tx, key, state, policy, now)
+            before = tx.breaker(key, now)
+            state = breaker_record(before, policy, now, outcome, probe=probe)
+            if state is not before:
+                tx.put_breaker(key, state, policy, now)
             return state
 
         return await self._run(record)
-
-    @staticmethod
-    def _put_breaker(tx: _Tx, key: str, state: BreakerState, policy: Breaker, now: float) -> None:
-        # Like MemoryStore: a healthy breaker needs no row at all; any other state is kept
-        # `ttl_s` from its last use.
-        tx.put_breaker(key, state, None if state == CLOSED else now + policy.ttl_s)
-
-    # --- cooldowns -------------------------------------------------------------------------------
 
     async def cooldowns(self, keys: Sequence[str]) -> tuple[float, ...]:
         keys = tuple(keys)  # as they are now: the store's thread reads them later
         if not keys:
             return ()
-        unique = list(dict.fromkeys(keys))
-
-        def read(tx: _Tx, now: float) -> tuple[float, ...]:
-            ends: dict[str, float] = {}
-            for i in range(0, len(unique), _COOLDOWN_CHUNK):
-                chunk = unique[i : i + _COOLDOWN_CHUNK]
-                ends.update(tx.conn.execute(_cooldown_read(len(chunk)), (now, *chunk)).fetchall())
-            return tuple(max(0.0, ends[key] - now) if key in ends else 0.0 for key in keys)
-
-        return await self._run(read)
+        return await self._run(lambda tx, now: tx.cooldowns(keys, now))
 
     async def start_cooldown(self, key: str, seconds: float) -> None:
         if not seconds > 0:
             return  # nothing to start, and a running cooldown is never shortened
+        await self._run(lambda tx, now: tx.start_cooldown(key, seconds, now))
 
-        def start(tx: _Tx, now: float) -> None:
-            if now + seconds > now:  # not lost in rounding
-                tx.conn.execute(_START_COOLDOWN, {"key": key, "until": now + seconds})
-
-        await self._run(start)
+    async def step(self, step: Step) -> Passage:
+        return await self._run(lambda tx, now: run_step(tx, step, now))
 
     # --- lifecycle -------------------------------------------------------------------------------
 

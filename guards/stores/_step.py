@@ -1,0 +1,100 @@
+"""`Store.step` in Python, shared by `MemoryStore` and `SQLiteStore` (RedisStore runs the same
+rules in its Lua script).
+
+A store provides the few primitives of `StepState`, each reading or writing one piece of state
+at the store's time `now`; `run_step` composes them into one step of a request's walk. The
+caller makes the whole of `run_step` atomic (no `await` in memory, one write transaction on
+SQLite), so the step reads and writes as one operation, and a refused charge leaves nothing
+of the admission behind: nothing is written before the charge is known to pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from .._breaker import Breaker, BreakerDecision, BreakerState
+from .._breaker import admit as breaker_admit
+from .._breaker import record as breaker_record
+from ._base import Admission, Charge, Passage, Step
+
+__all__ = ["StepState", "run_step"]
+
+
+class StepState(Protocol):
+    """The state a step reads and writes, inside the store's atomic operation."""
+
+    def cooldowns(self, keys: Sequence[str], now: float) -> tuple[float, ...]:
+        """Seconds of cooldown left on each key (0.0: none)."""
+        ...
+
+    def start_cooldown(self, key: str, seconds: float, now: float) -> None:
+        """As `Store.start_cooldown`: never shortens a running cooldown."""
+        ...
+
+    def breaker(self, key: str, now: float) -> BreakerState:
+        """The breaker's state (a missing or expired key: closed)."""
+        ...
+
+    def put_breaker(self, key: str, state: BreakerState, policy: Breaker, now: float) -> None:
+        """Keep `state`, `policy.ttl_s` from now (a closed, healthy breaker: no key at all)."""
+        ...
+
+    def charge(self, charge: Charge, now: float) -> tuple[Admission | None, str | None]:
+        """Charge every limit of `charge`, or none: (the refusal, None) or (None, the spend
+        reservation when `charge.spend` is set)."""
+        ...
+
+    def settle(self, key: str, reservation: str, actual: float, now: float) -> None:
+        """As `Store.settle_spend`."""
+        ...
+
+
+def run_step(state: StepState, step: Step, now: float) -> Passage:
+    """One step of a walk (see `guards.stores.Step`), on `state`, at the store's time `now`."""
+    recorded: BreakerState | None = None
+    report = step.report
+    if report is not None:
+        if report.breaker_key is not None and report.breaker is not None:
+            before = state.breaker(report.breaker_key, now)
+            recorded = breaker_record(before, report.breaker, now, report.outcome, probe=report.probe)
+            if recorded is not before:  # unchanged (a stale probe, a healthy success): no write
+                state.put_breaker(report.breaker_key, recorded, report.breaker, now)
+        if report.cooldown_key is not None and report.cooldown_s > 0:
+            state.start_cooldown(report.cooldown_key, report.cooldown_s, now)
+        if report.spend_key is not None and report.reservation is not None:
+            state.settle(report.spend_key, report.reservation, report.actual, now)
+    legs = step.legs
+    if not legs:
+        return Passage(recorded=recorded)
+    waits = state.cooldowns([cooldown_key for cooldown_key, _ in legs], now)
+    decisions: list[BreakerDecision | None] = []
+    admitted: int | None = None
+    policy = step.breaker
+    opened: tuple[str, BreakerState, BreakerState] | None = None  # (key, before, after)
+    for index, (_, breaker_key) in enumerate(legs):
+        if waits[index] > 0:
+            decisions.append(None)
+            continue
+        if policy is None:
+            admitted = index
+            decisions.append(None)
+            break
+        before = state.breaker(breaker_key, now)
+        after, decision = breaker_admit(before, policy, now)
+        decisions.append(decision)
+        if decision.allowed:
+            admitted = index
+            if after is not before:  # a probe taken; a closed breaker's admission writes nothing
+                opened = (breaker_key, before, after)
+            break
+    refusal: Admission | None = None
+    reservation: str | None = None
+    if admitted is not None and step.charge is not None:
+        refusal, reservation = state.charge(step.charge, now)
+        if refusal is not None:
+            admitted = None  # nothing of the admission is written: no probe slot taken
+    if admitted is not None and opened is not None:
+        assert policy is not None
+        state.put_breaker(opened[0], opened[2], policy, now)
+    return Passage(tuple(waits), tuple(decisions), admitted, refusal, reservation, recorded)
