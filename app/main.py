@@ -223,7 +223,14 @@ def create_app(
     async def summary(
         body: SummaryRequest,
         ai: AI[Summary],
-        x_user_id: Annotated[str | None, Header(description="Budget key (default: client address).")] = None,
+        x_user_id: Annotated[
+            str | None,
+            Header(
+                max_length=128,
+                pattern=r"^[^\x00-\x1f\x7f]*$",
+                description="Budget key (default: client address): at most 128 characters, no control characters.",
+            ),
+        ] = None,
     ) -> Summary:
         """Label a customer message. Degrading: always the envelope; a keyword label on failure."""
         return await ai.run(
