@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -62,6 +63,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
+from urllib.parse import quote
 
 from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._breaker import admit as breaker_admit
@@ -193,6 +195,8 @@ def _load_breaker(text: str) -> BreakerState:
 
 #: The most operations one transaction of the store's thread carries.
 _BATCH = 100
+#: How often (at most) a store checks that its file is still the one at its path.
+_CHECK_EVERY_S = 1.0
 
 
 class _Tx:
@@ -400,6 +404,14 @@ class SQLiteStore:
         self._next_sweep = 0.0
         #: True while the thread waits for another connection to release the file's lock.
         self._lock_wait = False
+        #: Whether this store has had its file (then it never creates one again).
+        self._opened = False
+        self._files: tuple[tuple[int, int], tuple[int, int], tuple[int, int, int]] = (
+            (0, 0),
+            (0, 0),
+            (0, 0, 0),
+        )
+        self._next_check = 0.0
         _STORES.add(self)
 
     def _after_fork(self) -> None:
@@ -594,6 +606,7 @@ class SQLiteStore:
         again (in a new transaction) when the batch had to be rolled back, else nothing."""
         deadline = min(job.deadline for job in jobs)
         conn = self._connect(deadline)
+        self._check_files()
         self._when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))  # the write lock, first
         try:
             now = self._clock.time()
@@ -632,8 +645,13 @@ class SQLiteStore:
         """The thread's connection: opened on first use, in WAL mode, with the schema."""
         if self._conn is not None:
             return self._conn
-        # No SQLite busy handler (timeout 0): `_when_free` is the busy timeout.
-        conn = sqlite3.connect(self._path, timeout=0, isolation_level=None)
+        # No SQLite busy handler (timeout 0): `_when_free` is the busy timeout. Once this store
+        # has had its file, it never creates one again (`mode=rw`): a file deleted under running
+        # workers must not come back empty behind their backs (every limit would start over).
+        target, uri = self._path, False
+        if self._opened:
+            target, uri = f"file:{quote(os.path.abspath(self._path))}?mode=rw", True
+        conn = sqlite3.connect(target, timeout=0, isolation_level=None, uri=uri)
         try:
             # Switching to WAL (a no-op once the file is) needs the file to itself: SQLite answers
             # SQLITE_BUSY while another worker opens it at the same moment.
@@ -651,7 +669,55 @@ class SQLiteStore:
             conn.close()
             raise
         self._conn = conn
+        self._opened = True
+        self._files = self._identify()
+        self._next_check = time.monotonic() + _CHECK_EVERY_S
         return conn
+
+    def _identify(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int, int]]:
+        """The file, its -wal and its -shm as this connection has them open: (device, inode),
+        and the -shm's size."""
+        db, wal, shm = (os.stat(self._path + suffix) for suffix in ("", "-wal", "-shm"))
+        return (db.st_dev, db.st_ino), (wal.st_dev, wal.st_ino), (shm.st_dev, shm.st_ino, shm.st_size)
+
+    def _check_files(self) -> None:
+        """Before each transaction: is the file this connection has open still the one at the
+        path? The -shm (the WAL index, which SQLite maps into memory) is checked every time:
+        a mapped file that shrank under the process kills it with SIGBUS at the next access,
+        so a -shm replaced, deleted or truncated makes the store unavailable instead. The
+        database file and its -wal (deleted, or replaced by another file) are checked at most
+        once per `_CHECK_EVERY_S`: a worker notices within that, never writes to a file other
+        workers no longer share, and answers `StoreUnavailable` until a database is at the
+        path again."""
+        db, wal, (dev, ino, size) = self._files
+        problem = None
+        try:
+            shm = os.stat(self._path + "-shm")
+            if (shm.st_dev, shm.st_ino) != (dev, ino) or shm.st_size < size:
+                problem = "WAL index (-shm) replaced or truncated"
+            elif shm.st_size > size:
+                self._files = (db, wal, (dev, ino, shm.st_size))
+            if problem is None and time.monotonic() >= self._next_check:
+                self._next_check = time.monotonic() + _CHECK_EVERY_S
+                now = (os.stat(self._path), os.stat(self._path + "-wal"))
+                if [(f.st_dev, f.st_ino) for f in now] != [db, wal]:
+                    problem = "database file replaced"
+        except FileNotFoundError:
+            problem = "database file deleted"
+        if problem is not None:
+            self._abandon()
+            error = sqlite3.OperationalError(problem)
+            error.sqlite_errorname = problem
+            raise error
+
+    def _abandon(self) -> None:
+        """Drop the connection without ever closing it. Closing it would checkpoint into the
+        old file and then delete the -wal and -shm at the path by name, which may belong to
+        the new file by then; its mapped -shm may be truncated. Its extra reference keeps it
+        alive to the end of the process, whose exit releases its descriptors and locks."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(conn))
 
     def _when_free(self, deadline: float, attempt: Callable[[], _T]) -> _T:
         """`attempt()`, retried while the file is locked, until `deadline` (monotonic): the busy
