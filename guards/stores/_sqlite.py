@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import queue
@@ -197,6 +196,14 @@ def _load_breaker(text: str) -> BreakerState:
 _BATCH = 100
 #: How often (at most) a store checks that its file is still the one at its path.
 _CHECK_EVERY_S = 1.0
+#: Connections dropped after their file was deleted or replaced: never closed (see
+#: `SQLiteStore._abandon`), kept here to the end of the process. One per replacement.
+_ABANDONED: list[sqlite3.Connection] = []
+#: The (device, inode) of their files. SQLite maps a file's -shm once per process, shared by
+#: every connection to that file: a new connection to an abandoned file would reuse the old,
+#: possibly truncated mapping (SIGBUS), so the process never opens one of these again. An
+#: open file's inode is never reused, so a new file at the path is never mistaken for one.
+_ABANDONED_FILES: set[tuple[int, int]] = set()
 
 
 class _Tx:
@@ -651,6 +658,10 @@ class SQLiteStore:
         target, uri = self._path, False
         if self._opened:
             target, uri = f"file:{quote(os.path.abspath(self._path))}?mode=rw", True
+            with contextlib.suppress(FileNotFoundError):  # then `mode=rw` fails to open it
+                found = os.stat(self._path)
+                if (found.st_dev, found.st_ino) in _ABANDONED_FILES:
+                    raise _file_problem("the database file is one this process abandoned")
         conn = sqlite3.connect(target, timeout=0, isolation_level=None, uri=uri)
         try:
             # Switching to WAL (a no-op once the file is) needs the file to itself: SQLite answers
@@ -706,18 +717,17 @@ class SQLiteStore:
             problem = "database file deleted"
         if problem is not None:
             self._abandon()
-            error = sqlite3.OperationalError(problem)
-            error.sqlite_errorname = problem
-            raise error
+            raise _file_problem(problem)
 
     def _abandon(self) -> None:
         """Drop the connection without ever closing it. Closing it would checkpoint into the
         old file and then delete the -wal and -shm at the path by name, which may belong to
-        the new file by then; its mapped -shm may be truncated. Its extra reference keeps it
+        the new file by then; its mapped -shm may be truncated. `_ABANDONED` keeps it
         alive to the end of the process, whose exit releases its descriptors and locks."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(conn))
+            _ABANDONED.append(conn)
+            _ABANDONED_FILES.add(self._files[0])
 
     def _when_free(self, deadline: float, attempt: Callable[[], _T]) -> _T:
         """`attempt()`, retried while the file is locked, until `deadline` (monotonic): the busy
@@ -780,3 +790,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def _is_busy(exc: sqlite3.Error) -> bool:
     name = getattr(exc, "sqlite_errorname", "")
     return name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in str(exc)
+
+
+def _file_problem(problem: str) -> sqlite3.OperationalError:
+    """The error a batch fails with when the store's file is no longer safe to use."""
+    error = sqlite3.OperationalError(problem)
+    error.sqlite_errorname = problem
+    return error
