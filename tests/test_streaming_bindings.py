@@ -472,6 +472,17 @@ def test_partial_trailing_event_at_a_clean_eof_is_truncated(http_target: Target)
     assert texts(events) == ["a"]
 
 
+@pytest.mark.parametrize(
+    "marker", [b"[DONE] ", b"[DONE]\t", b"[DONE]  \r"], ids=["space", "tab", "spaces-cr"]
+)
+def test_the_end_marker_tolerates_trailing_whitespace(http_target: Target, marker: bytes) -> None:
+    """`data: [DONE] ` ends the stream, as the official OpenAI client reads it."""
+    body = b'data: {"response": "a", "choices": [{"delta": {"content": "a"}}]}\n\ndata: ' + marker + b"\n\n"
+    events = http_target.stream(Raw(200, body, "text/event-stream"))
+    assert texts(events) == ["a"]
+    only_end(events)
+
+
 def test_finish_reason_then_eof_is_complete(chunk_http_target: Target) -> None:
     """A stream that ends after a `finish_reason` is complete, without usage or `[DONE]`."""
     chunk = {"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
@@ -773,15 +784,34 @@ def test_parser_reads_the_sample_whole() -> None:
 
 
 def test_parser_gives_the_same_events_for_every_split() -> None:
+    """Any cut, with or without an empty read at the cut (a CR's LF may come after it)."""
     for cut in range(len(SAMPLE) + 1):
         parser = SSEParser()
         assert parser.feed(SAMPLE[:cut]) + parser.feed(SAMPLE[cut:]) == EXPECTED, cut
+        parser = SSEParser()
+        events = parser.feed(SAMPLE[:cut]) + parser.feed(b"") + parser.feed(SAMPLE[cut:])
+        assert events == EXPECTED, cut
 
 
-def test_parser_gives_the_same_events_byte_by_byte() -> None:
+def test_parser_gives_the_same_events_for_every_two_cuts() -> None:
+    for first, second in itertools.combinations(range(len(SAMPLE) + 1), 2):
+        parser = SSEParser()
+        pieces = (SAMPLE[:first], b"", SAMPLE[first:second], b"", SAMPLE[second:])
+        assert [e for piece in pieces for e in parser.feed(piece)] == EXPECTED, (first, second)
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["bytes", "bytes-and-empty-reads"])
+def test_parser_gives_the_same_events_byte_by_byte(empty: bool) -> None:
     parser = SSEParser()
-    events = list(itertools.chain.from_iterable(parser.feed(SAMPLE[i : i + 1]) for i in range(len(SAMPLE))))
+    pieces = [piece for i in range(len(SAMPLE)) for piece in (SAMPLE[i : i + 1], b"")[: 1 + empty]]
+    events = list(itertools.chain.from_iterable(parser.feed(piece) for piece in pieces))
     assert events == EXPECTED
+
+
+def test_an_empty_read_between_cr_and_lf_changes_nothing() -> None:
+    parser = SSEParser()
+    events = parser.feed(b"data: a\r") + parser.feed(b"") + parser.feed(b"\ndata: b\n\n")
+    assert events == [SSEEvent("a\nb")]
 
 
 def test_parser_never_emits_an_unterminated_event() -> None:

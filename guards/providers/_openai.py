@@ -284,7 +284,7 @@ def parse_chat_response(
     """Turn one chat completion HTTP answer into a result, or raise `ProviderError`."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         # The status decides (a proxy's HTML 502 is transient, a 200 of garbage is not).
         raise ProviderError(
             provider, status=status, retry_after_s=retry_after_s, note="non-JSON body"

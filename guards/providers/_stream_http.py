@@ -89,11 +89,11 @@ class ChunkDecoder:
         """The stream events one SSE event carries (often one, sometimes none); the last is
         `StreamEnd` when it completed the stream."""
         data = sse.data
-        if data == "[DONE]":
-            return [self._end()]
+        if data[:6] == "[DONE]" and (len(data) == 6 or data[6:].isspace()):
+            return [self._end()]  # trailing whitespace tolerated, as the official OpenAI client does
         try:
             chunk = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             chunk = None
         if not isinstance(chunk, dict):
             if sse.event == "error":

@@ -153,7 +153,7 @@ def parse_workers_ai_response(
     wait = parse_retry_after(retry_after)
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         raise ProviderError(PROVIDER, status=status, retry_after_s=wait, note="non-JSON body") from None
     if not isinstance(data, dict):
         raise ProviderError(PROVIDER, status=status, retry_after_s=wait, note="unexpected body")
