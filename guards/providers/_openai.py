@@ -5,7 +5,8 @@ One adapter for OpenAI itself, Cloudflare AI Gateway's `compat` endpoint, and lo
 into a chat completion request and the answer back into an `AIResult`.
 
 Every failure shape ends as a `ProviderError` carrying the HTTP status: an error status, an
-`{"error": {...}}` object (even with HTTP 200, also as an event of a stream), AI Gateway's
+`{"error": {...}}` object (even with HTTP 200, also as an event of a stream), a redirect (any
+3xx: never followed, its body never the answer), AI Gateway's
 `{"success": false, "error": [...]}` envelope, a 2xx without a usable choice, non-JSON bodies (a
 proxy's HTML page), oversized bodies and dropped connections; while streaming, also a cut body
 and a stall. Provider messages are read only to spot "JSON Mode couldn't be met"
@@ -152,7 +153,13 @@ class OpenAICompatible:
         closes the streamed response, and with it the connection."""
         body = chat_request(model, inputs)
         try:
-            async with self._client.stream("POST", self._url, json=body, headers=self._headers) as response:
+            async with self._client.stream(
+                "POST",
+                self._url,
+                json=body,
+                headers=self._headers,
+                follow_redirects=False,  # a 3xx is a failure (model_unavailable), whatever the client
+            ) as response:
                 raw = await read_capped(response, self.provider, self._max_body_bytes)
         except httpx.HTTPError as exc:
             raise transport_error(self.provider, exc) from None

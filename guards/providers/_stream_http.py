@@ -270,7 +270,7 @@ async def stream_sse(
         reading = False  # past the answer's head, into the event stream
         try:
             async with client.stream(
-                method, target, json=payload, headers=headers, timeout=timeout
+                method, target, json=payload, headers=headers, timeout=timeout, follow_redirects=False
             ) as response:
                 status = response.status_code
                 if resuming and status == 404:

@@ -2,7 +2,8 @@
 
 Every failure shape ends as a `ProviderError` with the provider's code and the HTTP status:
 `success: false` even with HTTP 200, the `AiError` object shape, non-JSON bodies (a proxy's HTML
-on 5xx), oversized bodies and dropped connections; while streaming, also an error object in an
+on 5xx), a redirect (any 3xx: never followed, its body never the answer), oversized bodies and
+dropped connections; while streaming, also an error object in an
 event, a cut body and a stall. Provider messages are read only to spot "JSON Mode couldn't be
 met"; they are never kept (they may echo the prompt).
 """
@@ -88,7 +89,11 @@ class WorkersAI:
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
         try:
             async with self._client.stream(
-                "POST", self._url + quote(model, safe="/@:"), json=dict(inputs), headers=self._headers
+                "POST",
+                self._url + quote(model, safe="/@:"),
+                json=dict(inputs),
+                headers=self._headers,
+                follow_redirects=False,  # a 3xx is a failure (model_unavailable), whatever the client
             ) as response:
                 body = await read_capped(response, PROVIDER, self._max_body_bytes)
         except httpx.HTTPError as exc:
@@ -159,7 +164,8 @@ def parse_workers_ai_response(
         raise ProviderError(PROVIDER, status=status, retry_after_s=wait, note="unexpected body")
     errors = _errors(data)
     result = data.get("result")
-    if status < 400 and data.get("success") is not False and not errors and isinstance(result, dict):
+    # Only a 2xx is an answer: a redirect is never followed, so its body is never the result.
+    if 200 <= status < 300 and data.get("success") is not False and not errors and isinstance(result, dict):
         return AIResult(
             response=result.get("response"),
             model=model,
