@@ -21,7 +21,6 @@ No retries here and no sleeping: the call guard's classifier is the only retry p
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
@@ -33,6 +32,7 @@ from .._errors import ConfigurationError, ProviderError
 from .._stream import StreamEvent
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
+    bounded_wait,
     error_objects,
     json_mode_not_met,
     new_client,
@@ -42,6 +42,7 @@ from ._http import (
     read_capped,
     transport_error,
 )
+from ._identifiers import identifier
 from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_RECONNECTS, ChunkDecoder, stream_sse
 
 __all__ = ["OpenAICompatible"]
@@ -275,8 +276,9 @@ def _retry_hint(headers: httpx.Headers) -> float | None:
         except ValueError:
             pass
         else:
-            if math.isfinite(ms):
-                return max(0.0, ms / 1000)
+            wait = bounded_wait(ms / 1000)
+            if wait is not None:
+                return wait
     return parse_retry_after(headers.get("retry-after"))
 
 
@@ -311,11 +313,10 @@ def parse_chat_response(
             provider, status=status, retry_after_s=retry_after_s, note="no choice in the answer"
         )
     message: dict[str, Any] = choice["message"]
-    served = data.get("model")
     finish = choice.get("finish_reason")
     return AIResult(
         response=_content(message.get("content")),
-        model=served if isinstance(served, str) and served else model,
+        model=identifier(data.get("model")) or model,
         usage=parse_usage(data.get("usage")),
         tool_calls=tuple(t for t in message.get("tool_calls") or () if isinstance(t, dict)),
         # A refusal (structured outputs) is the model's own safety filter speaking.

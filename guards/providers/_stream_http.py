@@ -22,6 +22,7 @@ from .._binding import AIResult, Usage
 from .._errors import ProviderError
 from .._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
 from ._http import parse_usage, read_capped, transport_error
+from ._identifiers import identifier
 from ._sse import EventTooLarge, SSEEvent, SSEParser
 
 __all__ = [
@@ -52,7 +53,8 @@ class ChunkDecoder:
     """Turns the events of one stream into `StreamEvent`s, keeping what the end needs.
 
     Reads OpenAI's chunks (`choices[0].delta` with `content`, `reasoning_content` or
-    `reasoning`, `tool_calls`; `finish_reason`; `usage`; `model`) and, with `native=True`,
+    `reasoning`, `tool_calls`; `finish_reason`; `usage`; `model`, the first one named; the
+    model and the finish reason cleaned by `identifier`) and, with `native=True`,
     Workers AI's own events (`response`, top-level `tool_calls` and `finish_reason`, `usage`),
     detected per event. `[DONE]` completes the stream; so does the end of the body after a
     `finish_reason` (`end_at_eof`). Events that are not JSON objects are skipped; an in-band
@@ -105,9 +107,8 @@ class ChunkDecoder:
         if error is not None:
             raise error
         out: list[StreamEvent] = []
-        served = chunk.get("model")
-        if isinstance(served, str) and served:
-            self.model = served
+        if self.model is None:  # the same name in every chunk: cleaned once
+            self.model = identifier(chunk.get("model"))
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = parse_usage(usage)
@@ -140,8 +141,8 @@ class ChunkDecoder:
         return StreamEnd(finish_reason=finish, usage=self.usage, model=self.model or self._requested)
 
     def _finish(self, reason: Any) -> None:
-        if isinstance(reason, str) and reason:
-            self.finish_reason = reason
+        if reason is not None:  # null in every chunk but the last
+            self.finish_reason = identifier(reason) or self.finish_reason
 
     def _delta(self, delta: dict[str, Any], out: list[StreamEvent]) -> None:
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
