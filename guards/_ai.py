@@ -163,8 +163,9 @@ class AI(Generic[T]):
         recovery call to the same model, within the attempt budget. Once output arrives the
         model is fixed: a later failure ends the stream with an `error` event (`stream
         interrupted after output`), never another model and never a replay. The route's
-        deadline bounds the wait for the first output; the binding's idle timeout each wait
-        after that.
+        deadline bounds the wait for the first output; after it, the binding's idle timeout
+        (no complete event), and the route's `stream_max_s` (since the request began) and
+        `stream_max_chars` (output characters), which end the stream with an `error` event.
         """
         route = self._route
         if route.max_tokens is not None and "max_tokens" not in inputs:
@@ -394,11 +395,17 @@ class AI(Generic[T]):
                 outcome = "error" if relayed.failure is not None else "ok"
                 finish_request(self._route, self, self._started, outcome, 200, tripped=relayed.failure)
 
+        route = self._route
+        # The stream's time limit counts from the request's start, in event-loop time.
+        left_s = route.stream_max_s - (time.perf_counter() - self._started)
         return EventStream(
             relay(
                 opened,
                 provider=leg.ref.provider or "provider",
                 model=leg.ref.key,
+                deadline=asyncio.get_running_loop().time() + left_s,
+                max_s=route.stream_max_s,
+                max_chars=route.stream_max_chars,
                 done=self._done_data,
                 error=self._error_data,
                 ended=ended,

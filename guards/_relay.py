@@ -13,6 +13,7 @@ accounting; `done` and `error` give the data of the last event.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 
 import anyio
 
+from ._alarm import Alarm
 from ._breaker import Outcome
 from ._classify import Kind, classify
 from ._envelope import Reason
@@ -35,7 +37,21 @@ from ._stream import (
     is_output,
 )
 
-__all__ = ["Opened", "Relayed", "no_events", "open_stream", "relay"]
+__all__ = [
+    "DEFAULT_STREAM_MAX_CHARS",
+    "DEFAULT_STREAM_MAX_S",
+    "Opened",
+    "Relayed",
+    "no_events",
+    "open_stream",
+    "relay",
+]
+
+#: How long a streamed answer may last, from the request's start (a route's `stream_max_s`).
+DEFAULT_STREAM_MAX_S = 300.0
+#: How many characters of output it may carry (a route's `stream_max_chars`): the body cap of a
+#: whole answer, `DEFAULT_MAX_BODY_BYTES` of the adapters.
+DEFAULT_STREAM_MAX_CHARS = 1 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -97,6 +113,9 @@ async def relay(
     *,
     provider: str,
     model: str,
+    deadline: float,
+    max_s: float,
+    max_chars: int,
     done: Callable[[StreamEnd | None], dict[str, Any]],
     error: Callable[[GuardTripped], dict[str, Any]],
     ended: Callable[[Relayed], Awaitable[None]],
@@ -104,47 +123,110 @@ async def relay(
     """The client's events for a committed attempt (`opened`): its first events, the rest of
     the stream, then `done` (with the data `done(end)` gives) or `error` (`error(tripped)`).
     `ended` is awaited once, however the stream ends (shielded when it is cancelled). `model`
-    names the chain entry in failures; `provider` in a truncation."""
+    names the chain entry in failures; `provider` in a truncation.
+
+    Limits: the stream ends with `error` at `deadline` (event-loop time; the route's `max_s`
+    after the request began: `call`/`timeout`) and before an event would take its output past
+    `max_chars` characters (`call`/`provider_error`). Either way the provider's stream is
+    closed at once. One timer for the whole stream (`Alarm`), and no clock read per event.
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    alarm = Alarm(deadline)
+    upstream = opened.iter_events
     delivered = 0
     end: StreamEnd | None = opened.end
+    failure: GuardTripped | None = None
     try:
         for event in opened.first:
             delivered += chars(event)
+            if delivered > max_chars:
+                raise _OverSize
             yield encode(event)
         if end is None:
-            async for event in opened.iter_events:
+            if alarm.rang:  # the limit passed before the first events were out
+                raise _TimeUp
+            # `alarm.waiting` is set exactly while the loop's header awaits the next event: the
+            # only wait the alarm may interrupt (see `Alarm`).
+            alarm.waiting = task
+            async for event in upstream:
+                alarm.waiting = None
                 if type(event) is TextDelta:  # the hot path: one per token
                     delivered += len(event.text)
+                    if delivered > max_chars:
+                        raise _OverSize
                     yield delta(event.text)
-                    continue
-                if isinstance(event, StreamEnd):
+                elif isinstance(event, StreamEnd):
                     end = event
                     break
-                delivered += chars(event)
-                yield encode(event)
+                else:
+                    delivered += chars(event)
+                    if delivered > max_chars:
+                        raise _OverSize
+                    yield encode(event)
+                if alarm.rang:  # it rang while the client had the last event
+                    raise _TimeUp
+                alarm.waiting = task
             else:
                 raise ProviderError(provider, note="stream truncated")
-    except Exception as exc:
-        kind = classify(exc).kind
-        failure = GuardTripped(
-            Reason.provider_error, "stream interrupted after output", kind=kind, model=model
+    except BaseException as exc:
+        alarm.waiting = None
+        if alarm.interrupted(task) or isinstance(exc, _TimeUp):
+            failure = GuardTripped(
+                Reason.timeout,
+                f"the stream reached its time limit ({max_s:g}s)",
+                kind=Kind.model_temporarily_unavailable,
+                model=model,
+            )
+        elif isinstance(exc, _OverSize):
+            failure = GuardTripped(
+                Reason.provider_error,
+                f"the stream reached its size limit ({max_chars} characters)",
+                kind=Kind.model_unavailable,
+                model=model,
+            )
+        elif isinstance(exc, Exception):
+            kind = classify(exc).kind
+            failure = GuardTripped(
+                Reason.provider_error, "stream interrupted after output", kind=kind, model=model
+            )
+        else:
+            # The client left (or the server is stopping): no verdict on the model; what was
+            # delivered is recorded, nothing more is fetched or billed.
+            with anyio.CancelScope(shield=True):
+                alarm.close()
+                await aclose(upstream)
+                await ended(Relayed(Kind.cancelled.value, Outcome.released, end, delivered, None))
+            raise
+        # The provider's stream is closed before the client hears of the end.
+        alarm.close()
+        await aclose(upstream)
+        relayed = Relayed(
+            failure.kind.value if failure.kind else "ok", Outcome.failure, end, delivered, failure
         )
-        yield sse("error", error(failure))
-        await ended(Relayed(kind.value, Outcome.failure, end, delivered, failure))
+        try:
+            yield sse("error", error(failure))
+        finally:
+            await ended(relayed)
         return
-    except BaseException:
-        # The client left (or the server is stopping): no verdict on the model; what was
-        # delivered is recorded, nothing more is fetched or billed.
-        with anyio.CancelScope(shield=True):
-            await ended(Relayed(Kind.cancelled.value, Outcome.released, end, delivered, None))
-        raise
-    if end is not None and end.finish_reason == "content_filter":
+    alarm.close()
+    if end.finish_reason == "content_filter":
         failure = GuardTripped(Reason.moderation_blocked, "the provider filtered the stream", model=model)
-        yield sse("error", error(failure))
-        await ended(Relayed("ok", Outcome.success, end, delivered, failure))
-        return
-    yield sse("done", done(end))
-    await ended(Relayed("ok", Outcome.success, end, delivered, None))
+        last, relayed = sse("error", error(failure)), Relayed("ok", Outcome.success, end, delivered, failure)
+    else:
+        last, relayed = sse("done", done(end)), Relayed("ok", Outcome.success, end, delivered, None)
+    try:
+        yield last
+    finally:
+        await ended(relayed)
+
+
+class _TimeUp(Exception):
+    """The stream's time limit passed while the client had its last event."""
+
+
+class _OverSize(Exception):
+    """The next event would take the stream's output past its size limit."""
 
 
 async def aclose(events: AsyncIterator[StreamEvent]) -> None:
@@ -160,9 +242,10 @@ async def no_events() -> AsyncIterator[StreamEvent]:
 
 
 def chars(event: StreamEvent) -> int:
-    """The characters of output an event carries."""
+    """The characters of output an event carries (a tool call's id and name included: they
+    are sent to the client too)."""
     if isinstance(event, TextDelta | ReasoningDelta):
         return len(event.text)
     if isinstance(event, ToolCallDelta):
-        return len(event.arguments)
+        return len(event.arguments) + len(event.id or "") + len(event.name or "")
     return 0

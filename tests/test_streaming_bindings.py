@@ -511,6 +511,45 @@ def test_stall_fails_within_the_idle_timeout(target: Target) -> None:
         assert wait_disconnected(target.fake)
 
 
+@pytest.mark.parametrize(
+    "trickle",
+    [b": keep-alive\n", b"\n", b"data: x", b":"],
+    ids=["comments", "blank-lines", "a-line-that-never-ends", "bytes-of-a-comment"],
+)
+def test_bytes_without_a_complete_event_are_a_stall(http_target: Target, trickle: bytes) -> None:
+    """Idle means no complete event: a provider trickling bytes every 20 ms is still idle."""
+    started = time.monotonic()
+    outcome = Stream(PARTS, stall_after=2, trickle=trickle, trickle_s=0.02)
+    events, error = http_target.attempt(outcome, idle_timeout_s=0.3)
+    elapsed = time.monotonic() - started
+    assert error is not None
+    assert (error.status, error.note) == (None, "stream stalled")
+    assert texts(events) == ["The ", "quick "]
+    assert 0.25 <= elapsed < 2.0
+    assert wait_disconnected(http_target.fake)
+
+
+def test_a_slow_consumer_is_not_a_stall(http_target: Target) -> None:
+    """Time the consumer holds the stream is not the provider's: events that came promptly are
+    no stall, however long the consumer takes with each."""
+    http_target.script(Stream(PARTS))
+
+    async def slowly() -> list[StreamEvent]:
+        binding = http_target.factory(idle_timeout_s=0.2)
+        received = []
+        try:
+            async for event in binding.stream(http_target.model, INPUTS):
+                received.append(event)
+                await asyncio.sleep(0.3)
+        finally:
+            await binding.aclose()
+        return received
+
+    events = asyncio.run(slowly())
+    assert "".join(texts(events)) == WHOLE_TEXT
+    only_end(events)
+
+
 def test_stall_before_the_answer_head(http_target: Target) -> None:
     """No byte at all for the idle timeout is a stall too (the first-byte wait included)."""
     error = http_target.failure(Hang(), idle_timeout_s=0.2)

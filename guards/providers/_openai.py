@@ -96,7 +96,8 @@ class OpenAICompatible:
     string in JSON mode) is `AIResult.response`; `model` is the model that served.
 
     `stream` sends the same request with `"stream": true` and usage included. A stream with no
-    byte for `idle_timeout_s` fails as stalled. Behind Cloudflare AI Gateway, a stream whose
+    complete event for `idle_timeout_s` fails as stalled (comments, blank lines and part of a
+    line do not count). Behind Cloudflare AI Gateway, a stream whose
     answer carries `cf-aig-run-id` survives up to `max_reconnects` cuts by resuming from
     `{resume_base}/run/{id}/resume`; `resume_base` defaults to `base_url` without its trailing
     `/compat` (the gateway's compat endpoint), and to no resume for any other `base_url`.

@@ -46,7 +46,8 @@ class WorkersAI:
     and closes it in `aclose`. Bodies are read up to `max_body_bytes` (while streaming: each
     event, and each line).
 
-    Streaming (`stream`): a stream with no byte for `idle_timeout_s` fails as stalled. With
+    Streaming (`stream`): a stream with no complete event for `idle_timeout_s` fails as stalled
+    (comments, blank lines and part of a line do not count). With
     `resume_base` set (an AI Gateway address, `{gateway}/v1/{account}/{gateway_id}`), a stream
     whose answer carries `cf-aig-run-id` survives up to `max_reconnects` cuts by resuming from
     `{resume_base}/run/{id}/resume`; without it, a cut fails the stream.
