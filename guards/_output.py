@@ -22,6 +22,8 @@ __all__ = ["Moderation", "OutputGuard"]
 
 #: A moderation hook: receives the validated output, returns True to block it.
 Moderation = Callable[[Any], bool | Awaitable[bool]]
+#: The most validation errors a `schema_invalid` detail names (by location and type).
+_LISTED_ERRORS = 20
 
 
 class OutputGuard:
@@ -65,8 +67,15 @@ class OutputGuard:
                 return validator.validate_json(unfenced(answer))
             return validator.validate_python(answer)
         except ValidationError as exc:
-            # Only error locations and types: the input values may echo the prompt.
-            where = ", ".join(sorted({_loc(e["loc"]) + e["type"] for e in exc.errors()}))[:200]
+            # Only error locations and types: the input values may echo the prompt. An answer
+            # can hold an error per item of a long array (half a million in 1 MiB), and listing
+            # them all takes seconds: past a few, only their number is told.
+            count = exc.error_count()
+            if count > _LISTED_ERRORS:
+                where = f"{count} errors"
+            else:
+                errors = exc.errors(include_url=False, include_context=False, include_input=False)
+                where = ", ".join(sorted({_loc(e["loc"]) + e["type"] for e in errors}))[:200]
             raise GuardTripped(Reason.schema_invalid, f"answer does not match the schema ({where})") from None
 
 

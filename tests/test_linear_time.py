@@ -146,6 +146,34 @@ def test_output_guard_checks_a_text_answer_in_linear_time(
     assert responses[0].status_code in (200, 502)
 
 
+def test_an_answer_with_an_error_per_item_is_checked_in_linear_time() -> None:
+    """Half a million invalid items in 1 MiB: pydantic reports an error for each, and the
+    output guard must not spend seconds listing them (it names only their number)."""
+    guards = Guards(ReadyBinding())
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/labels")
+    @guards.route(model=MODEL, fallback=[])
+    async def labels(ai: AI[list[Label]]) -> list[Label]:
+        return await ai.run({"prompt": "label"})
+
+    guards.binding.answer = "[" + "1," * (MIB // 2 - 1) + "1]"  # type: ignore[attr-defined]
+
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/labels")
+
+    responses: list[httpx.Response] = []
+    assert_linear(lambda: responses.append(asyncio.run(call())))
+    fallback = responses[0].json()["fallback"]
+    assert (fallback["reason"], fallback["detail"]) == (
+        "schema_invalid",
+        f"answer does not match the schema ({MIB // 2} errors)",
+    )
+
+
 # --- the example app: its moderation, its fallback, its input patterns ------------------------
 
 #: Texts that are worst cases for the e-mail and phone patterns of `/summary`'s moderation.
