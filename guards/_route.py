@@ -397,9 +397,10 @@ def _attribution(ai: AI[Any], mode: str) -> list[tuple[bytes, bytes]]:
 def _header_value(text: str) -> bytes:
     # A served-model name comes from the provider: keep it a short, printable ASCII token.
     # The same few names come back on every request: each is cleaned once (bounded cache).
+    text = text[:200]  # all that is sent: the cache keys on it alone, whatever the name's size
     value = _header_values.get(text)
     if value is None:
-        clean = text[:200]
+        clean = text
         if not (clean.isascii() and clean.isprintable() and " " not in clean):
             clean = _UNSAFE_HEADER.sub("?", clean)
         if len(_header_values) >= 256:
