@@ -199,6 +199,8 @@ def create_app(
         timeout_s=settings.ai_timeout_s,
         breaker=breaker,
         name="draft_reply_stream",
+        stream_max_s=settings.ai_stream_max_s,
+        stream_max_chars=settings.ai_stream_max_chars,
     )
     async def draft_reply_stream(body: DraftRequest, ai: AI[str]) -> EventStream:
         """Stream a reply to a customer message as Server-Sent Events. Strict: a failure before
@@ -261,10 +263,13 @@ def make_binding(settings: Settings, provider: str) -> Binding:
             account_id=settings.cloudflare_account_id,
             api_token=settings.cloudflare_api_token.get_secret_value(),
             base_url=settings.cloudflare_api_base,
+            idle_timeout_s=settings.ai_stream_idle_timeout_s,
         )
     if provider == "openai":
         return OpenAICompatible(
-            api_key=settings.openai_api_key.get_secret_value() or None, base_url=settings.openai_base_url
+            api_key=settings.openai_api_key.get_secret_value() or None,
+            base_url=settings.openai_base_url,
+            idle_timeout_s=settings.ai_stream_idle_timeout_s,
         )
     return OfflineModel()
 

@@ -31,6 +31,12 @@ class Settings(BaseSettings):
     ai_fallback_models: str = ""
     ai_attribution: Literal["off", "redacted", "detailed"] = "detailed"
     ai_timeout_s: float = Field(default=8.0, gt=0)
+    #: A stream with no complete event for this long fails as stalled (the adapters' idle limit).
+    ai_stream_idle_timeout_s: float = Field(default=30.0, gt=0)
+    #: A streamed answer ends with the `error` event this long after the request began...
+    ai_stream_max_s: float = Field(default=300.0, gt=0)
+    #: ...or before its output passes this many characters.
+    ai_stream_max_chars: int = Field(default=1 << 20, ge=1)
     daily_call_limit: int = Field(default=20, ge=1)
     rate_limit_per_minute: int = Field(default=60, ge=1)
     breaker_failure_threshold: int = Field(default=5, ge=1)

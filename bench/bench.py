@@ -49,7 +49,7 @@ from guards import (
     TextDelta,
     header_key,
 )
-from guards.providers import WorkersAI
+from guards.providers import SSEParser, WorkersAI
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
 MODEL = "@cf/bench/model"
@@ -75,7 +75,7 @@ def scope_for(user: str) -> dict[str, Any]:
 
 
 def guarded_endpoint(
-    fake: FakeBinding | ConstantBinding, store: Store | None = None
+    fake: FakeBinding | ConstantBinding | ReadyAnswer, store: Store | None = None
 ) -> tuple[Callable[..., Awaitable[Any]], str, str]:
     guards = Guards(fake, store=store)
 
@@ -457,6 +457,102 @@ async def stream_figures(server: FakeWorkersAI) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+MIB = 1 << 20
+#: 1 MiB answers that are worst cases for a JSON-mode answer's check (code fences, nesting,
+#: long strings); the first took minutes with the code-fence regex of the output guard.
+WORST_ANSWERS = (
+    "```\n" + "\n" * (MIB - 4),
+    "```json" + " " * (MIB - 9) + "\nx",
+    "```\n" * (MIB // 4),
+    "[" * MIB,
+    '{"label": "' + "a" * (MIB - 30) + '", "confidence": 0.5}',
+)
+#: 1 MiB event streams that are worst cases for the SSE parser, and the piece size they arrive
+#: in: one unterminated line trickled in small pieces, CRLFs split across pieces, blank lines.
+WORST_STREAMS = (
+    (b"data: " + b"x" * (MIB - 8), 16),
+    (b"data: a\r\n\r\n" * (MIB // 11), 64),
+    (b"\n" * MIB, 4096),
+)
+
+
+class ReadyAnswer:
+    """A binding that answers with one ready text."""
+
+    def __init__(self) -> None:
+        self.answer = ""
+
+    async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
+        return AIResult(self.answer, model=model)
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def worst_answer_check() -> float:
+    """The slowest of the 1 MiB worst cases through a guarded JSON-mode route (the output
+    guard's unwrapping and validation, and the rest of the route), CPU time per request,
+    median of rounds, in seconds."""
+    binding = ReadyAnswer()
+    endpoint, request_param, response_param = guarded_endpoint(binding)
+    logging.getLogger("guards").setLevel(logging.WARNING)
+    worst = 0.0
+    for answer in WORST_ANSWERS:
+        binding.answer = answer
+        samples = []
+        for _ in range(ROUNDS):
+            gc.collect()
+            start = time.process_time()
+            await endpoint(**{request_param: Request(scope_for("bench")), response_param: Response()})
+            samples.append(time.process_time() - start)
+        worst = max(worst, statistics.median(samples))
+    logging.getLogger("guards").setLevel(logging.NOTSET)
+    return worst
+
+
+async def list_errors_check() -> float:
+    """A route whose output is a list of objects, answered with half a million invalid items in
+    1 MiB (an error for each): CPU time per request, median of rounds, in seconds. The cost is
+    pydantic-core validating and counting the errors; the output guard lists none of them."""
+    binding = ReadyAnswer()
+    binding.answer = "[" + "1," * (MIB // 2 - 1) + "1]"
+    guards = Guards(binding)
+
+    @guards.route(model=MODEL, breaker=None)
+    async def labels(ai: AI[list[Label]]) -> list[Label]:
+        return await ai.run(INPUTS)
+
+    params = inspect.signature(labels).parameters.values()
+    request_param = next(p.name for p in params if p.annotation is Request)
+    response_param = next(p.name for p in params if p.annotation is Response)
+    logging.getLogger("guards").setLevel(logging.WARNING)
+    samples = []
+    for _ in range(ROUNDS):
+        gc.collect()
+        start = time.process_time()
+        await labels(**{request_param: Request(scope_for("bench")), response_param: Response()})
+        samples.append(time.process_time() - start)
+    logging.getLogger("guards").setLevel(logging.NOTSET)
+    return statistics.median(samples)
+
+
+def worst_sse_parse() -> float:
+    """The slowest of the 1 MiB worst-case streams through `SSEParser`, CPU time, median of
+    rounds, in seconds."""
+    worst = 0.0
+    for body, size in WORST_STREAMS:
+        pieces = [body[i : i + size] for i in range(0, len(body), size)]
+        samples = []
+        for _ in range(ROUNDS):
+            parser = SSEParser(max_event_bytes=2 * MIB)
+            start = time.process_time()
+            for piece in pieces:
+                parser.feed(piece)
+            samples.append(time.process_time() - start)
+        worst = max(worst, statistics.median(samples))
+    return worst
+
+
 def main() -> None:
     figures = asyncio.run(measure(FakeBinding(Reply({"label": "billing", "confidence": 0.9}))))
     bare, guarded, logged = figures["bare"], figures["guarded"], figures["logged"]
@@ -473,6 +569,11 @@ def main() -> None:
     print(f"single_model_call_us = {skip['single']:.2f} us")
     print(f"chain_skip_two_call_us = {skip['chain']:.2f} us")
     print(f"chain_skip_ratio = {skip['chain'] / skip['single']:.2f} x")
+
+    # Hostile text: a 1 MiB answer is checked in well under 50 ms whatever it holds.
+    print(f"answer_check_1mib_worst_ms = {asyncio.run(worst_answer_check()) * 1e3:.1f} ms")
+    print(f"answer_check_1mib_list_errors_ms = {asyncio.run(list_errors_check()) * 1e3:.1f} ms")
+    print(f"sse_parse_1mib_worst_ms = {worst_sse_parse() * 1e3:.1f} ms")
 
     with FakeWorkersAI() as server:
         stream = asyncio.run(stream_figures(server))

@@ -4,7 +4,7 @@
 cooldowns and open breakers skip a model without a call, the budget is charged once before the
 first call, each call is classified (retry, next model, or stop), and every call is accounted
 for (metrics, the usage ledger, the spend cap). `stream` relays a committed model's events as
-Server-Sent Events (see `guards.EventStream`).
+Server-Sent Events (see `guards.EventStream`; the relay itself is `guards._relay`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import functools
 import logging
 import time
 import typing
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -29,19 +28,12 @@ from ._classify import Classification, Kind, classify
 from ._deadline import Deadline
 from ._envelope import ErrorCode, Reason
 from ._errors import ConfigurationError, GuardTripped, ProviderError
-from ._event_stream import EventStream, delta, encode, end_data, sse
+from ._event_stream import EventStream, end_data
 from ._ledger import Attempt
 from ._log import emit, emit_warning, logger
 from ._metrics import SKIPS, STORE_UNAVAILABLE, counter, flush_soon
-from ._stream import (
-    ReasoningDelta,
-    StreamEnd,
-    StreamEvent,
-    StreamingBinding,
-    TextDelta,
-    ToolCallDelta,
-    is_output,
-)
+from ._relay import Opened, Relayed, no_events, open_stream, relay
+from ._stream import StreamEnd, StreamingBinding, TextDelta
 from .stores import Charge, Report, Step, StoreUnavailable
 
 if typing.TYPE_CHECKING:
@@ -175,18 +167,19 @@ class AI(Generic[T]):
         recovery call to the same model, within the attempt budget. Once output arrives the
         model is fixed: a later failure ends the stream with an `error` event (`stream
         interrupted after output`), never another model and never a replay. The route's
-        deadline bounds the wait for the first output; the binding's idle timeout each wait
-        after that.
+        deadline bounds the wait for the first output; after it, the binding's idle timeout
+        (no complete event), and the route's `stream_max_s` (since the request began) and
+        `stream_max_chars` (output characters), which end the stream with an `error` event.
         """
         route = self._route
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
         leg, opened, probe, record_success = await self._walk(
-            inputs, lambda leg: functools.partial(_open_stream, self._streaming(leg))
+            inputs, lambda leg: functools.partial(open_stream, self._streaming(leg))
         )
         if opened.committed:
             self._served(leg, opened.model)
-            return EventStream(self._relay(leg, opened, probe, record_success))
+            return self._relayed(leg, opened, probe, record_success)
         # Complete, and nothing in it: the model answered, just not with anything.
         end = opened.end
         if end is not None and end.finish_reason == "content_filter":
@@ -197,13 +190,13 @@ class AI(Generic[T]):
         result = await self._recover(leg, inputs, probe, record_success)
         text = await route.output.check(result)
         self._served(leg, result.model)
-        recovered = _Opened(
-            iter_events=_no_events(),
+        recovered = Opened(
+            iter_events=no_events(),
             first=[TextDelta(str(text))],
             end=StreamEnd(finish_reason="stop", usage=result.usage, model=result.model),
             started=time.perf_counter(),
         )
-        return EventStream(self._relay(leg, recovered, None, False, recorded=True))
+        return self._relayed(leg, recovered, None, False, recorded=True)
 
     async def _walk(
         self, inputs: Mapping[str, Any], call_for: Callable[[Leg], Call[R]]
@@ -392,71 +385,41 @@ class AI(Generic[T]):
         await self._finish_leg(leg, Outcome.success, probe, record_success)
         return result
 
-    async def _relay(
-        self, leg: Leg, opened: _Opened, probe: float | None, record_success: bool, *, recorded: bool = False
-    ) -> AsyncIterator[bytes]:
-        """The body of an `EventStream`: the committed attempt's events, then `done` or
-        `error`. Records the attempt (ledger, metrics), the breaker outcome, the spend and the
-        request's outcome when the stream ends, however it ends."""
-        route = self._route
-        delivered = 0
-        end: StreamEnd | None = opened.end
-        kind = "ok"
-        outcome = Outcome.success
-        failure: GuardTripped | None = None
-        try:
-            for event in opened.first:
-                delivered += _chars(event)
-                yield encode(event)
-            if end is None:
-                async for event in opened.iter_events:
-                    if type(event) is TextDelta:  # the hot path: one per token
-                        delivered += len(event.text)
-                        yield delta(event.text)
-                        continue
-                    if isinstance(event, StreamEnd):
-                        end = event
-                        break
-                    delivered += _chars(event)
-                    yield encode(event)
-                else:
-                    raise ProviderError(leg.ref.provider or "provider", note="stream truncated")
-        except Exception as error:
-            verdict = classify(error)
-            kind, outcome = verdict.kind.value, Outcome.failure
-            failure = GuardTripped(
-                Reason.provider_error,
-                "stream interrupted after output",
-                kind=verdict.kind,
-                attempts=self.attempts,
-                model=leg.ref.key,
-            )
-            yield sse("error", self._error_data(failure))
-        except BaseException:
-            # The client left (or the server is stopping): no verdict on the model; what was
-            # delivered is recorded, nothing more is fetched or billed.
-            kind, outcome = Kind.cancelled.value, Outcome.released
-            with anyio.CancelScope(shield=True):
-                self._stream_done(leg, opened, kind, end, delivered, recorded)
-                await self._finish_leg(leg, outcome, probe, record_success)
-                finish_request(route, self, self._started, "cancelled", 200)
-            raise
-        else:
-            if end is not None and end.finish_reason == "content_filter":
-                failure = GuardTripped(
-                    Reason.moderation_blocked, "the provider filtered the stream", model=leg.ref.key
-                )
-                yield sse("error", self._error_data(failure))
+    def _relayed(
+        self, leg: Leg, opened: Opened, probe: float | None, record_success: bool, *, recorded: bool = False
+    ) -> EventStream:
+        """The response relaying a committed attempt (see `guards._relay`); when it ends, the
+        attempt (ledger, metrics), the breaker outcome, the spend and the request's outcome
+        are recorded, however it ends."""
+
+        async def ended(relayed: Relayed) -> None:
+            self._stream_done(leg, opened, relayed.kind, relayed.end, relayed.delivered, recorded)
+            await self._finish_leg(leg, relayed.outcome, probe, record_success)
+            if relayed.outcome is Outcome.released:
+                finish_request(self._route, self, self._started, "cancelled", 200)
             else:
-                if end is not None and end.model:
-                    self.model = end.model  # the provider names the model that served at the end
-                yield sse("done", self._done_data(end))
-        self._stream_done(leg, opened, kind, end, delivered, recorded)
-        await self._finish_leg(leg, outcome, probe, record_success)
-        finish_request(route, self, self._started, "error" if failure else "ok", 200, tripped=failure)
+                outcome = "error" if relayed.failure is not None else "ok"
+                finish_request(self._route, self, self._started, outcome, 200, tripped=relayed.failure)
+
+        route = self._route
+        # The stream's time limit counts from the request's start, in event-loop time.
+        left_s = route.stream_max_s - (time.perf_counter() - self._started)
+        return EventStream(
+            relay(
+                opened,
+                provider=leg.ref.provider or "provider",
+                model=leg.ref.key,
+                deadline=asyncio.get_running_loop().time() + left_s,
+                max_s=route.stream_max_s,
+                max_chars=route.stream_max_chars,
+                done=self._done_data,
+                error=self._error_data,
+                ended=ended,
+            )
+        )
 
     def _stream_done(
-        self, leg: Leg, opened: _Opened, kind: str, end: StreamEnd | None, delivered: int, recorded: bool
+        self, leg: Leg, opened: Opened, kind: str, end: StreamEnd | None, delivered: int, recorded: bool
     ) -> None:
         """Account for the committed stream attempt once it ended (its ledger record)."""
         if not recorded:
@@ -473,6 +436,8 @@ class AI(Generic[T]):
             )
 
     def _done_data(self, end: StreamEnd | None) -> dict[str, Any]:
+        if end is not None and end.model:
+            self.model = end.model  # the provider names the model that served at the end
         detailed = self._guards.attribution == "detailed"
         data = end_data(end)
         data.update(
@@ -617,13 +582,13 @@ class AI(Generic[T]):
 
     def _on_attempt(self, attempt: int, outcome: Any, started: float) -> None:
         """Count one provider call: attempts, metrics, the usage ledger and its cost. A stream
-        that reached its first output is accounted for when it ends (see `_relay`)."""
+        that reached its first output is accounted for when it ends (see `_relayed`)."""
         self.attempts += 1
         leg = self._leg
         elapsed = time.perf_counter() - started
         if isinstance(outcome, AIResult):
             self._account(leg, "ok", outcome.usage, outcome.model or leg.ref.model, elapsed, billed=True)
-        elif isinstance(outcome, _Opened):
+        elif isinstance(outcome, Opened):
             if not outcome.committed:  # complete and empty: accounted now
                 end = outcome.end
                 usage = end.usage if end is not None else None
@@ -840,64 +805,6 @@ class AI(Generic[T]):
             kind=verdict.kind.value,
             delay_ms=round(delay_s * 1000, 1),
         )
-
-
-@dataclass(slots=True, eq=False)
-class _Opened:
-    """A stream opened by one attempt, read up to its first output part (or its end)."""
-
-    iter_events: AsyncIterator[StreamEvent]
-    #: The events read so far: the attempt's preamble and its first output part.
-    first: list[StreamEvent]
-    end: StreamEnd | None
-    started: float
-    model: str | None = None
-
-    @property
-    def committed(self) -> bool:
-        return any(is_output(event) for event in self.first)
-
-
-async def _open_stream(binding: StreamingBinding, model: str, inputs: Mapping[str, Any]) -> _Opened:
-    """One streaming attempt, up to the commit point: read until the first output part (the
-    attempt succeeds), the end of a stream that had none, or a failure (raised, like `run`;
-    the preamble read so far is dropped with the attempt)."""
-    started = time.perf_counter()
-    events = binding.stream(model, inputs)
-    first: list[StreamEvent] = []
-    try:
-        async for event in events:
-            if isinstance(event, StreamEnd):  # complete, without output
-                await _aclose(events)
-                return _Opened(events, first, event, started, model=event.model)
-            first.append(event)
-            if is_output(event):
-                return _Opened(events, first, None, started)
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await _aclose(events)
-        raise
-    await _aclose(events)
-    raise ProviderError("provider", note="stream truncated")
-
-
-async def _aclose(events: AsyncIterator[StreamEvent]) -> None:
-    aclose = getattr(events, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
-async def _no_events() -> AsyncIterator[StreamEvent]:
-    return
-    yield  # pragma: no cover
-
-
-def _chars(event: StreamEvent) -> int:
-    if isinstance(event, TextDelta | ReasoningDelta):
-        return len(event.text)
-    if isinstance(event, ToolCallDelta):
-        return len(event.arguments)
-    return 0
 
 
 def _worst(leg: Leg, input_tokens: int, max_tokens: int | None) -> float:

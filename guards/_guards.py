@@ -27,6 +27,7 @@ from ._log import emit, logger
 from ._metrics import flush_metrics
 from ._openapi import document_guarded_routes
 from ._output import Moderation
+from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
 from ._route import _NO_FALLBACK, guard_route, handler_entered, request_trace_id, route_of
 from .stores import MemoryStore, Store
@@ -107,6 +108,8 @@ class Guards:
         moderation: Moderation | None = None,
         name: str | None = None,
         max_tokens: int | None = None,
+        stream_max_s: float = DEFAULT_STREAM_MAX_S,
+        stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -129,6 +132,11 @@ class Guards:
           Without it the route is *strict* and answers public errors.
         - `moderation`: a hook given the validated output; returning True blocks it.
         - `max_tokens`: sent with each call unless the inputs set it; required with a spend cap.
+        - `stream_max_s`, `stream_max_chars`: a streamed answer (`ai.stream`) ends with the
+          `error` event once this long has passed since the request began (`call`/`timeout`),
+          or before its output (text, reasoning, tool calls) would pass this many characters
+          (`call`/`provider_error`); the provider's stream is closed at that moment. Defaults:
+          300 s and 1 MiB (1,048,576) characters, the body cap of a whole answer.
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -148,6 +156,8 @@ class Guards:
                 moderation=moderation,
                 name=name,
                 max_tokens=max_tokens,
+                stream_max_s=stream_max_s,
+                stream_max_chars=stream_max_chars,
             )
             return endpoint  # type: ignore[return-value]
 

@@ -50,6 +50,7 @@ from ._metrics import (
     histogram,
 )
 from ._output import Moderation, OutputGuard
+from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response, public_error
 
 if typing.TYPE_CHECKING:
@@ -136,6 +137,9 @@ class GuardedRoute:
     #: True when the route answers an `EventStream` (Server-Sent Events).
     streaming: bool
     metrics: RouteMetrics
+    #: A streamed answer's limits: seconds since the request began, characters of output.
+    stream_max_s: float = DEFAULT_STREAM_MAX_S
+    stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS
 
     @property
     def degrading(self) -> bool:
@@ -163,6 +167,8 @@ def guard_route(
     moderation: Moderation | None,
     name: str | None,
     max_tokens: int | None,
+    stream_max_s: float = DEFAULT_STREAM_MAX_S,
+    stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
@@ -173,6 +179,8 @@ def guard_route(
         raise ConfigurationError("a guarded route needs a model id")
     if max_tokens is not None and max_tokens < 1:
         raise ConfigurationError("max_tokens must be at least 1")
+    if not stream_max_s > 0 or stream_max_chars < 1:
+        raise ConfigurationError("stream_max_s must be positive and stream_max_chars at least 1")
     route_name = name or handler.__name__
     chain = flatten_chain([model, *fallbacks], profiles=guards.profiles, providers=guards.providers)
     for problem in chain.problems:
@@ -268,6 +276,8 @@ def guard_route(
         spend_capped=spend_capped,
         streaming=streaming,
         metrics=RouteMetrics(route_name),
+        stream_max_s=stream_max_s,
+        stream_max_chars=stream_max_chars,
     )
     envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]
 
@@ -387,9 +397,10 @@ def _attribution(ai: AI[Any], mode: str) -> list[tuple[bytes, bytes]]:
 def _header_value(text: str) -> bytes:
     # A served-model name comes from the provider: keep it a short, printable ASCII token.
     # The same few names come back on every request: each is cleaned once (bounded cache).
+    text = text[:200]  # all that is sent: the cache keys on it alone, whatever the name's size
     value = _header_values.get(text)
     if value is None:
-        clean = text[:200]
+        clean = text
         if not (clean.isascii() and clean.isprintable() and " " not in clean):
             clean = _UNSAFE_HEADER.sub("?", clean)
         if len(_header_values) >= 256:

@@ -12,10 +12,15 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from fastapi import FastAPI
 
-from fixtures import FakeOpenAI, FakeWorkersAI, Hang, Reply
-from guards import AIResult, Binding
+from app.main import create_app
+from fixtures import FakeOpenAI, FakeWorkersAI, Hang, Raw, Reply
+from fixtures.script import openai_wire, workers_ai_wire
+from guards import AIResult, Binding, Kind, ProviderError, classify
 from guards.providers import OpenAICompatible, WorkersAI
+
+from .conftest import assert_error, workers_ai_settings
 
 INPUTS: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hello."}]}
 
@@ -124,3 +129,61 @@ def test_aclose_leaves_a_shared_client_open(provider: Provider) -> None:
 
     asyncio.run(scenario())
     assert len(provider.server.calls) == 2
+
+
+# --- redirects ----------------------------------------------------------------------------------
+
+
+def redirect(provider: Provider, status: int) -> Raw:
+    """A redirect carrying a valid success answer, to the very address that was called (where
+    the next scripted answer would be served, were it followed)."""
+    server, model = provider.server, provider.model
+    if isinstance(server, FakeOpenAI):
+        _, _, body = openai_wire(Reply("redirected"), model)
+        location = f"{server.base_url}/chat/completions"
+    else:
+        _, _, body = workers_ai_wire(Reply("redirected"))
+        location = f"{server.base_url}/accounts/{server.account_id}/ai/run/{model}"
+    return Raw(status, body, "application/json", {"location": location})
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize("streaming", [False, True], ids=["run", "stream"])
+@pytest.mark.parametrize("follow", [False, True], ids=["default-client", "client-that-follows"])
+def test_a_redirect_is_a_failure_never_followed(
+    provider: Provider, status: int, streaming: bool, follow: bool
+) -> None:
+    """Any 3xx is `model_unavailable`: not parsed as success (even with a success body), not
+    followed (even by a client made to follow redirects)."""
+    server, model = provider.server, provider.model
+    server.script(model, redirect(provider, status), Reply("followed"))
+
+    async def call(binding: Any) -> None:
+        if streaming:
+            async for _ in binding.stream(model, INPUTS):
+                pass
+        else:
+            await binding.run(model, INPUTS)
+
+    async def scenario() -> ProviderError:
+        async with httpx.AsyncClient(follow_redirects=follow) as client:
+            with pytest.raises(ProviderError) as info:
+                await call(provider.binding(client=client))
+            return info.value
+
+    error = asyncio.run(scenario())
+    assert error.status == status
+    assert classify(error).kind is Kind.model_unavailable
+    assert len(server.calls) == 1
+
+
+def test_a_redirect_over_http_is_model_unavailable(
+    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+) -> None:
+    client = serve(create_app(workers_ai_settings(fake_workers_ai, ai_model="@cf/m")))
+    provider = Provider(fake_workers_ai, "@cf/m", lambda **_: WorkersAI(account_id="a", api_token="t"))
+    for path in ("/draft-reply", "/draft-reply/stream"):
+        fake_workers_ai.reset()
+        fake_workers_ai.script("@cf/m", redirect(provider, 307), Reply("followed"))
+        assert_error(client.post(path, json={"message": "Hi"}), 503, "model_unavailable", False)
+        assert len(fake_workers_ai.calls) == 1

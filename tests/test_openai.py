@@ -414,6 +414,9 @@ def test_json_mode_not_met_behind_a_compatible_endpoint(fake_openai: FakeOpenAI)
         pytest.param("20", "soon", 20.0, id="unreadable-milliseconds-ignored"),
         pytest.param("20", "nan", 20.0, id="nan-milliseconds-ignored"),
         pytest.param("inf", None, None, id="infinite-seconds-ignored"),
+        pytest.param("1e300", None, 86_400.0, id="seconds-capped-at-a-day"),
+        pytest.param(None, "9" * 300, 86_400.0, id="milliseconds-capped-at-a-day"),
+        pytest.param("-5", None, 0.0, id="negative-is-now"),
         pytest.param(None, None, None, id="none"),
     ],
 )

@@ -3,6 +3,7 @@ never reach a response (other than the reply a route is meant to return) or a lo
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,8 +13,8 @@ import pytest
 from fastapi import FastAPI
 
 from app.main import create_app
-from app.settings import SettingsError, load_settings
-from fixtures import Drop, Fail, FakeWorkersAI, Hang, ManualClock, Raw, Reply, Stream, Text
+from app.settings import Settings, SettingsError, load_settings
+from fixtures import Drop, Fail, FakeOpenAI, FakeWorkersAI, Hang, ManualClock, Raw, Reply, Stream, Text
 
 from .conftest import LogLines, no_sleep, workers_ai_settings
 
@@ -144,3 +145,63 @@ def test_settings_errors_name_variables_not_values(monkeypatch: pytest.MonkeyPat
         load_settings()
     assert "AI_TIMEOUT_S" in str(invalid.value)
     assert TOKEN not in str(invalid.value)
+
+
+# --- identifiers a provider sends ---------------------------------------------------------------
+
+#: A served-model name (and finish reason) as a hostile provider could send it: control
+#: characters, a line break, the canary past the first 200 characters, 900 KB in all.
+HOSTILE_NAME = "gpt-\x1b[31m\u2028\n\r\t" + "x" * 300 + PROVIDER + "y" * 900_000
+
+
+@pytest.fixture
+def openai_client(serve: Callable[[FastAPI], httpx.Client], fake_openai: FakeOpenAI) -> httpx.Client:
+    settings = Settings(
+        ai_provider="openai",
+        openai_base_url=fake_openai.base_url,
+        openai_api_key=fake_openai.api_key or "",
+        ai_model="gpt-4o-mini",
+        breaker_failure_threshold=1000,
+    )
+    return serve(create_app(settings, sleep=no_sleep))
+
+
+def assert_bounded_identifier(value: str) -> None:
+    assert 0 < len(value) <= 200
+    assert value.isprintable()
+    assert PROVIDER not in value
+
+
+def test_provider_identifiers_are_bounded_and_printable(
+    openai_client: httpx.Client, fake_openai: FakeOpenAI, all_logs: LogLines
+) -> None:
+    """Over real HTTP: the name a provider gives the model that served (in an answer, in a
+    stream's chunks) and its finish reason reach the response body, `x-ai-model`, the `done`
+    event and the log lines (request, attempt) cut to 200 printable characters."""
+    fake_openai.script("gpt-4o-mini", Reply("Hello.", model=HOSTILE_NAME))
+    plain = openai_client.post("/draft-reply", json={"message": "Hi"})
+    assert plain.status_code == 200
+    assert_bounded_identifier(plain.json()["model"])
+    assert_bounded_identifier(plain.headers["x-ai-model"])
+
+    fake_openai.script(
+        "gpt-4o-mini",
+        Stream(parts=(Text("Hel"), Text("lo.")), model=HOSTILE_NAME, finish_reason=HOSTILE_NAME[:50_000]),
+    )
+    streamed = openai_client.post("/draft-reply/stream", json={"message": "Hi"})
+    done = json.loads(streamed.text.rstrip().splitlines()[-1].removeprefix("data: "))
+    assert_bounded_identifier(done["model"])
+    assert_bounded_identifier(done["finish_reason"])
+    assert_bounded_identifier(streamed.headers["x-ai-model"])
+    assert len(streamed.content) < 2_000
+
+    assert len(fake_openai.calls) == 2
+    assert all_logs.wait_for(lambda: sum('"event":"request"' in line for line in all_logs.lines) >= 2)
+    for line in all_logs.lines:
+        assert len(line) < 2_000
+        assert PROVIDER not in line
+    attempts = [json.loads(line) for line in all_logs.lines if line.startswith('{"event":"attempt"')]
+    served = [attempt["served_model"] for attempt in attempts]
+    assert len(served) == 2
+    for name in served:
+        assert_bounded_identifier(name)

@@ -429,6 +429,10 @@ def test_declaration_errors_are_reported_at_start_up(guards: Guards) -> None:
         guards.route(model=MODEL, fallback={"name": "x"})(fine)
     with pytest.raises(ConfigurationError, match="model"):
         guards.route(model="")(fine)
+    with pytest.raises(ConfigurationError, match="stream_max_s"):
+        guards.route(model=MODEL, stream_max_s=0)(fine)
+    with pytest.raises(ConfigurationError, match="stream_max_chars"):
+        guards.route(model=MODEL, stream_max_chars=0)(fine)
     with pytest.raises(ValueError, match="at least 1"):
         Breaker(failure_threshold=0)
     with pytest.raises(ValueError, match="per_day"):

@@ -472,6 +472,17 @@ def test_partial_trailing_event_at_a_clean_eof_is_truncated(http_target: Target)
     assert texts(events) == ["a"]
 
 
+@pytest.mark.parametrize(
+    "marker", [b"[DONE] ", b"[DONE]\t", b"[DONE]  \r"], ids=["space", "tab", "spaces-cr"]
+)
+def test_the_end_marker_tolerates_trailing_whitespace(http_target: Target, marker: bytes) -> None:
+    """`data: [DONE] ` ends the stream, as the official OpenAI client reads it."""
+    body = b'data: {"response": "a", "choices": [{"delta": {"content": "a"}}]}\n\ndata: ' + marker + b"\n\n"
+    events = http_target.stream(Raw(200, body, "text/event-stream"))
+    assert texts(events) == ["a"]
+    only_end(events)
+
+
 def test_finish_reason_then_eof_is_complete(chunk_http_target: Target) -> None:
     """A stream that ends after a `finish_reason` is complete, without usage or `[DONE]`."""
     chunk = {"model": "m", "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
@@ -498,6 +509,45 @@ def test_stall_fails_within_the_idle_timeout(target: Target) -> None:
     assert 0.15 <= elapsed < 2.0
     if target.http:
         assert wait_disconnected(target.fake)
+
+
+@pytest.mark.parametrize(
+    "trickle",
+    [b": keep-alive\n", b"\n", b"data: x", b":"],
+    ids=["comments", "blank-lines", "a-line-that-never-ends", "bytes-of-a-comment"],
+)
+def test_bytes_without_a_complete_event_are_a_stall(http_target: Target, trickle: bytes) -> None:
+    """Idle means no complete event: a provider trickling bytes every 20 ms is still idle."""
+    started = time.monotonic()
+    outcome = Stream(PARTS, stall_after=2, trickle=trickle, trickle_s=0.02)
+    events, error = http_target.attempt(outcome, idle_timeout_s=0.3)
+    elapsed = time.monotonic() - started
+    assert error is not None
+    assert (error.status, error.note) == (None, "stream stalled")
+    assert texts(events) == ["The ", "quick "]
+    assert 0.25 <= elapsed < 2.0
+    assert wait_disconnected(http_target.fake)
+
+
+def test_a_slow_consumer_is_not_a_stall(http_target: Target) -> None:
+    """Time the consumer holds the stream is not the provider's: events that came promptly are
+    no stall, however long the consumer takes with each."""
+    http_target.script(Stream(PARTS))
+
+    async def slowly() -> list[StreamEvent]:
+        binding = http_target.factory(idle_timeout_s=0.2)
+        received = []
+        try:
+            async for event in binding.stream(http_target.model, INPUTS):
+                received.append(event)
+                await asyncio.sleep(0.3)
+        finally:
+            await binding.aclose()
+        return received
+
+    events = asyncio.run(slowly())
+    assert "".join(texts(events)) == WHOLE_TEXT
+    only_end(events)
 
 
 def test_stall_before_the_answer_head(http_target: Target) -> None:
@@ -773,15 +823,34 @@ def test_parser_reads_the_sample_whole() -> None:
 
 
 def test_parser_gives_the_same_events_for_every_split() -> None:
+    """Any cut, with or without an empty read at the cut (a CR's LF may come after it)."""
     for cut in range(len(SAMPLE) + 1):
         parser = SSEParser()
         assert parser.feed(SAMPLE[:cut]) + parser.feed(SAMPLE[cut:]) == EXPECTED, cut
+        parser = SSEParser()
+        events = parser.feed(SAMPLE[:cut]) + parser.feed(b"") + parser.feed(SAMPLE[cut:])
+        assert events == EXPECTED, cut
 
 
-def test_parser_gives_the_same_events_byte_by_byte() -> None:
+def test_parser_gives_the_same_events_for_every_two_cuts() -> None:
+    for first, second in itertools.combinations(range(len(SAMPLE) + 1), 2):
+        parser = SSEParser()
+        pieces = (SAMPLE[:first], b"", SAMPLE[first:second], b"", SAMPLE[second:])
+        assert [e for piece in pieces for e in parser.feed(piece)] == EXPECTED, (first, second)
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["bytes", "bytes-and-empty-reads"])
+def test_parser_gives_the_same_events_byte_by_byte(empty: bool) -> None:
     parser = SSEParser()
-    events = list(itertools.chain.from_iterable(parser.feed(SAMPLE[i : i + 1]) for i in range(len(SAMPLE))))
+    pieces = [piece for i in range(len(SAMPLE)) for piece in (SAMPLE[i : i + 1], b"")[: 1 + empty]]
+    events = list(itertools.chain.from_iterable(parser.feed(piece) for piece in pieces))
     assert events == EXPECTED
+
+
+def test_an_empty_read_between_cr_and_lf_changes_nothing() -> None:
+    parser = SSEParser()
+    events = parser.feed(b"data: a\r") + parser.feed(b"") + parser.feed(b"\ndata: b\n\n")
+    assert events == [SSEEvent("a\nb")]
 
 
 def test_parser_never_emits_an_unterminated_event() -> None:

@@ -7,6 +7,7 @@ and the HTTP status, and never the provider's own text.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -226,3 +227,32 @@ def test_repr_hides_the_token() -> None:
             await binding.aclose()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [(3040, 3040), (-1, -1), (10**12, None), (10**4000, None), (True, None), ("3040", None)],
+    ids=["code", "negative", "past-32-bits", "4000-digits", "boolean", "text"],
+)
+def test_error_codes_are_bounded_numbers(
+    fake_workers_ai: FakeWorkersAI, code: Any, expected: int | None
+) -> None:
+    """A provider's numeric code reaches `detail` and the logs: only a plausible code is kept."""
+    body = b'{"success": false, "errors": [{"code": %s, "message": "x"}]}' % json.dumps(code).encode()
+    error = failure_of(fake_workers_ai, Raw(429, body, "application/json"))
+    assert error.code == expected
+    assert len(error.describe()) < 100
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [-1, 2**53 + 1, 10**4000, 1.5, "7", None],
+    ids=["negative", "past-2**53", "4000-digits", "float", "text", "null"],
+)
+def test_implausible_token_counts_are_zero(fake_workers_ai: FakeWorkersAI, tokens: Any) -> None:
+    """Token counts feed spend caps (costs in floats) and the ledger: only integers from 0 to
+    2**53 are counted."""
+    usage = {"prompt_tokens": tokens, "completion_tokens": 5, "total_tokens": 5}
+    body = json.dumps({"success": True, "errors": [], "result": {"response": "hi", "usage": usage}}).encode()
+    result = run_once(fake_workers_ai, Raw(200, body, "application/json"))
+    assert result.usage == Usage(prompt_tokens=0, completion_tokens=5, total_tokens=5)

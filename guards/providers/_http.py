@@ -16,6 +16,8 @@ from .._errors import ProviderError
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "MAX_RETRY_AFTER_S",
+    "bounded_wait",
     "error_objects",
     "json_mode_not_met",
     "new_client",
@@ -27,6 +29,12 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+#: The longest wait a provider's `Retry-After` is read as (a daily quota resets within a day).
+MAX_RETRY_AFTER_S = 86_400.0
+#: Provider numbers outside these ranges are not numbers anyone sends: token counts past 2**53
+#: would overflow a cost computation in floats, codes past 32 bits are no known code.
+_MAX_TOKENS = 1 << 53
+_MAX_CODE = 1 << 31
 
 
 def new_client() -> httpx.AsyncClient:
@@ -43,7 +51,7 @@ def new_client() -> httpx.AsyncClient:
 async def read_capped(response: httpx.Response, provider: str, max_bytes: int) -> bytes:
     """Read a streamed response body, failing once it passes `max_bytes`."""
     declared = response.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > max_bytes:
+    if declared and declared.isascii() and declared.isdigit() and int(declared[:20]) > max_bytes:
         raise ProviderError(provider, status=response.status_code, note=f"body over {max_bytes} bytes")
     chunks, size = [], 0
     async for chunk in response.aiter_bytes():
@@ -60,8 +68,8 @@ def transport_error(provider: str, exc: httpx.HTTPError) -> ProviderError:
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """`Retry-After` as seconds (delta-seconds or an HTTP date); None when absent or unreadable
-    (`nan` and `inf` included: a wait must be a finite number)."""
+    """`Retry-After` as seconds (delta-seconds or an HTTP date), at most `MAX_RETRY_AFTER_S`;
+    None when absent or unreadable (`nan` and `inf` included: a wait must be a finite number)."""
     if not value:
         return None
     value = value.strip()
@@ -70,21 +78,33 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     except ValueError:
         pass
     else:
-        return max(0.0, seconds) if math.isfinite(seconds) else None
+        return bounded_wait(seconds)
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    return bounded_wait(when.timestamp() - (time.time() if now is None else now))
+
+
+def bounded_wait(seconds: float) -> float | None:
+    """A provider's wait in seconds, within 0 and `MAX_RETRY_AFTER_S`; None when not finite."""
+    return min(MAX_RETRY_AFTER_S, max(0.0, seconds)) if math.isfinite(seconds) else None
 
 
 def parse_usage(raw: Any) -> Usage | None:
     """`{prompt_tokens, completion_tokens, total_tokens}` (Workers AI and OpenAI agree); counts
-    that are not integers are left at 0, and anything but an object is no usage at all."""
+    that are not integers from 0 to 2**53 are left at 0, and anything but an object is no usage
+    at all."""
     if not isinstance(raw, dict):
         return None
     numbers = {k: raw.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    return Usage(**{k: v for k, v in numbers.items() if isinstance(v, int) and not isinstance(v, bool)})
+    return Usage(
+        **{
+            k: v
+            for k, v in numbers.items()
+            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_TOKENS
+        }
+    )
 
 
 def error_objects(found: Any) -> list[dict[str, Any]]:
@@ -95,9 +115,13 @@ def error_objects(found: Any) -> list[dict[str, Any]]:
 
 
 def numeric_code(errors: list[dict[str, Any]]) -> int | None:
-    """The first integer `code` of `errors` (Cloudflare's numeric codes, known to the classifier)."""
+    """The first integer `code` of `errors` (Cloudflare's numeric codes, known to the classifier);
+    a number past 32 bits is no code."""
     codes = (e.get("code") for e in errors)
-    return next((c for c in codes if isinstance(c, int) and not isinstance(c, bool)), None)
+    return next(
+        (c for c in codes if isinstance(c, int) and not isinstance(c, bool) and -_MAX_CODE <= c < _MAX_CODE),
+        None,
+    )
 
 
 def json_mode_not_met(errors: list[dict[str, Any]]) -> bool:

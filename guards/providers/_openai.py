@@ -5,7 +5,8 @@ One adapter for OpenAI itself, Cloudflare AI Gateway's `compat` endpoint, and lo
 into a chat completion request and the answer back into an `AIResult`.
 
 Every failure shape ends as a `ProviderError` carrying the HTTP status: an error status, an
-`{"error": {...}}` object (even with HTTP 200, also as an event of a stream), AI Gateway's
+`{"error": {...}}` object (even with HTTP 200, also as an event of a stream), a redirect (any
+3xx: never followed, its body never the answer), AI Gateway's
 `{"success": false, "error": [...]}` envelope, a 2xx without a usable choice, non-JSON bodies (a
 proxy's HTML page), oversized bodies and dropped connections; while streaming, also a cut body
 and a stall. Provider messages are read only to spot "JSON Mode couldn't be met"
@@ -20,7 +21,6 @@ No retries here and no sleeping: the call guard's classifier is the only retry p
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
@@ -32,6 +32,7 @@ from .._errors import ConfigurationError, ProviderError
 from .._stream import StreamEvent
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
+    bounded_wait,
     error_objects,
     json_mode_not_met,
     new_client,
@@ -41,6 +42,7 @@ from ._http import (
     read_capped,
     transport_error,
 )
+from ._identifiers import identifier
 from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_RECONNECTS, ChunkDecoder, stream_sse
 
 __all__ = ["OpenAICompatible"]
@@ -94,7 +96,8 @@ class OpenAICompatible:
     string in JSON mode) is `AIResult.response`; `model` is the model that served.
 
     `stream` sends the same request with `"stream": true` and usage included. A stream with no
-    byte for `idle_timeout_s` fails as stalled. Behind Cloudflare AI Gateway, a stream whose
+    complete event for `idle_timeout_s` fails as stalled (comments, blank lines and part of a
+    line do not count). Behind Cloudflare AI Gateway, a stream whose
     answer carries `cf-aig-run-id` survives up to `max_reconnects` cuts by resuming from
     `{resume_base}/run/{id}/resume`; `resume_base` defaults to `base_url` without its trailing
     `/compat` (the gateway's compat endpoint), and to no resume for any other `base_url`.
@@ -152,7 +155,13 @@ class OpenAICompatible:
         closes the streamed response, and with it the connection."""
         body = chat_request(model, inputs)
         try:
-            async with self._client.stream("POST", self._url, json=body, headers=self._headers) as response:
+            async with self._client.stream(
+                "POST",
+                self._url,
+                json=body,
+                headers=self._headers,
+                follow_redirects=False,  # a 3xx is a failure (model_unavailable), whatever the client
+            ) as response:
                 raw = await read_capped(response, self.provider, self._max_body_bytes)
         except httpx.HTTPError as exc:
             raise transport_error(self.provider, exc) from None
@@ -268,8 +277,9 @@ def _retry_hint(headers: httpx.Headers) -> float | None:
         except ValueError:
             pass
         else:
-            if math.isfinite(ms):
-                return max(0.0, ms / 1000)
+            wait = bounded_wait(ms / 1000)
+            if wait is not None:
+                return wait
     return parse_retry_after(headers.get("retry-after"))
 
 
@@ -284,7 +294,7 @@ def parse_chat_response(
     """Turn one chat completion HTTP answer into a result, or raise `ProviderError`."""
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         # The status decides (a proxy's HTML 502 is transient, a 200 of garbage is not).
         raise ProviderError(
             provider, status=status, retry_after_s=retry_after_s, note="non-JSON body"
@@ -304,11 +314,10 @@ def parse_chat_response(
             provider, status=status, retry_after_s=retry_after_s, note="no choice in the answer"
         )
     message: dict[str, Any] = choice["message"]
-    served = data.get("model")
     finish = choice.get("finish_reason")
     return AIResult(
         response=_content(message.get("content")),
-        model=served if isinstance(served, str) and served else model,
+        model=identifier(data.get("model")) or model,
         usage=parse_usage(data.get("usage")),
         tool_calls=tuple(t for t in message.get("tool_calls") or () if isinstance(t, dict)),
         # A refusal (structured outputs) is the model's own safety filter speaking.

@@ -39,13 +39,19 @@ class SSEEvent:
 
 class SSEParser:
     """`feed(chunk)` returns the events that chunk completed, in order. Feeding a body in any
-    split gives the same events as feeding it whole."""
+    split (empty chunks included) gives the same events as feeding it whole.
 
-    __slots__ = ("_data", "_event", "_max", "_pending", "_size", "_skip_lf", "_started")
+    Linear in the bytes fed, however they are split: only the new chunk is searched for line
+    ends, and an unterminated line is kept as its pieces, joined once when it ends (a provider
+    trickling one long line a byte at a time costs no more than sending it whole).
+    """
+
+    __slots__ = ("_data", "_event", "_max", "_pending", "_pending_size", "_size", "_skip_lf", "_started")
 
     def __init__(self, *, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
         self._max = max_event_bytes
-        self._pending = b""  # an unterminated line
+        self._pending: list[bytes] = []  # the pieces of an unterminated line (none empty)
+        self._pending_size = 0
         self._skip_lf = False  # the last read ended in CR: a LF opening the next one is its pair
         self._started = False  # past a possible byte order mark
         self._data: list[str] = []
@@ -59,26 +65,41 @@ class SSEParser:
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Parse `chunk`; raises `EventTooLarge` past the cap."""
+        if not chunk:  # nothing read: in particular, a CR's pairing LF may still come
+            return []
         if self._skip_lf:
             self._skip_lf = False
-            if chunk[:1] == b"\n":
+            if chunk[0] == 0x0A:
                 chunk = chunk[1:]
-        buffer = self._pending + chunk if self._pending else chunk
         if not self._started:
-            if len(buffer) < len(_BOM) and _BOM.startswith(buffer):
-                self._pending = buffer
+            if self._pending:  # a byte order mark's first bytes
+                chunk = self._pending.pop() + chunk
+                self._pending_size = 0
+            if len(chunk) < len(_BOM) and _BOM.startswith(chunk):
+                if chunk:
+                    self._pending.append(chunk)
+                    self._pending_size = len(chunk)
                 return []
             self._started = True
-            if buffer.startswith(_BOM):
-                buffer = buffer[len(_BOM) :]
-        if b"\r" in buffer:
+            if chunk.startswith(_BOM):
+                chunk = chunk[len(_BOM) :]
+        if b"\r" in chunk:
             # A CR ending this read may be the first half of a CRLF: the LF is dropped next time.
-            self._skip_lf = buffer.endswith(b"\r")
-            buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        lines = buffer.split(b"\n")
-        self._pending = lines.pop()
-        if len(self._pending) > self._max:
-            raise EventTooLarge(f"line over {self._max} bytes")
+            self._skip_lf = chunk.endswith(b"\r")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if b"\n" not in chunk:  # no line ends here: the pending line grows
+            if chunk:
+                self._hold(chunk)
+            return []
+        lines = chunk.split(b"\n")
+        if self._pending:
+            self._pending.append(lines[0])
+            lines[0] = b"".join(self._pending)
+            self._pending.clear()
+            self._pending_size = 0
+        tail = lines.pop()
+        if tail:
+            self._hold(tail)
         events: list[SSEEvent] = []
         for line in lines:
             if not line:  # the blank line: dispatch
@@ -89,6 +110,12 @@ class SSEParser:
             elif line[0] != 0x3A:  # ":" starts a comment
                 self._field(line)
         return events
+
+    def _hold(self, piece: bytes) -> None:
+        self._pending.append(piece)
+        self._pending_size += len(piece)
+        if self._pending_size > self._max:
+            raise EventTooLarge(f"line over {self._max} bytes")
 
     def _field(self, line: bytes) -> None:
         field, colon, value = line.decode("utf-8", "replace").partition(":")

@@ -10,6 +10,7 @@ JSON body from a server that does not stream).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
@@ -18,10 +19,12 @@ from typing import Any
 import anyio
 import httpx
 
+from .._alarm import Alarm
 from .._binding import AIResult, Usage
 from .._errors import ProviderError
 from .._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
 from ._http import parse_usage, read_capped, transport_error
+from ._identifiers import identifier
 from ._sse import EventTooLarge, SSEEvent, SSEParser
 
 __all__ = [
@@ -52,7 +55,8 @@ class ChunkDecoder:
     """Turns the events of one stream into `StreamEvent`s, keeping what the end needs.
 
     Reads OpenAI's chunks (`choices[0].delta` with `content`, `reasoning_content` or
-    `reasoning`, `tool_calls`; `finish_reason`; `usage`; `model`) and, with `native=True`,
+    `reasoning`, `tool_calls`; `finish_reason`; `usage`; `model`, the first one named; the
+    model and the finish reason cleaned by `identifier`) and, with `native=True`,
     Workers AI's own events (`response`, top-level `tool_calls` and `finish_reason`, `usage`),
     detected per event. `[DONE]` completes the stream; so does the end of the body after a
     `finish_reason` (`end_at_eof`). Events that are not JSON objects are skipped; an in-band
@@ -89,11 +93,11 @@ class ChunkDecoder:
         """The stream events one SSE event carries (often one, sometimes none); the last is
         `StreamEnd` when it completed the stream."""
         data = sse.data
-        if data == "[DONE]":
-            return [self._end()]
+        if data[:6] == "[DONE]" and (len(data) == 6 or data[6:].isspace()):
+            return [self._end()]  # trailing whitespace tolerated, as the official OpenAI client does
         try:
             chunk = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             chunk = None
         if not isinstance(chunk, dict):
             if sse.event == "error":
@@ -105,9 +109,8 @@ class ChunkDecoder:
         if error is not None:
             raise error
         out: list[StreamEvent] = []
-        served = chunk.get("model")
-        if isinstance(served, str) and served:
-            self.model = served
+        if self.model is None:  # the same name in every chunk: cleaned once
+            self.model = identifier(chunk.get("model"))
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = parse_usage(usage)
@@ -140,8 +143,8 @@ class ChunkDecoder:
         return StreamEnd(finish_reason=finish, usage=self.usage, model=self.model or self._requested)
 
     def _finish(self, reason: Any) -> None:
-        if isinstance(reason, str) and reason:
-            self.finish_reason = reason
+        if reason is not None:  # null in every chunk but the last
+            self.finish_reason = identifier(reason) or self.finish_reason
 
     def _delta(self, delta: dict[str, Any], out: list[StreamEvent]) -> None:
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
@@ -207,7 +210,8 @@ def result_events(result: AIResult, finish_reason: str | None = None) -> list[St
 
 def _idle_timeout(base: httpx.Timeout, idle_timeout_s: float) -> httpx.Timeout:
     """The client's timeouts, with the read timeout (no byte for that long) set to the idle
-    limit: httpx enforces it per socket read, so a healthy stream pays nothing per event."""
+    limit: a provider that sends no byte at all fails there, in httpx, at no cost per event
+    (the stream's own alarm is for one that sends bytes but no complete event)."""
     return httpx.Timeout(connect=base.connect, read=idle_timeout_s, write=base.write, pool=base.pool)
 
 
@@ -244,8 +248,9 @@ async def stream_sse(
     """POST `body` to `url` and yield its stream events, then exactly one `StreamEnd`.
 
     Raises `ProviderError`: an error status before the body (parsed by `parse_whole`, like
-    `run`); an in-band error (from `decoder`); `note="stream stalled"` when no byte came for
-    `idle_timeout_s` (status None); `note="stream truncated"` when the body ends, or the
+    `run`); an in-band error (from `decoder`); `note="stream stalled"` when no complete event
+    came for `idle_timeout_s` while waiting on the provider (status None: comments, blank
+    lines and parts of a line do not count, nor time the consumer holds the stream); `note="stream truncated"` when the body ends, or the
     connection breaks, before the completion signal (status None); a transport failure before
     the answer, as `run`.
 
@@ -265,55 +270,86 @@ async def stream_sse(
     resume_url: str | None = None  # the run's resume address, once the answer gave a run id
     delivered = 0  # complete SSE events received on this run (the resume position)
     reconnects = 0
-    while True:
-        resuming = method == "GET"
-        reading = False  # past the answer's head, into the event stream
-        try:
-            async with client.stream(
-                method, target, json=payload, headers=headers, timeout=timeout
-            ) as response:
-                status = response.status_code
-                if resuming and status == 404:
-                    raise ProviderError(provider, status=404, note="stream resume expired")
-                if not 200 <= status < 300 or (not resuming and _is_json(response)):
-                    raw = await read_capped(response, provider, max_event_bytes)
-                    for event in result_events(parse_whole(response, raw)):
-                        yield event
-                    return
-                if not resuming and resume_base is not None and max_reconnects > 0:
-                    run_id = response.headers.get(RUN_ID_HEADER)
-                    if run_id:
-                        resume_url = f"{resume_base}/run/{run_id}/resume"
-                parser = SSEParser(max_event_bytes=max_event_bytes)
-                reading = True
-                chunks = response.aiter_bytes()
-                try:
-                    async for chunk in chunks:
-                        for sse in parser.feed(chunk):
-                            delivered += 1
-                            events = decoder.decode(sse)
-                            if decoder.complete:
-                                # Before the end is handed over: a consumer may stop there.
-                                await _drain(chunks)
-                            for event in events:
-                                yield event
-                            if decoder.complete:
-                                return
-                except EventTooLarge as exc:
-                    raise ProviderError(provider, status=status, note=str(exc)) from None
-        except httpx.ReadTimeout:
-            raise ProviderError(provider, note="stream stalled") from None
-        except httpx.HTTPError as exc:
-            if not reading and not resuming:
-                raise transport_error(provider, exc) from None
-        # The body ended, or the connection broke, before the completion signal.
-        end = decoder.end_at_eof()
-        if end is not None:
-            yield end
-            return
-        if resume_url is None or delivered == 0:
-            raise ProviderError(provider, note="stream truncated")
-        if reconnects >= max_reconnects:
-            raise ProviderError(provider, note="stream interrupted")
-        reconnects += 1
-        method, target, payload = "GET", f"{resume_url}?from={delivered}", None
+    # Idle means no complete event: comments, blank lines and bytes of a line that never ends
+    # do not count. The alarm's deadline moves with each event; it interrupts only a wait on
+    # the provider (`idle.waiting` is set around each, and never while an event is yielded),
+    # and time the consumer holds the stream is not the provider's.
+    loop = asyncio.get_running_loop()
+    idle = Alarm(loop.time() + idle_timeout_s, defer_s=idle_timeout_s)
+    current_task = asyncio.current_task
+    try:
+        while True:
+            resuming = method == "GET"
+            reading = False  # past the answer's head, into the event stream
+            try:
+                idle.waiting = current_task()
+                async with client.stream(
+                    method, target, json=payload, headers=headers, timeout=timeout, follow_redirects=False
+                ) as response:
+                    status = response.status_code
+                    if resuming and status == 404:
+                        raise ProviderError(provider, status=404, note="stream resume expired")
+                    if not 200 <= status < 300 or (not resuming and _is_json(response)):
+                        raw = await read_capped(response, provider, max_event_bytes)
+                        idle.waiting = None
+                        for event in result_events(parse_whole(response, raw)):
+                            yield event
+                        return
+                    idle.waiting = None
+                    if not resuming and resume_base is not None and max_reconnects > 0:
+                        run_id = response.headers.get(RUN_ID_HEADER)
+                        if run_id:
+                            resume_url = f"{resume_base}/run/{run_id}/resume"
+                    parser = SSEParser(max_event_bytes=max_event_bytes)
+                    reading = True
+                    chunks = response.aiter_bytes()
+                    next_chunk = chunks.__anext__
+                    try:
+                        while True:
+                            idle.waiting = current_task()
+                            try:
+                                chunk = await next_chunk()
+                            except StopAsyncIteration:
+                                break
+                            idle.waiting = None
+                            complete = parser.feed(chunk)
+                            if not complete:
+                                continue
+                            idle.when = loop.time() + idle_timeout_s
+                            for sse in complete:
+                                delivered += 1
+                                events = decoder.decode(sse)
+                                if decoder.complete:
+                                    # Before the end is handed over: a consumer may stop there.
+                                    await _drain(chunks)
+                                for event in events:
+                                    yield event
+                                if decoder.complete:
+                                    return
+                    except EventTooLarge as exc:
+                        raise ProviderError(provider, status=status, note=str(exc)) from None
+            except httpx.ReadTimeout:
+                raise ProviderError(provider, note="stream stalled") from None
+            except httpx.HTTPError as exc:
+                if not reading and not resuming:
+                    raise transport_error(provider, exc) from None
+            except asyncio.CancelledError:
+                task = current_task()
+                if task is not None and idle.interrupted(task):
+                    raise ProviderError(provider, note="stream stalled") from None
+                raise
+            finally:
+                idle.waiting = None
+            # The body ended, or the connection broke, before the completion signal.
+            end = decoder.end_at_eof()
+            if end is not None:
+                yield end
+                return
+            if resume_url is None or delivered == 0:
+                raise ProviderError(provider, note="stream truncated")
+            if reconnects >= max_reconnects:
+                raise ProviderError(provider, note="stream interrupted")
+            reconnects += 1
+            method, target, payload = "GET", f"{resume_url}?from={delivered}", None
+    finally:
+        idle.close()

@@ -2,7 +2,8 @@
 
 Every failure shape ends as a `ProviderError` with the provider's code and the HTTP status:
 `success: false` even with HTTP 200, the `AiError` object shape, non-JSON bodies (a proxy's HTML
-on 5xx), oversized bodies and dropped connections; while streaming, also an error object in an
+on 5xx), a redirect (any 3xx: never followed, its body never the answer), oversized bodies and
+dropped connections; while streaming, also an error object in an
 event, a cut body and a stall. Provider messages are read only to spot "JSON Mode couldn't be
 met"; they are never kept (they may echo the prompt).
 """
@@ -45,7 +46,8 @@ class WorkersAI:
     and closes it in `aclose`. Bodies are read up to `max_body_bytes` (while streaming: each
     event, and each line).
 
-    Streaming (`stream`): a stream with no byte for `idle_timeout_s` fails as stalled. With
+    Streaming (`stream`): a stream with no complete event for `idle_timeout_s` fails as stalled
+    (comments, blank lines and part of a line do not count). With
     `resume_base` set (an AI Gateway address, `{gateway}/v1/{account}/{gateway_id}`), a stream
     whose answer carries `cf-aig-run-id` survives up to `max_reconnects` cuts by resuming from
     `{resume_base}/run/{id}/resume`; without it, a cut fails the stream.
@@ -88,7 +90,11 @@ class WorkersAI:
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
         try:
             async with self._client.stream(
-                "POST", self._url + quote(model, safe="/@:"), json=dict(inputs), headers=self._headers
+                "POST",
+                self._url + quote(model, safe="/@:"),
+                json=dict(inputs),
+                headers=self._headers,
+                follow_redirects=False,  # a 3xx is a failure (model_unavailable), whatever the client
             ) as response:
                 body = await read_capped(response, PROVIDER, self._max_body_bytes)
         except httpx.HTTPError as exc:
@@ -153,13 +159,14 @@ def parse_workers_ai_response(
     wait = parse_retry_after(retry_after)
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         raise ProviderError(PROVIDER, status=status, retry_after_s=wait, note="non-JSON body") from None
     if not isinstance(data, dict):
         raise ProviderError(PROVIDER, status=status, retry_after_s=wait, note="unexpected body")
     errors = _errors(data)
     result = data.get("result")
-    if status < 400 and data.get("success") is not False and not errors and isinstance(result, dict):
+    # Only a 2xx is an answer: a redirect is never followed, so its body is never the result.
+    if 200 <= status < 300 and data.get("success") is not False and not errors and isinstance(result, dict):
         return AIResult(
             response=result.get("response"),
             model=model,

@@ -1,0 +1,251 @@
+"""The stream relay: a model's stream, from its first call to the client's last event.
+
+`open_stream` is one streaming attempt up to the commit point, the call `AI.stream` walks the
+chain with: it reads the stream until its first output part (the attempt succeeded), its end
+(complete, without output) or a failure (raised, like `run`). `relay` is the body of the
+`EventStream` a streaming route answers: the committed attempt's events as the client's events,
+then exactly one of `done` and `error`.
+
+The relay knows nothing of budgets, breakers or ledgers. However the stream ends, it hands what
+happened (`Relayed`) to its `ended` callback, which the `AI` handle gives it to do the
+accounting; `done` and `error` give the data of the last event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from ._alarm import Alarm
+from ._breaker import Outcome
+from ._classify import Kind, classify
+from ._envelope import Reason
+from ._errors import GuardTripped, ProviderError
+from ._event_stream import delta, encode, sse
+from ._stream import (
+    ReasoningDelta,
+    StreamEnd,
+    StreamEvent,
+    StreamingBinding,
+    TextDelta,
+    ToolCallDelta,
+    is_output,
+)
+
+__all__ = [
+    "DEFAULT_STREAM_MAX_CHARS",
+    "DEFAULT_STREAM_MAX_S",
+    "Opened",
+    "Relayed",
+    "no_events",
+    "open_stream",
+    "relay",
+]
+
+#: How long a streamed answer may last, from the request's start (a route's `stream_max_s`).
+DEFAULT_STREAM_MAX_S = 300.0
+#: How many characters of output it may carry (a route's `stream_max_chars`): the body cap of a
+#: whole answer, `DEFAULT_MAX_BODY_BYTES` of the adapters.
+DEFAULT_STREAM_MAX_CHARS = 1 << 20
+
+
+@dataclass(slots=True, eq=False)
+class Opened:
+    """A stream opened by one attempt, read up to its first output part (or its end)."""
+
+    iter_events: AsyncIterator[StreamEvent]
+    #: The events read so far: the attempt's preamble and its first output part.
+    first: list[StreamEvent]
+    end: StreamEnd | None
+    started: float
+    model: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        return any(is_output(event) for event in self.first)
+
+
+async def open_stream(binding: StreamingBinding, model: str, inputs: Mapping[str, Any]) -> Opened:
+    """One streaming attempt, up to the commit point: read until the first output part (the
+    attempt succeeds), the end of a stream that had none, or a failure (raised, like `run`;
+    the preamble read so far is dropped with the attempt)."""
+    started = time.perf_counter()
+    events = binding.stream(model, inputs)
+    first: list[StreamEvent] = []
+    try:
+        async for event in events:
+            if isinstance(event, StreamEnd):  # complete, without output
+                await aclose(events)
+                return Opened(events, first, event, started, model=event.model)
+            first.append(event)
+            if is_output(event):
+                return Opened(events, first, None, started)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await aclose(events)
+        raise
+    await aclose(events)
+    raise ProviderError("provider", note="stream truncated")
+
+
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """How a relayed stream ended: `kind` is `"ok"`, the classifier's kind of the failure that
+    cut it, or `"cancelled"` (the client left, or the server is stopping); `outcome` the
+    breaker's verdict on the model; `end` the completion signal, if it came; `delivered` the
+    characters of output sent; `failure` what the `error` event said (None after `done`, and
+    when cancelled)."""
+
+    kind: str
+    outcome: Outcome
+    end: StreamEnd | None
+    delivered: int
+    failure: GuardTripped | None
+
+
+async def relay(
+    opened: Opened,
+    *,
+    provider: str,
+    model: str,
+    deadline: float,
+    max_s: float,
+    max_chars: int,
+    done: Callable[[StreamEnd | None], dict[str, Any]],
+    error: Callable[[GuardTripped], dict[str, Any]],
+    ended: Callable[[Relayed], Awaitable[None]],
+) -> AsyncIterator[bytes]:
+    """The client's events for a committed attempt (`opened`): its first events, the rest of
+    the stream, then `done` (with the data `done(end)` gives) or `error` (`error(tripped)`).
+    `ended` is awaited once, however the stream ends (shielded when it is cancelled). `model`
+    names the chain entry in failures; `provider` in a truncation.
+
+    Limits: the stream ends with `error` at `deadline` (event-loop time; the route's `max_s`
+    after the request began: `call`/`timeout`) and before an event would take its output past
+    `max_chars` characters (`call`/`provider_error`). Either way the provider's stream is
+    closed at once. One timer for the whole stream (`Alarm`), and no clock read per event.
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    alarm = Alarm(deadline)
+    upstream = opened.iter_events
+    delivered = 0
+    end: StreamEnd | None = opened.end
+    failure: GuardTripped | None = None
+    try:
+        for event in opened.first:
+            delivered += chars(event)
+            if delivered > max_chars:
+                raise _OverSize
+            yield encode(event)
+        if end is None:
+            if alarm.rang:  # the limit passed before the first events were out
+                raise _TimeUp
+            # `alarm.waiting` is set exactly while the loop's header awaits the next event: the
+            # only wait the alarm may interrupt (see `Alarm`).
+            alarm.waiting = task
+            async for event in upstream:
+                alarm.waiting = None
+                if type(event) is TextDelta:  # the hot path: one per token
+                    delivered += len(event.text)
+                    if delivered > max_chars:
+                        raise _OverSize
+                    yield delta(event.text)
+                elif isinstance(event, StreamEnd):
+                    end = event
+                    break
+                else:
+                    delivered += chars(event)
+                    if delivered > max_chars:
+                        raise _OverSize
+                    yield encode(event)
+                if alarm.rang:  # it rang while the client had the last event
+                    raise _TimeUp
+                alarm.waiting = task
+            else:
+                raise ProviderError(provider, note="stream truncated")
+    except BaseException as exc:
+        alarm.waiting = None
+        if alarm.interrupted(task) or isinstance(exc, _TimeUp):
+            failure = GuardTripped(
+                Reason.timeout,
+                f"the stream reached its time limit ({max_s:g}s)",
+                kind=Kind.model_temporarily_unavailable,
+                model=model,
+            )
+        elif isinstance(exc, _OverSize):
+            failure = GuardTripped(
+                Reason.provider_error,
+                f"the stream reached its size limit ({max_chars} characters)",
+                kind=Kind.model_unavailable,
+                model=model,
+            )
+        elif isinstance(exc, Exception):
+            kind = classify(exc).kind
+            failure = GuardTripped(
+                Reason.provider_error, "stream interrupted after output", kind=kind, model=model
+            )
+        else:
+            # The client left (or the server is stopping): no verdict on the model; what was
+            # delivered is recorded, nothing more is fetched or billed.
+            with anyio.CancelScope(shield=True):
+                alarm.close()
+                await aclose(upstream)
+                await ended(Relayed(Kind.cancelled.value, Outcome.released, end, delivered, None))
+            raise
+        # The provider's stream is closed before the client hears of the end.
+        alarm.close()
+        await aclose(upstream)
+        relayed = Relayed(
+            failure.kind.value if failure.kind else "ok", Outcome.failure, end, delivered, failure
+        )
+        try:
+            yield sse("error", error(failure))
+        finally:
+            await ended(relayed)
+        return
+    alarm.close()
+    if end.finish_reason == "content_filter":
+        failure = GuardTripped(Reason.moderation_blocked, "the provider filtered the stream", model=model)
+        last, relayed = sse("error", error(failure)), Relayed("ok", Outcome.success, end, delivered, failure)
+    else:
+        last, relayed = sse("done", done(end)), Relayed("ok", Outcome.success, end, delivered, None)
+    try:
+        yield last
+    finally:
+        await ended(relayed)
+
+
+class _TimeUp(Exception):
+    """The stream's time limit passed while the client had its last event."""
+
+
+class _OverSize(Exception):
+    """The next event would take the stream's output past its size limit."""
+
+
+async def aclose(events: AsyncIterator[StreamEvent]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()
+
+
+async def no_events() -> AsyncIterator[StreamEvent]:
+    """An upstream with nothing left (a recovered answer is relayed from `first` alone)."""
+    return
+    yield  # pragma: no cover
+
+
+def chars(event: StreamEvent) -> int:
+    """The characters of output an event carries (a tool call's id and name included: they
+    are sent to the client too)."""
+    if isinstance(event, TextDelta | ReasoningDelta):
+        return len(event.text)
+    if isinstance(event, ToolCallDelta):
+        return len(event.arguments) + len(event.id or "") + len(event.name or "")
+    return 0
