@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ._binding import Binding
+from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from ._breaker import Breaker
 from ._budget import Budget, Price
 from ._call import Retry
@@ -107,6 +108,7 @@ class Guards:
         moderation: Moderation | None = None,
         name: str | None = None,
         max_tokens: int | None = None,
+        max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -129,6 +131,9 @@ class Guards:
           Without it the route is *strict* and answers public errors.
         - `moderation`: a hook given the validated output; returning True blocks it.
         - `max_tokens`: sent with each call unless the inputs set it; required with a spend cap.
+        - `max_body_bytes`: the most request body the route reads (default 1 MiB; None: no
+          limit). A longer body is answered `400 invalid_request` as soon as its declared
+          length or its bytes pass the limit, never read whole (`install` sets this up).
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -148,6 +153,7 @@ class Guards:
                 moderation=moderation,
                 name=name,
                 max_tokens=max_tokens,
+                max_body_bytes=max_body_bytes,
             )
             return endpoint  # type: ignore[return-value]
 
@@ -155,11 +161,13 @@ class Guards:
 
     def install(self, app: FastAPI) -> None:
         """Attach to `app`: answer invalid input on guarded routes with `400 invalid_request`,
-        document every status a guarded route can answer in OpenAPI, and make `Guards.of(app)`
-        find this instance. Call once, when building the app."""
+        stop reading a guarded route's request body past its `max_body_bytes`, document every
+        status a guarded route can answer in OpenAPI, and make `Guards.of(app)` find this
+        instance. Call once, when building the app."""
         if getattr(app.state, "guards", None) is not None:
             raise ConfigurationError("Guards are already installed on this app")
         app.state.guards = self
+        app.add_middleware(BodyLimit)
         # Input that never reached a guarded handler (unparseable or invalid) is answered
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):

@@ -135,6 +135,8 @@ class GuardedRoute:
     spend_capped: bool
     #: True when the route answers an `EventStream` (Server-Sent Events).
     streaming: bool
+    #: The most request body the route reads (None: no limit; see `guards._body_limit`).
+    max_body_bytes: int | None
     metrics: RouteMetrics
 
     @property
@@ -163,6 +165,7 @@ def guard_route(
     moderation: Moderation | None,
     name: str | None,
     max_tokens: int | None,
+    max_body_bytes: int | None,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
@@ -173,6 +176,8 @@ def guard_route(
         raise ConfigurationError("a guarded route needs a model id")
     if max_tokens is not None and max_tokens < 1:
         raise ConfigurationError("max_tokens must be at least 1")
+    if max_body_bytes is not None and max_body_bytes < 1:
+        raise ConfigurationError("max_body_bytes must be at least 1 (or None: no limit)")
     route_name = name or handler.__name__
     chain = flatten_chain([model, *fallbacks], profiles=guards.profiles, providers=guards.providers)
     for problem in chain.problems:
@@ -267,6 +272,7 @@ def guard_route(
         max_tokens=max_tokens,
         spend_capped=spend_capped,
         streaming=streaming,
+        max_body_bytes=max_body_bytes,
         metrics=RouteMetrics(route_name),
     )
     envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]
