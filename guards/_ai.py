@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 
+from ._admission import never_admitted, waited_for_admission
 from ._binding import AIResult, Binding, Usage
 from ._breaker import CircuitState, Outcome
 from ._budget import budget_refusal, input_tokens_bound
@@ -268,17 +269,19 @@ class AI(Generic[T]):
                     if self._watch is not None:
                         self._watch.cancel()
                         self._watch = None
-        except TimeoutError:
+        except TimeoutError as expired:
             leg = inflight[0] if inflight is not None else self._leg
             if self._gone:  # the watcher ended the walk: no verdict on the model
                 if inflight is not None:
                     await self._record(leg, Outcome.released, inflight[1])
                 await self._settle()
                 raise self._gone_tripped(leg) from None
+            # A call that spent its deadline waiting for a connection: no verdict on the model.
+            queued = waited_for_admission(expired)
             if inflight is not None:
-                await self._record(leg, Outcome.failure, inflight[1])
+                await self._record(leg, Outcome.released if queued else Outcome.failure, inflight[1])
             await self._settle()
-            raise self._timed_out(leg) from None
+            raise self._timed_out(leg, never_admitted(expired)) from None
         except GuardTripped:
             # A budget refusal (before any call) or the client gone: no verdict on the model.
             if inflight is not None:
@@ -316,10 +319,11 @@ class AI(Generic[T]):
             self._gone = await self._request.is_disconnected()
         return self._gone
 
-    def _timed_out(self, leg: Leg) -> GuardTripped:
+    def _timed_out(self, leg: Leg, never_sent: bool = False) -> GuardTripped:
+        waited = "no free connection to the provider" if never_sent else "no answer"
         return GuardTripped(
             Reason.timeout,
-            f"no answer within {self._route.timeout_s:g}s",
+            f"{waited} within {self._route.timeout_s:g}s",
             kind=Kind.model_temporarily_unavailable,
             attempts=self.attempts,
             model=leg.ref.key,
@@ -582,7 +586,10 @@ class AI(Generic[T]):
 
     def _on_attempt(self, attempt: int, outcome: Any, started: float) -> None:
         """Count one provider call: attempts, metrics, the usage ledger and its cost. A stream
-        that reached its first output is accounted for when it ends (see `_relayed`)."""
+        that reached its first output is accounted for when it ends (see `_relayed`). A call
+        cancelled while waiting for a connection never left: it is not one."""
+        if isinstance(outcome, BaseException) and never_admitted(outcome):
+            return
         self.attempts += 1
         leg = self._leg
         elapsed = time.perf_counter() - started

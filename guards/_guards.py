@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ._binding import Binding
+from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from ._breaker import Breaker
 from ._budget import Budget, Price
 from ._call import Retry
@@ -110,6 +111,7 @@ class Guards:
         max_tokens: int | None = None,
         stream_max_s: float = DEFAULT_STREAM_MAX_S,
         stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
+        max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -137,6 +139,9 @@ class Guards:
           or before its output (text, reasoning, tool calls) would pass this many characters
           (`call`/`provider_error`); the provider's stream is closed at that moment. Defaults:
           300 s and 1 MiB (1,048,576) characters, the body cap of a whole answer.
+        - `max_body_bytes`: the most request body the route reads (default 1 MiB; None: no
+          limit). A longer body is answered `400 invalid_request` as soon as its declared
+          length or its bytes pass the limit, never read whole (`install` sets this up).
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -158,6 +163,7 @@ class Guards:
                 max_tokens=max_tokens,
                 stream_max_s=stream_max_s,
                 stream_max_chars=stream_max_chars,
+                max_body_bytes=max_body_bytes,
             )
             return endpoint  # type: ignore[return-value]
 
@@ -165,11 +171,13 @@ class Guards:
 
     def install(self, app: FastAPI) -> None:
         """Attach to `app`: answer invalid input on guarded routes with `400 invalid_request`,
-        document every status a guarded route can answer in OpenAPI, and make `Guards.of(app)`
-        find this instance. Call once, when building the app."""
+        stop reading a guarded route's request body past its `max_body_bytes`, document every
+        status a guarded route can answer in OpenAPI, and make `Guards.of(app)` find this
+        instance. Call once, when building the app."""
         if getattr(app.state, "guards", None) is not None:
             raise ConfigurationError("Guards are already installed on this app")
         app.state.guards = self
+        app.add_middleware(BodyLimit)
         # Input that never reached a guarded handler (unparseable or invalid) is answered
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):

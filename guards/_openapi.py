@@ -106,6 +106,10 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
                 responses.setdefault("200", {}).setdefault("headers", {}).update(_ATTRIBUTION[attribution])
             for status, codes in error_statuses(route).items():
                 responses[str(status)] = _error_response(status, codes)
+            if route.max_body_bytes is not None:
+                responses["400"]["description"] += (
+                    f" A request body over {route.max_body_bytes} bytes is refused without being read."
+                )
             for response in responses.values():
                 response.setdefault("headers", {})["x-trace-id"] = _TRACE_HEADER
 

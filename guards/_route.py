@@ -136,6 +136,8 @@ class GuardedRoute:
     spend_capped: bool
     #: True when the route answers an `EventStream` (Server-Sent Events).
     streaming: bool
+    #: The most request body the route reads (None: no limit; see `guards._body_limit`).
+    max_body_bytes: int | None
     metrics: RouteMetrics
     #: A streamed answer's limits: seconds since the request began, characters of output.
     stream_max_s: float = DEFAULT_STREAM_MAX_S
@@ -169,6 +171,7 @@ def guard_route(
     max_tokens: int | None,
     stream_max_s: float = DEFAULT_STREAM_MAX_S,
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
+    max_body_bytes: int | None,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
@@ -181,6 +184,8 @@ def guard_route(
         raise ConfigurationError("max_tokens must be at least 1")
     if not stream_max_s > 0 or stream_max_chars < 1:
         raise ConfigurationError("stream_max_s must be positive and stream_max_chars at least 1")
+    if max_body_bytes is not None and max_body_bytes < 1:
+        raise ConfigurationError("max_body_bytes must be at least 1 (or None: no limit)")
     route_name = name or handler.__name__
     chain = flatten_chain([model, *fallbacks], profiles=guards.profiles, providers=guards.providers)
     for problem in chain.problems:
@@ -275,6 +280,7 @@ def guard_route(
         max_tokens=max_tokens,
         spend_capped=spend_capped,
         streaming=streaming,
+        max_body_bytes=max_body_bytes,
         metrics=RouteMetrics(route_name),
         stream_max_s=stream_max_s,
         stream_max_chars=stream_max_chars,

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import anyio
 import httpx
@@ -52,12 +52,14 @@ def app_process_env(fake: FakeWorkersAI, store_url: str, **extra: str) -> dict[s
 class AppProcess:
     """`uvicorn app.main:app` in a process of its own (with `workers` worker processes)."""
 
-    def __init__(self, env: dict[str, str], workers: int = 1) -> None:
+    def __init__(self, env: dict[str, str], workers: int = 1, stdout: IO[bytes] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1"]
         args += ["--port", str(self.port), "--workers", str(workers), "--log-level", "warning"]
-        self.process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stdout carries the app's JSON log lines: dropped unless the test wants them.
+        out = subprocess.DEVNULL if stdout is None else stdout
+        self.process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.PIPE)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -1,6 +1,7 @@
-"""Adapters from the binding protocol to real providers, and the incremental Server-Sent Events
-parser their streams share."""
+"""Adapters from the binding protocol to real providers, the HTTP client they share (with its
+admission limit), and the incremental Server-Sent Events parser their streams share."""
 
+from ._http import http_client
 from ._openai import OpenAICompatible
 from ._sse import EventTooLarge, SSEEvent, SSEParser
 from ._workers_ai import WorkersAI, parse_workers_ai_response
@@ -11,5 +12,6 @@ __all__ = [
     "SSEEvent",
     "SSEParser",
     "WorkersAI",
+    "http_client",
     "parse_workers_ai_response",
 ]

@@ -1,16 +1,19 @@
-"""Plumbing shared by the provider adapters: capped body reads, transport failures,
-`Retry-After` parsing (each translated once into `ProviderError`), error objects and token
-usage."""
+"""Plumbing shared by the provider adapters: the HTTP client and its admission limit, capped
+body reads, transport failures, `Retry-After` parsing (each translated once into
+`ProviderError`), error objects and token usage."""
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import math
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
+from .._admission import ADMITTED_LATE, Admission
 from .._binding import Usage
 from .._errors import ProviderError
 
@@ -19,6 +22,7 @@ __all__ = [
     "MAX_RETRY_AFTER_S",
     "bounded_wait",
     "error_objects",
+    "http_client",
     "json_mode_not_met",
     "new_client",
     "numeric_code",
@@ -37,15 +41,88 @@ _MAX_TOKENS = 1 << 53
 _MAX_CODE = 1 << 31
 
 
-def new_client() -> httpx.AsyncClient:
-    """The client an adapter makes when none is given. The guards' deadline is the real limit;
-    these timeouts only stop a call made without one from hanging forever. No retries here:
-    ours are the only ones."""
+def http_client(*, max_connections: int = 100) -> httpx.AsyncClient:
+    """The HTTP client a provider adapter makes when none is given; pass one of your own
+    making (`client=`) to size its pool or share it between bindings.
+
+    At most `max_connections` requests are in flight at once; the others wait for one to
+    finish in an O(1) queue, newest first, until their deadline passes (see
+    `_AdmittedTransport`). The guards' deadline is the real limit: these timeouts only stop a
+    call made without one from hanging forever. No retries here: ours are the only ones.
+    Raises `ValueError` for a `max_connections` below 1.
+    """
+    if max_connections < 1:
+        raise ValueError("max_connections must be at least 1")
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=20)
     return httpx.AsyncClient(
         timeout=httpx.Timeout(120.0, connect=10.0),
-        limits=httpx.Limits(max_connections=100, max_keepalive_connections=20),
-        transport=httpx.AsyncHTTPTransport(retries=0),
+        transport=_AdmittedTransport(
+            httpx.AsyncHTTPTransport(retries=0, limits=limits), Admission(max_connections)
+        ),
     )
+
+
+#: The adapters' name for their default client.
+new_client = http_client
+
+
+class _AdmittedTransport(httpx.AsyncBaseTransport):
+    """A transport that admits at most its pool's size of requests at once, each holding its
+    slot until its response is closed, so httpcore's own queue stays empty (its cost grows with
+    queued requests times connections, on every event: see `guards._admission`). A request
+    waits at most the client's pool timeout (`httpx.PoolTimeout`), and less when cancelled (a
+    deadline)."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, admission: Admission) -> None:
+        self._transport = transport
+        self._admission = admission
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        admission = self._admission
+        if admission.in_use < admission.limit:
+            waited = await admission.acquire()  # a free slot: taken at once, no timer
+        else:
+            pool_timeout = request.extensions.get("timeout", {}).get("pool")
+            try:
+                async with asyncio.timeout(pool_timeout):
+                    waited = await admission.acquire()
+            except TimeoutError:
+                raise httpx.PoolTimeout("no connection within the pool timeout", request=request) from None
+        try:
+            response = await self._transport.handle_async_request(request)
+        except asyncio.CancelledError:
+            admission.release()
+            if waited:  # the deadline was spent in the queue: say so (see guards._admission)
+                raise asyncio.CancelledError(ADMITTED_LATE) from None
+            raise
+        except BaseException:
+            admission.release()
+            raise
+        response.stream = _Released(response.stream, admission)
+        return response
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+
+class _Released(httpx.AsyncByteStream):
+    """A response body that gives its request's admission slot back when closed (once)."""
+
+    def __init__(self, stream: httpx.SyncByteStream | httpx.AsyncByteStream, admission: Admission) -> None:
+        assert isinstance(stream, httpx.AsyncByteStream)
+        self._stream = stream
+        self._admission: Admission | None = admission
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._stream.__aiter__()  # the body itself: nothing added per chunk
+
+    async def aclose(self) -> None:
+        try:
+            await self._stream.aclose()
+        finally:
+            admission, self._admission = self._admission, None
+            if admission is not None:
+                admission.release()
 
 
 async def read_capped(response: httpx.Response, provider: str, max_bytes: int) -> bytes:
