@@ -113,9 +113,9 @@ def test_rate_limit_without_code_is_503_in_one_call(
     assert len(fake_workers_ai.calls) == 1
 
 
-@pytest.mark.parametrize(("code", "status"), [(3040, 429), (3007, 408)])
+@pytest.mark.parametrize(("code", "status"), [(3040, 429), (3007, 408), (None, 408)])
 def test_transient_failure_recovers_on_the_retry(
-    client: httpx.Client, fake_workers_ai: FakeWorkersAI, code: int, status: int
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI, code: int | None, status: int
 ) -> None:
     fake_workers_ai.script(MODEL, Fail(code=code, status=status), Reply("Recovered."))
     response = post(client)
@@ -125,9 +125,9 @@ def test_transient_failure_recovers_on_the_retry(
     assert len(fake_workers_ai.calls) == 2
 
 
-@pytest.mark.parametrize(("code", "status"), [(3040, 429), (3007, 408)])
+@pytest.mark.parametrize(("code", "status"), [(3040, 429), (3007, 408), (None, 408)])
 def test_transient_failure_that_persists_is_503_with_retry_after(
-    client: httpx.Client, fake_workers_ai: FakeWorkersAI, code: int, status: int
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI, code: int | None, status: int
 ) -> None:
     fake_workers_ai.script(MODEL, Fail(code=code, status=status), Fail(code=code, status=status), Reply())
     response = post(client)

@@ -141,6 +141,8 @@ def test_insufficient_quota_is_503_quota_exhausted_in_one_call(
     [
         pytest.param(Fail(status=503), id="503"),
         pytest.param(Fail(status=500), id="500"),
+        # A gateway (LiteLLM, a proxy) whose upstream timed out.
+        pytest.param(Fail(status=408, error_type="timeout"), id="408-gateway-timeout"),
         pytest.param(Raw(502, b"<html><body>502 Bad Gateway</body></html>"), id="html-502"),
         pytest.param(Drop(), id="dropped-connection"),
     ],
