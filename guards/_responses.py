@@ -30,6 +30,9 @@ _BY_KIND = {
     Kind.model_unavailable: (503, ErrorCode.model_unavailable),
 }
 
+#: Kinds that are not retried at once but carry a known wait (the provider's, or the cooldown).
+_WAIT_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
+
 #: The error tokens a strict route may answer with each status (documented in OpenAPI).
 STRICT_STATUSES: dict[int, tuple[ErrorCode, ...]] = {
     429: (ErrorCode.rate_limited, ErrorCode.budget_exceeded),
@@ -49,6 +52,9 @@ def public_error(tripped: GuardTripped, retry_after_s: float) -> PublicError:
 
     `retry_after_s` is the configured wait for `model_temporarily_unavailable` (a timeout, or a
     transient failure that outlived its retry); a longer wait the provider asked for wins.
+    A known wait is always sent: `model_rate_limited` and `model_quota_exhausted` carry the
+    provider's wait or the model's cooldown, and stay `retryable: false` (no immediate
+    automatic retry).
     """
     reason = tripped.reason
     if reason is Reason.rate_limited:
@@ -64,6 +70,8 @@ def public_error(tripped: GuardTripped, retry_after_s: float) -> PublicError:
         wait = max(retry_after_s, tripped.retry_after_s or 0.0)
         return PublicError(503, ErrorCode.model_temporarily_unavailable, True, wait)
     status, error = _BY_KIND.get(kind or Kind.model_unavailable, (503, ErrorCode.model_unavailable))
+    if kind in _WAIT_KINDS:
+        return PublicError(status, error, False, tripped.retry_after_s)
     return PublicError(status, error, False)
 
 
