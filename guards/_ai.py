@@ -187,6 +187,7 @@ class AI(Generic[T]):
         end = opened.end
         if end is not None and end.finish_reason == "content_filter":
             await self._finish_leg(leg, Outcome.success, probe, record_success)
+            self._served(leg, opened.model)
             raise GuardTripped(
                 Reason.moderation_blocked, "the provider filtered the stream", model=leg.ref.key
             )
@@ -664,6 +665,7 @@ class AI(Generic[T]):
         times = f" x{failed.attempts}" if failed.attempts > 1 else ""
         self._notes.append((leg, failed.verdict.kind.value + times, None))
         if isinstance(error, ProviderError) and error.json_mode_failed:
+            self._served(leg, None)  # the model answered, just not in the shape asked for
             return GuardTripped(
                 Reason.schema_invalid,
                 f"JSON mode could not be met ({what})",

@@ -102,10 +102,14 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
             responses.pop("422", None)
             if route.streaming:
                 responses["200"] = dict(_STREAM)
-            if attribution != "off":
-                responses.setdefault("200", {}).setdefault("headers", {}).update(_ATTRIBUTION[attribution])
             for status, codes in error_statuses(route).items():
                 responses[str(status)] = _error_response(status, codes)
+            if attribution != "off":
+                # Whenever a model answered: its answer served, was rejected by the output
+                # guard (a fallback, 502), or the route's own code failed after it (500).
+                for status in ("200", "500", "502"):
+                    if status in responses:
+                        responses[status].setdefault("headers", {}).update(_ATTRIBUTION[attribution])
             for response in responses.values():
                 response.setdefault("headers", {})["x-trace-id"] = _TRACE_HEADER
 
