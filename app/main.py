@@ -15,7 +15,8 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import FastAPI, Header, Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from guards import (
     AI,
@@ -73,18 +74,41 @@ def _trim(text: str) -> str:
     return text.strip(_WS_CHARS)
 
 
-class DraftRequest(BaseModel):
-    model_config = ConfigDict(regex_engine="python-re")
+#: The most characters of a draft request's message, once trimmed.
+MESSAGE_MAX = 500
 
-    #: 1 to 500 characters once trimmed. The pattern says so of the raw input (so clients read
-    #: exactly what is accepted); the value is then trimmed.
+
+def _message(text: str) -> str:
+    """A draft request's message, trimmed: 1 to MESSAGE_MAX characters, else `string_too_short`
+    or `string_too_long` (what to fix, not a pattern mismatch)."""
+    trimmed = _trim(text)
+    if not trimmed:
+        raise PydanticCustomError(
+            "string_too_short", "String should have at least 1 character after trimming", {"min_length": 1}
+        )
+    if len(trimmed) > MESSAGE_MAX:
+        raise PydanticCustomError(
+            "string_too_long",
+            "String should have at most {max_length} characters after trimming",
+            {"max_length": MESSAGE_MAX},
+        )
+    return trimmed
+
+
+class DraftRequest(BaseModel):
+    #: 1 to 500 characters once trimmed. The length is checked on its own (`_message`), so a
+    #: client learns which limit it crossed; the document states the same rule of the raw input
+    #: as a pattern, so clients read exactly what is accepted.
     message: Annotated[
         str,
-        Field(
-            pattern=f"^[{_WS}]*[^{_WS}](?:[\\s\\S]{{0,498}}[^{_WS}])?[{_WS}]*$",
-            description="1 to 500 characters after trimming.",
+        WithJsonSchema(
+            {
+                "type": "string",
+                "pattern": f"^[{_WS}]*[^{_WS}](?:[\\s\\S]{{0,{MESSAGE_MAX - 2}}}[^{_WS}])?[{_WS}]*$",
+                "description": f"1 to {MESSAGE_MAX} characters after trimming.",
+            }
         ),
-        AfterValidator(_trim),
+        AfterValidator(_message),
     ]
 
 

@@ -20,7 +20,7 @@ from ._budget import Budget, Price
 from ._call import Retry
 from ._chain import DEFAULT_PROVIDER, Profile
 from ._cooldown import Cooldown
-from ._envelope import ErrorCode
+from ._envelope import MAX_PROBLEMS, ErrorCode, Problem
 from ._errors import ConfigurationError
 from ._ledger import Ledger, LogLedger
 from ._log import emit, logger
@@ -34,6 +34,9 @@ from .stores import MemoryStore, Store
 __all__ = ["Guards"]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+#: The longest field path (or problem token) a 400 reports; a longer one is cut.
+_FIELD_MAX = 200
 
 #: How responses name the model that served: `detailed` (model ids), `redacted` (a fallback
 #: flag only) or `off`.
@@ -227,12 +230,7 @@ def _is_bad_request(exc: Exception) -> bool:
 
 def _invalid_request(route_name: str, request: Request, exc: Exception) -> Response:
     trace_id = request_trace_id(request)
-    problems = []
-    if isinstance(exc, RequestValidationError):
-        # Where the input was wrong and how, never the input itself.
-        problems = sorted(
-            {".".join(map(str, e.get("loc", ()))) + ":" + str(e.get("type")) for e in exc.errors()}
-        )
+    found = _problems(exc)
     emit(
         "request",
         route=route_name,
@@ -240,7 +238,27 @@ def _invalid_request(route_name: str, request: Request, exc: Exception) -> Respo
         outcome="error",
         status=400,
         error=ErrorCode.invalid_request.value,
-        problems=problems[:10] or None,
+        problems=[f"{p.field}:{p.problem}" for p in found],
         attempts=0,
     )
-    return error_response(PublicError(400, ErrorCode.invalid_request, False), trace_id)
+    return error_response(PublicError(400, ErrorCode.invalid_request, False), trace_id, problems=found)
+
+
+def _problems(exc: Exception) -> list[Problem]:
+    """What to fix: each field path and pydantic error type, in pydantic's order, without
+    duplicates, at most `MAX_PROBLEMS`. Never the input, its `msg` or its `ctx`: they may
+    carry what the client sent."""
+    if not isinstance(exc, RequestValidationError):
+        # FastAPI could not read the body at all (e.g. bytes that are not UTF-8 JSON).
+        return [Problem(field="body", problem="json_invalid")]
+    found: dict[tuple[str, str], None] = {}
+    for error in exc.errors():
+        loc = tuple(error.get("loc", ()))
+        kind = str(error.get("type", "invalid"))
+        if kind == "json_invalid":
+            loc = loc[:1]  # (body, character offset): the offset is not a field
+        field = ".".join(str(part) for part in loc)[:_FIELD_MAX] or "body"
+        found[(field, kind[:_FIELD_MAX])] = None
+        if len(found) == MAX_PROBLEMS:
+            break
+    return [Problem(field=field, problem=problem) for field, problem in found]

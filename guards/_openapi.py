@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.routing import APIRoute
 
-from ._envelope import ErrorBody, ErrorCode
+from ._envelope import MAX_PROBLEMS, ErrorBody, ErrorCode
 from ._responses import STRICT_STATUSES
 
 if TYPE_CHECKING:
@@ -52,7 +52,10 @@ _STREAM = {
     "content": {"text/event-stream": {"schema": {"type": "string"}}},
 }
 _DESCRIPTIONS = {
-    400: "Invalid input (missing, wrong-typed or oversized); no model call was made.",
+    400: (
+        "Invalid input (missing, wrong-typed or oversized); no model call was made. `problems` "
+        "names each field and what is wrong with it (a pydantic error type), never the input."
+    ),
     429: "A per-key budget is spent.",
     500: "The route's own code failed; the model's answer was fine.",
     502: "The model cannot serve this route, or answered in the wrong shape.",
@@ -107,20 +110,25 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
             if attribution != "off":
                 # Whenever a model answered: its answer served, was rejected by the output
                 # guard (a fallback, 502), or the route's own code failed after it (500).
-                for status in ("200", "500", "502"):
-                    if status in responses:
-                        responses[status].setdefault("headers", {}).update(_ATTRIBUTION[attribution])
+                for answered in ("200", "500", "502"):
+                    if answered in responses:
+                        responses[answered].setdefault("headers", {}).update(_ATTRIBUTION[attribution])
             for response in responses.values():
                 response.setdefault("headers", {})["x-trace-id"] = _TRACE_HEADER
 
 
 def _error_response(status: int, codes: list[ErrorCode]) -> dict[str, Any]:
-    body = {
-        "allOf": [
-            {"$ref": _REF.format(model="ErrorBody")},
-            {"properties": {"error": {"type": "string", "enum": [c.value for c in codes]}}},
-        ]
-    }
+    narrowed: dict[str, Any] = {"properties": {"error": {"type": "string", "enum": [c.value for c in codes]}}}
+    if status == 400:
+        # A 400 always says what to fix.
+        narrowed["properties"]["problems"] = {
+            "type": "array",
+            "items": {"$ref": _REF.format(model="Problem")},
+            "minItems": 1,
+            "maxItems": MAX_PROBLEMS,
+        }
+        narrowed["required"] = ["problems"]
+    body = {"allOf": [{"$ref": _REF.format(model="ErrorBody")}, narrowed]}
     response: dict[str, Any] = {
         "description": _DESCRIPTIONS[status] + " Errors: " + ", ".join(c.value for c in codes) + ".",
         "content": {"application/json": {"schema": body}},

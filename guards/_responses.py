@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.responses import JSONResponse
 
 from ._classify import Kind
-from ._envelope import ErrorCode, Reason
+from ._envelope import ErrorCode, Problem, Reason
 from ._errors import GuardTripped
 
 __all__ = ["PublicError", "error_response", "public_error"]
@@ -75,9 +76,15 @@ def public_error(tripped: GuardTripped, retry_after_s: float) -> PublicError:
     return PublicError(status, error, False)
 
 
-def error_response(error: PublicError, trace_id: str) -> JSONResponse:
+def error_response(
+    error: PublicError, trace_id: str, *, problems: list[Problem] | None = None
+) -> JSONResponse:
+    """The error body (`ErrorBody`) with `x-trace-id`, and `Retry-After` when the wait is known;
+    `problems` for a 400."""
     headers = {"x-trace-id": trace_id}
     if error.retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s)))
-    body = {"error": error.error.value, "retryable": error.retryable, "trace_id": trace_id}
+    body: dict[str, Any] = {"error": error.error.value, "retryable": error.retryable, "trace_id": trace_id}
+    if problems is not None:
+        body["problems"] = [{"field": p.field, "problem": p.problem} for p in problems]
     return JSONResponse(body, status_code=error.status, headers=headers)
