@@ -131,6 +131,17 @@ class AI(Generic[T]):
         self.attempts = 0
         self.attempt_budget = route.attempt_budget
 
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        # Only FastAPI (through pydantic) asks for this, when it reads a handler that still
+        # declares `ai`: one registered before `guards.route` wrapped it. Fail at import, saying
+        # how to fix it, rather than with pydantic's unrelated "invalid field type".
+        raise ConfigurationError(
+            "a handler declaring `ai: AI[...]` reached FastAPI unguarded: the decorators are in "
+            "the wrong order. Write @app.post(...) above @guards.route(...), so that the guarded "
+            "route is what FastAPI registers"
+        )
+
     @property
     def requested_model(self) -> str:
         """The chain's first model: what the route asks for before any fallback."""

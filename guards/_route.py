@@ -208,8 +208,14 @@ def guard_route(
     for param in signature.parameters.values():
         annotation = hints.get(param.name, param.annotation)
         if annotation is AI or typing.get_origin(annotation) is AI:
+            if annotation is AI:
+                raise ConfigurationError(
+                    f"guarded route {handler.__qualname__}: `{param.name}: AI` does not say what the "
+                    f"model must produce: write `{param.name}: AI[str]` for text, or "
+                    f"`{param.name}: AI[YourModel]` (a pydantic model) for JSON"
+                )
             ai_name = param.name
-            output_type = (typing.get_args(annotation) or (Any,))[0]
+            output_type = typing.get_args(annotation)[0]
             continue
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ConfigurationError(
