@@ -270,6 +270,9 @@ class AI(Generic[T]):
                         except CallFailed as failed:
                             inflight = None
                             last = self._leg_failed(leg, failed)
+                            await self._guards.credential_warnings.failed(
+                                self._guards.store, leg.ref.key, failed.error
+                            )
                             # JSON mode not met: the model answered, just not in shape.
                             json_mode = getattr(failed.error, "json_mode_failed", False)
                             await self._record(leg, Outcome.success if json_mode else Outcome.failure, probe)
@@ -631,8 +634,18 @@ class AI(Generic[T]):
         else:
             # Billed unless the provider refused the call: a timeout, a cancelled call, any
             # failure that is not a provider's error answer, JSON mode not met.
-            billed = not isinstance(outcome, ProviderError) or outcome.json_mode_failed
-            self._account(leg, classify(outcome).kind.value, None, None, elapsed, billed=billed)
+            provider_error = isinstance(outcome, ProviderError)
+            billed = not provider_error or outcome.json_mode_failed
+            self._account(
+                leg,
+                classify(outcome).kind.value,
+                None,
+                None,
+                elapsed,
+                billed=billed,
+                status=outcome.status if provider_error else None,
+                code=outcome.code if provider_error else None,
+            )
 
     def _account(
         self,
@@ -644,6 +657,8 @@ class AI(Generic[T]):
         *,
         billed: bool,
         delivered: int | None = None,
+        status: int | None = None,
+        code: int | None = None,
     ) -> None:
         route = self._route
         leg.seconds.observe(elapsed)
@@ -667,6 +682,8 @@ class AI(Generic[T]):
                     latency_ms=round(elapsed * 1000, 2),
                     usage=usage,
                     delivered_chars=delivered,
+                    status=status,
+                    code=code,
                 )
             )
 

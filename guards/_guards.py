@@ -20,10 +20,11 @@ from ._budget import Budget, Price
 from ._call import Retry
 from ._chain import DEFAULT_PROVIDER, Profile
 from ._cooldown import Cooldown
+from ._credentials import CredentialWarnings
 from ._envelope import MAX_PROBLEMS, ErrorCode, Problem
 from ._errors import ConfigurationError
 from ._ledger import Ledger, LogLedger
-from ._log import emit, logger
+from ._log import emit, logger, show_logs
 from ._metrics import flush_metrics
 from ._openapi import document_guarded_routes
 from ._output import Moderation
@@ -90,6 +91,7 @@ class Guards:
         self.sleep = sleep
         self.retry_after_s = retry_after_s
         self.prices: Mapping[str, Price] = dict(prices or {})
+        self.credential_warnings = CredentialWarnings()
 
     def ledger_enabled(self) -> bool:
         """False when records would be dropped anyway (the default log ledger with INFO off),
@@ -159,10 +161,15 @@ class Guards:
     def install(self, app: FastAPI) -> None:
         """Attach to `app`: answer invalid input on guarded routes with `400 invalid_request`,
         document every status a guarded route can answer in OpenAPI, and make `Guards.of(app)`
-        find this instance. Call once, when building the app."""
+        find this instance. Call once, when building the app.
+
+        Also makes guards' log lines visible without any logging set-up: JSON lines on stderr
+        (INFO and up, unless the app set a level on the `guards` logger) until the app
+        configures a handler of its own for them (on `guards` or the root logger)."""
         if getattr(app.state, "guards", None) is not None:
             raise ConfigurationError("Guards are already installed on this app")
         app.state.guards = self
+        show_logs()
         # Input that never reached a guarded handler (unparseable or invalid) is answered
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):

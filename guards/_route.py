@@ -37,7 +37,7 @@ from ._classify import Kind
 from ._envelope import Envelope, ErrorCode, FallbackInfo
 from ._errors import ConfigurationError, GuardTripped
 from ._event_stream import EventStream
-from ._log import emit_warning
+from ._log import emit_error, emit_warning, frames
 from ._metrics import (
     ATTEMPT_SECONDS,
     ATTEMPTS,
@@ -415,13 +415,20 @@ _header_values: dict[str, bytes] = {}
 def _application_failure(
     route: GuardedRoute, ai: AI[Any], started: float, exc: Exception, attribution: str
 ) -> Response:
-    # The exception's type and where it was raised; never its message (it may hold user text).
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    where = f"{tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}" if tb else None
+    # The exception's type and where it went; never its message or a local value (they may hold
+    # user text). The request line says where it was raised; an error line has the frames.
+    stack, omitted = frames(exc.__traceback__)
+    where = f"{stack[-1]['file'].rsplit('/', 1)[-1]}:{stack[-1]['line']}" if stack else None
     error = ErrorCode.application_failure
     finish_request(route, ai, started, "error", 500, error=error, exc_type=type(exc).__name__, where=where)
+    emit_error(
+        "application_failure",
+        route=route.name,
+        trace_id=ai.trace_id,
+        exc_type=type(exc).__name__,
+        frames=stack,
+        frames_omitted=omitted or None,
+    )
     answer = error_response(PublicError(500, error, False), ai.trace_id)
     answer.raw_headers.extend(_attribution(ai, attribution))
     return answer
