@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import FastAPI, Header, Response
+from fastapi.middleware.cors import CORSMiddleware
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
@@ -186,6 +187,17 @@ def create_app(
         lifespan=lifespan,
     )
     guards.install(app)
+    if settings.allowed_origins:
+        # Pages on these origins may call the routes (the streaming one too: CORS headers go
+        # out with the response head) and read the headers that tell what happened.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["content-type", "x-user-id", "x-trace-id"],
+            expose_headers=["x-trace-id", "x-ai-model", "x-ai-fallback", "retry-after"],
+            max_age=600,
+        )
     breaker = Breaker(
         failure_threshold=settings.breaker_failure_threshold,
         reset_timeout_s=settings.breaker_reset_s,
