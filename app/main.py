@@ -165,7 +165,8 @@ def create_app(
     guards = Guards(
         main,
         providers=providers,
-        store=store or open_store(settings.guards_store, clock=clock),
+        # `is not None`: an empty MemoryStore is falsy (it has a length).
+        store=store if store is not None else open_store(settings.guards_store, clock=clock),
         sleep=sleep,
         retry_after_s=settings.retry_after_s,
         attribution=settings.ai_attribution,

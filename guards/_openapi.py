@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.routing import APIRoute
 
-from ._envelope import MAX_PROBLEMS, ErrorBody, ErrorCode
+from ._envelope import MAX_PROBLEMS, ErrorBody, ErrorCode, GuardName, Reason
 from ._responses import STRICT_STATUSES
 
 if TYPE_CHECKING:
@@ -42,15 +42,89 @@ _ATTRIBUTION = {
         },
     },
 }
-_STREAM = {
-    "description": (
-        "Server-Sent Events: `delta` {text}, `reasoning` {text}, `tool_call` {index, id, name, "
-        "arguments}, then exactly one of `done` {finish_reason, usage, model, fallback_model, "
-        "attempts, trace_id} or `error` {guard, reason, detail, trace_id}. Sent once the first "
-        "output is ready: a failure before it is an error status instead."
-    ),
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+_STREAM_DESCRIPTION = (
+    "Server-Sent Events: `delta` {text}, `reasoning` {text}, `tool_call` {index, id, name, "
+    "arguments}, then exactly one of `done` {finish_reason, usage, model, fallback_model, "
+    "attempts, trace_id} or `error` {guard, reason, detail, trace_id}. Sent once the first "
+    "output is ready: a failure before it is an error status instead. Each event is described "
+    "as an object with its `event` name and its `data`, a JSON text (OpenAPI 3.1 practice)."
+)
+_NULLABLE_STRING = {"type": ["string", "null"]}
+_USAGE = {
+    "type": "object",
+    "properties": {
+        name: {"type": "integer"} for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
 }
+#: `fallback_model` of the `done` event, per attribution mode (see `AI._done_data`).
+_FALLBACK_MODEL = {
+    "detailed": _NULLABLE_STRING,
+    "redacted": {"type": "boolean"},
+    "off": {"type": "null"},
+}
+
+
+def _object(properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def stream_events(attribution: str) -> dict[str, dict[str, Any]]:
+    """The JSON Schema of each event's `data`, by event name (the vocabulary of
+    `guards.EventStream`)."""
+    text = _object({"text": {"type": "string"}})
+    return {
+        "delta": text,
+        "reasoning": text,
+        "tool_call": _object(
+            {
+                "index": {"type": "integer"},
+                "id": _NULLABLE_STRING,
+                "name": _NULLABLE_STRING,
+                "arguments": {"type": "string"},
+            }
+        ),
+        "done": _object(
+            {
+                "finish_reason": _NULLABLE_STRING,
+                "usage": {"anyOf": [_USAGE, {"type": "null"}]},
+                "model": _NULLABLE_STRING if attribution == "detailed" else {"type": "null"},
+                "fallback_model": _FALLBACK_MODEL[attribution],
+                "attempts": {"type": "integer"},
+                "trace_id": {"type": "string"},
+            }
+        ),
+        "error": _object(
+            {
+                "guard": {"type": "string", "enum": [g.value for g in GuardName]},
+                "reason": {"type": "string", "enum": [r.value for r in Reason]},
+                "detail": {"type": "string"},
+                "trace_id": {"type": "string"},
+            }
+        ),
+    }
+
+
+def _stream_response(attribution: str) -> dict[str, Any]:
+    """The 200 of a streaming route: one of the five events, each `{event, data}` with its
+    `data` a JSON text of the event's schema."""
+    events = [
+        {
+            "type": "object",
+            "properties": {
+                "event": {"const": name},
+                "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": data},
+            },
+            "required": ["event", "data"],
+        }
+        for name, data in stream_events(attribution).items()
+    ]
+    return {
+        "description": _STREAM_DESCRIPTION,
+        "content": {"text/event-stream": {"schema": {"oneOf": events}}},
+    }
+
+
 _DESCRIPTIONS = {
     400: (
         "Invalid input (missing, wrong-typed or oversized); no model call was made. `problems` "
@@ -104,7 +178,7 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             if route.streaming:
-                responses["200"] = dict(_STREAM)
+                responses["200"] = _stream_response(attribution)
             for status, codes in error_statuses(route).items():
                 responses[str(status)] = _error_response(status, codes)
             if attribution != "off":
