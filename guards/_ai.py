@@ -277,11 +277,7 @@ class AI(Generic[T]):
                             json_mode = getattr(failed.error, "json_mode_failed", False)
                             await self._record(leg, Outcome.success if json_mode else Outcome.failure, probe)
                             if failed.verdict.kind in _COOLDOWN_KINDS:
-                                cooled = await self._cool(leg, failed.error)
-                                # A known wait is always sent: the cooldown, or the
-                                # provider's own wait when longer (see public_error).
-                                if cooled > (last.retry_after_s or 0.0):
-                                    last.retry_after_s = cooled
+                                await self._cool(leg, failed.error)
                             continue
                         return leg, result, probe, record_success
                 finally:
@@ -537,16 +533,15 @@ class AI(Generic[T]):
             STORE_UNAVAILABLE.labels(guard="cooldown", action="open").inc()
             return None
 
-    async def _cool(self, leg: Leg, error: Exception) -> float:
-        """Put `leg` in cooldown after a rate limit or an exhausted quota; its seconds (0.0
-        when the store could not start it)."""
+    async def _cool(self, leg: Leg, error: Exception) -> None:
+        """Put `leg` in cooldown after a rate limit or an exhausted quota."""
         seconds = self._guards.cooldown.seconds(error)
         try:
             await self._guards.store.start_cooldown(leg.cooldown_key, seconds)
         except StoreUnavailable:
             self._warn_store("cooldown", op="start_cooldown")
             STORE_UNAVAILABLE.labels(guard="cooldown", action="start_cooldown").inc()
-            return 0.0
+            return
         emit(
             "cooldown",
             route=self._route.name,
@@ -554,7 +549,6 @@ class AI(Generic[T]):
             model=leg.ref.key,
             seconds=round(seconds, 3),
         )
-        return seconds
 
     def _skip(self, leg: Leg, why: str, wait_s: float | None) -> None:
         self._notes.append((leg, f"skipped ({why})", wait_s))
@@ -700,12 +694,17 @@ class AI(Generic[T]):
                 attempts=self.attempts,
                 model=leg.ref.key,
             )
+        wait = error.retry_after_s if isinstance(error, ProviderError) else None
+        if failed.verdict.kind in _COOLDOWN_KINDS:
+            # A known wait is always sent: the model's cooldown (the provider's wait, capped,
+            # else the default), or the provider's own wait when longer (see public_error).
+            wait = max(wait or 0.0, self._guards.cooldown.seconds(error))
         return GuardTripped(
             Reason.provider_error,
             f"{failed.verdict.kind.value} after {failed.attempts} attempt(s): {what}",
             kind=failed.verdict.kind,
             attempts=self.attempts,
-            retry_after_s=error.retry_after_s if isinstance(error, ProviderError) else None,
+            retry_after_s=wait,
             model=leg.ref.key,
         )
 

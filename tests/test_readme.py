@@ -49,13 +49,14 @@ def readme_blocks() -> list[Block]:
     for line in lines:
         if line.startswith("#"):
             section = line.strip()
-        elif line.startswith("```"):
+        elif line.lstrip().startswith("```"):  # a fence, also indented in a list item
+            indent = len(line) - len(line.lstrip())
             body = []
             for inner in lines:
-                if inner.startswith("```"):
+                if inner.lstrip().startswith("```"):
                     break
-                body.append(inner)
-            lang = line[3:].strip()
+                body.append(inner[indent:])
+            lang = line.strip()[3:].strip()
             index = counts.get((section, lang), 0)
             counts[section, lang] = index + 1
             found.append(Block(section, lang, index, "\n".join(body) + "\n"))
