@@ -11,8 +11,13 @@ METRICS_DIR ?= .run/prometheus
 .DEFAULT_GOAL := help
 .PHONY: help install run test lint format bench bench-instructions clean
 
+# Variables a help text may name as $(NAME): `make help` prints their values.
+HELP_VARS := HOST PORT WORKERS METRICS_DIR VENV PYTHON
+
 help: ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -hE '^[A-Za-z0-9][A-Za-z0-9_.-]*:.*## ' $(MAKEFILE_LIST) \
+		| sed $(foreach v,$(HELP_VARS),-e 's|$$($(v))|$($(v))|g') \
+		| awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

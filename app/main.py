@@ -15,7 +15,9 @@ from typing import Annotated, Any
 
 import anyio
 from fastapi import FastAPI, Header, Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from fastapi.middleware.cors import CORSMiddleware
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from guards import (
     AI,
@@ -73,18 +75,41 @@ def _trim(text: str) -> str:
     return text.strip(_WS_CHARS)
 
 
-class DraftRequest(BaseModel):
-    model_config = ConfigDict(regex_engine="python-re")
+#: The most characters of a draft request's message, once trimmed.
+MESSAGE_MAX = 500
 
-    #: 1 to 500 characters once trimmed. The pattern says so of the raw input (so clients read
-    #: exactly what is accepted); the value is then trimmed.
+
+def _message(text: str) -> str:
+    """A draft request's message, trimmed: 1 to MESSAGE_MAX characters, else `string_too_short`
+    or `string_too_long` (what to fix, not a pattern mismatch)."""
+    trimmed = _trim(text)
+    if not trimmed:
+        raise PydanticCustomError(
+            "string_too_short", "String should have at least 1 character after trimming", {"min_length": 1}
+        )
+    if len(trimmed) > MESSAGE_MAX:
+        raise PydanticCustomError(
+            "string_too_long",
+            "String should have at most {max_length} characters after trimming",
+            {"max_length": MESSAGE_MAX},
+        )
+    return trimmed
+
+
+class DraftRequest(BaseModel):
+    #: 1 to 500 characters once trimmed. The length is checked on its own (`_message`), so a
+    #: client learns which limit it crossed; the document states the same rule of the raw input
+    #: as a pattern, so clients read exactly what is accepted.
     message: Annotated[
         str,
-        Field(
-            pattern=f"^[{_WS}]*[^{_WS}](?:[\\s\\S]{{0,498}}[^{_WS}])?[{_WS}]*$",
-            description="1 to 500 characters after trimming.",
+        WithJsonSchema(
+            {
+                "type": "string",
+                "pattern": f"^[{_WS}]*[^{_WS}](?:[\\s\\S]{{0,{MESSAGE_MAX - 2}}}[^{_WS}])?[{_WS}]*$",
+                "description": f"1 to {MESSAGE_MAX} characters after trimming.",
+            }
         ),
-        AfterValidator(_trim),
+        AfterValidator(_message),
     ]
 
 
@@ -140,7 +165,8 @@ def create_app(
     guards = Guards(
         main,
         providers=providers,
-        store=store or open_store(settings.guards_store, clock=clock),
+        # `is not None`: an empty MemoryStore is falsy (it has a length).
+        store=store if store is not None else open_store(settings.guards_store, clock=clock),
         sleep=sleep,
         retry_after_s=settings.retry_after_s,
         attribution=settings.ai_attribution,
@@ -162,6 +188,17 @@ def create_app(
         lifespan=lifespan,
     )
     guards.install(app)
+    if settings.allowed_origins:
+        # Pages on these origins may call the routes (the streaming one too: CORS headers go
+        # out with the response head) and read the headers that tell what happened.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["content-type", "x-user-id", "x-trace-id"],
+            expose_headers=["x-trace-id", "x-ai-model", "x-ai-fallback", "retry-after"],
+            max_age=600,
+        )
     breaker = Breaker(
         failure_threshold=settings.breaker_failure_threshold,
         reset_timeout_s=settings.breaker_reset_s,

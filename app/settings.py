@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 OPENAI_BASE_URL = "https://api.openai.com/v1"
 #: Provider names the example app knows, usable as AI_PROVIDER and as AI_FALLBACK_MODELS prefixes.
 PROVIDERS = ("fake", "workers-ai", "openai")
+#: A browser origin: scheme, host and optional port, nothing after.
+_ORIGIN = re.compile(r"https?://[^/\s,]+")
 
 
 class SettingsError(RuntimeError):
@@ -44,10 +47,25 @@ class Settings(BaseSettings):
     retry_after_s: float = Field(default=30.0, gt=0)
     guards_store: str = "memory://"
     guards_store_failure: Literal["open", "closed"] | None = None
+    #: Origins whose pages may call the app from a browser (comma-separated; `*` for any);
+    #: empty: no CORS headers at all.
+    cors_allow_origins: str = ""
 
     @property
     def fallback_models(self) -> list[str]:
         return [entry.strip() for entry in self.ai_fallback_models.split(",") if entry.strip()]
+
+    @property
+    def allowed_origins(self) -> list[str]:
+        return [entry.strip() for entry in self.cors_allow_origins.split(",") if entry.strip()]
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _origins(cls, value: str) -> str:
+        for entry in (e.strip() for e in value.split(",")):
+            if entry and entry != "*" and not _ORIGIN.fullmatch(entry):
+                raise ValueError("each entry must be an origin such as https://app.example.com, or *")
+        return value
 
     def providers_used(self) -> set[str]:
         """AI_PROVIDER and every provider an AI_FALLBACK_MODELS entry names."""

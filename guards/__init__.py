@@ -13,7 +13,7 @@ from ._chain import Chain, ModelRef, Profile, flatten_chain
 from ._classify import Classification, Kind, classify
 from ._clock import Clock, SystemClock
 from ._cooldown import Cooldown
-from ._envelope import Envelope, ErrorBody, ErrorCode, FallbackInfo, GuardName, Reason
+from ._envelope import Envelope, ErrorBody, ErrorCode, FallbackInfo, GuardName, Problem, Reason
 from ._errors import ConfigurationError, GuardsError, GuardTripped, ProviderError
 from ._event_stream import EventStream
 from ._guards import Attribution, Guards
@@ -64,6 +64,7 @@ __all__ = [
     "Moderation",
     "Outcome",
     "Price",
+    "Problem",
     "Profile",
     "ProviderError",
     "PublicError",

@@ -128,6 +128,17 @@ class AI(Generic[T]):
         self.attempts = 0
         self.attempt_budget = route.attempt_budget
 
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        # Only FastAPI (through pydantic) asks for this, when it reads a handler that still
+        # declares `ai`: one registered before `guards.route` wrapped it. Fail at import, saying
+        # how to fix it, rather than with pydantic's unrelated "invalid field type".
+        raise ConfigurationError(
+            "a handler declaring `ai: AI[...]` reached FastAPI unguarded: the decorators are in "
+            "the wrong order. Write @app.post(...) above @guards.route(...), so that the guarded "
+            "route is what FastAPI registers"
+        )
+
     @property
     def requested_model(self) -> str:
         """The chain's first model: what the route asks for before any fallback."""
@@ -185,6 +196,7 @@ class AI(Generic[T]):
         end = opened.end
         if end is not None and end.finish_reason == "content_filter":
             await self._finish_leg(leg, Outcome.success, probe, record_success)
+            self._served(leg, opened.model)
             raise GuardTripped(
                 Reason.moderation_blocked, "the provider filtered the stream", model=leg.ref.key
             )
@@ -253,6 +265,9 @@ class AI(Generic[T]):
                         except CallFailed as failed:
                             inflight = None
                             last = self._leg_failed(leg, failed)
+                            await self._guards.credential_warnings.failed(
+                                self._guards.store, leg.ref.key, failed.error
+                            )
                             # JSON mode not met: the model answered, just not in shape.
                             json_mode = getattr(failed.error, "json_mode_failed", False)
                             outcome = Outcome.success if json_mode else Outcome.failure
@@ -603,8 +618,18 @@ class AI(Generic[T]):
         else:
             # Billed unless the provider refused the call: a timeout, a cancelled call, any
             # failure that is not a provider's error answer, JSON mode not met.
-            billed = not isinstance(outcome, ProviderError) or outcome.json_mode_failed
-            self._account(leg, classify(outcome).kind.value, None, None, elapsed, billed=billed)
+            provider_error = isinstance(outcome, ProviderError)
+            billed = not provider_error or outcome.json_mode_failed
+            self._account(
+                leg,
+                classify(outcome).kind.value,
+                None,
+                None,
+                elapsed,
+                billed=billed,
+                status=outcome.status if provider_error else None,
+                code=outcome.code if provider_error else None,
+            )
 
     def _account(
         self,
@@ -616,6 +641,8 @@ class AI(Generic[T]):
         *,
         billed: bool,
         delivered: int | None = None,
+        status: int | None = None,
+        code: int | None = None,
     ) -> None:
         route = self._route
         leg.seconds.observe(elapsed)
@@ -639,6 +666,8 @@ class AI(Generic[T]):
                     latency_ms=round(elapsed * 1000, 2),
                     usage=usage,
                     delivered_chars=delivered,
+                    status=status,
+                    code=code,
                 )
             )
 
@@ -648,18 +677,24 @@ class AI(Generic[T]):
         times = f" x{failed.attempts}" if failed.attempts > 1 else ""
         self._notes.append((leg, failed.verdict.kind.value + times, None))
         if isinstance(error, ProviderError) and error.json_mode_failed:
+            self._served(leg, None)  # the model answered, just not in the shape asked for
             return GuardTripped(
                 Reason.schema_invalid,
                 f"JSON mode could not be met ({what})",
                 attempts=self.attempts,
                 model=leg.ref.key,
             )
+        wait = error.retry_after_s if isinstance(error, ProviderError) else None
+        if failed.verdict.kind in _COOLDOWN_KINDS:
+            # A known wait is always sent: the model's cooldown (the provider's wait, capped,
+            # else the default), or the provider's own wait when longer (see public_error).
+            wait = max(wait or 0.0, self._guards.cooldown.seconds(error))
         return GuardTripped(
             Reason.provider_error,
             f"{failed.verdict.kind.value} after {failed.attempts} attempt(s): {what}",
             kind=failed.verdict.kind,
             attempts=self.attempts,
-            retry_after_s=error.retry_after_s if isinstance(error, ProviderError) else None,
+            retry_after_s=wait,
             model=leg.ref.key,
         )
 

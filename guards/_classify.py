@@ -3,6 +3,15 @@
 
 Workers AI sends 3040 (capacity, transient) and 3036 (daily quota) with the same HTTP 429, so a
 status-first rule would retry quota exhaustion; hence codes first.
+
+    code 5004 5005 5007 5016 5018 5035 3042, or status 400 403 404 405 413 -> model_incompatible
+    code 3036 (or a quota flag)                                            -> model_quota_exhausted
+    code 3040 or 3007, status 408, status >= 500, transport failure        -> model_temporarily_unavailable
+    status 429                                                             -> model_rate_limited
+    anything else                                                          -> model_unavailable
+
+HTTP 408 is a timeout: Workers AI sends it with 3007, and gateways (LiteLLM, proxies) answer it
+when their upstream timed out; like any transient failure it is retried.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ INCOMPATIBLE_CODES = frozenset({5004, 5005, 5007, 5016, 5018, 5035, 3042})
 INCOMPATIBLE_STATUSES = frozenset({400, 403, 404, 405, 413})
 QUOTA_CODES = frozenset({3036})
 TRANSIENT_CODES = frozenset({3040, 3007})
+TRANSIENT_STATUSES = frozenset({408})
 
 _INCOMPATIBLE = Classification(Kind.model_incompatible, 502, retryable=False)
 _QUOTA = Classification(Kind.model_quota_exhausted, 503, retryable=False)
@@ -66,7 +76,7 @@ def classify(failure: BaseException) -> Classification:
         return _QUOTA
     if code in TRANSIENT_CODES:
         return _TRANSIENT
-    if status is None or status >= 500:
+    if status is None or status >= 500 or status in TRANSIENT_STATUSES:
         return _TRANSIENT
     if status in INCOMPATIBLE_STATUSES:
         return _INCOMPATIBLE

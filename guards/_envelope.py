@@ -14,7 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 T = TypeVar("T")
 
-__all__ = ["Envelope", "ErrorBody", "ErrorCode", "FallbackInfo", "GuardName", "Reason"]
+__all__ = [
+    "MAX_PROBLEMS",
+    "Envelope",
+    "ErrorBody",
+    "ErrorCode",
+    "FallbackInfo",
+    "GuardName",
+    "Problem",
+    "Reason",
+]
 
 
 class GuardName(StrEnum):
@@ -92,6 +101,21 @@ class ErrorCode(StrEnum):
     circuit_open = "circuit_open"
 
 
+#: The most problems a 400 lists.
+MAX_PROBLEMS = 10
+
+
+class Problem(BaseModel):
+    """One thing to fix in a request: where, and the pydantic error type. Never the value."""
+
+    model_config = ConfigDict(frozen=True)
+
+    field: str = Field(description="Where: `body.message`, `header.x-user-id`, `query.page`, or `body`.")
+    problem: str = Field(
+        description="The pydantic error type: `missing`, `string_too_long`, `string_type`, `json_invalid`..."
+    )
+
+
 class ErrorBody(BaseModel):
     """The body of every error a guarded route answers."""
 
@@ -100,3 +124,8 @@ class ErrorBody(BaseModel):
         description="True only for transient failures; then the Retry-After header says when."
     )
     trace_id: str | None = Field(default=None, description="Also sent as the x-trace-id header.")
+    problems: list[Problem] | None = Field(
+        default=None,
+        max_length=MAX_PROBLEMS,
+        description=f"400 invalid_request only: what to fix (at most {MAX_PROBLEMS}), never the input.",
+    )

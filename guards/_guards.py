@@ -21,10 +21,11 @@ from ._budget import Budget, Price
 from ._call import Retry
 from ._chain import DEFAULT_PROVIDER, Profile
 from ._cooldown import Cooldown
-from ._envelope import ErrorCode
+from ._credentials import CredentialWarnings
+from ._envelope import MAX_PROBLEMS, ErrorCode, Problem
 from ._errors import ConfigurationError
 from ._ledger import Ledger, LogLedger
-from ._log import emit, logger
+from ._log import emit, logger, show_logs
 from ._metrics import flush_metrics
 from ._openapi import document_guarded_routes
 from ._output import Moderation
@@ -36,6 +37,9 @@ from .stores import MemoryStore, Store
 __all__ = ["Guards"]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+#: The longest field path (or problem token) a 400 reports; a longer one is cut.
+_FIELD_MAX = 200
 
 #: How responses name the model that served: `detailed` (model ids), `redacted` (a fallback
 #: flag only) or `off`.
@@ -89,6 +93,7 @@ class Guards:
         self.sleep = sleep
         self.retry_after_s = retry_after_s
         self.prices: Mapping[str, Price] = dict(prices or {})
+        self.credential_warnings = CredentialWarnings()
 
     def ledger_enabled(self) -> bool:
         """False when records would be dropped anyway (the default log ledger with INFO off),
@@ -173,11 +178,16 @@ class Guards:
         """Attach to `app`: answer invalid input on guarded routes with `400 invalid_request`,
         stop reading a guarded route's request body past its `max_body_bytes`, document every
         status a guarded route can answer in OpenAPI, and make `Guards.of(app)` find this
-        instance. Call once, when building the app."""
+        instance. Call once, when building the app.
+
+        Also makes guards' log lines visible without any logging set-up: JSON lines on stderr
+        (INFO and up, unless the app set a level on the `guards` logger) until the app
+        configures a handler of its own for them (on `guards` or the root logger)."""
         if getattr(app.state, "guards", None) is not None:
             raise ConfigurationError("Guards are already installed on this app")
         app.state.guards = self
         app.add_middleware(BodyLimit)
+        show_logs()
         # Input that never reached a guarded handler (unparseable or invalid) is answered
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):
@@ -245,12 +255,7 @@ def _is_bad_request(exc: Exception) -> bool:
 
 def _invalid_request(route_name: str, request: Request, exc: Exception) -> Response:
     trace_id = request_trace_id(request)
-    problems = []
-    if isinstance(exc, RequestValidationError):
-        # Where the input was wrong and how, never the input itself.
-        problems = sorted(
-            {".".join(map(str, e.get("loc", ()))) + ":" + str(e.get("type")) for e in exc.errors()}
-        )
+    found = _problems(exc)
     emit(
         "request",
         route=route_name,
@@ -258,7 +263,27 @@ def _invalid_request(route_name: str, request: Request, exc: Exception) -> Respo
         outcome="error",
         status=400,
         error=ErrorCode.invalid_request.value,
-        problems=problems[:10] or None,
+        problems=[f"{p.field}:{p.problem}" for p in found],
         attempts=0,
     )
-    return error_response(PublicError(400, ErrorCode.invalid_request, False), trace_id)
+    return error_response(PublicError(400, ErrorCode.invalid_request, False), trace_id, problems=found)
+
+
+def _problems(exc: Exception) -> list[Problem]:
+    """What to fix: each field path and pydantic error type, in pydantic's order, without
+    duplicates, at most `MAX_PROBLEMS`. Never the input, its `msg` or its `ctx`: they may
+    carry what the client sent."""
+    if not isinstance(exc, RequestValidationError):
+        # FastAPI could not read the body at all (e.g. bytes that are not UTF-8 JSON).
+        return [Problem(field="body", problem="json_invalid")]
+    found: dict[tuple[str, str], None] = {}
+    for error in exc.errors():
+        loc = tuple(error.get("loc", ()))
+        kind = str(error.get("type", "invalid"))
+        if kind == "json_invalid":
+            loc = loc[:1]  # (body, character offset): the offset is not a field
+        field = ".".join(str(part) for part in loc)[:_FIELD_MAX] or "body"
+        found[(field, kind[:_FIELD_MAX])] = None
+        if len(found) == MAX_PROBLEMS:
+            break
+    return [Problem(field=field, problem=problem) for field, problem in found]

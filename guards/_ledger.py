@@ -28,7 +28,9 @@ class Attempt:
     is `"ok"` or the classifier's kind (`"cancelled"` when the caller stopped waiting).
     `usage` is the provider's token count, when it sent one. `delivered_chars` counts the
     characters a streamed attempt delivered to the client (for a stream cut or cancelled
-    before the provider's usage arrived); None for a non-streaming call.
+    before the provider's usage arrived); None for a non-streaming call. A failed call carries
+    the provider's HTTP `status` and numeric error `code` when it sent them (never its message):
+    a 401 reads as a credential problem, not an outage.
     """
 
     trace_id: str
@@ -41,6 +43,8 @@ class Attempt:
     latency_ms: float
     usage: Usage | None
     delivered_chars: int | None = None
+    status: int | None = None
+    code: int | None = None
 
 
 @runtime_checkable
@@ -68,4 +72,6 @@ class LogLedger:
             prompt_tokens=usage.prompt_tokens if usage is not None else None,
             completion_tokens=usage.completion_tokens if usage is not None else None,
             delivered_chars=attempt.delivered_chars,
+            status=attempt.status,
+            code=attempt.code,
         )

@@ -3,17 +3,27 @@
 Only fields from a closed list of safe values are written (event, route, guard, reason, kind,
 attempts, model, latency, trace id, status...). Prompts, completions, provider messages,
 credentials and budget keys (user ids) are never passed here.
+
+Lines show up without any logging set-up: `Guards.install` puts a console handler on the
+`guards` logger (`show_logs`) that writes to stderr only while no other handler would receive
+the line, i.e. until the app configures logging of its own (a handler on `guards` or on an
+ancestor it propagates to, such as the root logger: then each line is written once, there).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
+from types import TracebackType
 from typing import Any
 
-__all__ = ["logger"]
+__all__ = ["logger", "show_logs"]
 
 logger = logging.getLogger("guards")
+
+#: The most stack frames an application failure logs (the innermost ones).
+MAX_FRAMES = 20
 
 
 def emit(event: str, /, **fields: Any) -> None:
@@ -25,6 +35,57 @@ def emit(event: str, /, **fields: Any) -> None:
 
 
 def emit_warning(event: str, /, **fields: Any) -> None:
+    _emit_at(logging.WARNING, event, fields)
+
+
+def emit_error(event: str, /, **fields: Any) -> None:
+    _emit_at(logging.ERROR, event, fields)
+
+
+def _emit_at(level: int, event: str, fields: dict[str, Any]) -> None:
     record = {"event": event}
     record.update((k, v) for k, v in fields.items() if v is not None)
-    logger.warning(json.dumps(record, separators=(",", ":"), default=str))
+    logger.log(level, json.dumps(record, separators=(",", ":"), default=str))
+
+
+def frames(tb: TracebackType | None) -> tuple[list[dict[str, Any]], int]:
+    """Where an exception went, outermost first: each frame's file, line and function (never
+    its local values), the innermost `MAX_FRAMES`; and how many outer frames were left out."""
+    found = []
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        found.append({"file": code.co_filename, "line": tb.tb_lineno, "function": code.co_name})
+        tb = tb.tb_next
+    return found[-MAX_FRAMES:], max(0, len(found) - MAX_FRAMES)
+
+
+class _ConsoleFallback(logging.Handler):
+    """Writes a `guards` line to stderr unless another handler receives it (the app's own)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._handled_elsewhere():
+            return
+        try:
+            # sys.stderr as it is now (servers and test tools may swap it after start-up).
+            sys.stderr.write(record.getMessage() + "\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+    def _handled_elsewhere(self) -> bool:
+        # The walk `Logger.callHandlers` makes: up the hierarchy while loggers propagate.
+        current: logging.Logger | None = logger
+        while current is not None:
+            if any(handler is not self for handler in current.handlers):
+                return True
+            current = current.parent if current.propagate else None
+        return False
+
+
+def show_logs() -> None:
+    """Make guards' lines visible in an app that configured no logging: the console fallback on
+    the `guards` logger (once per process), and INFO when the app set no level for it."""
+    if not any(isinstance(handler, _ConsoleFallback) for handler in logger.handlers):
+        logger.addHandler(_ConsoleFallback())
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.routing import APIRoute
 
-from ._envelope import ErrorBody, ErrorCode
+from ._envelope import MAX_PROBLEMS, ErrorBody, ErrorCode, GuardName, Reason
 from ._responses import STRICT_STATUSES
 
 if TYPE_CHECKING:
@@ -42,17 +42,94 @@ _ATTRIBUTION = {
         },
     },
 }
-_STREAM = {
-    "description": (
-        "Server-Sent Events: `delta` {text}, `reasoning` {text}, `tool_call` {index, id, name, "
-        "arguments}, then exactly one of `done` {finish_reason, usage, model, fallback_model, "
-        "attempts, trace_id} or `error` {guard, reason, detail, trace_id}. Sent once the first "
-        "output is ready: a failure before it is an error status instead."
-    ),
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+_STREAM_DESCRIPTION = (
+    "Server-Sent Events: `delta` {text}, `reasoning` {text}, `tool_call` {index, id, name, "
+    "arguments}, then exactly one of `done` {finish_reason, usage, model, fallback_model, "
+    "attempts, trace_id} or `error` {guard, reason, detail, trace_id}. Sent once the first "
+    "output is ready: a failure before it is an error status instead. Each event is described "
+    "as an object with its `event` name and its `data`, a JSON text (OpenAPI 3.1 practice)."
+)
+_NULLABLE_STRING = {"type": ["string", "null"]}
+_USAGE = {
+    "type": "object",
+    "properties": {
+        name: {"type": "integer"} for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
 }
+#: `fallback_model` of the `done` event, per attribution mode (see `AI._done_data`).
+_FALLBACK_MODEL = {
+    "detailed": _NULLABLE_STRING,
+    "redacted": {"type": "boolean"},
+    "off": {"type": "null"},
+}
+
+
+def _object(properties: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def stream_events(attribution: str) -> dict[str, dict[str, Any]]:
+    """The JSON Schema of each event's `data`, by event name (the vocabulary of
+    `guards.EventStream`)."""
+    text = _object({"text": {"type": "string"}})
+    return {
+        "delta": text,
+        "reasoning": text,
+        "tool_call": _object(
+            {
+                "index": {"type": "integer"},
+                "id": _NULLABLE_STRING,
+                "name": _NULLABLE_STRING,
+                "arguments": {"type": "string"},
+            }
+        ),
+        "done": _object(
+            {
+                "finish_reason": _NULLABLE_STRING,
+                "usage": {"anyOf": [_USAGE, {"type": "null"}]},
+                "model": _NULLABLE_STRING if attribution == "detailed" else {"type": "null"},
+                "fallback_model": _FALLBACK_MODEL[attribution],
+                "attempts": {"type": "integer"},
+                "trace_id": {"type": "string"},
+            }
+        ),
+        "error": _object(
+            {
+                "guard": {"type": "string", "enum": [g.value for g in GuardName]},
+                "reason": {"type": "string", "enum": [r.value for r in Reason]},
+                "detail": {"type": "string"},
+                "trace_id": {"type": "string"},
+            }
+        ),
+    }
+
+
+def _stream_response(attribution: str) -> dict[str, Any]:
+    """The 200 of a streaming route: one of the five events, each `{event, data}` with its
+    `data` a JSON text of the event's schema."""
+    events = [
+        {
+            "type": "object",
+            "properties": {
+                "event": {"const": name},
+                "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": data},
+            },
+            "required": ["event", "data"],
+        }
+        for name, data in stream_events(attribution).items()
+    ]
+    return {
+        "description": _STREAM_DESCRIPTION,
+        "content": {"text/event-stream": {"schema": {"oneOf": events}}},
+    }
+
+
 _DESCRIPTIONS = {
-    400: "Invalid input (missing, wrong-typed or oversized); no model call was made.",
+    400: (
+        "Invalid input (missing, wrong-typed or oversized); no model call was made. `problems` "
+        "names each field and what is wrong with it (a pydantic error type), never the input."
+    ),
     429: "A per-key budget is spent.",
     500: "The route's own code failed; the model's answer was fine.",
     502: "The model cannot serve this route, or answered in the wrong shape.",
@@ -101,26 +178,35 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             if route.streaming:
-                responses["200"] = dict(_STREAM)
-            if attribution != "off":
-                responses.setdefault("200", {}).setdefault("headers", {}).update(_ATTRIBUTION[attribution])
+                responses["200"] = _stream_response(attribution)
             for status, codes in error_statuses(route).items():
                 responses[str(status)] = _error_response(status, codes)
             if route.max_body_bytes is not None:
                 responses["400"]["description"] += (
                     f" A request body over {route.max_body_bytes} bytes is refused without being read."
                 )
+            if attribution != "off":
+                # Whenever a model answered: its answer served, was rejected by the output
+                # guard (a fallback, 502), or the route's own code failed after it (500).
+                for answered in ("200", "500", "502"):
+                    if answered in responses:
+                        responses[answered].setdefault("headers", {}).update(_ATTRIBUTION[attribution])
             for response in responses.values():
                 response.setdefault("headers", {})["x-trace-id"] = _TRACE_HEADER
 
 
 def _error_response(status: int, codes: list[ErrorCode]) -> dict[str, Any]:
-    body = {
-        "allOf": [
-            {"$ref": _REF.format(model="ErrorBody")},
-            {"properties": {"error": {"type": "string", "enum": [c.value for c in codes]}}},
-        ]
-    }
+    narrowed: dict[str, Any] = {"properties": {"error": {"type": "string", "enum": [c.value for c in codes]}}}
+    if status == 400:
+        # A 400 always says what to fix.
+        narrowed["properties"]["problems"] = {
+            "type": "array",
+            "items": {"$ref": _REF.format(model="Problem")},
+            "minItems": 1,
+            "maxItems": MAX_PROBLEMS,
+        }
+        narrowed["required"] = ["problems"]
+    body = {"allOf": [{"$ref": _REF.format(model="ErrorBody")}, narrowed]}
     response: dict[str, Any] = {
         "description": _DESCRIPTIONS[status] + " Errors: " + ", ".join(c.value for c in codes) + ".",
         "content": {"application/json": {"schema": body}},

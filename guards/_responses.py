@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.responses import JSONResponse
 
 from ._classify import Kind
-from ._envelope import ErrorCode, Reason
+from ._envelope import ErrorCode, Problem, Reason
 from ._errors import GuardTripped
 
 __all__ = ["PublicError", "error_response", "public_error"]
@@ -30,6 +31,9 @@ _BY_KIND = {
     Kind.model_unavailable: (503, ErrorCode.model_unavailable),
 }
 
+#: Kinds that are not retried at once but carry a known wait (the provider's, or the cooldown).
+_WAIT_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
+
 #: The error tokens a strict route may answer with each status (documented in OpenAPI).
 STRICT_STATUSES: dict[int, tuple[ErrorCode, ...]] = {
     429: (ErrorCode.rate_limited, ErrorCode.budget_exceeded),
@@ -49,6 +53,9 @@ def public_error(tripped: GuardTripped, retry_after_s: float) -> PublicError:
 
     `retry_after_s` is the configured wait for `model_temporarily_unavailable` (a timeout, or a
     transient failure that outlived its retry); a longer wait the provider asked for wins.
+    A known wait is always sent: `model_rate_limited` and `model_quota_exhausted` carry the
+    provider's wait or the model's cooldown, and stay `retryable: false` (no immediate
+    automatic retry).
     """
     reason = tripped.reason
     if reason is Reason.rate_limited:
@@ -64,12 +71,20 @@ def public_error(tripped: GuardTripped, retry_after_s: float) -> PublicError:
         wait = max(retry_after_s, tripped.retry_after_s or 0.0)
         return PublicError(503, ErrorCode.model_temporarily_unavailable, True, wait)
     status, error = _BY_KIND.get(kind or Kind.model_unavailable, (503, ErrorCode.model_unavailable))
+    if kind in _WAIT_KINDS:
+        return PublicError(status, error, False, tripped.retry_after_s)
     return PublicError(status, error, False)
 
 
-def error_response(error: PublicError, trace_id: str) -> JSONResponse:
+def error_response(
+    error: PublicError, trace_id: str, *, problems: list[Problem] | None = None
+) -> JSONResponse:
+    """The error body (`ErrorBody`) with `x-trace-id`, and `Retry-After` when the wait is known;
+    `problems` for a 400."""
     headers = {"x-trace-id": trace_id}
     if error.retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s)))
-    body = {"error": error.error.value, "retryable": error.retryable, "trace_id": trace_id}
+    body: dict[str, Any] = {"error": error.error.value, "retryable": error.retryable, "trace_id": trace_id}
+    if problems is not None:
+        body["problems"] = [{"field": p.field, "problem": p.problem} for p in problems]
     return JSONResponse(body, status_code=error.status, headers=headers)

@@ -37,7 +37,7 @@ from ._classify import Kind
 from ._envelope import Envelope, ErrorCode, FallbackInfo
 from ._errors import ConfigurationError, GuardTripped
 from ._event_stream import EventStream
-from ._log import emit_warning
+from ._log import emit_error, emit_warning, frames
 from ._metrics import (
     ATTEMPT_SECONDS,
     ATTEMPTS,
@@ -221,8 +221,14 @@ def guard_route(
     for param in signature.parameters.values():
         annotation = hints.get(param.name, param.annotation)
         if annotation is AI or typing.get_origin(annotation) is AI:
+            if annotation is AI:
+                raise ConfigurationError(
+                    f"guarded route {handler.__qualname__}: `{param.name}: AI` does not say what the "
+                    f"model must produce: write `{param.name}: AI[str]` for text, or "
+                    f"`{param.name}: AI[YourModel]` (a pydantic model) for JSON"
+                )
             ai_name = param.name
-            output_type = (typing.get_args(annotation) or (Any,))[0]
+            output_type = typing.get_args(annotation)[0]
             continue
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise ConfigurationError(
@@ -327,21 +333,25 @@ def guard_route(
             if not route.degrading:
                 error = public_error(tripped, guards.retry_after_s)
                 finish_request(route, ai, started, outcome, error.status, tripped=tripped, error=error.error)
-                return error_response(error, trace_id)
+                answer = error_response(error, trace_id)
+                answer.raw_headers.extend(_attribution(ai, guards.attribution))
+                return answer
             try:
                 data = await compute_fallback(kwargs, tripped)
             except Exception as exc:
-                return _application_failure(route, ai, started, exc)
+                return _application_failure(route, ai, started, exc, guards.attribution)
             finish_request(
                 route, ai, started, "fallback" if outcome == "error" else outcome, 200, tripped=tripped
             )
+            # A model that answered is named even when its answer was rejected.
+            response.raw_headers.extend(_attribution(ai, guards.attribution))
             response.raw_headers.append((b"x-trace-id", trace_id.encode()))
             info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=tripped.detail)
             return envelope_type(ok=True, data=data, fallback=info)
         except HTTPException:
             raise  # the handler's own deliberate HTTP answer
         except Exception as exc:
-            return _application_failure(route, ai, started, exc)
+            return _application_failure(route, ai, started, exc, guards.attribution)
         if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
             finish_request(route, ai, started, "ok", 200)
         headers = _attribution(ai, guards.attribution)
@@ -389,7 +399,8 @@ def request_trace_id(request: Request) -> str:
 def _attribution(ai: AI[Any], mode: str) -> list[tuple[bytes, bytes]]:
     """Which model answered, as response headers: `x-ai-model` (the model the provider says
     served) and `x-ai-fallback` (the chain entry that served, when not the first) in
-    `detailed` mode; only `x-ai-fallback: true` in `redacted` mode; nothing when `off`."""
+    `detailed` mode; only `x-ai-fallback: true` in `redacted` mode; nothing when `off`, or
+    when no model answered. A model whose answer the output guard rejected answered too."""
     if mode == "off" or ai.model is None:
         return []
     if mode == "redacted":
@@ -418,12 +429,23 @@ def _header_value(text: str) -> bytes:
 _header_values: dict[str, bytes] = {}
 
 
-def _application_failure(route: GuardedRoute, ai: AI[Any], started: float, exc: Exception) -> Response:
-    # The exception's type and where it was raised; never its message (it may hold user text).
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    where = f"{tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}" if tb else None
+def _application_failure(
+    route: GuardedRoute, ai: AI[Any], started: float, exc: Exception, attribution: str
+) -> Response:
+    # The exception's type and where it went; never its message or a local value (they may hold
+    # user text). The request line says where it was raised; an error line has the frames.
+    stack, omitted = frames(exc.__traceback__)
+    where = f"{stack[-1]['file'].rsplit('/', 1)[-1]}:{stack[-1]['line']}" if stack else None
     error = ErrorCode.application_failure
     finish_request(route, ai, started, "error", 500, error=error, exc_type=type(exc).__name__, where=where)
-    return error_response(PublicError(500, error, False), ai.trace_id)
+    emit_error(
+        "application_failure",
+        route=route.name,
+        trace_id=ai.trace_id,
+        exc_type=type(exc).__name__,
+        frames=stack,
+        frames_omitted=omitted or None,
+    )
+    answer = error_response(PublicError(500, error, False), ai.trace_id)
+    answer.raw_headers.extend(_attribution(ai, attribution))
+    return answer

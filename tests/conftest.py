@@ -129,10 +129,21 @@ async def no_sleep(seconds: float) -> None:
 
 
 def assert_error(response: httpx.Response, status: int, error: str, retryable: bool) -> None:
-    """A strict route's public error, whole."""
+    """A strict route's public error, whole (a 400's `problems`: at least one, each a field and
+    a problem token)."""
     assert response.status_code == status, response.text
     body = response.json()
+    if status == 400:
+        problems = body.pop("problems")
+        assert problems
+        assert all(set(p) == {"field", "problem"} for p in problems), problems
     assert body == {"error": error, "retryable": retryable, "trace_id": response.headers["x-trace-id"]}
+
+
+def problems(response: httpx.Response) -> list[tuple[str, str]]:
+    """A 400's `problems`, as (field, problem) pairs."""
+    assert response.status_code == 400, response.text
+    return [(p["field"], p["problem"]) for p in response.json()["problems"]]
 
 
 def assert_fallback(response: httpx.Response, guard: str, reason: str, data: Any) -> dict[str, Any]:

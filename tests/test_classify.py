@@ -4,7 +4,7 @@ Expected values are written from the contract, row by row:
 
     code 5004 5005 5007 5016 5018 5035 3042, or status 400 403 404 405 413 -> model_incompatible
     code 3036                                                               -> model_quota_exhausted
-    code 3040 or 3007, any status >= 500, transport failure (no status)     -> model_temporarily_unavailable
+    code 3040 or 3007, status 408, any status >= 500, transport failure     -> model_temporarily_unavailable
     status 429                                                              -> model_rate_limited
     anything else                                                           -> model_unavailable
 
@@ -37,7 +37,7 @@ DOCUMENTED_CODES = [
     pytest.param(wai(3003, 400), INCOMPATIBLE, id="3003/400-incomplete-request-by-status"),
     pytest.param(wai(3006, 413), INCOMPATIBLE, id="3006/413-too-large-by-status"),
     pytest.param(wai(3007, 408), TRANSIENT, id="3007/408-timeout"),
-    pytest.param(wai(3008, 408), UNAVAILABLE, id="3008/408-aborted"),
+    pytest.param(wai(3008, 408), TRANSIENT, id="3008/408-aborted-by-status"),
     pytest.param(wai(3023, 403), INCOMPATIBLE, id="3023/403-account-blocked-by-status"),
     pytest.param(wai(3036, 429), QUOTA, id="3036/429-daily-quota-not-rate-limit"),
     pytest.param(wai(3039, 400), INCOMPATIBLE, id="3039/400-finetune-missing-by-status"),
@@ -86,7 +86,7 @@ BARE_STATUSES = [
     pytest.param(wai(None, 504), TRANSIENT, id="504"),
     pytest.param(wai(None, 529), TRANSIENT, id="529-any-5xx"),
     pytest.param(wai(None, 401), UNAVAILABLE, id="401"),
-    pytest.param(wai(None, 408), UNAVAILABLE, id="408"),
+    pytest.param(wai(None, 408), TRANSIENT, id="408-a-gateway-timeout"),
     pytest.param(wai(None, 409), UNAVAILABLE, id="409"),
     pytest.param(wai(None, 422), UNAVAILABLE, id="422"),
     pytest.param(wai(None, 200), UNAVAILABLE, id="200-success-false-without-code"),

@@ -99,7 +99,9 @@ def test_500_trimmed_characters_are_accepted(client: httpx.Client, fake_workers_
 
 def test_quota_exhausted_is_503_in_one_call(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
     fake_workers_ai.script(MODEL, Fail(code=3036, status=429))
-    assert_error(post(client), 503, "model_quota_exhausted", False)
+    response = post(client)
+    assert_error(response, 503, "model_quota_exhausted", False)
+    assert response.headers["retry-after"] == "600"  # the model's cooldown: a known wait is sent
     assert len(fake_workers_ai.calls) == 1
 
 
@@ -109,13 +111,37 @@ def test_rate_limit_without_code_is_503_in_one_call(
     fake_workers_ai.script(MODEL, Fail(status=429))
     response = post(client)
     assert_error(response, 503, "model_rate_limited", False)
-    assert "retry-after" not in response.headers
+    assert response.headers["retry-after"] == "30"  # the model's cooldown: a known wait is sent
     assert len(fake_workers_ai.calls) == 1
 
 
-@pytest.mark.parametrize(("code", "status"), [(3040, 429), (3007, 408)])
+@pytest.mark.parametrize(
+    ("failure", "error", "wait"),
+    [
+        (Fail(status=429, retry_after="7"), "model_rate_limited", "7"),
+        (Fail(code=3036, status=429, retry_after="120"), "model_quota_exhausted", "120"),
+        # Longer than the longest cooldown (1 h): the provider's own wait is still the truth.
+        (Fail(status=429, retry_after="7200"), "model_rate_limited", "7200"),
+    ],
+    ids=["rate-limited", "quota", "past-the-cooldown-cap"],
+)
+def test_provider_wait_is_sent_as_retry_after_but_not_retryable(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI, failure: Fail, error: str, wait: str
+) -> None:
+    fake_workers_ai.script(MODEL, failure)
+    response = post(client)
+    assert_error(response, 503, error, False)
+    assert response.headers["retry-after"] == wait
+    # The model cools down for that long: the next request skips it (circuit_open), same wait.
+    again = post(client)
+    assert_error(again, 503, "circuit_open", True)
+    assert abs(int(again.headers["retry-after"]) - min(int(wait), 3600)) <= 1
+    assert len(fake_workers_ai.calls) == 1
+
+
+@pytest.mark.parametrize(("code", "status"), [(3040, 429), (3007, 408), (None, 408)])
 def test_transient_failure_recovers_on_the_retry(
-    client: httpx.Client, fake_workers_ai: FakeWorkersAI, code: int, status: int
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI, code: int | None, status: int
 ) -> None:
     fake_workers_ai.script(MODEL, Fail(code=code, status=status), Reply("Recovered."))
     response = post(client)
@@ -125,9 +151,9 @@ def test_transient_failure_recovers_on_the_retry(
     assert len(fake_workers_ai.calls) == 2
 
 
-@pytest.mark.parametrize(("code", "status"), [(3040, 429), (3007, 408)])
+@pytest.mark.parametrize(("code", "status"), [(3040, 429), (3007, 408), (None, 408)])
 def test_transient_failure_that_persists_is_503_with_retry_after(
-    client: httpx.Client, fake_workers_ai: FakeWorkersAI, code: int, status: int
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI, code: int | None, status: int
 ) -> None:
     fake_workers_ai.script(MODEL, Fail(code=code, status=status), Fail(code=code, status=status), Reply())
     response = post(client)

@@ -136,11 +136,23 @@ def test_insufficient_quota_is_503_quota_exhausted_in_one_call(
     assert len(fake_openai.calls) == 1
 
 
+def test_rate_limit_wait_in_milliseconds_is_sent_as_retry_after(
+    client: httpx.Client, fake_openai: FakeOpenAI
+) -> None:
+    fake_openai.script(MODEL, Fail(status=429, retry_after_ms="1500"))
+    response = strict(client)
+    assert_error(response, 503, "model_rate_limited", False)
+    assert response.headers["retry-after"] == "2"  # 1.5 s, rounded up to whole seconds
+    assert len(fake_openai.calls) == 1
+
+
 @pytest.mark.parametrize(
     "transient",
     [
         pytest.param(Fail(status=503), id="503"),
         pytest.param(Fail(status=500), id="500"),
+        # A gateway (LiteLLM, a proxy) whose upstream timed out.
+        pytest.param(Fail(status=408, error_type="timeout"), id="408-gateway-timeout"),
         pytest.param(Raw(502, b"<html><body>502 Bad Gateway</body></html>"), id="html-502"),
         pytest.param(Drop(), id="dropped-connection"),
     ],

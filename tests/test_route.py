@@ -460,3 +460,65 @@ def test_envelope_is_a_generic_pydantic_model() -> None:
                 "fallback": {"guard": "call", "reason": "nope", "detail": ""},
             }
         )
+
+
+# Mistakes a newcomer makes, as module source: they must fail when the module is imported, with
+# a ConfigurationError that says what to write instead.
+MODULE_HEAD = """
+from __future__ import annotations
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from fixtures import FakeBinding
+from guards import AI, Guards
+
+
+class Ask(BaseModel):
+    message: str
+
+
+guards = Guards(FakeBinding())
+app = FastAPI()
+guards.install(app)
+"""
+
+BARE_AI = """
+@app.post("/reply")
+@guards.route(model="@cf/test/model")
+async def reply(body: Ask, ai: AI) -> str:
+    return await ai.run({"prompt": body.message})
+"""
+
+WRONG_ORDER = """
+@guards.route(model="@cf/test/model")
+@app.post("/reply")
+async def reply(body: Ask, ai: AI[str]) -> str:
+    return await ai.run({"prompt": body.message})
+"""
+
+
+def import_module(source: str) -> dict[str, Any]:
+    namespace: dict[str, Any] = {"__name__": "newcomer_app"}
+    exec(compile(MODULE_HEAD + source, "newcomer_app.py", "exec"), namespace)
+    return namespace
+
+
+def test_a_bare_ai_parameter_fails_at_import() -> None:
+    with pytest.raises(ConfigurationError, match=r"reply.*AI\[str\].*AI\[YourModel\]"):
+        import_module(BARE_AI)
+
+
+def test_decorators_in_the_wrong_order_fail_at_import() -> None:
+    with pytest.raises(ConfigurationError, match=r"@app\.post\(\.\.\.\) above @guards\.route\(\.\.\.\)"):
+        import_module(WRONG_ORDER)
+
+
+def test_the_right_order_imports(fake_ai: FakeBinding) -> None:
+    module = import_module(
+        WRONG_ORDER.replace(
+            '@guards.route(model="@cf/test/model")\n@app.post("/reply")',
+            '@app.post("/reply")\n@guards.route(model="@cf/test/model")',
+        )
+    )
+    assert [route.path for route in module["app"].routes][-1] == "/reply"

@@ -15,7 +15,7 @@ from app.main import create_app
 from fixtures import Fail, FakeWorkersAI, Hang, ManualClock, Reply
 from guards import AI, Budget, Guards, header_key
 
-from .conftest import assert_fallback, no_sleep, workers_ai_settings
+from .conftest import assert_error, assert_fallback, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
 TEXT = "I was charged twice and need a refund for the second invoice."
@@ -76,12 +76,7 @@ def test_invalid_input_is_400_without_a_call(
     client: httpx.Client, fake_workers_ai: FakeWorkersAI, body: Any
 ) -> None:
     response = client.post("/summary", json=body)
-    assert response.status_code == 400
-    assert response.json() == {
-        "error": "invalid_request",
-        "retryable": False,
-        "trace_id": response.headers["x-trace-id"],
-    }
+    assert_error(response, 400, "invalid_request", False)
     assert fake_workers_ai.calls == []
 
 

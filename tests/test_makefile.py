@@ -1,0 +1,40 @@
+"""`make help` lists every target of the Makefile, with its variables expanded."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: A rule's target at the start of a line (not a file rule such as `$(BIN)/.installed`, not a
+#: variable assignment such as `HOST ?= ...`).
+TARGET = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]*):(?![=])", re.MULTILINE)
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def make_help(*overrides: str) -> str:
+    return subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), "help", *overrides],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+
+
+def test_help_lists_every_target() -> None:
+    targets = set(TARGET.findall((ROOT / "Makefile").read_text())) - {".PHONY", ".DEFAULT_GOAL"}
+    assert {"help", "run", "test", "bench-instructions"} <= targets
+    listed = {line.split()[1] for line in make_help().splitlines() if line.startswith("  make ")}
+    assert listed == targets
+
+
+def test_help_expands_variables() -> None:
+    text = make_help("HOST=0.0.0.0", "PORT=9123")
+    assert "0.0.0.0:9123" in text
+    assert "$(" not in text
