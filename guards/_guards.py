@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ._binding import Binding
-from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, BodyTooLarge
 from ._breaker import Breaker
 from ._budget import Budget, Price
 from ._call import Retry
@@ -273,6 +273,8 @@ def _problems(exc: Exception) -> list[Problem]:
     """What to fix: each field path and pydantic error type, in pydantic's order, without
     duplicates, at most `MAX_PROBLEMS`. Never the input, its `msg` or its `ctx`: they may
     carry what the client sent."""
+    if isinstance(exc, BodyTooLarge):  # over the route's `max_body_bytes`, never read whole
+        return [Problem(field="body", problem="too_long")]
     if not isinstance(exc, RequestValidationError):
         # FastAPI could not read the body at all (e.g. bytes that are not UTF-8 JSON).
         return [Problem(field="body", problem="json_invalid")]

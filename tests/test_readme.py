@@ -87,6 +87,7 @@ CHECKED = {
     ("## Streaming routes", "sh", 0): "test_curls_run_against_a_live_server",
     ("## Streaming routes", "", 0): "test_stream_sample_has_the_documented_events",
     ("## Logs", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
+    ("## How the guards count", "python", 0): "test_budget_keys_example_keys_by_the_principal",
     ("## Metrics", "python", 0): "test_metrics_snippet_serves_the_exposition",
     ("## Testing your routes", "python", 0): "test_testing_example_passes_under_pytest",
     ("## Layout", "", 0): "test_layout_names_files_that_exist",
@@ -260,6 +261,51 @@ def test_readme_example_degrades_as_documented(use_fake_ai: Any) -> None:
     assert degraded.json()["fallback"]["reason"] == "provider_error"
     assert invalid.status_code == 400
     assert len(fake.calls) == 2
+
+
+def test_budget_keys_example_keys_by_the_principal(use_fake_ai: Any) -> None:
+    # The section's block, on top of "Guard a route of your own" (its app, guards and types),
+    # with an `authenticate` that trusts a bearer token naming its user.
+    example = readme_example()
+
+    @dataclass(frozen=True)
+    class User:
+        id: str
+
+    async def authenticate(request: Any) -> User | None:
+        token = request.headers.get("authorization", "").removeprefix("Bearer ")
+        return User(token) if token else None
+
+    example["authenticate"] = authenticate
+    exec(compile(block("## How the guards count", "python"), str(README), "exec"), example)
+    fake = use_fake_ai(example["app"])
+    fake.default = Reply({"label": "billing", "urgent": False})
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            body = {"text": "I was charged twice"}
+            ada = {"authorization": "Bearer ada"}
+            return [
+                await client.post("/triage/mine", json=body),  # no principal: 401, no call
+                await client.post("/triage/mine", json=body, headers=ada),
+                # The principal decides, whatever x-user-id the client sends.
+                await client.post("/triage/mine", json=body, headers={**ada, "x-user-id": "eve"}),
+            ]
+
+    refused, first, second = anyio.run(scenario)
+    assert refused.status_code == 401
+    assert first.json() == second.json() == {"label": "billing", "urgent": False}
+    assert len(fake.calls) == 2
+    # Both calls were charged to ada's key (a third fits a cap of 3, a fourth does not), none
+    # to the header's.
+    store = example["guards"].store
+
+    async def charge(key: str, cap: int) -> bool:
+        return (await store.charge_budget(key, per_minute=None, per_day=cap)).allowed
+
+    assert anyio.run(charge, "guards:triage_mine:ada", 3)
+    assert not anyio.run(charge, "guards:triage_mine:ada", 3)
+    assert anyio.run(charge, "guards:triage_mine:eve", 1)
 
 
 def test_readme_chain_example_falls_back_as_documented() -> None:
