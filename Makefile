@@ -25,7 +25,7 @@ install: $(BIN)/.installed ## create .venv and install guards with the app and d
 run: install ## serve the example app on $(HOST):$(PORT) (offline fake provider by default; WORKERS=n)
 	rm -rf $(METRICS_DIR) && mkdir -p $(METRICS_DIR)
 	PROMETHEUS_MULTIPROC_DIR=$(abspath $(METRICS_DIR)) \
-		$(BIN)/uvicorn app.main:app --host $(HOST) --port $(PORT) --workers $(WORKERS)
+		exec $(BIN)/python -m guards.serve app.main:app --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
 test: install ## run the test suite
 	$(BIN)/python -m pytest
