@@ -9,7 +9,7 @@ WORKERS ?= 1
 METRICS_DIR ?= .run/prometheus
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test lint format bench bench-instructions clean
+.PHONY: help install run test lint format bench bench-http bench-instructions clean
 
 help: ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -41,6 +41,11 @@ format: install ## apply ruff's fixes and formatting
 
 bench: install ## print the performance figures (name = value unit)
 	$(BIN)/python bench/bench.py
+
+bench-http: install ## requests per second over HTTP (uvicorn, wrk): guarded vs bare, 2 workers vs 1
+	@command -v wrk >/dev/null || { echo "bench-http: wrk is missing; installing it: apt-get update && apt-get install -y wrk"; \
+		apt-get update && apt-get install -y wrk; }
+	$(BIN)/python bench/http_bench.py
 
 bench-instructions: install ## the guard pipeline's cost in CPU instructions (valgrind: deterministic)
 	$(BIN)/python bench/instructions.py
