@@ -9,15 +9,15 @@ complete. This module adds, on top of uvicorn's h11 protocol:
   connection's start (or of its first byte, on a kept-alive connection), else the connection is
   answered 408 (when it sent part of a head) and closed;
 - room for clients that are ready: before a new connection would bring the open ones to
-  `limit_concurrency` (where uvicorn answers every request 503), the connection that has waited
-  longest without sending anything (idle between requests, or slow with its head) is closed.
-  A worker's open connections therefore stay at about `limit_concurrency` whatever the clients
+  `limit_concurrency` (where uvicorn answers every request 503), the connection waiting for a
+  head (idle between requests, or slow with its head) that has been quiet longest is closed.
+  A worker's open connections therefore stay below `limit_concurrency` whatever the clients
   do, and slow clients cannot keep ready ones out.
 
 Invariant: a connection is in `Bounds.waiting` exactly while it has no request in progress
-(no head received since the last response); the dict's order is by last activity, oldest first.
-Normal traffic never enters it between a head's arrival and its response, and a head that
-arrives in one packet costs one dict insert and one delete per connection.
+(no head received since its start or its last response); the dict is ordered by last activity,
+quietest first. A request whose head arrives in one packet costs one dict insert (at its
+connection's start, or at the previous response's end) and one delete.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Bounds:
 
     def make_room(self, open_connections: int) -> None:
         """Called before a new connection counts: keep the open ones below the limit (uvicorn
-        answers 503 at the limit) by closing the one that has waited longest for a head."""
+        answers 503 at the limit) by closing the quietest connection waiting for a head."""
         limit = self.limit_concurrency
         if limit is not None and open_connections >= limit - 1 and self.waiting:
             next(iter(self.waiting)).close_waiting(timed_out=False)

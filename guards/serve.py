@@ -97,7 +97,8 @@ def serve(
     log_level: str = "info",
     access_log: bool = True,
 ) -> int:
-    """Serve `app` ("module:attribute", imported by each worker) until SIGINT or SIGTERM.
+    """Serve `app` ("module:attribute", imported by each worker) until SIGINT or SIGTERM
+    (from the main thread: it handles those signals while it runs).
 
     `limit_concurrency` is per worker; by default `DEFAULT_LIMIT_CONCURRENCY`, lowered (with a
     warning) when the open file limit cannot hold it plus `backlog` and `RESERVED_FILES`. Returns
