@@ -9,7 +9,7 @@ WORKERS ?= 1
 METRICS_DIR ?= .run/prometheus
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test lint format bench bench-instructions clean
+.PHONY: help install run test lint format bench bench-http bench-instructions clean
 
 # Variables a help text may name as $(NAME): `make help` prints their values.
 HELP_VARS := HOST PORT WORKERS METRICS_DIR VENV PYTHON
@@ -30,7 +30,7 @@ install: $(BIN)/.installed ## create .venv and install guards with the app and d
 run: install ## serve the example app on $(HOST):$(PORT) (offline fake provider by default; WORKERS=n)
 	rm -rf $(METRICS_DIR) && mkdir -p $(METRICS_DIR)
 	PROMETHEUS_MULTIPROC_DIR=$(abspath $(METRICS_DIR)) \
-		$(BIN)/uvicorn app.main:app --host $(HOST) --port $(PORT) --workers $(WORKERS)
+		exec $(BIN)/python -m guards.serve app.main:app --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
 test: install ## run the test suite
 	$(BIN)/python -m pytest
@@ -46,6 +46,11 @@ format: install ## apply ruff's fixes and formatting
 
 bench: install ## print the performance figures (name = value unit)
 	$(BIN)/python bench/bench.py
+
+bench-http: install ## requests per second over HTTP (uvicorn, wrk): guarded vs bare, 2 workers vs 1
+	@command -v wrk >/dev/null || { echo "bench-http: wrk is missing; installing it: apt-get update && apt-get install -y wrk"; \
+		apt-get update && apt-get install -y wrk; }
+	$(BIN)/python bench/http_bench.py
 
 bench-instructions: install ## the guard pipeline's cost in CPU instructions (valgrind: deterministic)
 	$(BIN)/python bench/instructions.py

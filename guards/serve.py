@@ -1,0 +1,384 @@
+"""Serve an ASGI app with uvicorn in n worker processes: `python -m guards.serve`.
+
+    python -m guards.serve app.main:app --host 0.0.0.0 --port 8000 --workers 4
+
+Why not `uvicorn --workers n`: uvicorn binds its shared listening socket without `IPPROTO_TCP`,
+so asyncio never sets `TCP_NODELAY` on the connections it accepts and every keep-alive response
+waits for the client's delayed ACK (about 40 ms on Linux; uvicorn issue 3149); the shared socket
+also hands most keep-alive connections to one worker; and uvicorn has no header-read timeout, so
+slow clients can hold every descriptor a worker has.
+
+Here each worker listens on a socket of its own, bound with `SO_REUSEPORT` and created with
+`IPPROTO_TCP`: the kernel spreads connections across the workers, and every accepted connection
+has `TCP_NODELAY`. Each worker is a `uvicorn.Server` (HTTP/1.1 with h11) bounded as
+`guards._connections` describes: a header-read timeout, and at most about `limit_concurrency`
+open connections, with 503 past it. The open file limit is checked, and raised up to its hard
+limit, before any worker starts.
+
+The parent process supervises: SIGINT or SIGTERM stops the workers gracefully (uvicorn finishes
+the requests in flight, for at most `timeout_graceful_shutdown_s`; a second signal forces them),
+a worker that dies is replaced, and a worker that fails while starting stops the server (exit
+status 3). Linux: other systems do not balance `SO_REUSEPORT` sockets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing
+import os
+import resource
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import uvicorn
+
+from ._connections import BoundedConfig
+
+__all__ = [
+    "DEFAULT_LIMIT_CONCURRENCY",
+    "DEFAULT_TIMEOUT_HEADER_S",
+    "RESERVED_FILES",
+    "ServeError",
+    "main",
+    "serve",
+]
+
+logger = logging.getLogger("uvicorn.error")
+
+#: Connections per worker (open, or requests in flight) past which uvicorn answers 503.
+DEFAULT_LIMIT_CONCURRENCY = 1000
+#: Seconds for a request head to arrive whole.
+DEFAULT_TIMEOUT_HEADER_S = 10.0
+#: Descriptors a worker needs besides its connections: the listening socket, the connections
+#: asyncio accepts in one turn of the loop before any of them counts (`backlog`), and the app's
+#: own (the provider connection pool of 100, the store, log and metric files, the interpreter's).
+RESERVED_FILES = 256
+#: The least `limit_concurrency` the default is lowered to when the open file limit is small.
+_MIN_LIMIT_CONCURRENCY = 64
+_STARTUP_FAILURE = 3
+
+
+class ServeError(Exception):
+    """The server cannot start as asked (bad option, open file limit, address in use)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Options:
+    app: str
+    host: str
+    port: int
+    limit_concurrency: int
+    timeout_header_s: float
+    timeout_keep_alive_s: int
+    timeout_graceful_shutdown_s: int
+    backlog: int
+    log_level: str
+    access_log: bool
+
+
+def serve(
+    app: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    workers: int = 1,
+    limit_concurrency: int | None = None,
+    timeout_header_s: float = DEFAULT_TIMEOUT_HEADER_S,
+    timeout_keep_alive_s: int = 5,
+    timeout_graceful_shutdown_s: int = 30,
+    backlog: int = 128,
+    log_level: str = "info",
+    access_log: bool = True,
+) -> int:
+    """Serve `app` ("module:attribute", imported by each worker) until SIGINT or SIGTERM
+    (from the main thread: it handles those signals while it runs).
+
+    `limit_concurrency` is per worker; by default `DEFAULT_LIMIT_CONCURRENCY`, lowered (with a
+    warning) when the open file limit cannot hold it plus `backlog` and `RESERVED_FILES`. Returns
+    the exit status: 0 after a graceful stop, 1 when a worker had to be killed, 3 when a worker
+    failed to start. Raises `ServeError` before any worker starts when the options cannot work.
+    """
+    if workers < 1 or backlog < 1 or timeout_header_s <= 0 or timeout_keep_alive_s < 1:
+        raise ServeError("workers, backlog, timeout_header_s and timeout_keep_alive_s must be positive")
+    if limit_concurrency is not None and limit_concurrency < 2:
+        raise ServeError("limit_concurrency must be at least 2")
+    uvicorn.Config(app, log_level=log_level)  # configures uvicorn's loggers in this process too
+    options = _Options(
+        app=app,
+        host=host,
+        port=port,
+        limit_concurrency=_fit_open_files(limit_concurrency, backlog),
+        timeout_header_s=timeout_header_s,
+        timeout_keep_alive_s=timeout_keep_alive_s,
+        timeout_graceful_shutdown_s=timeout_graceful_shutdown_s,
+        backlog=backlog,
+        log_level=log_level,
+        access_log=access_log,
+    )
+    # Held (bound, never listening) for the server's lifetime: it fixes the port when 0 is
+    # asked and keeps it ours while workers come and go; the kernel routes no connection to it.
+    with _bound_socket(host, port) as reserved:
+        options = dataclasses.replace(options, port=reserved.getsockname()[1])
+        return _Supervisor(options, workers).run()
+
+
+def _fit_open_files(limit: int | None, backlog: int) -> int:
+    """`limit_concurrency` within the open file limit, raising the soft limit as needed."""
+    wanted = limit if limit is not None else DEFAULT_LIMIT_CONCURRENCY
+    need = wanted + backlog + RESERVED_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        soft = need if hard == resource.RLIM_INFINITY else min(hard, need)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return wanted
+    room = soft - backlog - RESERVED_FILES
+    if limit is not None or room < _MIN_LIMIT_CONCURRENCY:
+        raise ServeError(
+            f"limit_concurrency {wanted} needs an open file limit of {need} (connections, backlog "
+            f"{backlog}, {RESERVED_FILES} for the app) but the limit is {soft}: raise it "
+            f"(ulimit -n) or lower limit_concurrency"
+        )
+    logger.warning("Open file limit %d: limit_concurrency lowered to %d per worker.", soft, room)
+    return room
+
+
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound with SO_REUSEPORT (and created with IPPROTO_TCP, so that asyncio sets
+    TCP_NODELAY on the connections it accepts)."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise ServeError("guards.serve needs SO_REUSEPORT (Linux)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ServeError(f"cannot resolve host {host!r}: {exc}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+class _Worker(uvicorn.Server):
+    """A worker: listens on a socket of its own once the app is imported, says when it is
+    ready, and stops when its parent is gone."""
+
+    def __init__(self, config: uvicorn.Config, options: _Options, ready: Connection) -> None:
+        super().__init__(config)
+        self._options = options
+        self._ready = ready
+        self._parent = os.getppid()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        listener = _bound_socket(self._options.host, self._options.port)
+        await super().startup(sockets=[listener])
+        if self.started:
+            self._ready.send_bytes(b"ready")
+        self._ready.close()
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter % 10 == 0 and os.getppid() != self._parent:
+            self.should_exit = True  # orphaned: the supervisor died without stopping us
+        return await super().on_tick(counter)
+
+
+def _run_worker(options: _Options, ready: Connection) -> None:
+    config = BoundedConfig(
+        options.app,
+        timeout_header_s=options.timeout_header_s,
+        host=options.host,
+        port=options.port,
+        limit_concurrency=options.limit_concurrency,
+        timeout_keep_alive=options.timeout_keep_alive_s,
+        timeout_graceful_shutdown=options.timeout_graceful_shutdown_s,
+        backlog=options.backlog,
+        log_level=options.log_level,
+        access_log=options.access_log,
+    )
+    _Worker(config, options, ready).run()
+
+
+@dataclasses.dataclass
+class _Slot:
+    process: BaseProcess
+    ready: Connection | None  # None once the worker said it is ready (or closed the pipe)
+    started: bool = False
+
+
+class _Supervisor:
+    def __init__(self, options: _Options, workers: int) -> None:
+        self.options = options
+        self.workers = workers
+        self.context = multiprocessing.get_context("spawn")
+        self.slots: list[_Slot] = []
+        self.signals = 0
+
+    def run(self) -> int:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+        old_wakeup = signal.set_wakeup_fd(wake_w)  # a signal's number is written there
+        try:
+            logger.info(
+                "guards.serve: http://%s:%d, %d worker(s), limit_concurrency %d, timeout_header %g s "
+                "(Press CTRL+C to quit)",
+                self.options.host,
+                self.options.port,
+                self.workers,
+                self.options.limit_concurrency,
+                self.options.timeout_header_s,
+            )
+            self.slots = [self._start() for _ in range(self.workers)]
+            status = self._supervise(wake_r)
+            return self._stop(wake_r, status)
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            os.close(wake_r)
+            os.close(wake_w)
+
+    def _start(self) -> _Slot:
+        reader, writer = self.context.Pipe(duplex=False)
+        process = self.context.Process(target=_run_worker, args=(self.options, writer), name="guards-worker")
+        process.start()
+        writer.close()  # the worker holds the only writer: its exit closes the pipe
+        return _Slot(process, reader)
+
+    def _supervise(self, wake_r: int) -> int | None:
+        """Until a signal (None) or a worker that fails to start (its exit status)."""
+        while True:
+            events = wait([wake_r, *self._watched()])
+            if wake_r in events:
+                self.signals += len(os.read(wake_r, 64))
+                return None
+            for index, slot in enumerate(self.slots):
+                if slot.ready is not None and slot.ready in events:
+                    slot.started = _said_ready(slot.ready)
+                    slot.ready.close()
+                    slot.ready = None
+                if slot.process.sentinel in events and slot.ready is None:
+                    slot.process.join()
+                    code = slot.process.exitcode
+                    if not slot.started:
+                        logger.error("Worker [%d] failed to start (exit status %s).", slot.process.pid, code)
+                        return _STARTUP_FAILURE
+                    logger.warning(
+                        "Worker [%d] died (exit status %s): starting another.", slot.process.pid, code
+                    )
+                    self.slots[index] = self._start()
+
+    def _watched(self) -> list[Connection | int]:
+        # A worker's death is handled once its ready pipe is read (it closes with the worker).
+        return [slot.ready if slot.ready is not None else slot.process.sentinel for slot in self.slots]
+
+    def _stop(self, wake_r: int, status: int | None) -> int:
+        """Stop every worker gracefully (SIGTERM), forcing them (SIGINT) on a second signal and
+        killing what is left after the graceful timeout."""
+        logger.info("Stopping %d worker(s).", len(self.slots))
+        self._signal_workers(signal.SIGTERM)
+        deadline = time.monotonic() + self.options.timeout_graceful_shutdown_s + 5
+        give_up = False
+        while (alive := [s.process.sentinel for s in self.slots if s.process.is_alive()]) and not give_up:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            events = wait([wake_r, *alive], timeout=remaining)
+            if wake_r in events:
+                self.signals += len(os.read(wake_r, 64))
+                self._signal_workers(signal.SIGINT)
+                give_up = self.signals > 2  # a third signal: kill what is left now
+        killed = False
+        for slot in self.slots:
+            if slot.process.is_alive():
+                logger.error("Worker [%d] did not stop in time: killed.", slot.process.pid)
+                slot.process.kill()
+                killed = True
+            slot.process.join()
+            if slot.ready is not None:
+                slot.ready.close()
+        if status is not None:
+            return status
+        return 1 if killed else 0
+
+    def _signal_workers(self, sig: signal.Signals) -> None:
+        for slot in self.slots:
+            if slot.process.is_alive() and slot.process.pid is not None:
+                os.kill(slot.process.pid, sig)
+
+
+def _said_ready(ready: Connection) -> bool:
+    try:
+        return ready.recv_bytes() == b"ready"
+    except (EOFError, OSError):
+        return False  # the worker exited before it was ready
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: `python -m guards.serve APP [options]` (see `--help`)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m guards.serve",
+        description="Serve an ASGI app with uvicorn in n worker processes, each on a SO_REUSEPORT "
+        "socket of its own (TCP_NODELAY on every connection), with a header-read timeout and a "
+        "bounded number of connections per worker.",
+    )
+    parser.add_argument("app", help='the ASGI app, as "module:attribute"')
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0: a free port (logged)")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help=f"per worker: past it, 503 (default {DEFAULT_LIMIT_CONCURRENCY}, lowered to fit the "
+        "open file limit)",
+    )
+    parser.add_argument(
+        "--timeout-header",
+        type=float,
+        default=DEFAULT_TIMEOUT_HEADER_S,
+        help="seconds for a request head to arrive whole (default %(default)s)",
+    )
+    parser.add_argument("--timeout-keep-alive", type=int, default=5, help="default %(default)s")
+    parser.add_argument("--timeout-graceful-shutdown", type=int, default=30, help="default %(default)s")
+    parser.add_argument("--backlog", type=int, default=128, help="default %(default)s")
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
+    )
+    parser.add_argument("--no-access-log", dest="access_log", action="store_false")
+    args = parser.parse_args(argv)
+    try:
+        return serve(
+            args.app,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            limit_concurrency=args.limit_concurrency,
+            timeout_header_s=args.timeout_header,
+            timeout_keep_alive_s=args.timeout_keep_alive,
+            timeout_graceful_shutdown_s=args.timeout_graceful_shutdown,
+            backlog=args.backlog,
+            log_level=args.log_level,
+            access_log=args.access_log,
+        )
+    except ServeError as exc:
+        print(f"guards.serve: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
