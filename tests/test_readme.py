@@ -90,6 +90,8 @@ CHECKED = {
     ("## How the guards count", "python", 0): "test_budget_keys_example_keys_by_the_principal",
     ("## Metrics", "python", 0): "test_metrics_snippet_serves_the_exposition",
     ("## Testing your routes", "python", 0): "test_testing_example_passes_under_pytest",
+    ("## Serving in production", "sh", 0): "test_serve_command_serves_and_stops_gracefully",
+    ("## Serving in production", "nginx", 0): "test_nginx_sketch_agrees_with_the_app",
     ("## Layout", "", 0): "test_layout_names_files_that_exist",
 }
 
@@ -166,6 +168,51 @@ def test_quick_start_commands_are_make_targets() -> None:
         assert words[0] == "make"
         # `make -n`: the target exists and would run (without running it).
         subprocess.run(["make", "-n", "-C", str(ROOT), *words[1:]], check=True, capture_output=True)
+
+
+def test_serve_command_serves_and_stops_gracefully() -> None:
+    [command] = shell_commands(block("## Serving in production", "sh"))
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "guards.serve"]
+    # As written, on a free port and with two workers (this machine has two cores).
+    words[words.index("--port") + 1] = str(port := free_port())
+    words[words.index("--workers") + 1] = "2"
+    environ = {k: v for k, v in os.environ.items() if not _SETTINGS.match(k)}
+    process = subprocess.Popen(
+        [sys.executable, *words[1:]],
+        cwd=ROOT,
+        env=environ,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _healthy(url) or process.poll() is not None, timeout_s=30)
+        assert _healthy(url)
+    finally:
+        process.terminate()  # SIGTERM: a graceful stop
+        assert process.wait(timeout=30) == 0
+
+
+def test_nginx_sketch_agrees_with_the_app() -> None:
+    """No nginx here to run `nginx -t`: the sketch is checked for balanced blocks and closed
+    directives, and its limits against the app's own."""
+    import inspect
+
+    from guards.providers import WorkersAI
+
+    idle_timeout_s = inspect.signature(WorkersAI).parameters["idle_timeout_s"].default
+    config = block("## Serving in production", "nginx")
+    lines = [line.split("#", 1)[0].strip() for line in config.splitlines()]
+    assert config.count("{") == config.count("}")
+    for line in filter(None, lines):
+        assert line.endswith((";", "{", "}")), line
+    directives = dict(line.rstrip(";").split(None, 1) for line in lines if line.endswith(";"))
+    # Larger bodies never reach the app: the proxy's cap is the routes' default (1 MiB).
+    assert directives["client_max_body_size"] == "1m"
+    # A stream that is merely idle must end by the app's idle timeout, not the proxy's.
+    assert float(directives["proxy_read_timeout"].rstrip("s")) > idle_timeout_s
+    assert directives["proxy_buffering"] == "off"  # Server-Sent Events leave as they come
 
 
 def check_curl(command: str, out: str) -> None:
