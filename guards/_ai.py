@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 import typing
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -547,6 +547,8 @@ class AI(Generic[T]):
             return start, None, False
         if passage.recorded is not None and report is not None:
             self._saw_report(report, passage.recorded.state)
+        if passage.transitions:
+            self._saw_transitions(passage.transitions)
         waits, decisions = passage.waits, passage.decisions
         if self._waits is None:
             self._waits = [0.0] * len(route.legs)
@@ -647,11 +649,18 @@ class AI(Generic[T]):
         route = self._route
         leg.seconds.observe(elapsed)
         leg.attempts[kind].add()
-        if route.spend_capped and leg.price is not None:
-            # Usage when known; else the worst case when the provider may have billed.
+        if usage is not None:
+            leg.input_tokens.add(usage.prompt_tokens)
+            leg.output_tokens.add(usage.completion_tokens)
+        if leg.price is not None:
+            # Usage when known; else (spend cap only) the worst case when the provider may
+            # have billed. The cost metric counts reported usage only.
             if usage is not None:
-                self._cost += leg.price.cost(usage.prompt_tokens, usage.completion_tokens)
-            elif billed:
+                cost = leg.price.cost(usage.prompt_tokens, usage.completion_tokens)
+                self._cost += cost
+                if leg.cost_usd is not None:
+                    leg.cost_usd.add(cost * self._guards.cost_unit_usd)
+            elif billed and route.spend_capped:
                 self._cost += _worst(leg, self._tokens, route.max_tokens)
         if self._guards.ledger_enabled():
             self._guards.ledger.record(
@@ -788,6 +797,17 @@ class AI(Generic[T]):
             return
         if passage.recorded is not None:
             self._saw_report(report, passage.recorded.state)
+        if passage.transitions:
+            self._saw_transitions(passage.transitions)
+
+    def _saw_transitions(self, transitions: Sequence[tuple[str, CircuitState]]) -> None:
+        """Count the breaker state changes a store step made (the store tells exactly one
+        caller of each, so every worker together counts each once)."""
+        for key, state in transitions:
+            for leg in self._route.legs:
+                if leg.breaker_key == key:
+                    leg.transitions[state].add()
+                    break
 
     def _saw_report(self, report: Report, state: CircuitState) -> None:
         """After a step's report: the breaker state it recorded, and the cooldown it started."""
@@ -872,6 +892,9 @@ def finish_request(
     metrics.seconds.observe(elapsed)
     if outcome == "ok":
         metrics.ok.add()
+        if ai.model is not None:  # a model's answer served (not the handler's own value)
+            fallback = ai.fallback_model
+            metrics.served(fallback or route.model, fallback is not None)
     elif outcome == "fallback":
         metrics.fallback.add()
     elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback

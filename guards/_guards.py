@@ -26,12 +26,12 @@ from ._envelope import MAX_PROBLEMS, ErrorCode, Problem
 from ._errors import ConfigurationError
 from ._ledger import Ledger, LogLedger
 from ._log import emit, logger, show_logs
-from ._metrics import flush_metrics
+from ._metrics import flush_metrics, flush_soon
 from ._openapi import document_guarded_routes
 from ._output import Moderation
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
-from ._route import _NO_FALLBACK, guard_route, handler_entered, request_trace_id, route_of
+from ._route import _NO_FALLBACK, GuardedRoute, guard_route, handler_entered, request_trace_id, route_of
 from .stores import MemoryStore, Store
 
 __all__ = ["Guards"]
@@ -55,7 +55,9 @@ class Guards:
     budget, breaker and cooldown state (default: a `MemoryStore`, one process). `sleep` is what
     retries wait with (inject a no-op in tests). `retry_after_s` is the `Retry-After` a strict
     route sends with `model_temporarily_unavailable`. `prices` maps model keys (`model` or
-    `provider:model`) to their `Price`, for spend caps. `cooldown` says how long a rate-limited
+    `provider:model`) to their `Price`, for spend caps and `guards_cost_usd_total`;
+    `cost_unit_usd` is what one unit of those prices is worth in US dollars (default 1.0:
+    prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
     model is skipped; `attribution` how responses name the model that served (`x-ai-model`,
     `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
 
@@ -76,9 +78,12 @@ class Guards:
         cooldown: Cooldown = Cooldown(),
         attribution: Attribution = "detailed",
         ledger: Ledger | None = None,
+        cost_unit_usd: float = 1.0,
     ) -> None:
         if attribution not in ("off", "redacted", "detailed"):
             raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
+        if not cost_unit_usd > 0:
+            raise ConfigurationError("cost_unit_usd must be positive (US dollars per cost unit)")
         if DEFAULT_PROVIDER in (providers or {}):
             raise ConfigurationError(
                 f"{DEFAULT_PROVIDER!r} names the main binding: pick another provider name"
@@ -93,6 +98,7 @@ class Guards:
         self.sleep = sleep
         self.retry_after_s = retry_after_s
         self.prices: Mapping[str, Price] = dict(prices or {})
+        self.cost_unit_usd = cost_unit_usd
         self.credential_warnings = CredentialWarnings()
 
     def ledger_enabled(self) -> bool:
@@ -239,7 +245,7 @@ def _invalid_input_handler(previous: Any) -> Callable[[Request, Exception], Awai
         before_handler = route is not None and not handler_entered(request)
         if before_handler and (isinstance(exc, RequestValidationError) or _is_bad_request(exc)):
             assert route is not None
-            return _invalid_request(route.name, request, exc)
+            return _invalid_request(route, request, exc)
         if previous is None:
             raise exc
         response: Response = await previous(request, exc)
@@ -253,12 +259,16 @@ def _is_bad_request(exc: Exception) -> bool:
     return isinstance(exc, StarletteHTTPException) and exc.status_code == 400
 
 
-def _invalid_request(route_name: str, request: Request, exc: Exception) -> Response:
+def _invalid_request(route: GuardedRoute, request: Request, exc: Exception) -> Response:
+    """The 400 of input that never reached the guarded handler (unreadable, invalid, or a body
+    over the route's limit): counted as `outcome="invalid"`, logged, no model call."""
     trace_id = request_trace_id(request)
     found = _problems(exc)
+    route.metrics.invalid.add()
+    flush_soon()
     emit(
         "request",
-        route=route_name,
+        route=route.name,
         trace_id=trace_id,
         outcome="error",
         status=400,

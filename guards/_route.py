@@ -42,7 +42,10 @@ from ._metrics import (
     ATTEMPT_SECONDS,
     ATTEMPTS,
     BREAKER_STATE,
+    BREAKER_TRANSITIONS,
+    COST,
     STATE_VALUE,
+    TOKENS,
     HistogramTally,
     RouteMetrics,
     Tally,
@@ -79,16 +82,22 @@ class Leg:
     ref: ModelRef
     breaker_key: str
     cooldown_key: str
-    #: The model's price, when the route has a spend cap.
+    #: The model's price (`Guards(prices=...)`), when known.
     price: Price | None
     seconds: HistogramTally
     breaker_state: Gauge
     attempts: dict[str, Tally]
     #: The breaker state this process last saw (the gauge is set only when it changes).
     last_state: list[CircuitState | None]
+    #: Reported usage (`guards_tokens_total`), and its cost on this route when priced.
+    input_tokens: Tally
+    output_tokens: Tally
+    cost_usd: Tally | None
+    #: Breaker state changes this process's store operations made, by the state entered.
+    transitions: dict[CircuitState, Tally]
 
     @classmethod
-    def of(cls, ref: ModelRef, price: Price | None) -> Leg:
+    def of(cls, ref: ModelRef, price: Price | None, route: str) -> Leg:
         return cls(
             ref=ref,
             breaker_key=f"guards:breaker:{ref.key}",
@@ -98,6 +107,10 @@ class Leg:
             breaker_state=BREAKER_STATE.labels(ref.key),
             attempts={kind: counter(ATTEMPTS, ref.key, kind) for kind in ("ok", *Kind)},
             last_state=[None],
+            input_tokens=counter(TOKENS, ref.key, "input"),
+            output_tokens=counter(TOKENS, ref.key, "output"),
+            cost_usd=counter(COST, route, ref.key) if price is not None else None,
+            transitions={state: counter(BREAKER_TRANSITIONS, ref.key, state.value) for state in CircuitState},
         )
 
     def saw(self, state: CircuitState) -> None:
@@ -263,7 +276,7 @@ def guard_route(
                 f"the fallback of {handler.__qualname__} does not validate against its return type: {exc}"
             ) from None
     output = OutputGuard(output_type, moderation)
-    legs = tuple(Leg.of(ref, guards.prices.get(ref.key)) for ref in chain.models)
+    legs = tuple(Leg.of(ref, guards.prices.get(ref.key), route_name) for ref in chain.models)
     route = GuardedRoute(
         name=route_name,
         model=chain.models[0].key,
