@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Histogram
 from prometheus_client import Counter as PromCounter
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import guards._metrics
 from app.main import create_app
 from fixtures import Fail, FakeWorkersAI, ManualClock, Reply
-from guards import AI, GuardName, Guards, Kind, Price, Reason, Retry, render_metrics
+from guards import AI, CircuitState, GuardName, Guards, Kind, Price, Reason, Retry, render_metrics
 from guards.providers import WorkersAI
 from guards.stores import MemoryStore
 
@@ -438,14 +438,23 @@ def expected_totals(summary_ok: int) -> dict[Series, float]:
 
 # --- alert rules -------------------------------------------------------------------------------
 
-#: Values each label may take in a matcher (closed sets; route and model names are the app's).
+#: Values each label may take in a matcher (closed sets; route and model names are the app's;
+#: `outcome` and `le` are read from a live exposition, see `label_values`).
 LABEL_VALUES = {
     "reason": {r.value for r in Reason},
     "guard": {g.value for g in GuardName} | {"cooldown", "breaker"},
-    "outcome": {"ok", "fallback", "error"},
     "kind": {"ok", *(k.value for k in Kind)},
+    "position": {"first", "fallback"},
+    "type": {"input", "output"},
+    "to": {s.value for s in CircuitState},
 }
 SERIES_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
+
+#: Metrics another branch adds, allowed in queries before it merges, with their label names.
+#: Issue 14 (service levels) adds the gauge `guards_service_level` (0 full, 1 degraded, 2
+#: minimal, no labels). Once a metric of this name is registered, its entry is ignored and the
+#: real one checked: remove the entry when issue 14 has merged.
+PENDING: dict[str, set[str]] = {"guards_service_level": set()}
 
 
 def exported_series(text: str) -> set[str]:
@@ -460,23 +469,48 @@ def exported_series(text: str) -> set[str]:
 
 
 def label_names() -> dict[str, set[str]]:
-    """Each series name of guards' metric objects -> its label names."""
+    """Each series name of guards' metrics -> its label names: every `guards_*` metric in
+    prometheus-client's default registry, whichever module of guards defines it."""
     names: dict[str, set[str]] = {}
-    for metric in vars(guards._metrics).values():
-        if isinstance(metric, MetricWrapperBase):
+    collectors = set(REGISTRY._names_to_collectors.values())
+    for metric in collectors:
+        if isinstance(metric, MetricWrapperBase) and metric._name.startswith("guards_"):
             for suffix in SERIES_SUFFIXES[metric._type]:
                 extra = {"le"} if suffix == "_bucket" else set()
                 names[metric._name + suffix] = set(metric._labelnames) | extra
     return names
 
 
+def with_pending(labels_of: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`labels_of` and the metrics of `PENDING` not registered (yet)."""
+    return {**{name: labels for name, labels in PENDING.items() if name not in labels_of}, **labels_of}
+
+
+def label_values(text: str) -> dict[str, set[str]]:
+    """`LABEL_VALUES`, with the outcomes and histogram bounds a live exposition shows (every
+    route's outcomes are bound at start-up)."""
+    samples = [
+        sample
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("guards_")
+        for sample in family.samples
+    ]
+    outcomes = {s.labels["outcome"] for s in samples if s.name == "guards_requests_total"}
+    bounds = {s.labels["le"] for s in samples if s.name.endswith("_bucket")}
+    assert {"ok", "fallback", "error", "cancelled", "invalid"} <= outcomes
+    return {**LABEL_VALUES, "outcome": outcomes, "le": bounds}
+
+
 def test_alert_rules_use_only_what_guards_exports(
     fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
 ) -> None:
     client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
-    exported = exported_series(scrape(client))
-    labels_of = label_names()
-    assert set(labels_of) == exported
+    text = scrape(client)
+    exported = exported_series(text)
+    assert set(label_names()) == exported
+    labels_of = with_pending(label_names())
+    exported |= set(labels_of)
+    values_of = label_values(text)
 
     document = yaml.safe_load(ALERTS.read_text())
     rules = [rule for group in document["groups"] for rule in group["rules"]]
@@ -501,7 +535,7 @@ def test_alert_rules_use_only_what_guards_exports(
             for label, op, value in re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', matchers):
                 assert label in labels_of[metric], (name, metric, label)
                 values = value.split("|") if op in ("=~", "!~") else [value]
-                assert set(values) <= LABEL_VALUES[label], (name, label, value)
+                assert set(values) <= values_of[label], (name, label, value)
         grouping = {
             label.strip()
             for group in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr)
