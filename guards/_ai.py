@@ -42,6 +42,7 @@ if typing.TYPE_CHECKING:
 
     from ._guards import Guards
     from ._route import GuardedRoute, Leg
+    from ._tracing import RequestTrace
 
 __all__ = ["AI", "finish_request"]
 
@@ -83,6 +84,7 @@ class AI(Generic[T]):
         "_scope",
         "_started",
         "_tokens",
+        "_trace",
         "_waits",
         "_watch",
         "attempt_budget",
@@ -101,6 +103,7 @@ class AI(Generic[T]):
         trace_id: str,
         request: Request | None = None,
         started: float | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self._guards = guards
         self._started = time.perf_counter() if started is None else started
@@ -122,6 +125,8 @@ class AI(Generic[T]):
         self._tokens = 0
         #: Seconds of cooldown left per leg, as the last store step read them (None: unknown).
         self._waits: list[float] | None = None
+        #: The request's spans when tracing is on (see `guards._tracing`), else None.
+        self._trace = trace
         self.trace_id = trace_id
         self.model: str | None = None
         self.fallback_model: str | None = None
@@ -250,9 +255,12 @@ class AI(Generic[T]):
                         leg = legs[index]
                         inflight = (leg, probe)
                         self._leg = leg
+                        call = call_for(leg)
+                        if self._trace is not None:
+                            call = self._trace.traced(call, self, leg, self._binding(leg))
                         try:
                             result, _ = await call_model(
-                                call_for(leg),
+                                call,
                                 leg.ref.model,
                                 inputs,
                                 policy=route.retry,
@@ -380,10 +388,13 @@ class AI(Generic[T]):
         if self.attempts >= self.attempt_budget:
             await self._finish_leg(leg, Outcome.success, probe, record_success)
             raise GuardTripped(Reason.empty_response, "the stream completed empty", model=leg.ref.key)
+        call: Call[AIResult] = self._binding(leg).run
+        if self._trace is not None:
+            call = self._trace.traced(call, self, leg, self._binding(leg), retry=True)
         try:
             async with asyncio.timeout_at(self._deadline):
                 result, _ = await call_model(
-                    self._binding(leg).run,
+                    call,
                     leg.ref.model,
                     inputs,
                     policy=self._route.retry,
@@ -421,6 +432,8 @@ class AI(Generic[T]):
                 finish_request(self._route, self, self._started, outcome, 200, tripped=relayed.failure)
 
         route = self._route
+        if self._trace is not None:
+            self._trace.streaming = True  # the request's span ends with the stream
         # The stream's time limit counts from the request's start, in event-loop time.
         left_s = route.stream_max_s - (time.perf_counter() - self._started)
         return EventStream(
@@ -441,6 +454,8 @@ class AI(Generic[T]):
         self, leg: Leg, opened: Opened, kind: str, end: StreamEnd | None, delivered: int, recorded: bool
     ) -> None:
         """Account for the committed stream attempt once it ended (its ledger record)."""
+        if self._trace is not None:
+            self._trace.stream_ended(opened, kind, end, delivered)
         if not recorded:
             usage = end.usage if end is not None else None
             served = (end.model if end is not None else None) or opened.model or leg.ref.model
@@ -501,6 +516,8 @@ class AI(Generic[T]):
     def _skip(self, leg: Leg, why: str, wait_s: float | None) -> None:
         self._notes.append((leg, f"skipped ({why})", wait_s))
         counter(SKIPS, leg.ref.key, why).add()
+        if self._trace is not None:
+            self._trace.skipped(leg.ref.key, why, wait_s)
         emit(
             "skip",
             route=self._route.name,
@@ -904,6 +921,10 @@ def finish_request(
     if tripped is not None and outcome != "cancelled":
         metrics.tripped(tripped.guard.value, tripped.reason.value)
     flush_soon()
+    if ai._trace is not None:
+        # The one place the request span learns its outcome. The service level (issue 14)
+        # goes here too, when the request knows it: `service_level=<full|degraded|minimal>`.
+        ai._trace.finish(outcome, status, tripped, error, ai.attempts)
     if not logger.isEnabledFor(logging.INFO):
         return
     emit(

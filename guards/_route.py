@@ -324,7 +324,14 @@ def guard_route(
         response: Response = kwargs.pop(_RESPONSE)
         request.scope[_ENTERED] = True
         started = time.perf_counter()
-        trace_id = request_trace_id(request)
+        # With tracing on, the request's span (its trace id is the `x-trace-id`), current
+        # while the handler runs; ended with the request's outcome (`finish_request`).
+        trace = (
+            None
+            if guards.tracing is None
+            else guards.tracing.start(route.name, request, lambda: request_trace_id(request))
+        )
+        trace_id = request_trace_id(request) if trace is None else trace.trace_id
         # Budget keys are scoped to the route (or the budget's scope): guards:{scope}:{caller}.
         budget_key = f"{budget_prefix}{budget.key(request)}" if budget is not None else None
         ai: AI[Any] = AI(
@@ -334,9 +341,12 @@ def guard_route(
             trace_id=trace_id,
             request=request,
             started=started,
+            trace=trace,
         )
         kwargs[ai_name] = ai
         try:
+            if trace is not None:
+                trace.enter()
             value = await handler(**kwargs)
             if type(value) is not data_class and not isinstance(value, Response):
                 value = data_adapter.validate_python(value)
@@ -365,8 +375,12 @@ def guard_route(
             raise  # the handler's own deliberate HTTP answer
         except Exception as exc:
             return _application_failure(route, ai, started, exc, guards.attribution)
-        if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
-            finish_request(route, ai, started, "ok", 200)
+        else:
+            if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
+                finish_request(route, ai, started, "ok", 200)
+        finally:
+            if trace is not None:
+                trace.leave()
         headers = _attribution(ai, guards.attribution)
         headers.append((b"x-trace-id", trace_id.encode()))
         if isinstance(value, Response):
