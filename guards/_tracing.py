@@ -67,7 +67,7 @@ class Tracing:
     when `opentelemetry-api` is not installed.
     """
 
-    __slots__ = ("_context", "_propagate", "_status", "_trace", "_tracer")
+    __slots__ = ("_context", "_fields", "_propagate", "_status", "_textmap", "_trace", "_tracer")
 
     def __init__(self, provider: TracerProvider | None = None) -> None:
         try:
@@ -82,29 +82,45 @@ class Tracing:
         self._propagate = propagate
         self._status = (Status, StatusCode)
         self._tracer = trace.get_tracer(_SCOPE, tracer_provider=provider)
+        #: The global propagator last seen, and the headers it reads (`traceparent`...).
+        self._textmap: object = None
+        self._fields: frozenset[bytes] = frozenset()
 
     def start(self, route: str, request: Request, fallback_trace_id: Callable[[], str]) -> RequestTrace:
         """The span of one guarded request (not yet current: see `RequestTrace.enter`)."""
         trace = self._trace
         parent = None
-        if not trace.get_current_span().get_span_context().is_valid:
+        if not trace.get_current_span().get_span_context().is_valid and self._propagated(request):
             parent = self._propagate.extract(request.headers)  # the caller's traceparent
         span = self._tracer.start_span(
             "guards.route", context=parent, kind=trace.SpanKind.INTERNAL, attributes={"guards.route": route}
         )
         found = span.get_span_context()
         trace_id = trace.format_trace_id(found.trace_id) if found.is_valid else fallback_trace_id()
-        return RequestTrace(self, span, trace_id)
+        return RequestTrace(self, span, trace_id, span.is_recording())
+
+    def _propagated(self, request: Request) -> bool:
+        """Whether the request carries a header the global propagator reads (scanning the raw
+        headers costs less than an extraction that finds nothing)."""
+        textmap = self._propagate.get_global_textmap()
+        if textmap is not self._textmap:
+            self._fields = frozenset(field.lower().encode("latin-1") for field in textmap.fields)
+            self._textmap = textmap
+        fields = self._fields
+        return any(name in fields for name, _ in request.scope["headers"])
 
 
 class RequestTrace:
     """One request's spans: the route span, and a span per provider attempt."""
 
-    __slots__ = ("_streams", "_token", "_tracing", "finished", "span", "streaming", "trace_id")
+    __slots__ = ("_streams", "_token", "_tracing", "finished", "recording", "span", "streaming", "trace_id")
 
-    def __init__(self, tracing: Tracing, span: Span, trace_id: str) -> None:
+    def __init__(self, tracing: Tracing, span: Span, trace_id: str, recording: bool) -> None:
         self._tracing = tracing
         self.span = span
+        #: False for the API's no-op tracer (no SDK set up) or a request the sampler dropped:
+        #: then nothing more is done (no attempt spans, no attributes), only the trace id kept.
+        self.recording = recording
         #: The request's `x-trace-id`: the span's trace id (else the request's own id, when
         #: the no-op API gives no valid span).
         self.trace_id = trace_id
@@ -117,6 +133,8 @@ class RequestTrace:
 
     def enter(self) -> None:
         """Make the route span current (the handler's own spans and the attempts nest in it)."""
+        if not self.recording:
+            return
         trace = self._tracing._trace
         self._token = self._tracing._context.attach(trace.set_span_in_context(self.span))
 
@@ -141,6 +159,8 @@ class RequestTrace:
     ) -> Callable[[str, Mapping[str, Any]], Awaitable[R]]:
         """`call` (the attempts on one leg), each call a CLIENT span: the first is a retry
         when `retry`, every later one is."""
+        if not self.recording:
+            return call
         tracing = self._tracing
         trace = tracing._trace
         calls = [retry]
@@ -202,6 +222,8 @@ class RequestTrace:
 
     def skipped(self, model: str, reason: str, wait_s: float | None) -> None:
         """A model of the chain skipped without a call (`cooldown`, `circuit_open`)."""
+        if not self.recording:
+            return
         attributes: dict[str, Any] = {"guards.model": model, "guards.skip.reason": reason}
         if wait_s is not None:
             attributes["guards.retry_after_s"] = round(wait_s, 3)
@@ -225,6 +247,8 @@ class RequestTrace:
             return
         self.finished = True
         span = self.span
+        if not self.recording:
+            return
         attributes: dict[str, Any] = {
             "guards.outcome": outcome,
             "guards.attempts": attempts,

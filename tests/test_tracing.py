@@ -23,7 +23,8 @@ from fastapi import FastAPI
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
 
 from app.main import create_app
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
@@ -312,6 +313,29 @@ def test_without_a_traceparent_each_request_is_a_trace_of_its_own(
     # Tracing on, x-trace-id is the span's trace id (send traceparent to join a trace).
     assert ids == [given.headers["x-trace-id"], other.headers["x-trace-id"]]
     assert ids[0] != ids[1]
+
+
+@pytest.mark.parametrize("unrecorded", ["no-op API", "sampled out"])
+def test_a_request_no_span_records_keeps_the_callers_trace_id(
+    unrecorded: str, fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+) -> None:
+    """With the API's no-op tracer (no SDK set up), or a sampler that drops the request, no
+    span is recorded and nothing more is done; x-trace-id still follows the caller's trace."""
+    spans = InMemorySpanExporter()
+    provider: Any = NoOpTracerProvider()
+    if unrecorded == "sampled out":
+        provider = TracerProvider(sampler=ALWAYS_OFF)
+        provider.add_span_processor(SimpleSpanProcessor(spans))
+    fake_workers_ai.default = Reply("Sure.")
+    client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep, tracer_provider=provider))
+    joined = client.post("/draft-reply", json={"message": "hi"}, headers={"traceparent": TRACEPARENT})
+    assert joined.status_code == 200
+    assert joined.headers["x-trace-id"] == CALLER_TRACE
+    alone = client.post("/draft-reply", json={"message": "hi"}, headers={"x-trace-id": "client-chosen-id"})
+    assert alone.status_code == 200
+    if unrecorded == "no-op API":  # no trace at all: the request's own id, as with tracing off
+        assert alone.headers["x-trace-id"] == "client-chosen-id"
+    assert spans.get_finished_spans() == ()
 
 
 # --- tracing off: nothing imported, nothing set up ----------------------------------------------
