@@ -147,7 +147,12 @@ def test_a_body_at_the_limit_is_read_and_one_byte_more_is_400(
     assert (status, body) == (200, "Hello!")
     status, body, _ = asyncio.run(post_body(f"{served}/small", 101, chunked=chunked))
     assert status == 400
-    assert body == {"error": "invalid_request", "retryable": False, "trace_id": body["trace_id"]}
+    assert body == {
+        "error": "invalid_request",
+        "retryable": False,
+        "trace_id": body["trace_id"],
+        "problems": [{"field": "body", "problem": "json_invalid"}],  # what an unread body says
+    }
     assert len(fake_workers_ai.calls) == 1
     lines = [line for line in guards_log.events("request") if line["status"] == 400]
     assert [(line["route"], line["trace_id"], line["attempts"]) for line in lines] == [

@@ -87,7 +87,9 @@ CHECKED = {
     ("## Streaming routes", "sh", 0): "test_curls_run_against_a_live_server",
     ("## Streaming routes", "", 0): "test_stream_sample_has_the_documented_events",
     ("## Logs", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
+    ("## How the guards count", "python", 0): "test_budget_keyed_by_the_principal_as_written",
     ("## Metrics", "python", 0): "test_metrics_snippet_serves_the_exposition",
+    ("## Traces", "python", 0): "test_tracing_snippet_traces_with_its_provider",
     ("## Testing your routes", "python", 0): "test_testing_example_passes_under_pytest",
     ("## Layout", "", 0): "test_layout_names_files_that_exist",
 }
@@ -112,7 +114,9 @@ def free_port() -> int:
 
 
 #: Settings of the example app: none of the test machine's own may leak into a server run here.
-_SETTINGS = re.compile(r"^(AI_|CLOUDFLARE_|OPENAI_|GUARDS_|CORS_|DAILY_|RATE_|BREAKER_|RETRY_|PROMETHEUS_)")
+_SETTINGS = re.compile(
+    r"^(AI_|CLOUDFLARE_|OPENAI_|GUARDS_|CORS_|DAILY_|RATE_|BREAKER_|RETRY_|PROMETHEUS_|OTEL_)"
+)
 
 
 @pytest.fixture
@@ -323,6 +327,48 @@ def test_metrics_snippet_serves_the_exposition() -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     assert "guards_requests_total" in response.text
+
+
+def test_budget_keyed_by_the_principal_as_written() -> None:
+    """The block of "How the guards count", on the README's first route: each authenticated
+    principal has a daily cap of its own (1 here), whatever the client's address."""
+    namespace = readme_example()
+    fake = FakeBinding(Reply({"label": "billing", "urgent": False}))
+    namespace["guards"].binding = fake
+
+    class User:
+        def __init__(self, user_id: str) -> None:
+            self.id = user_id
+
+    async def authenticate(request: Any) -> User | None:
+        token = request.headers.get("authorization", "")
+        return User(token.removeprefix("Bearer ")) if token.startswith("Bearer ") else None
+
+    namespace.update(app=FastAPI(), authenticate=authenticate)
+    namespace["guards"].install(namespace["app"])
+    code = block("## How the guards count", "python")
+    code = code.replace("model=...", 'model="@cf/test/model"').replace("per_day=500", "per_day=1")
+    code = code.replace("-> Triage: ...", '-> Triage:\n    return await ai.run({"prompt": ticket.text})')
+    exec(compile(code, str(README), "exec"), namespace)
+
+    async def calls() -> list[int]:
+        async with asgi_client(namespace["app"]) as client:
+            statuses = []
+            for token in ("ada", "ada", "bob", None):
+                headers = {"authorization": f"Bearer {token}"} if token else {}
+                answer = await client.post("/triage", json={"text": "hi"}, headers=headers)
+                statuses.append(answer.status_code)
+            return statuses
+
+    assert anyio.run(calls) == [200, 429, 200, 401]
+    assert len(fake.calls) == 2
+
+
+def test_tracing_snippet_traces_with_its_provider() -> None:
+    namespace: dict[str, Any] = {"__name__": "readme_traces"}
+    exec(compile(block("## Traces", "python"), str(README), "exec"), namespace)
+    assert namespace["guards"].tracing is not None
+    namespace["provider"].shutdown()
 
 
 def test_testing_example_passes_under_pytest(tmp_path: Path) -> None:
