@@ -82,6 +82,7 @@ class AI(Generic[T]):
         "_request",
         "_route",
         "_scope",
+        "_served_leg",
         "_started",
         "_tokens",
         "_trace",
@@ -127,6 +128,8 @@ class AI(Generic[T]):
         self._waits: list[float] | None = None
         #: The request's spans when tracing is on (see `guards._tracing`), else None.
         self._trace = trace
+        #: The leg whose answer the request was last given (`guards_served_total`).
+        self._served_leg: Leg | None = None
         self.trace_id = trace_id
         self.model: str | None = None
         self.fallback_model: str | None = None
@@ -371,6 +374,7 @@ class AI(Generic[T]):
             await self._settle()
 
     def _served(self, leg: Leg, model: str | None) -> None:
+        self._served_leg = leg
         self.model = model or leg.ref.model
         if leg is not self._route.legs[0]:
             self.fallback_model = leg.ref.key
@@ -909,9 +913,9 @@ def finish_request(
     metrics.seconds.observe(elapsed)
     if outcome == "ok":
         metrics.ok.add()
-        if ai.model is not None:  # a model's answer served (not the handler's own value)
-            fallback = ai.fallback_model
-            metrics.served(fallback or route.model, fallback is not None)
+        served = ai._served_leg
+        if served is not None:  # a model's answer served (not the handler's own value)
+            served.served.add()
     elif outcome == "fallback":
         metrics.fallback.add()
     elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback

@@ -257,7 +257,7 @@ def _timed_flush() -> None:
 class RouteMetrics:
     """The tallies of one route's series, bound once at start-up."""
 
-    __slots__ = ("_route", "_served", "cancelled", "error", "fallback", "invalid", "ok", "seconds")
+    __slots__ = ("_route", "cancelled", "error", "fallback", "invalid", "ok", "seconds")
 
     def __init__(self, route: str) -> None:
         self._route = route
@@ -267,20 +267,9 @@ class RouteMetrics:
         self.cancelled = counter(REQUESTS, route, "cancelled")
         self.invalid = counter(REQUESTS, route, "invalid")
         self.seconds = histogram(REQUEST_SECONDS, route)
-        #: `guards_served_total` per chain entry (each entry has one position in the chain).
-        self._served: dict[str, Tally] = {}
 
     def tripped(self, guard: str, reason: str) -> None:
         counter(FALLBACKS, self._route, guard, reason).add()
-
-    def served(self, model: str, fallback: bool) -> None:
-        """A request answered by the chain entry `model` (a fallback when not the first)."""
-        tally = self._served.get(model)
-        if tally is None:
-            tally = self._served[model] = counter(
-                SERVED, self._route, model, "fallback" if fallback else "first"
-            )
-        tally.add()
 
 
 def render_metrics() -> tuple[bytes, str]:

@@ -44,6 +44,7 @@ from ._metrics import (
     BREAKER_STATE,
     BREAKER_TRANSITIONS,
     COST,
+    SERVED,
     STATE_VALUE,
     TOKENS,
     HistogramTally,
@@ -89,6 +90,8 @@ class Leg:
     attempts: dict[str, Tally]
     #: The breaker state this process last saw (the gauge is set only when it changes).
     last_state: list[CircuitState | None]
+    #: Requests this leg's answer served (`guards_served_total`: its route and position).
+    served: Tally
     #: Reported usage (`guards_tokens_total`), and its cost on this route when priced.
     input_tokens: Tally
     output_tokens: Tally
@@ -97,7 +100,7 @@ class Leg:
     transitions: dict[CircuitState, Tally]
 
     @classmethod
-    def of(cls, ref: ModelRef, price: Price | None, route: str) -> Leg:
+    def of(cls, ref: ModelRef, price: Price | None, route: str, first: bool) -> Leg:
         return cls(
             ref=ref,
             breaker_key=f"guards:breaker:{ref.key}",
@@ -107,6 +110,7 @@ class Leg:
             breaker_state=BREAKER_STATE.labels(ref.key),
             attempts={kind: counter(ATTEMPTS, ref.key, kind) for kind in ("ok", *Kind)},
             last_state=[None],
+            served=counter(SERVED, route, ref.key, "first" if first else "fallback"),
             input_tokens=counter(TOKENS, ref.key, "input"),
             output_tokens=counter(TOKENS, ref.key, "output"),
             cost_usd=counter(COST, route, ref.key) if price is not None else None,
@@ -276,7 +280,10 @@ def guard_route(
                 f"the fallback of {handler.__qualname__} does not validate against its return type: {exc}"
             ) from None
     output = OutputGuard(output_type, moderation)
-    legs = tuple(Leg.of(ref, guards.prices.get(ref.key), route_name) for ref in chain.models)
+    legs = tuple(
+        Leg.of(ref, guards.prices.get(ref.key), route_name, index == 0)
+        for index, ref in enumerate(chain.models)
+    )
     route = GuardedRoute(
         name=route_name,
         model=chain.models[0].key,
