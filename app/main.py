@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio
 from fastapi import FastAPI, Header, Response
@@ -37,6 +37,10 @@ from guards.stores import Store, open_store
 from .labels import keyword_label, mentions_personal_data
 from .offline import OfflineModel
 from .settings import Settings, load_settings
+from .tracing import tracer_provider_from_env
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 DRAFT_PROMPT = (
     "You draft short, polite replies to customer messages. Answer with the reply text only, "
@@ -150,10 +154,19 @@ def create_app(
     store: Store | None = None,
     clock: Clock | None = None,
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
-    """Build the service. Tests pass `binding`, `store`, `clock` and `sleep` to control the world."""
+    """Build the service. Tests pass `binding`, `store`, `clock` and `sleep` to control the world,
+    and `tracer_provider` to trace (else `OTEL_TRACES_EXPORTER` decides: see `app.tracing`)."""
     settings = settings or load_settings()
     configure_logging()
+    # Traces when OTEL_TRACES_EXPORTER names an exporter (the app then owns the provider and
+    # flushes it at shutdown); none otherwise, and OpenTelemetry is never imported.
+    owned = None
+    if tracer_provider is None:
+        tracer_provider = owned = tracer_provider_from_env()
+        if owned is not None:
+            use_as_global(owned)
     # The main binding, and every provider the fallback chain names (by name).
     providers = {
         name: binding
@@ -170,6 +183,7 @@ def create_app(
         sleep=sleep,
         retry_after_s=settings.retry_after_s,
         attribution=settings.ai_attribution,
+        tracing=tracer_provider if tracer_provider is not None else False,
     )
     fallbacks = settings.fallback_models
     # GUARDS_STORE_FAILURE, when set, decides for both guards; else each keeps its default
@@ -178,8 +192,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with guards:
-            yield
+        try:
+            async with guards:
+                yield
+        finally:
+            if owned is not None:
+                owned.shutdown()  # exports the spans still batched
 
     app = FastAPI(
         title="guards example service",
@@ -309,6 +327,15 @@ def make_binding(settings: Settings, provider: str) -> Binding:
             idle_timeout_s=settings.ai_stream_idle_timeout_s,
         )
     return OfflineModel()
+
+
+def use_as_global(provider: TracerProvider) -> None:
+    """Make `provider` OpenTelemetry's global one (the handlers' own spans, other
+    instrumentations), unless the process already has one."""
+    from opentelemetry import trace
+
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        trace.set_tracer_provider(provider)
 
 
 def configure_logging() -> None:

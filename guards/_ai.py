@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 import typing
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -42,6 +42,7 @@ if typing.TYPE_CHECKING:
 
     from ._guards import Guards
     from ._route import GuardedRoute, Leg
+    from ._tracing import RequestTrace
 
 __all__ = ["AI", "finish_request"]
 
@@ -81,8 +82,10 @@ class AI(Generic[T]):
         "_request",
         "_route",
         "_scope",
+        "_served_leg",
         "_started",
         "_tokens",
+        "_trace",
         "_waits",
         "_watch",
         "attempt_budget",
@@ -101,6 +104,7 @@ class AI(Generic[T]):
         trace_id: str,
         request: Request | None = None,
         started: float | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self._guards = guards
         self._started = time.perf_counter() if started is None else started
@@ -122,6 +126,10 @@ class AI(Generic[T]):
         self._tokens = 0
         #: Seconds of cooldown left per leg, as the last store step read them (None: unknown).
         self._waits: list[float] | None = None
+        #: The request's spans when tracing is on (see `guards._tracing`), else None.
+        self._trace = trace
+        #: The leg whose answer the request was last given (`guards_served_total`).
+        self._served_leg: Leg | None = None
         self.trace_id = trace_id
         self.model: str | None = None
         self.fallback_model: str | None = None
@@ -250,9 +258,12 @@ class AI(Generic[T]):
                         leg = legs[index]
                         inflight = (leg, probe)
                         self._leg = leg
+                        call = call_for(leg)
+                        if self._trace is not None:
+                            call = self._trace.traced(call, self, leg, self._binding(leg))
                         try:
                             result, _ = await call_model(
-                                call_for(leg),
+                                call,
                                 leg.ref.model,
                                 inputs,
                                 policy=route.retry,
@@ -363,6 +374,7 @@ class AI(Generic[T]):
             await self._settle()
 
     def _served(self, leg: Leg, model: str | None) -> None:
+        self._served_leg = leg
         self.model = model or leg.ref.model
         if leg is not self._route.legs[0]:
             self.fallback_model = leg.ref.key
@@ -380,10 +392,13 @@ class AI(Generic[T]):
         if self.attempts >= self.attempt_budget:
             await self._finish_leg(leg, Outcome.success, probe, record_success)
             raise GuardTripped(Reason.empty_response, "the stream completed empty", model=leg.ref.key)
+        call: Call[AIResult] = self._binding(leg).run
+        if self._trace is not None:
+            call = self._trace.traced(call, self, leg, self._binding(leg), retry=True)
         try:
             async with asyncio.timeout_at(self._deadline):
                 result, _ = await call_model(
-                    self._binding(leg).run,
+                    call,
                     leg.ref.model,
                     inputs,
                     policy=self._route.retry,
@@ -421,6 +436,8 @@ class AI(Generic[T]):
                 finish_request(self._route, self, self._started, outcome, 200, tripped=relayed.failure)
 
         route = self._route
+        if self._trace is not None:
+            self._trace.streaming = True  # the request's span ends with the stream
         # The stream's time limit counts from the request's start, in event-loop time.
         left_s = route.stream_max_s - (time.perf_counter() - self._started)
         return EventStream(
@@ -441,6 +458,8 @@ class AI(Generic[T]):
         self, leg: Leg, opened: Opened, kind: str, end: StreamEnd | None, delivered: int, recorded: bool
     ) -> None:
         """Account for the committed stream attempt once it ended (its ledger record)."""
+        if self._trace is not None:
+            self._trace.stream_ended(opened, kind, end, delivered)
         if not recorded:
             usage = end.usage if end is not None else None
             served = (end.model if end is not None else None) or opened.model or leg.ref.model
@@ -501,6 +520,8 @@ class AI(Generic[T]):
     def _skip(self, leg: Leg, why: str, wait_s: float | None) -> None:
         self._notes.append((leg, f"skipped ({why})", wait_s))
         counter(SKIPS, leg.ref.key, why).add()
+        if self._trace is not None:
+            self._trace.skipped(leg.ref.key, why, wait_s)
         emit(
             "skip",
             route=self._route.name,
@@ -547,6 +568,8 @@ class AI(Generic[T]):
             return start, None, False
         if passage.recorded is not None and report is not None:
             self._saw_report(report, passage.recorded.state)
+        if passage.transitions:
+            self._saw_transitions(passage.transitions)
         waits, decisions = passage.waits, passage.decisions
         if self._waits is None:
             self._waits = [0.0] * len(route.legs)
@@ -647,11 +670,18 @@ class AI(Generic[T]):
         route = self._route
         leg.seconds.observe(elapsed)
         leg.attempts[kind].add()
-        if route.spend_capped and leg.price is not None:
-            # Usage when known; else the worst case when the provider may have billed.
+        if usage is not None:
+            leg.input_tokens.add(usage.prompt_tokens)
+            leg.output_tokens.add(usage.completion_tokens)
+        if leg.price is not None:
+            # Usage when known; else (spend cap only) the worst case when the provider may
+            # have billed. The cost metric counts reported usage only.
             if usage is not None:
-                self._cost += leg.price.cost(usage.prompt_tokens, usage.completion_tokens)
-            elif billed:
+                cost = leg.price.cost(usage.prompt_tokens, usage.completion_tokens)
+                self._cost += cost
+                if leg.cost_usd is not None:
+                    leg.cost_usd.add(cost * self._guards.cost_unit_usd)
+            elif billed and route.spend_capped:
                 self._cost += _worst(leg, self._tokens, route.max_tokens)
         if self._guards.ledger_enabled():
             self._guards.ledger.record(
@@ -788,6 +818,17 @@ class AI(Generic[T]):
             return
         if passage.recorded is not None:
             self._saw_report(report, passage.recorded.state)
+        if passage.transitions:
+            self._saw_transitions(passage.transitions)
+
+    def _saw_transitions(self, transitions: Sequence[tuple[str, CircuitState]]) -> None:
+        """Count the breaker state changes a store step made (the store tells exactly one
+        caller of each, so every worker together counts each once)."""
+        for key, state in transitions:
+            for leg in self._route.legs:
+                if leg.breaker_key == key:
+                    leg.transitions[state].add()
+                    break
 
     def _saw_report(self, report: Report, state: CircuitState) -> None:
         """After a step's report: the breaker state it recorded, and the cooldown it started."""
@@ -872,6 +913,9 @@ def finish_request(
     metrics.seconds.observe(elapsed)
     if outcome == "ok":
         metrics.ok.add()
+        served = ai._served_leg
+        if served is not None:  # a model's answer served (not the handler's own value)
+            served.served.add()
     elif outcome == "fallback":
         metrics.fallback.add()
     elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback
@@ -881,6 +925,10 @@ def finish_request(
     if tripped is not None and outcome != "cancelled":
         metrics.tripped(tripped.guard.value, tripped.reason.value)
     flush_soon()
+    if ai._trace is not None:
+        # The one place the request span learns its outcome. The service level (issue 14)
+        # goes here too, when the request knows it: `service_level=<full|degraded|minimal>`.
+        ai._trace.finish(outcome, status, tripped, error, ai.attempts)
     if not logger.isEnabledFor(logging.INFO):
         return
     emit(

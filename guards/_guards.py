@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 from fastapi import FastAPI
@@ -26,13 +26,17 @@ from ._envelope import MAX_PROBLEMS, ErrorCode, Problem
 from ._errors import ConfigurationError
 from ._ledger import Ledger, LogLedger
 from ._log import emit, logger, show_logs
-from ._metrics import flush_metrics
+from ._metrics import flush_metrics, flush_soon
 from ._openapi import document_guarded_routes
 from ._output import Moderation
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
-from ._route import _NO_FALLBACK, guard_route, handler_entered, request_trace_id, route_of
+from ._route import _NO_FALLBACK, GuardedRoute, guard_route, handler_entered, request_trace_id, route_of
+from ._tracing import Tracing
 from .stores import MemoryStore, Store
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["Guards"]
 
@@ -55,9 +59,14 @@ class Guards:
     budget, breaker and cooldown state (default: a `MemoryStore`, one process). `sleep` is what
     retries wait with (inject a no-op in tests). `retry_after_s` is the `Retry-After` a strict
     route sends with `model_temporarily_unavailable`. `prices` maps model keys (`model` or
-    `provider:model`) to their `Price`, for spend caps. `cooldown` says how long a rate-limited
+    `provider:model`) to their `Price`, for spend caps and `guards_cost_usd_total`;
+    `cost_unit_usd` is what one unit of those prices is worth in US dollars (default 1.0:
+    prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
     model is skipped; `attribution` how responses name the model that served (`x-ai-model`,
     `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
+    `tracing` turns on OpenTelemetry traces (GenAI semantic conventions; needs `guards[otel]`):
+    True traces with OpenTelemetry's global tracer provider, a `TracerProvider` with that one;
+    False (default) imports nothing of OpenTelemetry and costs nothing.
 
     Use it as an async context manager (or call `aclose`) to close the binding's connections and
     the store on shutdown.
@@ -76,9 +85,13 @@ class Guards:
         cooldown: Cooldown = Cooldown(),
         attribution: Attribution = "detailed",
         ledger: Ledger | None = None,
+        cost_unit_usd: float = 1.0,
+        tracing: bool | TracerProvider = False,
     ) -> None:
         if attribution not in ("off", "redacted", "detailed"):
             raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
+        if not cost_unit_usd > 0:
+            raise ConfigurationError("cost_unit_usd must be positive (US dollars per cost unit)")
         if DEFAULT_PROVIDER in (providers or {}):
             raise ConfigurationError(
                 f"{DEFAULT_PROVIDER!r} names the main binding: pick another provider name"
@@ -93,6 +106,11 @@ class Guards:
         self.sleep = sleep
         self.retry_after_s = retry_after_s
         self.prices: Mapping[str, Price] = dict(prices or {})
+        self.cost_unit_usd = cost_unit_usd
+        #: The tracer when tracing is on (see `guards._tracing`), else None.
+        self.tracing: Tracing | None = (
+            None if tracing is False else Tracing(None if tracing is True else tracing)
+        )
         self.credential_warnings = CredentialWarnings()
 
     def ledger_enabled(self) -> bool:
@@ -192,7 +210,7 @@ class Guards:
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):
             previous = app.exception_handlers.get(exc_class)
-            app.add_exception_handler(exc_class, _invalid_input_handler(previous))
+            app.add_exception_handler(exc_class, _invalid_input_handler(previous, self.tracing))
         original_openapi = app.openapi
 
         def openapi() -> dict[str, Any]:
@@ -233,13 +251,15 @@ class Guards:
         await self.aclose()
 
 
-def _invalid_input_handler(previous: Any) -> Callable[[Request, Exception], Awaitable[Response]]:
+def _invalid_input_handler(
+    previous: Any, tracing: Tracing | None
+) -> Callable[[Request, Exception], Awaitable[Response]]:
     async def handle(request: Request, exc: Exception) -> Response:
         route = route_of(request.scope.get("endpoint"))
         before_handler = route is not None and not handler_entered(request)
         if before_handler and (isinstance(exc, RequestValidationError) or _is_bad_request(exc)):
             assert route is not None
-            return _invalid_request(route.name, request, exc)
+            return _invalid_request(route, request, exc, tracing)
         if previous is None:
             raise exc
         response: Response = await previous(request, exc)
@@ -253,12 +273,23 @@ def _is_bad_request(exc: Exception) -> bool:
     return isinstance(exc, StarletteHTTPException) and exc.status_code == 400
 
 
-def _invalid_request(route_name: str, request: Request, exc: Exception) -> Response:
-    trace_id = request_trace_id(request)
+def _invalid_request(
+    route: GuardedRoute, request: Request, exc: Exception, tracing: Tracing | None
+) -> Response:
+    """The 400 of input that never reached the guarded handler (unreadable, invalid, or a body
+    over the route's limit): counted as `outcome="invalid"`, logged (and traced), no model call."""
+    if tracing is None:
+        trace_id = request_trace_id(request)
+    else:
+        trace = tracing.start(route.name, request, lambda: request_trace_id(request))
+        trace.finish("invalid", 400, None, ErrorCode.invalid_request, 0)
+        trace_id = trace.trace_id
     found = _problems(exc)
+    route.metrics.invalid.add()
+    flush_soon()
     emit(
         "request",
-        route=route_name,
+        route=route.name,
         trace_id=trace_id,
         outcome="error",
         status=400,

@@ -7,7 +7,7 @@ several; see its docstring for several worker processes).
 
 A 200 with a fallback is a successful request: `guards_requests_total{outcome="fallback"}`, and
 `guards_fallbacks_total` says which guard and reason; `outcome="error"` counts public errors
-and application failures.
+and application failures, `outcome="invalid"` the 400s answered before the handler ran.
 
 The counts of every request are tallied in plain process memory (`Tally`, `HistogramTally`:
 an integer increment, a bucket search) and written to prometheus-client at most
@@ -47,10 +47,14 @@ __all__ = [
     "ATTEMPTS",
     "ATTEMPT_SECONDS",
     "BREAKER_STATE",
+    "BREAKER_TRANSITIONS",
+    "COST",
     "FALLBACKS",
     "REQUESTS",
     "REQUEST_SECONDS",
+    "SERVED",
     "SKIPS",
+    "TOKENS",
     "FLUSH_INTERVAL_S",
     "STORE_UNAVAILABLE",
     "HistogramTally",
@@ -76,7 +80,7 @@ REQUESTS = Counter(
     "guards_requests",
     "Requests to guarded routes by outcome: ok (the model answered), fallback (200 with a "
     "fallback envelope), error (a public error or an application failure), cancelled (the "
-    "client left before the answer).",
+    "client left before the answer), invalid (400 invalid_request: no handler ran, no call).",
     ["route", "outcome"],
 )
 FALLBACKS = Counter(
@@ -88,6 +92,31 @@ ATTEMPTS = Counter(
     "guards_provider_attempts",
     "Provider calls by model (as configured in the chain) and outcome kind (ok or a failure kind).",
     ["model", "kind"],
+)
+SERVED = Counter(
+    "guards_served",
+    "Requests answered (outcome ok) by a model, by route, the chain entry whose answer served "
+    "(as configured) and its position in the chain: first (the route's model) or fallback.",
+    ["route", "model", "position"],
+)
+TOKENS = Counter(
+    "guards_tokens",
+    "Tokens the providers reported using, by model (as configured in the chain) and type: "
+    "input or output. Calls that report no usage add nothing.",
+    ["model", "type"],
+)
+COST = Counter(
+    "guards_cost_usd",
+    "What provider calls cost in US dollars, by route and model: the reported usage priced by "
+    "Guards(prices=...) (times Guards(cost_unit_usd=...)). Models without a price, and calls "
+    "that report no usage, add nothing.",
+    ["route", "model"],
+)
+BREAKER_TRANSITIONS = Counter(
+    "guards_breaker_transitions",
+    "Breaker state changes by model and the state entered: open, half_open, closed. Each change "
+    "is counted once, by the worker whose store operation made it.",
+    ["model", "to"],
 )
 SKIPS = Counter(
     "guards_model_skips",
@@ -124,11 +153,11 @@ class Tally:
     def __init__(self, child: Counter) -> None:
         self._child = child
         #: Only ever grows; `_flushed` is what prometheus-client has of it.
-        self.count = 0
-        self._flushed = 0
+        self.count: float = 0
+        self._flushed: float = 0
 
-    def add(self) -> None:
-        self.count += 1
+    def add(self, amount: float = 1) -> None:
+        self.count += amount
 
     def _flush(self) -> None:
         count = self.count
@@ -228,7 +257,7 @@ def _timed_flush() -> None:
 class RouteMetrics:
     """The tallies of one route's series, bound once at start-up."""
 
-    __slots__ = ("_route", "cancelled", "error", "fallback", "ok", "seconds")
+    __slots__ = ("_route", "cancelled", "error", "fallback", "invalid", "ok", "seconds")
 
     def __init__(self, route: str) -> None:
         self._route = route
@@ -236,6 +265,7 @@ class RouteMetrics:
         self.fallback = counter(REQUESTS, route, "fallback")
         self.error = counter(REQUESTS, route, "error")
         self.cancelled = counter(REQUESTS, route, "cancelled")
+        self.invalid = counter(REQUESTS, route, "invalid")
         self.seconds = histogram(REQUEST_SECONDS, route)
 
     def tripped(self, guard: str, reason: str) -> None:

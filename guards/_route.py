@@ -42,7 +42,11 @@ from ._metrics import (
     ATTEMPT_SECONDS,
     ATTEMPTS,
     BREAKER_STATE,
+    BREAKER_TRANSITIONS,
+    COST,
+    SERVED,
     STATE_VALUE,
+    TOKENS,
     HistogramTally,
     RouteMetrics,
     Tally,
@@ -79,16 +83,24 @@ class Leg:
     ref: ModelRef
     breaker_key: str
     cooldown_key: str
-    #: The model's price, when the route has a spend cap.
+    #: The model's price (`Guards(prices=...)`), when known.
     price: Price | None
     seconds: HistogramTally
     breaker_state: Gauge
     attempts: dict[str, Tally]
     #: The breaker state this process last saw (the gauge is set only when it changes).
     last_state: list[CircuitState | None]
+    #: Requests this leg's answer served (`guards_served_total`: its route and position).
+    served: Tally
+    #: Reported usage (`guards_tokens_total`), and its cost on this route when priced.
+    input_tokens: Tally
+    output_tokens: Tally
+    cost_usd: Tally | None
+    #: Breaker state changes this process's store operations made, by the state entered.
+    transitions: dict[CircuitState, Tally]
 
     @classmethod
-    def of(cls, ref: ModelRef, price: Price | None) -> Leg:
+    def of(cls, ref: ModelRef, price: Price | None, route: str, first: bool) -> Leg:
         return cls(
             ref=ref,
             breaker_key=f"guards:breaker:{ref.key}",
@@ -98,6 +110,11 @@ class Leg:
             breaker_state=BREAKER_STATE.labels(ref.key),
             attempts={kind: counter(ATTEMPTS, ref.key, kind) for kind in ("ok", *Kind)},
             last_state=[None],
+            served=counter(SERVED, route, ref.key, "first" if first else "fallback"),
+            input_tokens=counter(TOKENS, ref.key, "input"),
+            output_tokens=counter(TOKENS, ref.key, "output"),
+            cost_usd=counter(COST, route, ref.key) if price is not None else None,
+            transitions={state: counter(BREAKER_TRANSITIONS, ref.key, state.value) for state in CircuitState},
         )
 
     def saw(self, state: CircuitState) -> None:
@@ -263,7 +280,10 @@ def guard_route(
                 f"the fallback of {handler.__qualname__} does not validate against its return type: {exc}"
             ) from None
     output = OutputGuard(output_type, moderation)
-    legs = tuple(Leg.of(ref, guards.prices.get(ref.key)) for ref in chain.models)
+    legs = tuple(
+        Leg.of(ref, guards.prices.get(ref.key), route_name, index == 0)
+        for index, ref in enumerate(chain.models)
+    )
     route = GuardedRoute(
         name=route_name,
         model=chain.models[0].key,
@@ -311,7 +331,14 @@ def guard_route(
         response: Response = kwargs.pop(_RESPONSE)
         request.scope[_ENTERED] = True
         started = time.perf_counter()
-        trace_id = request_trace_id(request)
+        # With tracing on, the request's span (its trace id is the `x-trace-id`), current
+        # while the handler runs; ended with the request's outcome (`finish_request`).
+        trace = (
+            None
+            if guards.tracing is None
+            else guards.tracing.start(route.name, request, lambda: request_trace_id(request))
+        )
+        trace_id = request_trace_id(request) if trace is None else trace.trace_id
         # Budget keys are scoped to the route (or the budget's scope): guards:{scope}:{caller}.
         budget_key = f"{budget_prefix}{budget.key(request)}" if budget is not None else None
         ai: AI[Any] = AI(
@@ -321,9 +348,12 @@ def guard_route(
             trace_id=trace_id,
             request=request,
             started=started,
+            trace=trace,
         )
         kwargs[ai_name] = ai
         try:
+            if trace is not None:
+                trace.enter()
             value = await handler(**kwargs)
             if type(value) is not data_class and not isinstance(value, Response):
                 value = data_adapter.validate_python(value)
@@ -352,8 +382,12 @@ def guard_route(
             raise  # the handler's own deliberate HTTP answer
         except Exception as exc:
             return _application_failure(route, ai, started, exc, guards.attribution)
-        if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
-            finish_request(route, ai, started, "ok", 200)
+        else:
+            if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
+                finish_request(route, ai, started, "ok", 200)
+        finally:
+            if trace is not None:
+                trace.leave()
         headers = _attribution(ai, guards.attribution)
         headers.append((b"x-trace-id", trace_id.encode()))
         if isinstance(value, Response):

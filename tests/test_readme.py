@@ -89,6 +89,7 @@ CHECKED = {
     ("## Logs", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
     ("## How the guards count", "python", 0): "test_budget_keys_example_keys_by_the_principal",
     ("## Metrics", "python", 0): "test_metrics_snippet_serves_the_exposition",
+    ("## Traces", "python", 0): "test_tracing_snippet_traces_with_its_provider",
     ("## Testing your routes", "python", 0): "test_testing_example_passes_under_pytest",
     ("## Serving in production", "sh", 0): "test_serve_command_serves_and_stops_gracefully",
     ("## Serving in production", "nginx", 0): "test_nginx_sketch_agrees_with_the_app",
@@ -115,7 +116,9 @@ def free_port() -> int:
 
 
 #: Settings of the example app: none of the test machine's own may leak into a server run here.
-_SETTINGS = re.compile(r"^(AI_|CLOUDFLARE_|OPENAI_|GUARDS_|CORS_|DAILY_|RATE_|BREAKER_|RETRY_|PROMETHEUS_)")
+_SETTINGS = re.compile(
+    r"^(AI_|CLOUDFLARE_|OPENAI_|GUARDS_|CORS_|DAILY_|RATE_|BREAKER_|RETRY_|PROMETHEUS_|OTEL_)"
+)
 
 
 @pytest.fixture
@@ -416,6 +419,13 @@ def test_metrics_snippet_serves_the_exposition() -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     assert "guards_requests_total" in response.text
+
+
+def test_tracing_snippet_traces_with_its_provider() -> None:
+    namespace: dict[str, Any] = {"__name__": "readme_traces"}
+    exec(compile(block("## Traces", "python"), str(README), "exec"), namespace)
+    assert namespace["guards"].tracing is not None
+    namespace["provider"].shutdown()
 
 
 def test_testing_example_passes_under_pytest(tmp_path: Path) -> None:

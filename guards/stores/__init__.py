@@ -1,4 +1,10 @@
-"""Where budget counters, spend and breaker state live."""
+"""Where budget counters, spend and breaker state live.
+
+`RedisStore` is imported on first use: the Redis client (the extra `guards[redis]`) is loaded
+only by an app that uses it (redis-py also loads OpenTelemetry's metrics when installed).
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from ._base import (
     DAILY_TTL_S,
@@ -18,9 +24,11 @@ from ._base import (
     utc_day,
 )
 from ._memory import MemoryStore
-from ._redis import RedisStore
 from ._sqlite import SQLiteStore
 from ._url import open_store
+
+if TYPE_CHECKING:
+    from ._redis import RedisStore
 
 __all__ = [
     "DAILY_TTL_S",
@@ -43,3 +51,11 @@ __all__ = [
     "open_store",
     "utc_day",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisStore":
+        from ._redis import RedisStore
+
+        return RedisStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

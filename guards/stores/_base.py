@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from .._breaker import Breaker, BreakerDecision, BreakerState, Outcome
+from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._errors import GuardsError
 
 
@@ -177,7 +177,11 @@ class Passage:
     - `refusal`: why the charge was refused (`refused_by`: `per_minute`, `per_day` or
       `spend_per_day`), or None;
     - `reservation`: the spend hold to settle later, when the charge held spend;
-    - `recorded`: the reported breaker's state after the report, when one was recorded.
+    - `recorded`: the reported breaker's state after the report, when one was recorded;
+    - `transitions`: each breaker state change this step made, as (breaker key, the state
+      entered): the report's (to open, or to closed), then the admission's (open to half_open).
+      The store makes a change once, so exactly one caller, among every worker sharing the
+      store, is told of it: what `guards_breaker_transitions_total` counts.
     """
 
     waits: tuple[float, ...] = ()
@@ -186,6 +190,7 @@ class Passage:
     refusal: Admission | None = None
     reservation: str | None = None
     recorded: BreakerState | None = None
+    transitions: tuple[tuple[str, CircuitState], ...] = ()
 
 
 @runtime_checkable

@@ -413,11 +413,12 @@ end
 -- reservation; ARGV[17..22] the report's breaker policy, ARGV[23] outcome, ARGV[24] probe;
 -- ARGV[25] cooldown seconds; ARGV[26] the reservation to settle, ARGV[27] its actual cost.
 -- Returns {admitted index (0-based) or '', refused_by or '', retry_after, reservation or '',
--- recorded state or '', the L waits, then L decisions of 5 fields ('' for none)}.
+-- recorded state or '', the state the report moved its breaker to or '', the state the
+-- admission moved its breaker to or '', the L waits, then L decisions of 5 fields ('' for none)}.
 local function step()
   local n = tonumber(ARGV[3])
   local base = 2 * n
-  local recorded = ''
+  local recorded, report_to, admit_to = '', '', ''
   local report_policy = read_policy(17)
   if report_policy then
     local key = KEYS[base + 4]
@@ -425,6 +426,7 @@ local function step()
     local after = record(before, report_policy, ARGV[23], tonumber(ARGV[24]))
     save_changed(key, before, after, report_policy.ttl_s)
     recorded = table.concat(state_fields(after), ' ')
+    if after.state ~= before.state then report_to = after.state end
   end
   local cool_s = tonumber(ARGV[25])
   if cool_s and cool_s > 0 then start_cooldown(KEYS[base + 5], cool_s) end
@@ -462,9 +464,12 @@ local function step()
       reservation = c.reservation
     end
   end
-  if admitted and opened then save_changed(opened[1], opened[2], opened[3], policy.ttl_s) end
+  if admitted and opened then
+    save_changed(opened[1], opened[2], opened[3], policy.ttl_s)
+    if opened[3].state ~= opened[2].state then admit_to = opened[3].state end
+  end
   local reply = {admitted and string.format('%d', admitted - 1) or '', refused_by, retry,
-    reservation, recorded}
+    reservation, recorded, report_to, admit_to}
   for i = 1, n do reply[#reply + 1] = fmt(waits[i]) end
   for i = 1, n do
     local d = decisions[i] or {'', '', '', '', ''}
@@ -669,13 +674,18 @@ class RedisStore:
             settle = report.spend_key is not None and report.reservation is not None
             args += [report.reservation or "" if settle else "", _num(report.actual)]
         reply = await self._run("step", keys, *args)
-        admitted, refused_by, retry_after, held, recorded = reply[:5]
+        admitted, refused_by, retry_after, held, recorded, report_to, admit_to = reply[:7]
         n = len(legs)
-        waits = tuple(float(wait) for wait in reply[5 : 5 + n])
+        waits = tuple(float(wait) for wait in reply[7 : 7 + n])
         decisions = tuple(
-            _decision(reply[5 + n + 5 * i : 10 + n + 5 * i]) if reply[5 + n + 5 * i] else None
+            _decision(reply[7 + n + 5 * i : 12 + n + 5 * i]) if reply[7 + n + 5 * i] else None
             for i in range(n)
         )
+        transitions: list[tuple[str, CircuitState]] = []
+        if report_to and report is not None and report.breaker_key is not None:
+            transitions.append((report.breaker_key, CircuitState(report_to)))
+        if admit_to and admitted:
+            transitions.append((legs[int(admitted)][1], CircuitState(admit_to)))
         if admitted:
             decisions = decisions[: int(admitted) + 1]
         else:
@@ -688,6 +698,7 @@ class RedisStore:
             Admission(False, refused_by, float(retry_after)) if refused_by else None,
             held or None,
             _state(recorded.split(" ")) if recorded else None,
+            tuple(transitions),
         )
 
     async def aclose(self) -> None:
