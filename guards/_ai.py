@@ -33,6 +33,7 @@ from ._event_stream import EventStream, delta, encode, end_data, sse
 from ._ledger import Attempt
 from ._log import emit, emit_warning, logger
 from ._metrics import SKIPS, STORE_UNAVAILABLE, counter, flush_soon
+from ._retry_budget import admit_retry
 from ._stream import (
     ReasoningDelta,
     StreamEnd,
@@ -152,6 +153,8 @@ class AI(Generic[T]):
         or rejects its answer.
         """
         route = self._route
+        if route.effort is not None:
+            route = self._by_effort(inputs)
         if route.response_format is not None and "response_format" not in inputs:
             inputs = {**inputs, "response_format": route.response_format}
         if route.max_tokens is not None and "max_tokens" not in inputs:
@@ -179,6 +182,8 @@ class AI(Generic[T]):
         after that.
         """
         route = self._route
+        if route.effort is not None:
+            route = self._by_effort(inputs)
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
         leg, opened, probe, record_success = await self._walk(
@@ -254,7 +259,7 @@ class AI(Generic[T]):
                                 limit=self._leg_limit(index, self._waits),
                                 sleep=self._guards.sleep,
                                 on_attempt=self._on_attempt,
-                                on_retry=self._log_retry,
+                                on_retry=self._before_retry,
                             )
                         except CallFailed as failed:
                             inflight = None
@@ -302,6 +307,14 @@ class AI(Generic[T]):
             raise
         await self._settle()
         raise self._exhausted(last, spent)
+
+    def _by_effort(self, inputs: Mapping[str, Any]) -> GuardedRoute:
+        """Effort routing (`_effort.py`): the request's first call picks its tier's chain, which
+        every later call of the request keeps."""
+        assert self._route.effort is not None
+        route = self._route = self._route.effort.choose(inputs, self._request, self.trace_id)
+        self._leg, self.attempt_budget = route.legs[0], route.attempt_budget
+        return route
 
     def _start_watch(self) -> None:
         """MARK_AFTER_S into a walk: watch the client."""
@@ -353,7 +366,7 @@ class AI(Generic[T]):
     def _served(self, leg: Leg, model: str | None) -> None:
         self.model = model or leg.ref.model
         if leg is not self._route.legs[0]:
-            self.fallback_model = leg.ref.key
+            self.fallback_model = leg.ref.entry
 
     def _streaming(self, leg: Leg) -> StreamingBinding:
         binding = self._binding(leg)
@@ -662,6 +675,7 @@ class AI(Generic[T]):
                     attempt=self.attempts,
                     requested_model=route.model,
                     model=leg.ref.key,
+                    entry=leg.ref.entry,
                     served_model=served,
                     outcome=kind,
                     latency_ms=round(elapsed * 1000, 2),
@@ -830,7 +844,15 @@ class AI(Generic[T]):
             "store_unavailable", guard=guard, route=self._route.name, trace_id=self.trace_id, **fields
         )
 
-    def _log_retry(self, attempt: int, verdict: Classification, delay_s: float) -> None:
+    def _before_retry(self, attempt: int, verdict: Classification, delay_s: float) -> bool:
+        """Before a retry the policy allows: False when the model's retry budget refuses it
+        (`_retry_budget.py` logs the refusal), else log the retry."""
+        route = self._route
+        windows, budget = self._guards.retry_windows, route.retry.budget
+        if not admit_retry(
+            windows, self._leg, budget, verdict, attempt, route=route.name, trace_id=self.trace_id
+        ):
+            return False
         emit(
             "retry",
             route=self._route.name,
@@ -840,6 +862,7 @@ class AI(Generic[T]):
             kind=verdict.kind.value,
             delay_ms=round(delay_s * 1000, 1),
         )
+        return True
 
 
 @dataclass(slots=True, eq=False)
@@ -948,7 +971,7 @@ def finish_request(
         attempt_budget=ai.attempt_budget,
         model=(tripped.model if tripped is not None else None) or ai.model,
         fallback_model=ai.fallback_model,
-        legs=ai._summary(True) if tripped is not None and len(route.legs) > 1 else None,
+        legs=ai._summary(True) if tripped is not None and len(ai._route.legs) > 1 else None,
         latency_ms=round(elapsed * 1000, 2),
         **extra,
     )

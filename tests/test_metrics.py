@@ -84,7 +84,7 @@ def assert_no_user_data(text: str, *secrets: str) -> None:
     """No label carries a user's text, a budget key or a free-text detail."""
     for secret in secrets:
         assert secret not in text
-    allowed = {"route", "outcome", "guard", "reason", "model", "kind", "action", "le"}
+    allowed = {"route", "outcome", "guard", "reason", "model", "kind", "action", "tier", "hint", "le"}
     for (name, labels), _ in parse(text).items():
         assert {label for label, _ in labels} <= allowed, name
         for label, value in labels:
