@@ -176,8 +176,9 @@ class EffortRoutes:
 
     def choose(self, inputs: Mapping[str, Any], request: Request | None, trace_id: str) -> GuardedRoute:
         """The route whose chain this request runs: the override's tier, else the estimate's."""
-        override = request.scope.get(_OVERRIDE) if request is not None else None
-        tier: Tier = override if override in TIERS else estimate_effort(inputs)
+        override: Tier | None = request.scope.get(_OVERRIDE) if request is not None else None
+        overridden = override in TIERS
+        tier = override if override is not None and overridden else estimate_effort(inputs)
         route, hint, escalated, decisions = self.tiers[tier]
         decisions.add()
         emit(
@@ -187,7 +188,7 @@ class EffortRoutes:
             tier=tier,
             hint=hint,
             escalated=escalated,
-            override=override is not None,
+            override=overridden,
         )
         return route
 

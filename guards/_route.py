@@ -338,7 +338,7 @@ def guard_route(
             value = await handler(**kwargs)
             if type(value) is not data_class and not isinstance(value, Response):
                 value = data_adapter.validate_python(value)
-            if last_good is not None:  # a validated success: the route's last good answer
+            if last_good is not None and not isinstance(value, Response):  # a validated success
                 await last_good.remember(guards.store, _arguments(kwargs, ai_name), value, trace_id)
         except GuardTripped as tripped:
             del kwargs[ai_name]  # the fallback sees the route's own arguments

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import redis
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from app.main import create_app
@@ -161,3 +162,32 @@ def test_last_good_declaration_errors() -> None:
         @guards.route(model=MODEL, fallback=LastGood(key=lambda a: "k", max_age_s=60, otherwise={"bad": 1}))
         async def labelled(ai: AI[Label]) -> Label:
             return await ai.run({"prompt": "hi"})
+
+
+def test_a_response_the_handler_builds_itself_is_not_stored(
+    fake_workers_ai: FakeWorkersAI, serve: Serve, store: Store
+) -> None:
+    guards = Guards(
+        WorkersAI(
+            account_id=fake_workers_ai.account_id,
+            api_token=fake_workers_ai.api_token,
+            base_url=fake_workers_ai.base_url,
+        ),
+        store=store,
+        sleep=no_sleep,
+    )
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/label")
+    @guards.route(
+        model=MODEL, fallback=LastGood(key=lambda a: "same", max_age_s=60, otherwise={"label": "none"})
+    )
+    async def label(ai: AI[Label]) -> dict[str, str]:
+        answer = await ai.run({"prompt": "Label this."})
+        return JSONResponse({"label": answer.label.upper()})  # type: ignore[return-value]
+
+    client = serve(app)
+    fake_workers_ai.script(MODEL, Reply({"label": "billing"}), Fail(code=5007, status=400))
+    assert client.post("/label").json() == {"label": "BILLING"}
+    assert client.post("/label").json()["data"] == {"label": "none"}  # nothing was stored
