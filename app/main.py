@@ -25,9 +25,11 @@ from guards import (
     Breaker,
     Budget,
     Clock,
+    Effort,
     EventStream,
     Guards,
     GuardTripped,
+    LastGood,
     header_key,
     render_metrics,
 )
@@ -36,7 +38,7 @@ from guards.stores import Store, open_store
 
 from .labels import keyword_label, mentions_personal_data
 from .offline import OfflineModel
-from .settings import Settings, load_settings
+from .settings import CLOUD_HINT, LOCAL_HINT, Settings, load_settings
 from .tracing import tracer_provider_from_env
 
 if TYPE_CHECKING:
@@ -147,6 +149,11 @@ def keyword_summary(arguments: Mapping[str, Any], tripped: GuardTripped) -> Summ
     return Summary(label=label, confidence=0.3 if hits else 0.1)
 
 
+def summary_key(arguments: Mapping[str, Any]) -> str:
+    """Which `/summary` answers are shared: the same text, whitespace and case normalized."""
+    return " ".join(arguments["body"].text.split()).casefold()
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -184,8 +191,17 @@ def create_app(
         retry_after_s=settings.retry_after_s,
         attribution=settings.ai_attribution,
         tracing=tracer_provider if tracer_provider is not None else False,
+        hints=settings.hints,
     )
     fallbacks = settings.fallback_models
+    # AI_EFFORT=auto: the draft routes send simple and standard turns to the local model, complex
+    # ones to the cloud model (then AI_FALLBACK_MODELS); else they call AI_MODEL.
+    effort = (
+        Effort(simple=LOCAL_HINT, standard=LOCAL_HINT, complex=CLOUD_HINT)
+        if settings.ai_effort == "auto"
+        else None
+    )
+    draft_model = None if effort is not None else settings.ai_model
     # GUARDS_STORE_FAILURE, when set, decides for both guards; else each keeps its default
     # (budget fails closed, breaker fails open: see guards.Budget and guards.Breaker).
     failure = settings.guards_store_failure
@@ -238,7 +254,11 @@ def create_app(
 
     @app.post("/draft-reply")
     @guards.route(
-        model=settings.ai_model, fallbacks=fallbacks, timeout_s=settings.ai_timeout_s, breaker=breaker
+        model=draft_model,
+        effort=effort,
+        fallbacks=fallbacks,
+        timeout_s=settings.ai_timeout_s,
+        breaker=breaker,
     )
     async def draft_reply(body: DraftRequest, ai: AI[ReplyText]) -> DraftReply:
         """Draft a reply to a customer message. Strict: fails with a public error."""
@@ -249,7 +269,8 @@ def create_app(
 
     @app.post("/draft-reply/stream")
     @guards.route(
-        model=settings.ai_model,
+        model=draft_model,
+        effort=effort,
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
         breaker=breaker,
@@ -274,7 +295,8 @@ def create_app(
             key=header_key("x-user-id"),
             on_store_failure=failure or "closed",
         ),
-        fallback=keyword_summary,
+        # The last good summary of the same text, while fresh; then the keyword label.
+        fallback=LastGood(key=summary_key, max_age_s=settings.last_good_max_age_s, otherwise=keyword_summary),
         moderation=mentions_personal_data,
     )
     async def summary(
@@ -289,7 +311,8 @@ def create_app(
             ),
         ] = None,
     ) -> Summary:
-        """Label a customer message. Degrading: always the envelope; a keyword label on failure."""
+        """Label a customer message. Degrading: always the envelope; on failure the last good
+        label of the same text (while fresh), else a keyword label."""
         return await ai.run(
             {
                 "messages": [

@@ -50,6 +50,7 @@ from guards import (
     StreamEnd,
     StreamEvent,
     TextDelta,
+    estimate_effort,
     header_key,
 )
 from guards.providers import SSEParser, WorkersAI
@@ -612,6 +613,25 @@ def worst_sse_parse() -> float:
     return worst
 
 
+def effort_estimate() -> float:
+    """CPU time of one effort estimate of a 4,000-character turn, in microseconds (median of
+    rounds). The turn is prose with one question and no fence, so every rule reads it whole."""
+    sentence = "My parcel was sent on Monday and the tracking page has not changed since then. "
+    text = (sentence * 60)[:3_989] + " Why is it?"
+    inputs = {
+        "messages": [{"role": "system", "content": "You draft replies."}, {"role": "user", "content": text}]
+    }
+    assert len(text) == 4_000
+    assert estimate_effort(inputs) == "complex"  # by length, the last rule
+    samples = []
+    for _ in range(ROUNDS):
+        start = time.process_time()
+        for _ in range(PER_ROUND):
+            estimate_effort(inputs)
+        samples.append((time.process_time() - start) / PER_ROUND * 1e6)
+    return statistics.median(samples)
+
+
 def main() -> None:
     figures = asyncio.run(measure(FakeBinding(Reply({"label": "billing", "confidence": 0.9}))))
     bare, guarded, logged = figures["bare"], figures["guarded"], figures["logged"]
@@ -635,6 +655,7 @@ def main() -> None:
     print(f"single_model_call_us = {skip['single']:.2f} us")
     print(f"chain_skip_two_call_us = {skip['chain']:.2f} us")
     print(f"chain_skip_ratio = {skip['chain'] / skip['single']:.2f} x")
+    print(f"effort_estimate_us = {effort_estimate():.2f} us")
 
     # Hostile text: a 1 MiB answer is checked in well under 50 ms whatever it holds.
     print(f"answer_check_1mib_worst_ms = {asyncio.run(worst_answer_check()) * 1e3:.1f} ms")

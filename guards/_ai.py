@@ -34,6 +34,7 @@ from ._ledger import Attempt
 from ._log import emit, emit_warning, logger
 from ._metrics import SKIPS, STORE_UNAVAILABLE, counter, flush_soon
 from ._relay import Opened, Relayed, no_events, open_stream, relay
+from ._retry_budget import admit_retry
 from ._stream import StreamEnd, StreamingBinding, TextDelta
 from .stores import Charge, Report, Step, StoreUnavailable
 
@@ -164,6 +165,8 @@ class AI(Generic[T]):
         or rejects its answer.
         """
         route = self._route
+        if route.effort is not None:
+            route = self._by_effort(inputs)
         if route.response_format is not None and "response_format" not in inputs:
             inputs = {**inputs, "response_format": route.response_format}
         if route.max_tokens is not None and "max_tokens" not in inputs:
@@ -192,6 +195,8 @@ class AI(Generic[T]):
         `stream_max_chars` (output characters), which end the stream with an `error` event.
         """
         route = self._route
+        if route.effort is not None:
+            route = self._by_effort(inputs)
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
         leg, opened, probe, record_success = await self._walk(
@@ -271,7 +276,7 @@ class AI(Generic[T]):
                                 limit=self._leg_limit(index, self._waits),
                                 sleep=self._guards.sleep,
                                 on_attempt=self._on_attempt,
-                                on_retry=self._log_retry,
+                                on_retry=self._before_retry,
                             )
                         except CallFailed as failed:
                             inflight = None
@@ -325,6 +330,14 @@ class AI(Generic[T]):
         await self._settle()
         raise self._exhausted(last, spent)
 
+    def _by_effort(self, inputs: Mapping[str, Any]) -> GuardedRoute:
+        """Effort routing (`_effort.py`): the request's first call picks its tier's chain, which
+        every later call of the request keeps."""
+        assert self._route.effort is not None
+        route = self._route = self._route.effort.choose(inputs, self._request, self.trace_id)
+        self._leg, self.attempt_budget = route.legs[0], route.attempt_budget
+        return route
+
     def _start_watch(self) -> None:
         """MARK_AFTER_S into a walk: watch the client."""
         assert self._scope is not None
@@ -377,7 +390,7 @@ class AI(Generic[T]):
         self._served_leg = leg
         self.model = model or leg.ref.model
         if leg is not self._route.legs[0]:
-            self.fallback_model = leg.ref.key
+            self.fallback_model = leg.ref.entry
 
     def _streaming(self, leg: Leg) -> StreamingBinding:
         binding = self._binding(leg)
@@ -691,6 +704,7 @@ class AI(Generic[T]):
                     attempt=self.attempts,
                     requested_model=route.model,
                     model=leg.ref.key,
+                    entry=leg.ref.entry,
                     served_model=served,
                     outcome=kind,
                     latency_ms=round(elapsed * 1000, 2),
@@ -878,7 +892,15 @@ class AI(Generic[T]):
             "store_unavailable", guard=guard, route=self._route.name, trace_id=self.trace_id, **fields
         )
 
-    def _log_retry(self, attempt: int, verdict: Classification, delay_s: float) -> None:
+    def _before_retry(self, attempt: int, verdict: Classification, delay_s: float) -> bool:
+        """Before a retry the policy allows: False when the model's retry budget refuses it
+        (`_retry_budget.py` logs the refusal), else log the retry."""
+        route = self._route
+        windows, budget = self._guards.retry_windows, route.retry.budget
+        if not admit_retry(
+            windows, self._leg, budget, verdict, attempt, route=route.name, trace_id=self.trace_id
+        ):
+            return False
         emit(
             "retry",
             route=self._route.name,
@@ -888,6 +910,7 @@ class AI(Generic[T]):
             kind=verdict.kind.value,
             delay_ms=round(delay_s * 1000, 1),
         )
+        return True
 
 
 def _worst(leg: Leg, input_tokens: int, max_tokens: int | None) -> float:
@@ -945,7 +968,7 @@ def finish_request(
         attempt_budget=ai.attempt_budget,
         model=(tripped.model if tripped is not None else None) or ai.model,
         fallback_model=ai.fallback_model,
-        legs=ai._summary(True) if tripped is not None and len(route.legs) > 1 else None,
+        legs=ai._summary(True) if tripped is not None and len(ai._route.legs) > 1 else None,
         latency_ms=round(elapsed * 1000, 2),
         **extra,
     )

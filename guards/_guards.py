@@ -19,9 +19,10 @@ from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, BodyTooLarge
 from ._breaker import Breaker
 from ._budget import Budget, Price
 from ._call import Retry
-from ._chain import DEFAULT_PROVIDER, Profile
+from ._chain import DEFAULT_PROVIDER, HINT_PREFIX, Profile, check_hints
 from ._cooldown import Cooldown
 from ._credentials import CredentialWarnings
+from ._effort import Effort
 from ._envelope import MAX_PROBLEMS, ErrorCode, Problem
 from ._errors import ConfigurationError
 from ._ledger import Ledger, LogLedger
@@ -31,6 +32,7 @@ from ._openapi import document_guarded_routes
 from ._output import Moderation
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
+from ._retry_budget import RetryWindows
 from ._route import _NO_FALLBACK, GuardedRoute, guard_route, handler_entered, request_trace_id, route_of
 from ._tracing import Tracing
 from .stores import MemoryStore, Store
@@ -55,7 +57,9 @@ class Guards:
 
     `binding` is the main binding (provider name `"default"`); `providers` names more bindings,
     reached from chains as `"name:model"`. Bindings may be swapped at any time (tests swap in
-    fakes). `profiles` names models with their own fallbacks (see `Profile`). `store` holds
+    fakes). `profiles` names models with their own fallbacks (see `Profile`); `hints` names
+    routing hints, reached from chains as `"hint:name"` and resolved at start-up, each to a
+    chain entry (a model spec or a profile name: `{"fast": "openai:gpt-4o-mini"}`). `store` holds
     budget, breaker and cooldown state (default: a `MemoryStore`, one process). `sleep` is what
     retries wait with (inject a no-op in tests). `retry_after_s` is the `Retry-After` a strict
     route sends with `model_temporarily_unavailable`. `prices` maps model keys (`model` or
@@ -87,6 +91,7 @@ class Guards:
         ledger: Ledger | None = None,
         cost_unit_usd: float = 1.0,
         tracing: bool | TracerProvider = False,
+        hints: Mapping[str, str] | None = None,
     ) -> None:
         if attribution not in ("off", "redacted", "detailed"):
             raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
@@ -96,9 +101,14 @@ class Guards:
             raise ConfigurationError(
                 f"{DEFAULT_PROVIDER!r} names the main binding: pick another provider name"
             )
+        if HINT_PREFIX[:-1] in (providers or {}):
+            raise ConfigurationError(f"{HINT_PREFIX!r} starts routing hints: pick another provider name")
         self.binding = binding
         self.providers: dict[str, Binding] = dict(providers or {})
         self.profiles: Mapping[str, Profile] = dict(profiles or {})
+        self.hints: Mapping[str, str] = check_hints(hints or {})
+        #: The retry budget's counts in this worker (see `RetryBudget`).
+        self.retry_windows = RetryWindows()
         self.cooldown = cooldown
         self.attribution: Attribution = attribution
         self.ledger: Ledger = ledger if ledger is not None else LogLedger()
@@ -121,7 +131,7 @@ class Guards:
     def route(
         self,
         *,
-        model: str,
+        model: str | None = None,
         fallbacks: Sequence[str] = (),
         attempts: int | None = None,
         timeout_s: float = 8.0,
@@ -135,6 +145,7 @@ class Guards:
         stream_max_s: float = DEFAULT_STREAM_MAX_S,
         stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
         max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+        effort: Effort | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -142,9 +153,11 @@ class Guards:
         it calls the model (`await ai.run(inputs)`); `Output` is what the model must produce
         (a pydantic model requests JSON mode; `str` plain text).
 
-        - `model`: the model (a model id, `"provider:model"`, or a `Profile` name);
-          `fallbacks`: the models to try after it, in order (same forms). The chain is
+        - `model`: the model (a model id, `"provider:model"`, `"hint:name"` or a `Profile`
+          name); `fallbacks`: the models to try after it, in order (same forms). The chain is
           flattened now; invalid entries are logged (`chain_invalid`) and removed.
+        - `effort`: instead of `model`, route each request by its estimated effort to the
+          routing hint of its tier (see `Effort`), then to `fallbacks`.
         - `attempts`: the most provider calls one request makes across the whole chain, every
           `ai.run` / `ai.stream` of the request together (default: the chain's length plus
           `retry.attempts - 1`, i.e. one retry in total).
@@ -153,8 +166,9 @@ class Guards:
           most); `budget`: per-key limits; `breaker`: circuit breaker policy, one breaker per
           model (None to disable).
         - `fallback`: makes the route *degrading*: it answers `Envelope[ReturnType]`, with this
-          value (or, if callable, `fallback(arguments, tripped)`) as `data` when a guard trips.
-          Without it the route is *strict* and answers public errors.
+          value (or, if callable, `fallback(arguments, tripped)`, or the route's last good
+          answer: `LastGood`) as `data` when a guard trips. Without it the route is *strict*
+          and answers public errors.
         - `moderation`: a hook given the validated output; returning True blocks it.
         - `max_tokens`: sent with each call unless the inputs set it; required with a spend cap.
         - `stream_max_s`, `stream_max_chars`: a streamed answer (`ai.stream`) ends with the
@@ -187,6 +201,7 @@ class Guards:
                 stream_max_s=stream_max_s,
                 stream_max_chars=stream_max_chars,
                 max_body_bytes=max_body_bytes,
+                effort=effort,
             )
             return endpoint  # type: ignore[return-value]
 

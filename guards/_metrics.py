@@ -49,9 +49,11 @@ __all__ = [
     "BREAKER_STATE",
     "BREAKER_TRANSITIONS",
     "COST",
+    "EFFORT_DECISIONS",
     "FALLBACKS",
     "REQUESTS",
     "REQUEST_SECONDS",
+    "RETRY_BUDGET_EXHAUSTED",
     "SERVED",
     "SKIPS",
     "TOKENS",
@@ -122,6 +124,17 @@ SKIPS = Counter(
     "guards_model_skips",
     "Chain models skipped without a call, by reason: cooldown or circuit_open.",
     ["model", "reason"],
+)
+EFFORT_DECISIONS = Counter(
+    "guards_effort_decisions",
+    "Effort routing decisions, by route, the tier the request was given (simple, standard, "
+    "complex) and the routing hint it was sent to.",
+    ["route", "tier", "hint"],
+)
+RETRY_BUDGET_EXHAUSTED = Counter(
+    "guards_retry_budget_exhausted",
+    "Retryable failures not retried because the model's retry budget (in this worker) was spent.",
+    ["model"],
 )
 REQUEST_SECONDS = Histogram(
     "guards_request_duration_seconds",

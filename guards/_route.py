@@ -32,11 +32,13 @@ from ._ai import AI, finish_request
 from ._breaker import Breaker, CircuitState
 from ._budget import Budget, Price
 from ._call import Retry
-from ._chain import ModelRef, flatten_chain
+from ._chain import HINT_PREFIX, ModelRef, flatten_chain
 from ._classify import Kind
+from ._effort import Effort, EffortRoutes
 from ._envelope import Envelope, ErrorCode, FallbackInfo
 from ._errors import ConfigurationError, GuardTripped
 from ._event_stream import EventStream
+from ._last_good import LastGood, LastGoodCache
 from ._log import emit_error, emit_warning, frames
 from ._metrics import (
     ATTEMPT_SECONDS,
@@ -159,6 +161,9 @@ class GuardedRoute:
     #: A streamed answer's limits: seconds since the request began, characters of output.
     stream_max_s: float = DEFAULT_STREAM_MAX_S
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS
+    #: A route that routes by effort: its chain per tier (the route itself runs the standard
+    #: tier's chain until a request's first call picks one). None: the chain is pinned.
+    effort: EffortRoutes | None = None
 
     @property
     def degrading(self) -> bool:
@@ -175,7 +180,7 @@ def guard_route(
     guards: Guards,
     handler: Callable[..., Awaitable[Any]],
     *,
-    model: str,
+    model: str | None,
     fallbacks: Sequence[str],
     attempts: int | None,
     timeout_s: float,
@@ -189,13 +194,18 @@ def guard_route(
     stream_max_s: float = DEFAULT_STREAM_MAX_S,
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
     max_body_bytes: int | None,
+    effort: Effort | None = None,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
         raise ConfigurationError(f"guarded route {handler.__qualname__} must be an `async def`")
     if timeout_s <= 0:
         raise ConfigurationError("timeout_s must be positive")
-    if not model.strip():
+    if effort is not None and model is not None:
+        raise ConfigurationError(
+            f"{handler.__qualname__}: a route names its model or routes by effort, not both"
+        )
+    if effort is None and (model is None or not model.strip()):
         raise ConfigurationError("a guarded route needs a model id")
     if max_tokens is not None and max_tokens < 1:
         raise ConfigurationError("max_tokens must be at least 1")
@@ -204,28 +214,39 @@ def guard_route(
     if max_body_bytes is not None and max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes must be at least 1 (or None: no limit)")
     route_name = name or handler.__name__
-    chain = flatten_chain([model, *fallbacks], profiles=guards.profiles, providers=guards.providers)
-    for problem in chain.problems:
-        emit_warning("chain_invalid", route=route_name, problem=problem)
-    if not chain.models:
-        raise ConfigurationError(
-            f"{handler.__qualname__}: no model left in its chain ({'; '.join(chain.problems)})"
-        )
-    attempt_budget = attempts if attempts is not None else len(chain.models) + retry.attempts - 1
-    if attempt_budget < 1:
-        raise ConfigurationError("attempts must be at least 1")
     spend_capped = budget is not None and budget.spend_per_day is not None
-    if spend_capped:
-        if max_tokens is None:
+    if spend_capped and max_tokens is None:
+        raise ConfigurationError(
+            f"{handler.__qualname__} has a spend cap: declare max_tokens to bound its cost"
+        )
+    problems: dict[str, None] = {}  # each logged once, whichever tier's chain has it
+
+    def chain_of(first: str) -> tuple[tuple[Leg, ...], int]:
+        """The legs of the chain `first, *fallbacks`, and its attempt budget."""
+        chain = flatten_chain(
+            [first, *fallbacks], profiles=guards.profiles, providers=guards.providers, hints=guards.hints
+        )
+        problems.update(dict.fromkeys(chain.problems))
+        if not chain.models:
             raise ConfigurationError(
-                f"{handler.__qualname__} has a spend cap: declare max_tokens to bound its cost"
+                f"{handler.__qualname__}: no model left in its chain ({'; '.join(chain.problems)})"
             )
+        attempt_budget = attempts if attempts is not None else len(chain.models) + retry.attempts - 1
+        if attempt_budget < 1:
+            raise ConfigurationError("attempts must be at least 1")
         unpriced = [ref.key for ref in chain.models if guards.prices.get(ref.key) is None]
-        if unpriced:
+        if spend_capped and unpriced:
             raise ConfigurationError(
                 f"{handler.__qualname__} has a spend cap: Guards(prices=...) has no price for "
                 + ", ".join(unpriced)
             )
+        legs = tuple(
+            Leg.of(ref, guards.prices.get(ref.key), route_name, index == 0)
+            for index, ref in enumerate(chain.models)
+        )
+        return legs, attempt_budget
+
+    legs, attempt_budget = chain_of(HINT_PREFIX + effort.standard if effort is not None else str(model))
     try:
         hints = typing.get_type_hints(handler, include_extras=True)
     except NameError as exc:
@@ -272,21 +293,23 @@ def guard_route(
         if output_type not in (str, Any):
             raise ConfigurationError(f"streaming route {handler.__qualname__} must declare `AI[str]`")
     data_adapter: TypeAdapter[Any] = TypeAdapter(Any if streaming else data_type)
-    if degrading and not callable(fallback):
+    last_good = None
+    if isinstance(fallback, LastGood):
+        last_good = LastGoodCache(fallback, route_name, data_adapter)
+        plain = fallback.otherwise
+    else:
+        plain = fallback
+    if degrading and not callable(plain):
         try:
-            fallback = data_adapter.validate_python(fallback)
+            plain = data_adapter.validate_python(plain)
         except ValidationError as exc:
             raise ConfigurationError(
                 f"the fallback of {handler.__qualname__} does not validate against its return type: {exc}"
             ) from None
     output = OutputGuard(output_type, moderation)
-    legs = tuple(
-        Leg.of(ref, guards.prices.get(ref.key), route_name, index == 0)
-        for index, ref in enumerate(chain.models)
-    )
     route = GuardedRoute(
         name=route_name,
-        model=chain.models[0].key,
+        model=legs[0].ref.key,
         legs=legs,
         cooldown_keys=tuple(leg.cooldown_key for leg in legs),
         attempt_budget=attempt_budget,
@@ -311,15 +334,26 @@ def guard_route(
         stream_max_s=stream_max_s,
         stream_max_chars=stream_max_chars,
     )
+    if effort is not None:
+        route = EffortRoutes.attach(route, effort, lambda hint: chain_of(HINT_PREFIX + hint))
+    for problem in problems:
+        emit_warning("chain_invalid", route=route_name, problem=problem)
     envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]
 
-    async def compute_fallback(arguments: Mapping[str, Any], tripped: GuardTripped) -> Any:
-        if not callable(route.fallback):
-            return route.fallback
-        value = route.fallback(arguments, tripped)
+    async def compute_fallback(
+        arguments: Mapping[str, Any], tripped: GuardTripped, trace_id: str
+    ) -> tuple[Any, str]:
+        """The fallback's data, and the envelope's detail."""
+        if last_good is not None:
+            found = await last_good.recall(guards.store, arguments, tripped, trace_id)
+            if found is not None:
+                return found
+        if not callable(plain):
+            return plain, tripped.detail
+        value = plain(arguments, tripped)
         if inspect.isawaitable(value):
             value = await value
-        return data_adapter.validate_python(value)
+        return data_adapter.validate_python(value), tripped.detail
 
     budget_prefix = f"guards:{route.scope}:"
     # An instance of exactly the route's model class needs no second validation.
@@ -357,6 +391,8 @@ def guard_route(
             value = await handler(**kwargs)
             if type(value) is not data_class and not isinstance(value, Response):
                 value = data_adapter.validate_python(value)
+            if last_good is not None and not isinstance(value, Response):  # a validated success
+                await last_good.remember(guards.store, _arguments(kwargs, ai_name), value, trace_id)
         except GuardTripped as tripped:
             del kwargs[ai_name]  # the fallback sees the route's own arguments
             outcome = "cancelled" if tripped.kind is Kind.cancelled else "error"
@@ -367,7 +403,7 @@ def guard_route(
                 answer.raw_headers.extend(_attribution(ai, guards.attribution))
                 return answer
             try:
-                data = await compute_fallback(kwargs, tripped)
+                data, detail = await compute_fallback(kwargs, tripped, trace_id)
             except Exception as exc:
                 return _application_failure(route, ai, started, exc, guards.attribution)
             finish_request(
@@ -376,7 +412,7 @@ def guard_route(
             # A model that answered is named even when its answer was rejected.
             response.raw_headers.extend(_attribution(ai, guards.attribution))
             response.raw_headers.append((b"x-trace-id", trace_id.encode()))
-            info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=tripped.detail)
+            info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=detail)
             return envelope_type(ok=True, data=data, fallback=info)
         except HTTPException:
             raise  # the handler's own deliberate HTTP answer
@@ -405,6 +441,11 @@ def guard_route(
     )
     endpoint.__guards_route__ = route  # type: ignore[attr-defined]
     return endpoint
+
+
+def _arguments(kwargs: Mapping[str, Any], ai_name: str) -> dict[str, Any]:
+    """The route's own arguments (without its `AI`), as a fallback function sees them."""
+    return {name: value for name, value in kwargs.items() if name != ai_name}
 
 
 def route_of(endpoint: Any) -> GuardedRoute | None:

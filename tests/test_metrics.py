@@ -98,6 +98,8 @@ def assert_no_user_data(text: str, *secrets: str) -> None:
         "position",
         "type",
         "to",
+        "tier",
+        "hint",
     }
     for (name, labels), _ in parse(text).items():
         assert {label for label, _ in labels} <= allowed, name

@@ -46,6 +46,7 @@ __all__ = [
     "Step",
     "Store",
     "StoreUnavailable",
+    "StoredAnswer",
     "bounded_key",
     "utc_day",
 ]
@@ -193,6 +194,14 @@ class Passage:
     transitions: tuple[tuple[str, CircuitState], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class StoredAnswer:
+    """The answer of `Store.get_answer`: the value kept, and its age in seconds (store time)."""
+
+    value: str
+    age_s: float
+
+
 @runtime_checkable
 class Store(Protocol):
     async def now(self) -> float:
@@ -258,6 +267,16 @@ class Store(Protocol):
         A breaker whose state does not change is not written: a closed breaker's success,
         an open breaker's refusal. Raises `StoreUnavailable` when the store cannot be
         reached, and then nothing of the step was done."""
+        ...
+
+    async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
+        """Keep `value` (a route's last good answer) under `key`, replacing what was there, for
+        `ttl_s` seconds from now (store time), in one atomic step. The caller hashes `key`."""
+        ...
+
+    async def get_answer(self, key: str, *, max_age_s: float) -> StoredAnswer | None:
+        """The value kept under `key` with its age, if it was put less than `max_age_s` seconds
+        ago and has not expired; else None."""
         ...
 
     async def aclose(self) -> None: ...

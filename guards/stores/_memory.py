@@ -4,7 +4,9 @@ Atomicity: every method does all its work synchronously, with no `await` between
 writing a key, so on one event loop no other task can interleave. Not shared between workers.
 
 Bounded: every key has an expiry; expired keys are ignored on read and swept out in full at most
-once per `sweep_interval_s`, so memory holds only keys live within their TTL.
+once per `sweep_interval_s`, so memory holds only keys live within their TTL. Last good answers
+(user data, one per distinct question) are also capped in number: past `max_answers`, the oldest
+stored goes first.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ._base import (
     Passage,
     SpendReservation,
     Step,
+    StoredAnswer,
     bounded_key,
     utc_day,
 )
@@ -38,9 +41,12 @@ __all__ = ["MemoryStore"]
 
 
 class MemoryStore:
-    """A `Store` in process memory: exact for one process (one uvicorn worker)."""
+    """A `Store` in process memory: exact for one process (one uvicorn worker). It keeps at most
+    `max_answers` last good answers (the oldest stored go first)."""
 
-    def __init__(self, *, clock: Clock | None = None, sweep_interval_s: float = 60.0) -> None:
+    def __init__(
+        self, *, clock: Clock | None = None, sweep_interval_s: float = 60.0, max_answers: int = 10_000
+    ) -> None:
         self._clock = clock or SystemClock()
         # The system clock's `time` is `time.time` itself: one Python call less per operation.
         self._time = time.time if type(self._clock) is SystemClock else self._clock.time
@@ -48,11 +54,15 @@ class MemoryStore:
         self._sweep_interval_s = sweep_interval_s
         self._next_sweep = 0.0
         self._state = _State(self)
+        #: Last good answers: key -> (value, stored at, expires at), oldest stored first.
+        self._answers: dict[str, tuple[str, float, float]] = {}
+        self._max_answers = max_answers
 
     def __len__(self) -> int:
         """Live keys (expired ones may linger until the next sweep; they are not counted)."""
         now = self._clock.time()
-        return sum(1 for _, expires in self._data.values() if expires > now)
+        live = sum(1 for _, expires in self._data.values() if expires > now)
+        return live + sum(1 for _, _, expires in self._answers.values() if expires > now)
 
     async def now(self) -> float:
         return self._clock.time()
@@ -106,8 +116,25 @@ class MemoryStore:
     async def step(self, step: Step) -> Passage:
         return run_step(self._state, step, self._tick())
 
+    async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
+        now = self._tick()
+        answers, key = self._answers, bounded_key(key)
+        answers.pop(key, None)  # stored again: the newest
+        if ttl_s > 0:
+            answers[key] = (value, now, now + ttl_s)
+        while len(answers) > self._max_answers:
+            del answers[next(iter(answers))]
+
+    async def get_answer(self, key: str, *, max_age_s: float) -> StoredAnswer | None:
+        now = self._tick()
+        item = self._answers.get(bounded_key(key))
+        if item is None or item[2] <= now or now - item[1] >= max_age_s:
+            return None
+        return StoredAnswer(item[0], now - item[1])
+
     async def aclose(self) -> None:
         self._data.clear()
+        self._answers.clear()
 
     def _get(self, key: str, now: float, default: tuple[Any, float]) -> tuple[Any, float]:
         item = self._data.get(key)
@@ -120,6 +147,7 @@ class MemoryStore:
         now = self._time()
         if now >= self._next_sweep:
             self._data = {k: v for k, v in self._data.items() if v[1] > now}
+            self._answers = {k: v for k, v in self._answers.items() if v[2] > now}
             self._next_sweep = now + self._sweep_interval_s
         return now
 

@@ -19,7 +19,9 @@ with `%`, `{` and `}` percent-escaped, so every key of one operation lives in on
 - `<prefix>{<key>}:breaker`: the breaker state (one string), kept `Breaker.ttl_s` after its
   last write; a closed breaker without failures has no key;
 - `<prefix>{<key>}:cooldown`: the time a cooldown ends (store time, `%.17g`), kept until then
-  (set with `PX` in the script that writes it); no key while not cooling down.
+  (set with `PX` in the script that writes it); no key while not cooling down;
+- `<prefix>{<key>}:answer`: a route's last good answer (its key a hash): `"<stored_at>
+  <expires_at> <value>"`, kept `ttl_s` (`PX`).
 
 Cooldowns of different keys live in different slots (each its own hash tag, like every other
 key), so `cooldowns(keys)` never sends a multi-key script (a cross-slot error on Redis Cluster):
@@ -63,7 +65,16 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._clock import Clock
-from ._base import ADMITTED, Admission, Passage, SpendReservation, Step, StoreUnavailable, bounded_key
+from ._base import (
+    ADMITTED,
+    Admission,
+    Passage,
+    SpendReservation,
+    Step,
+    StoredAnswer,
+    StoreUnavailable,
+    bounded_key,
+)
 
 __all__ = ["RedisStore"]
 
@@ -500,6 +511,28 @@ if op == 'cool' then
   start_cooldown(KEYS[1], tonumber(ARGV[3]))
   return {}
 end
+-- A last good answer: "<stored_at> <expires_at> <value>", kept ttl seconds. Read back only
+-- while it has not expired on the store's clock and is younger than the reader's max age.
+if op == 'put_answer' then
+  local ms = math.ceil(tonumber(ARGV[4]) * 1000)
+  if ms <= 0 then
+    redis.call('DEL', KEYS[1])
+    return {}
+  end
+  local stored = fmt(now) .. ' ' .. fmt(now + tonumber(ARGV[4])) .. ' '
+  redis.call('SET', KEYS[1], stored .. ARGV[3], 'PX', string.format('%d', ms))
+  return {}
+end
+if op == 'get_answer' then
+  local raw = redis.call('GET', KEYS[1])
+  if not raw then return {} end
+  local first = string.find(raw, ' ', 1, true)
+  local second = string.find(raw, ' ', first + 1, true)
+  local stored = tonumber(string.sub(raw, 1, first - 1))
+  local expires = tonumber(string.sub(raw, first + 1, second - 1))
+  if expires <= now or now - stored >= tonumber(ARGV[3]) then return {} end
+  return {string.sub(raw, second + 1), fmt(now - stored)}
+end
 if op == 'admit' then
   local policy = read_policy(3)
   local before = load_breaker(KEYS[1])
@@ -644,6 +677,13 @@ class RedisStore:
         if not seconds > 0:
             return  # nothing to start, and a running cooldown is never shortened
         await self._run("cool", [self._key(key) + ":cooldown"], _num(seconds))
+
+    async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
+        await self._run("put_answer", [self._key(key) + ":answer"], value, _num(ttl_s))
+
+    async def get_answer(self, key: str, *, max_age_s: float) -> StoredAnswer | None:
+        reply = await self._run("get_answer", [self._key(key) + ":answer"], _num(max_age_s))
+        return StoredAnswer(reply[0], float(reply[1])) if reply else None
 
     async def step(self, step: Step) -> Passage:
         legs, report, charge = step.legs, step.report, step.charge

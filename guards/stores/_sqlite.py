@@ -17,7 +17,9 @@ time, `NOT NULL`):
 - `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
   `policy.ttl_s` after its last change. A closed breaker with no failures keeps no row;
 - `guards_cooldown (key, expires_at)`: a cooldown, which ends (and whose row expires) at
-  `expires_at`. Starting one is one upsert that only ever moves `expires_at` later.
+  `expires_at`. Starting one is one upsert that only ever moves `expires_at` later;
+- `guards_answer (key, value, stored_at, expires_at)`: a route's last good answer (its key a
+  hash), kept `ttl_s` after it was stored. Storing one is one upsert.
 
 Atomicity: operations run inside `BEGIN IMMEDIATE` transactions (the write lock is taken before
 anything is read, so no other worker can write until COMMIT), and each check and charge is one
@@ -78,6 +80,7 @@ from ._base import (
     Passage,
     SpendReservation,
     Step,
+    StoredAnswer,
     StoreUnavailable,
     bounded_key,
     utc_day,
@@ -96,6 +99,7 @@ TABLES = (
     "guards_hold",
     "guards_breaker",
     "guards_cooldown",
+    "guards_answer",
 )
 
 _SCHEMA = (
@@ -113,6 +117,8 @@ _SCHEMA = (
         key TEXT PRIMARY KEY, state TEXT NOT NULL, expires_at REAL NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS guards_cooldown (
         key TEXT PRIMARY KEY, expires_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS guards_answer (
+        key TEXT PRIMARY KEY, value TEXT NOT NULL, stored_at REAL NOT NULL, expires_at REAL NOT NULL)""",
     *(f"CREATE INDEX IF NOT EXISTS {t}_expiry ON {t} (expires_at)" for t in TABLES),
 )
 
@@ -165,6 +171,13 @@ _START_COOLDOWN = """INSERT INTO guards_cooldown (key, expires_at) VALUES (:key,
 #: The most keys one read binds (SQLite's default limit on host parameters is 32,766; 999
 #: before 3.32): a longer list is read in several statements, within the same transaction.
 _COOLDOWN_CHUNK = 500
+
+
+# --- last good answers ---------------------------------------------------------------------------
+_PUT_ANSWER = """INSERT INTO guards_answer (key, value, stored_at, expires_at) VALUES (:key, :value, :now, :expires)
+    ON CONFLICT (key) DO UPDATE SET
+        value = excluded.value, stored_at = excluded.stored_at, expires_at = excluded.expires_at"""
+_GET_ANSWER = "SELECT value, stored_at FROM guards_answer WHERE key = ? AND expires_at > ?"
 
 
 def _cooldown_read(n: int) -> str:
@@ -500,6 +513,22 @@ class SQLiteStore:
 
     async def step(self, step: Step) -> Passage:
         return await self._run(lambda tx, now: run_step(tx, step, now))
+
+    async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
+        def put(tx: _Tx, now: float) -> None:
+            row = {"key": bounded_key(key), "value": value, "now": now, "expires": now + ttl_s}
+            tx.conn.execute(_PUT_ANSWER, row)
+
+        await self._run(put)
+
+    async def get_answer(self, key: str, *, max_age_s: float) -> StoredAnswer | None:
+        def get(tx: _Tx, now: float) -> StoredAnswer | None:
+            row = tx.conn.execute(_GET_ANSWER, (bounded_key(key), now)).fetchone()
+            if row is None or now - row[1] >= max_age_s:
+                return None
+            return StoredAnswer(str(row[0]), now - float(row[1]))
+
+        return await self._run(get)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
