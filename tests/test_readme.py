@@ -88,6 +88,9 @@ CHECKED = {
     ("## Streaming routes", "", 0): "test_stream_sample_has_the_documented_events",
     ("## Logs", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
     ("## How the guards count", "python", 0): "test_budget_keys_example_keys_by_the_principal",
+    ("## Effort routing", "python", 0): "test_effort_example_routes_by_effort",
+    ("## Effort routing", "python", 1): "test_effort_override_example_escalates_premium_users",
+    ("## The last good answer", "python", 0): "test_last_good_example_serves_the_last_answer",
     ("## Metrics", "python", 0): "test_metrics_snippet_serves_the_exposition",
     ("## Traces", "python", 0): "test_tracing_snippet_traces_with_its_provider",
     ("## Testing your routes", "python", 0): "test_testing_example_passes_under_pytest",
@@ -358,6 +361,83 @@ def test_budget_keys_example_keys_by_the_principal(use_fake_ai: Any) -> None:
     assert anyio.run(charge, "guards:triage_mine:eve", 1)
 
 
+def effort_example() -> tuple[dict[str, Any], FakeBinding, FakeBinding]:
+    """The "Effort routing" example, its main binding and its `openai` provider faked."""
+    example = readme_example("## Effort routing")
+    guards = example["guards"]
+    main, openai = FakeBinding(Reply("from the main binding")), FakeBinding(Reply("from openai"))
+    guards.binding, guards.providers["openai"] = main, openai
+    return example, main, openai
+
+
+def test_effort_example_routes_by_effort() -> None:
+    example, main, openai = effort_example()
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            return [
+                await client.post("/reply", json={"message": "Where is my parcel?"}),  # simple
+                await client.post("/reply", json={"message": "Why? How? When?"}),  # complex
+            ]
+
+    simple, complex_ = anyio.run(scenario)
+    assert simple.json() == "from the main binding"
+    assert complex_.json() == "from openai"
+    assert [call.model for call in main.calls] == ["@cf/meta/llama-3.1-8b-instruct"]
+    assert [call.model for call in openai.calls] == ["gpt-4o"]
+
+
+def test_effort_override_example_escalates_premium_users() -> None:
+    example, _, openai = effort_example()
+
+    @dataclass(frozen=True)
+    class User:
+        plan: str
+
+    async def authenticate(request: Any) -> User | None:
+        plan = request.headers.get("authorization", "").removeprefix("Bearer ")
+        return User(plan) if plan else None
+
+    example["authenticate"] = authenticate
+    exec(compile(block("## Effort routing", "python", 1), str(README), "exec"), example)
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            body = {"message": "Where is my parcel?"}  # simple, by the estimator
+            return [
+                await client.post("/reply/premium", json=body, headers={"authorization": "Bearer free"}),
+                await client.post("/reply/premium", json=body, headers={"authorization": "Bearer premium"}),
+            ]
+
+    free, premium = anyio.run(scenario)
+    assert free.json() == "from the main binding"
+    assert premium.json() == "from openai"
+    assert [call.model for call in openai.calls] == ["gpt-4o"]
+
+
+def test_last_good_example_serves_the_last_answer(use_fake_ai: Any) -> None:
+    example = readme_example()
+    exec(compile(block("## The last good answer", "python"), str(README), "exec"), example)
+    fake = use_fake_ai(example["app"])
+    fake.script("*", Reply({"label": "billing", "urgent": False}), Fail(code=3036, status=429))
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            return [
+                await client.post("/triage/cached", json={"text": "I was charged twice"}),
+                # The same question (whitespace and case aside), when the model fails.
+                await client.post("/triage/cached", json={"text": "  i WAS charged   twice "}),
+                # Another question: the computed fallback.
+                await client.post("/triage/cached", json={"text": "The site is down"}),
+            ]
+
+    answered, remembered, computed = anyio.run(scenario)
+    assert answered.json()["fallback"] is None
+    assert remembered.json()["data"] == {"label": "billing", "urgent": False}
+    assert remembered.json()["fallback"]["detail"].startswith("the last good answer")
+    assert computed.json()["data"] == {"label": "outage", "urgent": True}  # triage_by_rules
+
+
 def test_readme_chain_example_falls_back_as_documented() -> None:
     example = readme_example("## Fallback chains")
     guards = example["guards"]
@@ -508,11 +588,17 @@ def test_log_samples_have_the_fields_of_real_lines(
     client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
     fake_workers_ai.script("*", Fail(code=3040, status=429), Reply("Fine."))
     assert client.post("/draft-reply", json={"message": "Where is my parcel?"}).status_code == 200
+    # Effort routing on, and a model failing every call: the effort decision, and retries until
+    # the retry budget (at least 3 per window) refuses one.
+    routed = serve(create_app(workers_ai_settings(fake_workers_ai, ai_effort="auto"), sleep=no_sleep))
+    fake_workers_ai.script("*", *[Fail(code=3040, status=429)] * 10)
+    for _ in range(5):
+        routed.post("/draft-reply", json={"message": "Where is my parcel?"})
     real: dict[str, list[set[str]]] = {}
     for line in guards_log.events():
         real.setdefault(line["event"], []).append(set(line))
     samples = json_values(block("## Logs", "json"))
-    assert [s["event"] for s in samples] == ["attempt", "retry", "request"]
+    assert [s["event"] for s in samples] == ["effort", "attempt", "retry", "retry", "request"]
     for sample in samples:
         assert set(sample) in real[sample["event"]], sample["event"]
 
