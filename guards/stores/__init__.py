@@ -1,4 +1,4 @@
-"""Where budget counters, spend and breaker state live."""
+"""Where budget counters, spend, breaker state, cooldowns and multi-step tasks live."""
 
 from ._base import (
     DAILY_TTL_S,
@@ -7,6 +7,7 @@ from ._base import (
     BreakerDecision,
     BreakerState,
     Charge,
+    Health,
     Outcome,
     Passage,
     Report,
@@ -14,6 +15,8 @@ from ._base import (
     Step,
     Store,
     StoreUnavailable,
+    TaskClaim,
+    TaskStatus,
     bounded_key,
     utc_day,
 )
@@ -29,6 +32,7 @@ __all__ = [
     "BreakerDecision",
     "BreakerState",
     "Charge",
+    "Health",
     "MemoryStore",
     "Outcome",
     "Passage",
@@ -39,6 +43,8 @@ __all__ = [
     "Step",
     "Store",
     "StoreUnavailable",
+    "TaskClaim",
+    "TaskStatus",
     "bounded_key",
     "open_store",
     "utc_day",
