@@ -18,6 +18,7 @@ from ._errors import ConfigurationError, GuardsError, GuardTripped, ProviderErro
 from ._event_stream import EventStream
 from ._guards import Attribution, Guards
 from ._ledger import Attempt, Ledger, LogLedger
+from ._levels import Level, ModelDown, ServiceLevel
 from ._metrics import render_metrics
 from ._output import Moderation
 from ._responses import PublicError, public_error
@@ -31,6 +32,7 @@ from ._stream import (
     ToolCallDelta,
     is_output,
 )
+from ._tasks import Task
 from ._throttle import Throttled
 
 __all__ = [
@@ -59,7 +61,9 @@ __all__ = [
     "GuardsError",
     "Kind",
     "Ledger",
+    "Level",
     "LogLedger",
+    "ModelDown",
     "ModelRef",
     "Moderation",
     "Outcome",
@@ -70,11 +74,13 @@ __all__ = [
     "Reason",
     "ReasoningDelta",
     "Retry",
+    "ServiceLevel",
     "StoreFailureMode",
     "StreamEnd",
     "StreamEvent",
     "StreamingBinding",
     "SystemClock",
+    "Task",
     "TextDelta",
     "Throttled",
     "ToolCallDelta",

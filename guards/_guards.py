@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -24,6 +25,7 @@ from ._cooldown import Cooldown
 from ._envelope import ErrorCode
 from ._errors import ConfigurationError
 from ._ledger import Ledger, LogLedger
+from ._levels import LevelMiddleware, Levels, ServiceLevel
 from ._log import emit, logger
 from ._metrics import flush_metrics
 from ._openapi import document_guarded_routes
@@ -31,6 +33,7 @@ from ._output import Moderation
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
 from ._route import _NO_FALLBACK, guard_route, handler_entered, request_trace_id, route_of
+from ._tasks import Task
 from .stores import MemoryStore, Store
 
 __all__ = ["Guards"]
@@ -54,6 +57,8 @@ class Guards:
     `provider:model`) to their `Price`, for spend caps. `cooldown` says how long a rate-limited
     model is skipped; `attribution` how responses name the model that served (`x-ai-model`,
     `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
+    `max_in_flight` (default None: no limit) is how many requests of guarded routes one worker
+    serves at once before it sheds the routes declared with `shed_at` (see `route`).
 
     Use it as an async context manager (or call `aclose`) to close the binding's connections and
     the store on shutdown.
@@ -72,9 +77,12 @@ class Guards:
         cooldown: Cooldown = Cooldown(),
         attribution: Attribution = "detailed",
         ledger: Ledger | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
         if attribution not in ("off", "redacted", "detailed"):
             raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ConfigurationError("max_in_flight must be at least 1 (or None: no limit)")
         if DEFAULT_PROVIDER in (providers or {}):
             raise ConfigurationError(
                 f"{DEFAULT_PROVIDER!r} names the main binding: pick another provider name"
@@ -89,6 +97,16 @@ class Guards:
         self.sleep = sleep
         self.retry_after_s = retry_after_s
         self.prices: Mapping[str, Price] = dict(prices or {})
+        #: The service level of this worker, and its guarded requests in flight.
+        self.levels = Levels(self, max_in_flight)
+
+    def service_level(self) -> ServiceLevel:
+        """The service level as this worker last read it from the store (at most a second old
+        while requests arrive; reading it starts a fresh read when it is older): the level
+        (`full`, `degraded`, `minimal`) and the models down, each with the time (seconds since
+        the epoch) it may come back. For an app's health route."""
+        self.levels.tick(time.perf_counter())
+        return self.levels.view
 
     def ledger_enabled(self) -> bool:
         """False when records would be dropped anyway (the default log ledger with INFO off),
@@ -112,6 +130,8 @@ class Guards:
         stream_max_s: float = DEFAULT_STREAM_MAX_S,
         stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
         max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+        shed_at: Literal["degraded", "minimal"] | None = None,
+        task: Task | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -142,6 +162,15 @@ class Guards:
         - `max_body_bytes`: the most request body the route reads (default 1 MiB; None: no
           limit). A longer body is answered `400 invalid_request` as soon as its declared
           length or its bytes pass the limit, never read whole (`install` sets this up).
+        - `shed_at`: the service level (`"degraded"` or `"minimal"`) at which the route is shed
+          (default None: never): at that level or a lower one, and when the worker has more
+          than `max_in_flight` guarded requests in flight, it answers at once with no provider
+          call and no charge, like an open breaker (`circuit_open`: the envelope's fallback,
+          or 503 with `Retry-After`).
+        - `task`: `Task(...)` runs requests that carry an `Idempotency-Key` header as
+          multi-step tasks: `ai.step(name, ...)` saves each step's result, a retry resumes
+          after the steps that completed, and a completed task replays its answer (see
+          `AI.step` and `Task`). Not for streaming routes.
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -164,20 +193,27 @@ class Guards:
                 stream_max_s=stream_max_s,
                 stream_max_chars=stream_max_chars,
                 max_body_bytes=max_body_bytes,
+                shed_at=shed_at,
+                task=task,
             )
+            route = route_of(endpoint)
+            assert route is not None
+            self.levels.watch(route)
             return endpoint  # type: ignore[return-value]
 
         return decorate
 
     def install(self, app: FastAPI) -> None:
         """Attach to `app`: answer invalid input on guarded routes with `400 invalid_request`,
-        stop reading a guarded route's request body past its `max_body_bytes`, document every
+        stop reading a guarded route's request body past its `max_body_bytes`, keep the
+        service level fresh (`x-service-level` on guarded responses, `max_in_flight`), document every
         status a guarded route can answer in OpenAPI, and make `Guards.of(app)` find this
         instance. Call once, when building the app."""
         if getattr(app.state, "guards", None) is not None:
             raise ConfigurationError("Guards are already installed on this app")
         app.state.guards = self
         app.add_middleware(BodyLimit)
+        app.add_middleware(LevelMiddleware, levels=self.levels)
         # Input that never reached a guarded handler (unparseable or invalid) is answered
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):

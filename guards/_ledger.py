@@ -28,7 +28,9 @@ class Attempt:
     is `"ok"` or the classifier's kind (`"cancelled"` when the caller stopped waiting).
     `usage` is the provider's token count, when it sent one. `delivered_chars` counts the
     characters a streamed attempt delivered to the client (for a stream cut or cancelled
-    before the provider's usage arrived); None for a non-streaming call.
+    before the provider's usage arrived); None for a non-streaming call. `resumed_steps`
+    names the steps its request had loaded from its task's checkpoints (`AI.step`) instead of
+    calling, when the call was made.
     """
 
     trace_id: str
@@ -41,6 +43,7 @@ class Attempt:
     latency_ms: float
     usage: Usage | None
     delivered_chars: int | None = None
+    resumed_steps: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -68,4 +71,5 @@ class LogLedger:
             prompt_tokens=usage.prompt_tokens if usage is not None else None,
             completion_tokens=usage.completion_tokens if usage is not None else None,
             delivered_chars=attempt.delivered_chars,
+            resumed_steps=list(attempt.resumed_steps) or None,
         )

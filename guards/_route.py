@@ -37,6 +37,7 @@ from ._classify import Kind
 from ._envelope import Envelope, ErrorCode, FallbackInfo
 from ._errors import ConfigurationError, GuardTripped
 from ._event_stream import EventStream
+from ._levels import Level
 from ._log import emit_warning
 from ._metrics import (
     ATTEMPT_SECONDS,
@@ -52,6 +53,7 @@ from ._metrics import (
 from ._output import Moderation, OutputGuard
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response, public_error
+from ._tasks import Task, key_parameter, task_endpoint
 
 if typing.TYPE_CHECKING:
     from ._guards import Guards
@@ -142,6 +144,10 @@ class GuardedRoute:
     #: A streamed answer's limits: seconds since the request began, characters of output.
     stream_max_s: float = DEFAULT_STREAM_MAX_S
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS
+    #: The service level at which the route is shed (and shed under overload); None: never.
+    shed_at: Level | None = None
+    #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).
+    task: Task | None = None
 
     @property
     def degrading(self) -> bool:
@@ -172,6 +178,8 @@ def guard_route(
     stream_max_s: float = DEFAULT_STREAM_MAX_S,
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
     max_body_bytes: int | None,
+    shed_at: str | None = None,
+    task: Task | None = None,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
@@ -186,6 +194,8 @@ def guard_route(
         raise ConfigurationError("stream_max_s must be positive and stream_max_chars at least 1")
     if max_body_bytes is not None and max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes must be at least 1 (or None: no limit)")
+    if shed_at not in (None, Level.degraded, Level.minimal):
+        raise ConfigurationError('shed_at must be "degraded", "minimal" or None (never shed)')
     route_name = name or handler.__name__
     chain = flatten_chain([model, *fallbacks], profiles=guards.profiles, providers=guards.providers)
     for problem in chain.problems:
@@ -248,6 +258,10 @@ def guard_route(
             )
         if output_type not in (str, Any):
             raise ConfigurationError(f"streaming route {handler.__qualname__} must declare `AI[str]`")
+        if task is not None:
+            raise ConfigurationError(
+                f"streaming route {handler.__qualname__} cannot run as a task: a stream is not replayed"
+            )
     data_adapter: TypeAdapter[Any] = TypeAdapter(Any if streaming else data_type)
     if degrading and not callable(fallback):
         try:
@@ -284,6 +298,8 @@ def guard_route(
         metrics=RouteMetrics(route_name),
         stream_max_s=stream_max_s,
         stream_max_chars=stream_max_chars,
+        shed_at=Level(shed_at) if shed_at is not None else None,
+        task=task,
     )
     envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]
 
@@ -298,6 +314,9 @@ def guard_route(
     budget_prefix = f"guards:{route.scope}:"
     # An instance of exactly the route's model class needs no second validation.
     data_class = data_type if isinstance(data_type, type) and issubclass(data_type, BaseModel) else None
+    levels = guards.levels
+    # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
+    enter_levels = route.shed_at is not None or levels.max_in_flight is not None
 
     @functools.wraps(handler)
     async def endpoint(**kwargs: Any) -> Any:
@@ -318,6 +337,8 @@ def guard_route(
         )
         kwargs[ai_name] = ai
         try:
+            if enter_levels and (shed := levels.enter(route, request.scope)) is not None:
+                raise shed  # answered at once, like an open breaker: no call, no charge
             value = await handler(**kwargs)
             if type(value) is not data_class and not isinstance(value, Response):
                 value = data_adapter.validate_python(value)
@@ -356,11 +377,23 @@ def guard_route(
         inspect.Parameter(_REQUEST, inspect.Parameter.KEYWORD_ONLY, annotation=Request),
         inspect.Parameter(_RESPONSE, inspect.Parameter.KEYWORD_ONLY, annotation=Response),
     ]
-    endpoint.__signature__ = signature.replace(  # type: ignore[attr-defined]
+    guarded: Callable[..., Awaitable[Any]] = endpoint
+    if task is not None:  # the Idempotency-Key header: validated and documented by FastAPI
+        params.append(key_parameter())
+        guarded = task_endpoint(
+            guards,
+            route,
+            endpoint,
+            response_type=envelope_type or data_type,
+            trace_id_of=request_trace_id,
+            request_param=_REQUEST,
+            response_param=_RESPONSE,
+        )
+    guarded.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=params, return_annotation=envelope_type if degrading else data_type
     )
-    endpoint.__guards_route__ = route  # type: ignore[attr-defined]
-    return endpoint
+    guarded.__guards_route__ = route  # type: ignore[attr-defined]
+    return guarded
 
 
 def route_of(endpoint: Any) -> GuardedRoute | None:
