@@ -707,7 +707,7 @@ class AI(Generic[T]):
                     latency_ms=round(elapsed * 1000, 2),
                     usage=usage,
                     delivered_chars=delivered,
-                    resumed_steps=self.resumed_steps,
+                    resumed_steps=self.resumed_steps if route.task is not None else (),
                 )
             )
 
@@ -932,7 +932,7 @@ def finish_request(
         model=(tripped.model if tripped is not None else None) or ai.model,
         fallback_model=ai.fallback_model,
         legs=(ai._summary(True) or None) if tripped is not None and len(route.legs) > 1 else None,
-        resumed_steps=list(ai.resumed_steps) or None,
+        resumed_steps=(list(ai.resumed_steps) or None) if route.task is not None else None,
         latency_ms=round(elapsed * 1000, 2),
         **extra,
     )

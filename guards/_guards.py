@@ -240,6 +240,7 @@ class Guards:
     async def aclose(self) -> None:
         """Close the bindings and the store, and write this process's metrics."""
         flush_metrics()
+        self.levels.close()
         try:
             # A binding may serve under several names: close each once.
             for binding in {id(b): b for b in (self.binding, *self.providers.values())}.values():

@@ -71,5 +71,5 @@ class LogLedger:
             prompt_tokens=usage.prompt_tokens if usage is not None else None,
             completion_tokens=usage.completion_tokens if usage is not None else None,
             delivered_chars=attempt.delivered_chars,
-            resumed_steps=list(attempt.resumed_steps) or None,
+            resumed_steps=list(attempt.resumed_steps) if attempt.resumed_steps else None,
         )

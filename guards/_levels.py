@@ -25,6 +25,7 @@ change is logged once per worker (`service_level`) and set on the gauge `guards_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import typing
@@ -177,13 +178,24 @@ class Levels:
             retry_after_s=max(0.0, self._recheck_at - time.perf_counter()),
         )
 
+    def close(self) -> None:
+        """Stop a health read in flight on this event loop (the app shuts down, and its store
+        with it)."""
+        reading = self._refreshing
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing of ours runs
+            if reading is not None and reading.get_loop() is asyncio.get_running_loop():
+                reading.cancel()
+
     def _refresh(self, now: float) -> None:
         self._refresh_at = now + REFRESH_S
-        if not self._models or (self._refreshing is not None and not self._refreshing.done()):
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # outside an event loop: no read now
+            return
+        reading = self._refreshing
+        # One read at a time (a slow store is not read again meanwhile); a read left pending by
+        # an event loop that has stopped never ends, and does not count.
+        if not self._models or (reading is not None and not reading.done() and reading.get_loop() is loop):
             return
         self._refreshing = loop.create_task(self._read())
 
