@@ -90,3 +90,33 @@ def test_readme_streaming_example_streams_through_the_chain() -> None:
     assert response.headers["x-ai-fallback"] == "openai:gpt-4o-mini"
     assert 'data: {"text":"Hello"}' in response.text
     assert response.text.rstrip().splitlines()[-2] == "event: done"
+
+
+def test_readme_task_example_resumes_and_replays(use_fake_ai: Any) -> None:
+    example = readme_example("## Multi-step tasks")
+    fake = use_fake_ai(example["app"])
+    fake.script(
+        "*", Reply("A summary."), Reply({"label": "billing", "confidence": 0.9}), Fail(code=5035, status=403)
+    )
+
+    async def scenario() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=example["app"])
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            headers = {"Idempotency-Key": "ticket-42", "x-user-id": "ada"}
+            answers = [await client.post("/report", json={"text": "Charged twice"}, headers=headers)]
+            fake.script("*", Reply("Sorry, refunded."))
+            for _ in range(2):
+                answers.append(await client.post("/report", json={"text": "Charged twice"}, headers=headers))
+            return answers
+
+    failed, resumed, replayed = anyio.run(scenario)
+    assert failed.status_code == 502
+    assert resumed.json() == {
+        "summary": "A summary.",
+        "label": "billing",
+        "reply": "Sorry, refunded.",
+        "resumed_steps": ["summarize", "classify"],
+    }
+    assert replayed.content == resumed.content
+    assert replayed.headers["idempotent-replayed"] == "true"
+    assert len(fake.calls) == 4
