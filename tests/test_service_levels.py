@@ -190,7 +190,7 @@ def test_two_processes_agree_on_the_level(
         AI_MODEL=A,
         AI_FALLBACK_MODELS=B,
         BREAKER_FAILURE_THRESHOLD="1",
-        BREAKER_RESET_S="4",
+        BREAKER_RESET_S="6",  # the window in which the other process must see it
         PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),
     )
     apps = [AppProcess(env) for _ in range(2)]
@@ -240,7 +240,7 @@ def own_app(fake: FakeBinding, store: Store, max_in_flight: int | None = None) -
         return await ai.run({"prompt": "answer"})
 
     @app.post("/core")
-    @guards.route(model=A, fallbacks=[B], breaker=breaker, timeout_s=3)
+    @guards.route(model=A, fallbacks=[B], breaker=breaker, timeout_s=5)
     async def core(ai: AI[str]) -> str:
         return await ai.run({"prompt": "answer"})
 
@@ -306,7 +306,7 @@ def test_overload_sheds_the_routes_that_declare_a_level_and_serves_the_others(
     assert len(fake_ai.calls) == calls
     assert client.post("/core").json() == "answered"  # never shed: served even over the limit
     for thread in threads:
-        thread.join(30)  # the hung calls end at the route's deadline (3 s)
+        thread.join(30)  # the hung calls end at the route's deadline (5 s)
     assert [r.status_code for r in hung] == [503, 503]
     assert client.post("/optional").json()["fallback"] is None  # counted out, however they ended
 

@@ -39,8 +39,8 @@ INCOMPATIBLE = Fail(code=5035, status=403)
 TEXT = "I was charged twice, please refund me"
 #: The daily cap of these tests' app (DAILY_CALL_LIMIT): one unit per request that called.
 CAP = 3
-#: AI_TIMEOUT_S of the app processes: a lease lasts 2 x 2 + 60 s.
-TIMEOUT_S = 2.0
+#: AI_TIMEOUT_S of the app processes: a lease lasts 2 x 5 + 60 s.
+TIMEOUT_S = 5.0
 LEASE_S = 2 * TIMEOUT_S + 60
 
 
@@ -126,7 +126,7 @@ def report_scenario(urls: list[str], fake: FakeWorkersAI) -> dict[str, Any]:
     assert report(next(worker), key, user).content == resumed.content  # a replay passes the cap
 
     # Two concurrent requests with one key: one runs, the other is 409 at once.
-    fake.script(MODEL, Reply(SUMMARY.response, delay_s=1.0), LABEL, DRAFT)
+    fake.script(MODEL, Reply(SUMMARY.response, delay_s=2.0), LABEL, DRAFT)
     concurrent_key, other_user = f"report-{uuid.uuid4()}", f"v-{uuid.uuid4().hex[:8]}"
 
     async def both() -> list[tuple[httpx.Response, float]]:
@@ -153,7 +153,7 @@ def report_scenario(urls: list[str], fake: FakeWorkersAI) -> dict[str, Any]:
     }
     assert conflict.headers["retry-after"] == "1"
     assert conflict_at < ran_at  # at once: while the other still waited for its first step
-    assert conflict_at - started < 1.0
+    assert conflict_at - started < 2.0
     assert len(fake.calls) == 10
     return {"replayed": replayed, "key": key, "user": user}
 
