@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     breaker_failure_threshold: int = Field(default=5, ge=1)
     breaker_reset_s: float = Field(default=30.0, gt=0)
     retry_after_s: float = Field(default=30.0, gt=0)
+    #: Guarded requests one worker serves at once before it sheds /draft-reply/stream (unset: no limit).
+    max_in_flight: int | None = Field(default=None, ge=1)
     guards_store: str = "memory://"
     guards_store_failure: Literal["open", "closed"] | None = None
     #: Origins whose pages may call the app from a browser (comma-separated; `*` for any);

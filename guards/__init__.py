@@ -20,6 +20,7 @@ from ._event_stream import EventStream
 from ._guards import Attribution, Guards
 from ._last_good import LastGood
 from ._ledger import Attempt, Ledger, LogLedger
+from ._levels import Level, ModelDown, ServiceLevel
 from ._metrics import render_metrics
 from ._output import Moderation
 from ._responses import PublicError, public_error
@@ -34,6 +35,7 @@ from ._stream import (
     ToolCallDelta,
     is_output,
 )
+from ._tasks import Task
 from ._throttle import Throttled
 
 __all__ = [
@@ -64,7 +66,9 @@ __all__ = [
     "Kind",
     "LastGood",
     "Ledger",
+    "Level",
     "LogLedger",
+    "ModelDown",
     "ModelRef",
     "Moderation",
     "Outcome",
@@ -77,11 +81,13 @@ __all__ = [
     "ReasoningDelta",
     "Retry",
     "RetryBudget",
+    "ServiceLevel",
     "StoreFailureMode",
     "StreamEnd",
     "StreamEvent",
     "StreamingBinding",
     "SystemClock",
+    "Task",
     "TextDelta",
     "Tier",
     "Throttled",

@@ -16,7 +16,7 @@ import logging
 import time
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import anyio
 
@@ -33,6 +33,7 @@ from ._event_stream import EventStream, end_data
 from ._ledger import Attempt
 from ._log import emit, emit_warning, logger
 from ._metrics import SKIPS, STORE_UNAVAILABLE, counter, flush_soon
+from ._output import OutputGuard, output_guard
 from ._relay import Opened, Relayed, no_events, open_stream, relay
 from ._retry_budget import admit_retry
 from ._stream import StreamEnd, StreamingBinding, TextDelta
@@ -43,11 +44,13 @@ if typing.TYPE_CHECKING:
 
     from ._guards import Guards
     from ._route import GuardedRoute, Leg
+    from ._tasks import TaskRun
     from ._tracing import RequestTrace
 
-__all__ = ["AI", "finish_request"]
+__all__ = ["AI", "TASK_SCOPE", "finish_request"]
 
 T = TypeVar("T")
+S = TypeVar("S")
 R = TypeVar("R")
 #: One attempt on a leg: `call(model, inputs)`.
 Call = Callable[[str, Mapping[str, Any]], Awaitable[R]]
@@ -57,6 +60,11 @@ STORE_RETRY_AFTER_S = 5.0
 _COOLDOWN_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
 #: The longest attempt summary a detail or a log line carries.
 _SUMMARY_MAX = 400
+#: Where a task route's request keeps the task it holds (`guards._tasks.TaskRun`).
+TASK_SCOPE = "guards.task"
+_ROUTE_OUTPUT: Any = object()
+#: The longest name of a task's step (the handler's own text, kept in the store).
+_MAX_STEP_NAME = 100
 
 
 class AI(Generic[T]):
@@ -67,7 +75,8 @@ class AI(Generic[T]):
     `GuardTripped`. After a call: `model` is the model that served (as the provider named it),
     `fallback_model` the chain entry that served when it was not the first (else None),
     `attempts` the provider calls made and `attempt_budget` the most it could make;
-    `trace_id` is the request's trace id (also the `x-trace-id` header).
+    `trace_id` is the request's trace id (also the `x-trace-id` header); `resumed_steps` the
+    names of the steps `step` loaded from the request's task instead of calling, in order.
     """
 
     __slots__ = (
@@ -153,6 +162,17 @@ class AI(Generic[T]):
         """The chain's first model: what the route asks for before any fallback."""
         return self._route.model
 
+    @property
+    def resumed_steps(self) -> tuple[str, ...]:
+        """The steps `step` loaded from the request's task instead of calling, in order."""
+        task = self._task()
+        return task.resumed if task is not None else ()
+
+    def _task(self) -> TaskRun | None:
+        """The task the request holds (see `guards._tasks`), if any."""
+        task: TaskRun | None = self._request.scope.get(TASK_SCOPE) if self._request is not None else None
+        return task
+
     async def run(self, inputs: Mapping[str, Any]) -> T:
         """Call the route's models with Workers-AI-shaped `inputs` (`messages` or `prompt`).
 
@@ -178,6 +198,54 @@ class AI(Generic[T]):
         output = route.output
         value: T = output.check_shape(result) if output.moderation is None else await output.check(result)
         return value
+
+    @overload
+    async def step(self, name: str, inputs: Mapping[str, Any]) -> T: ...
+
+    @overload
+    async def step(self, name: str, inputs: Mapping[str, Any], *, output: type[S]) -> S: ...
+
+    @overload
+    async def step(self, name: str, inputs: Mapping[str, Any], *, output: Any) -> Any: ...
+
+    async def step(self, name: str, inputs: Mapping[str, Any], *, output: Any = _ROUTE_OUTPUT) -> Any:
+        """One named step of a multi-step task: `run(inputs)`, validated against `output` (a
+        pydantic model, which requests JSON mode, or any type pydantic validates; default: the
+        route's `AI[...]` type, with its moderation hook).
+
+        On a route declared with `task=Task()` and a request with an `Idempotency-Key`, a step
+        runs at most once per task: its result is saved when it completes, and a later request
+        of the task gets it back (validated again; one that no longer validates runs again)
+        with no provider call, no attempt and no budget charge, and its name joins
+        `resumed_steps`. Otherwise this is `run`. `name`: 1 to 100 printable characters (else
+        `ValueError`), unique within the task. Raises `GuardTripped` as `run` does.
+        """
+        if not 0 < len(name) <= _MAX_STEP_NAME or not name.isprintable():
+            raise ValueError(f"a step's name is 1 to {_MAX_STEP_NAME} printable characters")
+        guard = self._route.output if output is _ROUTE_OUTPUT else output_guard(output)
+        task = self._task()
+        if task is not None:
+            saved = task.load(name, guard)
+            if saved is not None:
+                return saved[0]
+        value = await self._run_checked(inputs, guard)
+        if task is not None:
+            await task.save(name, guard, value)
+        return value
+
+    async def _run_checked(self, inputs: Mapping[str, Any], output: OutputGuard) -> Any:
+        """`run`, its answer validated by `output` (and JSON mode requested for its type).
+        `run` keeps its own copy of these lines: it is every request's path, one frame less."""
+        route = self._route
+        if output.response_format is not None and "response_format" not in inputs:
+            inputs = {**inputs, "response_format": output.response_format}
+        if route.max_tokens is not None and "max_tokens" not in inputs:
+            inputs = {**inputs, "max_tokens": route.max_tokens}
+        leg, result, probe, record_success = await self._walk(inputs, self._run_call)
+        if record_success or probe is not None or self._hold is not None:
+            await self._finish_leg(leg, Outcome.success, probe, record_success)
+        self._served(leg, result.model)
+        return await output.check(result)
 
     async def stream(self, inputs: Mapping[str, Any]) -> EventStream:
         """Stream the answer of the route's models to the client (Server-Sent Events, see
@@ -712,6 +780,7 @@ class AI(Generic[T]):
                     delivered_chars=delivered,
                     status=status,
                     code=code,
+                    resumed_steps=self.resumed_steps if route.task is not None else (),
                 )
             )
 
@@ -949,9 +1018,9 @@ def finish_request(
         metrics.tripped(tripped.guard.value, tripped.reason.value)
     flush_soon()
     if ai._trace is not None:
-        # The one place the request span learns its outcome. The service level (issue 14)
-        # goes here too, when the request knows it: `service_level=<full|degraded|minimal>`.
-        ai._trace.finish(outcome, status, tripped, error, ai.attempts)
+        # The one place the request span learns its outcome, and the level it was served at.
+        level = ai._guards.levels.view.level.value
+        ai._trace.finish(outcome, status, tripped, error, ai.attempts, service_level=level)
     if not logger.isEnabledFor(logging.INFO):
         return
     emit(
@@ -968,7 +1037,8 @@ def finish_request(
         attempt_budget=ai.attempt_budget,
         model=(tripped.model if tripped is not None else None) or ai.model,
         fallback_model=ai.fallback_model,
-        legs=ai._summary(True) if tripped is not None and len(ai._route.legs) > 1 else None,
+        legs=(ai._summary(True) or None) if tripped is not None and len(ai._route.legs) > 1 else None,
+        resumed_steps=(list(ai.resumed_steps) or None) if route.task is not None else None,
         latency_ms=round(elapsed * 1000, 2),
         **extra,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -26,6 +27,7 @@ from ._effort import Effort
 from ._envelope import MAX_PROBLEMS, ErrorCode, Problem
 from ._errors import ConfigurationError
 from ._ledger import Ledger, LogLedger
+from ._levels import LevelMiddleware, Levels, ServiceLevel
 from ._log import emit, logger, show_logs
 from ._metrics import flush_metrics, flush_soon
 from ._openapi import document_guarded_routes
@@ -34,6 +36,7 @@ from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
 from ._retry_budget import RetryWindows
 from ._route import _NO_FALLBACK, GuardedRoute, guard_route, handler_entered, request_trace_id, route_of
+from ._tasks import Task
 from ._tracing import Tracing
 from .stores import MemoryStore, Store
 
@@ -71,6 +74,8 @@ class Guards:
     `tracing` turns on OpenTelemetry traces (GenAI semantic conventions; needs `guards[otel]`):
     True traces with OpenTelemetry's global tracer provider, a `TracerProvider` with that one;
     False (default) imports nothing of OpenTelemetry and costs nothing.
+    `max_in_flight` (default None: no limit) is how many requests of guarded routes one worker
+    serves at once before it sheds the routes declared with `shed_at` (see `route`).
 
     Use it as an async context manager (or call `aclose`) to close the binding's connections and
     the store on shutdown.
@@ -92,11 +97,14 @@ class Guards:
         cost_unit_usd: float = 1.0,
         tracing: bool | TracerProvider = False,
         hints: Mapping[str, str] | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
         if attribution not in ("off", "redacted", "detailed"):
             raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
         if not cost_unit_usd > 0:
             raise ConfigurationError("cost_unit_usd must be positive (US dollars per cost unit)")
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ConfigurationError("max_in_flight must be at least 1 (or None: no limit)")
         if DEFAULT_PROVIDER in (providers or {}):
             raise ConfigurationError(
                 f"{DEFAULT_PROVIDER!r} names the main binding: pick another provider name"
@@ -122,6 +130,16 @@ class Guards:
             None if tracing is False else Tracing(None if tracing is True else tracing)
         )
         self.credential_warnings = CredentialWarnings()
+        #: The service level of this worker, and its guarded requests in flight.
+        self.levels = Levels(self, max_in_flight)
+
+    def service_level(self) -> ServiceLevel:
+        """The service level as this worker last read it from the store (at most a second old
+        while requests arrive; reading it starts a fresh read when it is older): the level
+        (`full`, `degraded`, `minimal`) and the models down, each with the time (seconds since
+        the epoch) it may come back. For an app's health route."""
+        self.levels.tick(time.perf_counter())
+        return self.levels.view
 
     def ledger_enabled(self) -> bool:
         """False when records would be dropped anyway (the default log ledger with INFO off),
@@ -146,6 +164,8 @@ class Guards:
         stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
         max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
         effort: Effort | None = None,
+        shed_at: Literal["degraded", "minimal"] | None = None,
+        task: Task | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -179,6 +199,15 @@ class Guards:
         - `max_body_bytes`: the most request body the route reads (default 1 MiB; None: no
           limit). A longer body is answered `400 invalid_request` as soon as its declared
           length or its bytes pass the limit, never read whole (`install` sets this up).
+        - `shed_at`: the service level (`"degraded"` or `"minimal"`) at which the route is shed
+          (default None: never): at that level or a lower one, and when the worker has more
+          than `max_in_flight` guarded requests in flight, it answers at once with no provider
+          call and no charge, like an open breaker (`circuit_open`: the envelope's fallback,
+          or 503 with `Retry-After`).
+        - `task`: `Task(...)` runs requests that carry an `Idempotency-Key` header as
+          multi-step tasks: `ai.step(name, ...)` saves each step's result, a retry resumes
+          after the steps that completed, and a completed task replays its answer (see
+          `AI.step` and `Task`). Not for streaming routes.
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -202,14 +231,20 @@ class Guards:
                 stream_max_chars=stream_max_chars,
                 max_body_bytes=max_body_bytes,
                 effort=effort,
+                shed_at=shed_at,
+                task=task,
             )
+            route = route_of(endpoint)
+            assert route is not None
+            self.levels.watch(route)
             return endpoint  # type: ignore[return-value]
 
         return decorate
 
     def install(self, app: FastAPI) -> None:
         """Attach to `app`: answer invalid input on guarded routes with `400 invalid_request`,
-        stop reading a guarded route's request body past its `max_body_bytes`, document every
+        stop reading a guarded route's request body past its `max_body_bytes`, keep the
+        service level fresh (`x-service-level` on guarded responses, `max_in_flight`), document every
         status a guarded route can answer in OpenAPI, and make `Guards.of(app)` find this
         instance. Call once, when building the app.
 
@@ -221,6 +256,7 @@ class Guards:
         app.state.guards = self
         app.add_middleware(BodyLimit)
         show_logs()
+        app.add_middleware(LevelMiddleware, levels=self.levels)
         # Input that never reached a guarded handler (unparseable or invalid) is answered
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):
@@ -247,6 +283,7 @@ class Guards:
     async def aclose(self) -> None:
         """Close the bindings and the store, and write this process's metrics."""
         flush_metrics()
+        self.levels.close()
         try:
             # A binding may serve under several names: close each once.
             for binding in {id(b): b for b in (self.binding, *self.providers.values())}.values():

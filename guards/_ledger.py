@@ -33,6 +33,8 @@ class Attempt:
     before the provider's usage arrived); None for a non-streaming call. A failed call carries
     the provider's HTTP `status` and numeric error `code` when it sent them (never its message):
     a 401 reads as a credential problem, not an outage.
+    `resumed_steps` names the steps its request had loaded from its task's checkpoints
+    (`AI.step`) instead of calling, when the call was made.
     """
 
     trace_id: str
@@ -48,6 +50,7 @@ class Attempt:
     status: int | None = None
     code: int | None = None
     entry: str | None = None
+    resumed_steps: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -78,4 +81,5 @@ class LogLedger:
             delivered_chars=attempt.delivered_chars,
             status=attempt.status,
             code=attempt.code,
+            resumed_steps=list(attempt.resumed_steps) if attempt.resumed_steps else None,
         )

@@ -55,10 +55,12 @@ __all__ = [
     "REQUEST_SECONDS",
     "RETRY_BUDGET_EXHAUSTED",
     "SERVED",
+    "SERVICE_LEVEL",
     "SKIPS",
     "TOKENS",
     "FLUSH_INTERVAL_S",
     "STORE_UNAVAILABLE",
+    "TASK_STEPS",
     "HistogramTally",
     "RouteMetrics",
     "Tally",
@@ -155,6 +157,22 @@ BREAKER_STATE = Gauge(
     multiprocess_mode="mostrecent",
 )
 STATE_VALUE = {CircuitState.closed: 0, CircuitState.half_open: 1, CircuitState.open: 2}
+#: Every worker reads the same store, so the value a worker set last is the freshest reading
+#: (`mostrecent`): a worker that has been idle keeps an older one, and `max` or `min` would
+#: hold on to it.
+SERVICE_LEVEL = Gauge(
+    "guards_service_level",
+    "The service level a worker last read: 0 full, 1 degraded (some model down), 2 minimal "
+    "(every model down).",
+    multiprocess_mode="mostrecent",
+)
+TASK_STEPS = Counter(
+    "guards_task_steps",
+    "Multi-step tasks by outcome: saved and resumed (steps), replayed (requests answered with a "
+    "completed task's response), conflict (requests refused 409 task_in_progress or 422 "
+    "idempotency_key_reused).",
+    ["route", "outcome"],
+)
 
 
 class Tally:

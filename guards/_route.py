@@ -39,6 +39,7 @@ from ._envelope import Envelope, ErrorCode, FallbackInfo
 from ._errors import ConfigurationError, GuardTripped
 from ._event_stream import EventStream
 from ._last_good import LastGood, LastGoodCache
+from ._levels import Level
 from ._log import emit_error, emit_warning, frames
 from ._metrics import (
     ATTEMPT_SECONDS,
@@ -58,6 +59,7 @@ from ._metrics import (
 from ._output import Moderation, OutputGuard
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response, public_error
+from ._tasks import Task, key_parameter, task_endpoint
 
 if typing.TYPE_CHECKING:
     from ._guards import Guards
@@ -164,6 +166,10 @@ class GuardedRoute:
     #: A route that routes by effort: its chain per tier (the route itself runs the standard
     #: tier's chain until a request's first call picks one). None: the chain is pinned.
     effort: EffortRoutes | None = None
+    #: The service level at which the route is shed (and shed under overload); None: never.
+    shed_at: Level | None = None
+    #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).
+    task: Task | None = None
 
     @property
     def degrading(self) -> bool:
@@ -195,6 +201,8 @@ def guard_route(
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
     max_body_bytes: int | None,
     effort: Effort | None = None,
+    shed_at: str | None = None,
+    task: Task | None = None,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
@@ -213,6 +221,8 @@ def guard_route(
         raise ConfigurationError("stream_max_s must be positive and stream_max_chars at least 1")
     if max_body_bytes is not None and max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes must be at least 1 (or None: no limit)")
+    if shed_at not in (None, Level.degraded, Level.minimal):
+        raise ConfigurationError('shed_at must be "degraded", "minimal" or None (never shed)')
     route_name = name or handler.__name__
     spend_capped = budget is not None and budget.spend_per_day is not None
     if spend_capped and max_tokens is None:
@@ -292,6 +302,10 @@ def guard_route(
             )
         if output_type not in (str, Any):
             raise ConfigurationError(f"streaming route {handler.__qualname__} must declare `AI[str]`")
+        if task is not None:
+            raise ConfigurationError(
+                f"streaming route {handler.__qualname__} cannot run as a task: a stream is not replayed"
+            )
     data_adapter: TypeAdapter[Any] = TypeAdapter(Any if streaming else data_type)
     last_good = None
     if isinstance(fallback, LastGood):
@@ -333,6 +347,8 @@ def guard_route(
         metrics=RouteMetrics(route_name),
         stream_max_s=stream_max_s,
         stream_max_chars=stream_max_chars,
+        shed_at=Level(shed_at) if shed_at is not None else None,
+        task=task,
     )
     if effort is not None:
         route = EffortRoutes.attach(route, effort, lambda hint: chain_of(HINT_PREFIX + hint))
@@ -358,6 +374,9 @@ def guard_route(
     budget_prefix = f"guards:{route.scope}:"
     # An instance of exactly the route's model class needs no second validation.
     data_class = data_type if isinstance(data_type, type) and issubclass(data_type, BaseModel) else None
+    levels = guards.levels
+    # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
+    enter_levels = route.shed_at is not None or levels.max_in_flight is not None
 
     @functools.wraps(handler)
     async def endpoint(**kwargs: Any) -> Any:
@@ -388,6 +407,8 @@ def guard_route(
         try:
             if trace is not None:
                 trace.enter()
+            if enter_levels and (shed := levels.enter(route, request.scope)) is not None:
+                raise shed  # answered at once, like an open breaker: no call, no charge
             value = await handler(**kwargs)
             if type(value) is not data_class and not isinstance(value, Response):
                 value = data_adapter.validate_python(value)
@@ -436,11 +457,23 @@ def guard_route(
         inspect.Parameter(_REQUEST, inspect.Parameter.KEYWORD_ONLY, annotation=Request),
         inspect.Parameter(_RESPONSE, inspect.Parameter.KEYWORD_ONLY, annotation=Response),
     ]
-    endpoint.__signature__ = signature.replace(  # type: ignore[attr-defined]
+    guarded: Callable[..., Awaitable[Any]] = endpoint
+    if task is not None:  # the Idempotency-Key header: validated and documented by FastAPI
+        params.append(key_parameter())
+        guarded = task_endpoint(
+            guards,
+            route,
+            endpoint,
+            response_type=envelope_type or data_type,
+            trace_id_of=request_trace_id,
+            request_param=_REQUEST,
+            response_param=_RESPONSE,
+        )
+    guarded.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=params, return_annotation=envelope_type if degrading else data_type
     )
-    endpoint.__guards_route__ = route  # type: ignore[attr-defined]
-    return endpoint
+    guarded.__guards_route__ = route  # type: ignore[attr-defined]
+    return guarded
 
 
 def _arguments(kwargs: Mapping[str, Any], ai_name: str) -> dict[str, Any]:

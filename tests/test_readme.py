@@ -96,6 +96,8 @@ CHECKED = {
     ("## Testing your routes", "python", 0): "test_testing_example_passes_under_pytest",
     ("## Serving in production", "sh", 0): "test_serve_command_serves_and_stops_gracefully",
     ("## Serving in production", "nginx", 0): "test_nginx_sketch_agrees_with_the_app",
+    ("## Service levels and shedding", "python", 0): "test_health_example_answers_the_level",
+    ("## Multi-step tasks", "python", 0): "test_readme_task_example_resumes_and_replays",
     ("## Layout", "", 0): "test_layout_names_files_that_exist",
 }
 
@@ -224,7 +226,7 @@ def test_nginx_sketch_agrees_with_the_app() -> None:
 def check_curl(command: str, out: str) -> None:
     """What each README curl must print, by the route it calls."""
     if "/health" in command:
-        assert json.loads(out) == {"ok": True}
+        assert json.loads(out) == {"ok": True, "level": "full", "down": []}
     elif "/draft-reply/stream" in command:
         assert out.startswith("event: delta\n")
         assert out.rstrip().splitlines()[-2] == "event: done"
@@ -236,6 +238,8 @@ def check_curl(command: str, out: str) -> None:
         )
     elif "/draft-reply" in command:
         assert set(json.loads(out)) == {"model", "reply", "attempts", "trace_id"}
+    elif "/report" in command:
+        assert set(json.loads(out)) == {"summary", "label", "reply", "resumed_steps", "trace_id"}
     elif "/summary" in command:
         body = json.loads(out)
         assert body["ok"] is True
@@ -253,17 +257,22 @@ def test_curls_run_against_a_live_server(run_server: Callable[..., str]) -> None
         for section, index in (("## Quick start", 1), ("## Streaming routes", 0))
         for command in shell_commands(block(section, "sh", index))
     ]
-    assert len(curls) == 7
+    assert len(curls) == 8
     for command in curls:
         assert command.startswith("curl ")
-        done = subprocess.run(
-            ["bash", "-c", command.replace("localhost:8000", url.removeprefix("http://"))],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert done.returncode == 0, (command, done.stderr)
-        check_curl(command, done.stdout)
+        outputs = []
+        # "again: replayed": the same request a second time gets the same answer.
+        for _ in range(2 if "again: replayed" in command else 1):
+            done = subprocess.run(
+                ["bash", "-c", command.replace("localhost:8000", url.removeprefix("http://"))],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert done.returncode == 0, (command, done.stderr)
+            check_curl(command, done.stdout)
+            outputs.append(done.stdout)
+        assert len(set(outputs)) == 1
 
 
 def test_workers_ai_with_an_openai_fallback_as_written(run_server: Callable[..., str]) -> None:
@@ -654,3 +663,45 @@ def test_reason_tables_say_a_cooldown_answers_circuit_open(
     assert strict.json()["error"] == "circuit_open"
     assert 590 <= int(strict.headers["retry-after"]) <= 600
     assert len(fake_workers_ai.calls) == 1
+
+
+def test_health_example_answers_the_level() -> None:
+    example = readme_example()
+    example["app"] = FastAPI()  # the block's own route, on an app of its own
+    exec(compile(block("## Service levels and shedding", "python"), str(README), "exec"), example)
+
+    async def health() -> httpx.Response:
+        async with asgi_client(example["app"]) as client:
+            return await client.get("/health")
+
+    assert anyio.run(health).json() == {"ok": True, "level": "full", "down": []}
+
+
+def test_readme_task_example_resumes_and_replays(use_fake_ai: Any) -> None:
+    example = readme_example("## Multi-step tasks")
+    fake = use_fake_ai(example["app"])
+    fake.script(
+        "*", Reply("A summary."), Reply({"label": "billing", "confidence": 0.9}), Fail(code=5035, status=403)
+    )
+
+    async def scenario() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=example["app"])
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            headers = {"Idempotency-Key": "ticket-42", "x-user-id": "ada"}
+            answers = [await client.post("/report", json={"text": "Charged twice"}, headers=headers)]
+            fake.script("*", Reply("Sorry, refunded."))
+            for _ in range(2):
+                answers.append(await client.post("/report", json={"text": "Charged twice"}, headers=headers))
+            return answers
+
+    failed, resumed, replayed = anyio.run(scenario)
+    assert failed.status_code == 502
+    assert resumed.json() == {
+        "summary": "A summary.",
+        "label": "billing",
+        "reply": "Sorry, refunded.",
+        "resumed_steps": ["summarize", "classify"],
+    }
+    assert replayed.content == resumed.content
+    assert replayed.headers["idempotent-replayed"] == "true"
+    assert len(fake.calls) == 4

@@ -63,8 +63,8 @@ def row_counts(path: Path) -> dict[str, int]:
 
 async def leave_state_everywhere(store: Store, clock: ManualClock) -> Breaker:
     """Rows in every table: a rate window, a daily counter, a live hold, settled spend, an open
-    breaker and a closed one that counts failures, a cooldown, a last good answer. Returns the
-    breakers' policy."""
+    breaker and a closed one that counts failures, a cooldown, a last good answer, a task with a
+    saved step. Returns the breakers' policy."""
     policy = Breaker(failure_threshold=2, reset_timeout_s=30)
     assert (await store.charge_budget("user", per_minute=5, per_day=10)).allowed
     hold = await store.reserve_spend("team", amount=3, cap=10, hold_s=120)
@@ -76,6 +76,9 @@ async def leave_state_everywhere(store: Store, clock: ManualClock) -> Breaker:
     await store.breaker_record("breaker:flaky", policy, Outcome.failure, probe=None)
     await store.start_cooldown("openai:gpt-4o-mini", 30)
     await store.put_answer("guards:last_good:0f1e", '{"label": "billing"}', ttl_s=600)
+    task = await store.task_claim("guards:task:r:k", fingerprint="fp", lease_s=76, ttl_s=86_400)
+    assert task.lease is not None
+    assert await store.task_save("guards:task:r:k", task.lease, "summarize", '"s"', lease_s=76)
     return policy
 
 
@@ -105,6 +108,8 @@ def test_every_table_has_expires_at_and_every_row_sets_it(
         "guards_breaker",
         "guards_cooldown",
         "guards_answer",
+        "guards_task",
+        "guards_task_step",
     }
     assert all(counts.values()), counts  # the scenario left rows in every table
     with peek(path) as conn:

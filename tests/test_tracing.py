@@ -146,6 +146,7 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
         "guards.outcome": "ok",
         "guards.attempts": 3,
         "http.response.status_code": 200,
+        "guards.service_level": "full",
     }
     assert route.status.status_code is StatusCode.UNSET
 

@@ -1,4 +1,5 @@
-"""Where budget counters, spend and breaker state live.
+"""Where budget counters, spend, breaker state, cooldowns, last good answers and multi-step
+tasks live.
 
 `RedisStore` is imported on first use: the Redis client (the extra `guards[redis]`) is loaded
 only by an app that uses it (redis-py also loads OpenTelemetry's metrics when installed).
@@ -13,6 +14,7 @@ from ._base import (
     BreakerDecision,
     BreakerState,
     Charge,
+    Health,
     Outcome,
     Passage,
     Report,
@@ -21,6 +23,8 @@ from ._base import (
     Store,
     StoredAnswer,
     StoreUnavailable,
+    TaskClaim,
+    TaskStatus,
     bounded_key,
     utc_day,
 )
@@ -38,6 +42,7 @@ __all__ = [
     "BreakerDecision",
     "BreakerState",
     "Charge",
+    "Health",
     "MemoryStore",
     "Outcome",
     "Passage",
@@ -49,6 +54,8 @@ __all__ = [
     "Store",
     "StoreUnavailable",
     "StoredAnswer",
+    "TaskClaim",
+    "TaskStatus",
     "bounded_key",
     "open_store",
     "utc_day",

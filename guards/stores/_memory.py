@@ -28,14 +28,18 @@ from ._base import (
     MINUTE_S,
     Admission,
     Charge,
+    Health,
     Passage,
     SpendReservation,
     Step,
     StoredAnswer,
+    TaskClaim,
+    TaskStatus,
     bounded_key,
     utc_day,
 )
 from ._step import run_step
+from ._task import TaskRecord, new_lease, refusal
 
 __all__ = ["MemoryStore"]
 
@@ -132,9 +136,58 @@ class MemoryStore:
             return None
         return StoredAnswer(item[0], now - item[1])
 
+    async def health(self, legs: Sequence[tuple[str, str]]) -> Health:
+        now, state = self._tick(), self._state
+        breakers = tuple(state.breaker(breaker_key, now) for _, breaker_key in legs)
+        return Health(now, breakers, state.cooldowns([cooldown_key for cooldown_key, _ in legs], now))
+
+    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
+        now = self._tick()
+        task = self._task(key, now)
+        refused = refusal(task[0] if task is not None else None, fingerprint, now)
+        if refused is not None:
+            return refused
+        if task is None:
+            task = (TaskRecord(fingerprint, now + ttl_s), {})
+            self._data[bounded_key(key)] = (task, now + ttl_s)
+        record, steps = task
+        record.lease, record.lease_until = new_lease(), now + lease_s
+        return TaskClaim(TaskStatus.claimed, record.lease, dict(steps))
+
+    async def task_save(self, key: str, lease: str, name: str, value: str, *, lease_s: float) -> bool:
+        now = self._tick()
+        task = self._task(key, now)
+        if task is None or task[0].lease != lease or task[0].response is not None:
+            return False
+        task[0].lease_until = now + lease_s
+        task[1][name] = value
+        return True
+
+    async def task_complete(self, key: str, lease: str, response: str) -> bool:
+        task = self._task(key, self._tick())
+        if task is None or task[0].lease != lease or task[0].response is not None:
+            return False
+        record, steps = task
+        record.response, record.lease, record.lease_until = response, "", 0.0
+        steps.clear()
+        return True
+
+    async def task_release(self, key: str, lease: str) -> None:
+        task = self._task(key, self._tick())
+        if task is not None and task[0].lease == lease:
+            task[0].lease, task[0].lease_until = "", 0.0
+
     async def aclose(self) -> None:
         self._data.clear()
         self._answers.clear()
+
+    def _task(self, key: str, now: float) -> tuple[TaskRecord, dict[str, str]] | None:
+        """The live task under `key` (its record and saved steps, changed in place), or None."""
+        item = self._data.get(bounded_key(key))
+        if item is None or item[1] <= now:
+            return None
+        task: tuple[TaskRecord, dict[str, str]] = item[0]
+        return task
 
     def _get(self, key: str, now: float, default: tuple[Any, float]) -> tuple[Any, float]:
         item = self._data.get(key)

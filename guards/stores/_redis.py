@@ -22,6 +22,9 @@ with `%`, `{` and `}` percent-escaped, so every key of one operation lives in on
   (set with `PX` in the script that writes it); no key while not cooling down;
 - `<prefix>{<key>}:answer`: a route's last good answer (its key a hash): `"<stored_at>
   <expires_at> <value>"`, kept `ttl_s` (`PX`).
+- `<prefix>{<key>}:task`: a multi-step task, one hash: `fp` (its fingerprint), `lease` (empty
+  while nobody holds it), `until` (the lease's end), `exp` (the task's expiry, store time),
+  `response` once it completed, and `s:<name>` per saved step; kept `ttl_s` from its creation.
 
 Cooldowns of different keys live in different slots (each its own hash tag, like every other
 key), so `cooldowns(keys)` never sends a multi-key script (a cross-slot error on Redis Cluster):
@@ -68,13 +71,17 @@ from .._clock import Clock
 from ._base import (
     ADMITTED,
     Admission,
+    Health,
     Passage,
     SpendReservation,
     Step,
     StoredAnswer,
     StoreUnavailable,
+    TaskClaim,
+    TaskStatus,
     bounded_key,
 )
+from ._task import new_lease
 
 __all__ = ["RedisStore"]
 
@@ -489,7 +496,87 @@ local function step()
   return reply
 end
 
+-- The health of models, read only: KEYS are L cooldown keys, then the L breaker keys. Returns
+-- {now, the L waits, then L breaker states of 7 fields}.
+local function health()
+  local n = #KEYS / 2
+  local reply = {fmt(now)}
+  for i = 1, n do reply[#reply + 1] = fmt(cooldown_left(KEYS[i])) end
+  for i = 1, n do
+    local f = state_fields(load_breaker(KEYS[n + i]))
+    for j = 1, 7 do reply[#reply + 1] = f[j] end
+  end
+  return reply
+end
+
+-- Tasks (see guards.stores._task for the same rules in Python). A task whose `exp` has passed
+-- on the store's clock counts as gone, whatever the key's TTL says (an injected clock in tests).
+local function task_live(key)
+  local exp = tonumber(redis.call('HGET', key, 'exp') or '')
+  return exp ~= nil and exp > now
+end
+
+local function task_held(key, lease)
+  if not task_live(key) then return false end
+  local f = redis.call('HMGET', key, 'lease', 'response')
+  return f[1] == lease and not f[2]
+end
+
+-- Returns {status, lease, response, retry_after, then the saved steps' names and values}.
+local function task_claim(key, fp, lease, lease_s, ttl_s)
+  if not task_live(key) then
+    redis.call('DEL', key)
+    redis.call('HSET', key, 'fp', fp, 'lease', lease, 'until', fmt(now + lease_s), 'exp', fmt(now + ttl_s))
+    redis.call('PEXPIRE', key, math.ceil(ttl_s * 1000))
+    return {'claimed', lease, '', ''}
+  end
+  local flat = redis.call('HGETALL', key)
+  local t, steps = {}, {}
+  for i = 1, #flat, 2 do
+    local name, value = flat[i], flat[i + 1]
+    if string.sub(name, 1, 2) == 's:' then
+      steps[#steps + 1] = string.sub(name, 3)
+      steps[#steps + 1] = value
+    else
+      t[name] = value
+    end
+  end
+  if t.fp ~= fp then return {'reused', '', '', ''} end
+  if t.response then return {'done', '', t.response, ''} end
+  local lease_end = tonumber(t['until'])
+  if t.lease ~= '' and lease_end > now then return {'busy', '', '', fmt(lease_end - now)} end
+  redis.call('HSET', key, 'lease', lease, 'until', fmt(now + lease_s))
+  local reply = {'claimed', lease, '', ''}
+  for i = 1, #steps do reply[#reply + 1] = steps[i] end
+  return reply
+end
+
 if op == 'step' then return step() end
+if op == 'health' then return health() end
+if op == 'task_claim' then
+  return task_claim(KEYS[1], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]))
+end
+if op == 'task_save' then
+  if not task_held(KEYS[1], ARGV[3]) then return {'0'} end
+  redis.call('HSET', KEYS[1], 's:' .. ARGV[4], ARGV[5], 'until', fmt(now + tonumber(ARGV[6])))
+  return {'1'}
+end
+if op == 'task_complete' then
+  if not task_held(KEYS[1], ARGV[3]) then return {'0'} end
+  local gone = {}
+  for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.sub(name, 1, 2) == 's:' then gone[#gone + 1] = name end
+  end
+  if #gone > 0 then redis.call('HDEL', KEYS[1], unpack(gone)) end
+  redis.call('HSET', KEYS[1], 'response', ARGV[4], 'lease', '', 'until', '0')
+  return {'1'}
+end
+if op == 'task_release' then
+  if task_live(KEYS[1]) and redis.call('HGET', KEYS[1], 'lease') == ARGV[3] then
+    redis.call('HSET', KEYS[1], 'lease', '', 'until', '0')
+  end
+  return {}
+end
 if op == 'budget' then
   return charge({window = KEYS[1], day_stem = KEYS[2], per_minute = tonumber(ARGV[3]),
     per_day = tonumber(ARGV[4])}) or {}
@@ -740,6 +827,39 @@ class RedisStore:
             _state(recorded.split(" ")) if recorded else None,
             tuple(transitions),
         )
+
+    async def health(self, legs: Sequence[tuple[str, str]]) -> Health:
+        keys = [self._key(cooldown_key) + ":cooldown" for cooldown_key, _ in legs]
+        keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
+        reply = await self._run("health", keys)
+        n = len(legs)
+        breakers = tuple(_state(reply[1 + n + 7 * i : 8 + n + 7 * i]) for i in range(n))
+        return Health(float(reply[0]), breakers, tuple(float(wait) for wait in reply[1 : 1 + n]))
+
+    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
+        reply = await self._run(
+            "task_claim", [self._key(key) + ":task"], fingerprint, new_lease(), _num(lease_s), _num(ttl_s)
+        )
+        status, lease, response, retry_after = reply[:4]
+        pairs = reply[4:]
+        return TaskClaim(
+            TaskStatus(status),
+            lease or None,
+            dict(zip(pairs[::2], pairs[1::2], strict=True)),
+            response if status == TaskStatus.done else None,
+            float(retry_after) if retry_after else None,
+        )
+
+    async def task_save(self, key: str, lease: str, name: str, value: str, *, lease_s: float) -> bool:
+        reply = await self._run("task_save", [self._key(key) + ":task"], lease, name, value, _num(lease_s))
+        return reply[0] == "1"
+
+    async def task_complete(self, key: str, lease: str, response: str) -> bool:
+        reply = await self._run("task_complete", [self._key(key) + ":task"], lease, response)
+        return reply[0] == "1"
+
+    async def task_release(self, key: str, lease: str) -> None:
+        await self._run("task_release", [self._key(key) + ":task"], lease)
 
     async def aclose(self) -> None:
         """Close the clients: this loop's now, other running loops' in their own loop. Clients
