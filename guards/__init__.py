@@ -26,6 +26,7 @@ from ._output import Moderation
 from ._responses import PublicError, public_error
 from ._retry_budget import RetryBudget
 from ._route import FallbackFunction
+from ._status import bearer_token
 from ._stream import (
     ReasoningDelta,
     StreamEnd,
@@ -93,6 +94,7 @@ __all__ = [
     "Throttled",
     "ToolCallDelta",
     "Usage",
+    "bearer_token",
     "classify",
     "client_key",
     "estimate_effort",

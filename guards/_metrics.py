@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
@@ -63,12 +64,16 @@ __all__ = [
     "TASK_STEPS",
     "HistogramTally",
     "RouteMetrics",
+    "StampedTally",
     "Tally",
     "counter",
+    "counts",
     "flush_metrics",
     "flush_soon",
     "histogram",
+    "peek",
     "render_metrics",
+    "stamped_counter",
 ]
 
 #: The longest a request's counts wait in this process before prometheus-client sees them.
@@ -197,6 +202,22 @@ class Tally:
             self._flushed = count
 
 
+class StampedTally(Tally):
+    """A tally that also keeps when it was last added to (`last_at`, seconds since the epoch,
+    0.0: never): a model's failure kinds, for the status page's last failure of each model.
+    Only failures pay for the clock read; a model's successes count in a plain `Tally`."""
+
+    __slots__ = ("last_at",)
+
+    def __init__(self, child: Counter) -> None:
+        super().__init__(child)
+        self.last_at = 0.0
+
+    def add(self, amount: float = 1) -> None:
+        self.count += amount
+        self.last_at = time.time()
+
+
 class HistogramTally:
     """This process's observations of one histogram series (`histogram(metric, *labels)`):
     per bucket (the first bound >= the value, as prometheus-client counts) and their sum."""
@@ -247,6 +268,31 @@ def counter(metric: Counter, *labels: str) -> Tally:
     tally = _tally(metric, labels, Tally)
     assert isinstance(tally, Tally)
     return tally
+
+
+def stamped_counter(metric: Counter, *labels: str) -> StampedTally:
+    """The process's tally of `metric`'s series with `labels`, keeping when it last grew."""
+    tally = _tally(metric, labels, StampedTally)
+    assert isinstance(tally, StampedTally)
+    return tally
+
+
+def peek(metric: Counter, *labels: str) -> Tally | None:
+    """The process's tally of `metric`'s series with `labels` if one was made (never makes one:
+    reading must not add a series to the exposition)."""
+    tally = _tallies.get((metric, labels))
+    return tally if isinstance(tally, Tally) else None
+
+
+def counts(*metrics: Counter) -> dict[tuple[Counter, tuple[str, ...]], float]:
+    """This process's count so far of every series of `metrics` that has a tally, by
+    `(metric, labels)` (call it from the event loop that updates them)."""
+    wanted = set(metrics)
+    return {
+        (metric, labels): tally.count
+        for (metric, labels), tally in list(_tallies.items())
+        if isinstance(metric, Counter) and metric in wanted and isinstance(tally, Tally)
+    }
 
 
 def histogram(metric: Histogram, *labels: str) -> HistogramTally:
