@@ -26,7 +26,7 @@ from ._output import Moderation
 from ._responses import PublicError, public_error
 from ._retry_budget import RetryBudget
 from ._route import FallbackFunction
-from ._status import bearer_token
+from ._status import StatusReport, bearer_token
 from ._stream import (
     ReasoningDelta,
     StreamEnd,
@@ -84,6 +84,7 @@ __all__ = [
     "RetryBudget",
     "ServiceLevel",
     "StoreFailureMode",
+    "StatusReport",
     "StreamEnd",
     "StreamEvent",
     "StreamingBinding",

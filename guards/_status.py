@@ -699,11 +699,12 @@ _SCRIPT = """
 "use strict";
 (() => {
   const KEY = "guards-status-token";
-  const every = Number(document.body.dataset.refresh) * 1000 || 5000;
   let timer = 0;
   const schedule = () => {
     clearTimeout(timer);
-    if (!document.getElementById("sign-in")) timer = setTimeout(reload, every);
+    // The period of the page now shown (the sign-in page has none: it waits for the form).
+    const every = Number(document.querySelector("main").dataset.refresh) * 1000;
+    if (every > 0) timer = setTimeout(reload, every);
   };
   const bind = () => {
     const form = document.getElementById("sign-in");
@@ -906,7 +907,7 @@ def render_html(report: StatusReport, window_s: float) -> str:
         spend += '<p class="note">Each cap applies to each budget key on its own; what one key spent is not shown here.</p>'
     else:
         spend += '<p class="note">No route has a spend cap.</p>'
-    main = f"""<main>
+    main = f"""<main data-refresh="{_e(f"{report.refresh_s:g}")}">
 <header>
 <h1>Status</h1>
 <span id="level" class="pill level {_LEVEL_CLASS[level]}">{_e(level.value)}</span>
@@ -977,7 +978,7 @@ def _document(title: str, main: str, refresh_s: float | None) -> str:
 <title>{_e(title)}</title>
 <style>{_CSS}</style>
 </head>
-<body data-refresh="{_e(refresh)}">
+<body>
 {main}
 <script>{_SCRIPT}</script>
 </body>
