@@ -71,9 +71,11 @@ __all__ = [
     "flush_metrics",
     "flush_soon",
     "histogram",
+    "multiprocess",
     "peek",
     "render_metrics",
     "stamped_counter",
+    "totals",
 ]
 
 #: The longest a request's counts wait in this process before prometheus-client sees them.
@@ -295,6 +297,30 @@ def counts(*metrics: Counter) -> dict[tuple[Counter, tuple[str, ...]], float]:
     }
 
 
+def multiprocess() -> bool:
+    """True in prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR` set)."""
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ
+
+
+def totals(*metrics: Counter) -> dict[tuple[Counter, tuple[str, ...]], float]:
+    """Every worker's count so far of each series of `metrics`, by `(metric, labels)`: in
+    multiprocess mode the sums of the files all workers wrote (this process's tallies written
+    first; the others' at most `FLUSH_INTERVAL_S` old), else this process's own. Reads files:
+    call it off the event loop."""
+    if not multiprocess():
+        return counts(*metrics)
+    flush_metrics()
+    by_sample = {f"{metric._name}_total": metric for metric in metrics}
+    found: dict[tuple[Counter, tuple[str, ...]], float] = {}
+    for family in MultiProcessCollector(None).collect():  # type: ignore[no-untyped-call]
+        for sample in family.samples:
+            metric = by_sample.get(sample.name)
+            if metric is not None:
+                labels = tuple(sample.labels.get(name, "") for name in metric._labelnames)
+                found[metric, labels] = found.get((metric, labels), 0.0) + sample.value
+    return found
+
+
 def histogram(metric: Histogram, *labels: str) -> HistogramTally:
     """The process's tally of `metric`'s series with `labels` (one per series, kept)."""
     tally = _tally(metric, labels, HistogramTally)
@@ -378,7 +404,7 @@ def render_metrics() -> tuple[bytes, str]:
     `FLUSH_INTERVAL_S` (see the module's docstring).
     """
     flush_metrics()
-    if "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ:
+    if multiprocess():
         registry = CollectorRegistry()
         MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -11,12 +11,14 @@ number comes from, and whose it is:
   level (`Guards.service_level`) instead, and no breaker or cooldown;
 - **each model's last failure**: the kind (a classifier token) and time of the newest failed
   call this worker made to it, kept by the failure tallies themselves (`StampedTally`);
-- **recent rates**: this worker's tallies (the counts `/metrics` exports), copied every
-  `window_s / 30` seconds by a timer of the event loop (`History`, started with the app's
-  lifespan, or by the first view); a rate is the difference between the counts now and the
-  oldest copy at most `window_s` old, over the time between them;
-- **spend today**: this worker's `guards_cost_usd_total` tallies since the UTC day began (to
-  within one copy's interval), or since the page was made when that was later; the spend caps
+- **recent rates**: the counts `/metrics` exports: every worker's in prometheus-client's
+  multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`: the sums of the workers' files, read in a
+  thread), else the answering worker's tallies; copied every `window_s / 30` seconds by a task
+  of the event loop (`History`, started with the app's lifespan, or by the first view); a rate
+  is the difference between the counts now and the oldest copy at most `window_s` old, over
+  the time between them;
+- **spend today**: the same counts of `guards_cost_usd_total` since the UTC day began (to
+  within one copy's interval), or since the worker started when that was later; the spend caps
   are the routes' `Budget(spend_per_day=...)`, each applying to each budget key on its own.
   A key's own spend lives in the store under that key: the page never reads or shows one.
 
@@ -42,6 +44,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio.to_thread
 from fastapi import APIRouter, HTTPException, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import Counter
@@ -53,7 +56,18 @@ from ._classify import Kind
 from ._errors import ConfigurationError
 from ._levels import Level, down_for, level_of
 from ._log import emit_warning
-from ._metrics import ATTEMPTS, COST, FALLBACKS, REQUESTS, SERVED, StampedTally, counts, peek
+from ._metrics import (
+    ATTEMPTS,
+    COST,
+    FALLBACKS,
+    REQUESTS,
+    SERVED,
+    StampedTally,
+    counts,
+    multiprocess,
+    peek,
+    totals,
+)
 from .stores import StoreUnavailable, utc_day
 
 if typing.TYPE_CHECKING:
@@ -160,16 +174,28 @@ class RouteStatus(BaseModel):
     spend_cap: SpendCap | None
 
 
+#: Whose counts the rates and the spend are: every worker's (prometheus-client's multiprocess
+#: mode, `PROMETHEUS_MULTIPROC_DIR`), or only the answering worker's.
+CountsOf = Literal["all_workers", "this_worker"]
+
+
 class Recent(BaseModel):
     seconds: float = Field(description="The window the rates cover, in seconds.")
-    worker: int = Field(description="The process id of the worker whose counts these are.")
+    counts: CountsOf = Field(
+        description="all_workers (PROMETHEUS_MULTIPROC_DIR set: the workers' summed counts) or "
+        "this_worker (the answering worker's own)."
+    )
+    worker: int = Field(description="The process id of the worker that answered.")
 
 
 class Today(BaseModel):
     day: str = Field(description="The UTC day, YYYY-MM-DD.")
-    since: float = Field(description="Counted since: the day's start, or the page's start when later.")
-    cost_usd: float = Field(description="What this worker's provider calls cost since then, US dollars.")
-    worker: int
+    since: float = Field(
+        description="Counted since: the day's start, or the answering worker's start when later."
+    )
+    cost_usd: float = Field(description="What the priced provider calls cost since then, US dollars.")
+    counts: CountsOf = Field(description="As recent.counts.")
+    worker: int = Field(description="The process id of the worker that answered.")
 
 
 class StatusProblem(BaseModel):
@@ -201,8 +227,18 @@ class _Copy:
     counts: Counts
 
 
-def _copy() -> _Copy:
-    return _Copy(time.monotonic(), time.time(), counts(REQUESTS, SERVED, FALLBACKS, ATTEMPTS, COST))
+#: The counters the page reads.
+_COUNTED = (REQUESTS, SERVED, FALLBACKS, ATTEMPTS, COST)
+
+
+async def _copy() -> _Copy:
+    """The counts now: every worker's in multiprocess mode (files: read in a thread), else
+    this worker's."""
+    if multiprocess():
+        found = await anyio.to_thread.run_sync(totals, *_COUNTED)
+    else:
+        found = counts(*_COUNTED)
+    return _Copy(time.monotonic(), time.time(), found)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,55 +254,58 @@ class Reading:
 
 
 class History:
-    """Copies of this worker's tallies, one every `window_s / COPIES` seconds, kept for
-    `window_s`; and the copy the UTC day started from. Bounded: at most `COPIES + 1` copies."""
+    """Copies of the counts, one every `window_s / COPIES` seconds, kept for `window_s`; and
+    the copy the UTC day started from. Bounded: at most `COPIES + 1` copies. The first copy is
+    taken when copying starts (the app's lifespan, else the first view)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self.every_s = window_s / COPIES
-        first = _copy()
-        self._copies: deque[_Copy] = deque([first])
-        self._day, self._day_counts, self._since = utc_day(first.wall), first.counts, first.wall
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._copies: deque[_Copy] = deque()
+        self._day, self._day_counts, self._since = "", Counts(), 0.0
+        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        """Copy on a timer of the running event loop (already running there: nothing)."""
-        loop = asyncio.get_running_loop()
-        if self._timer is not None and self._loop is loop:
+    async def start(self) -> None:
+        """Take the first copy, and copy every `every_s` on this event loop (already copying:
+        nothing)."""
+        if self._task is not None and not self._task.done():
             return
-        self.stop()
-        self._loop = loop
-        self._timer = loop.call_later(self.every_s, self._tick)
+        if not self._copies:
+            self._add(await _copy())
+        self._task = asyncio.get_running_loop().create_task(self._run())
 
     def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
 
-    def _tick(self) -> None:
-        self._add(_copy())
-        assert self._loop is not None
-        self._timer = self._loop.call_later(self.every_s, self._tick)
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            self._add(await _copy())
 
     def _add(self, copy: _Copy) -> None:
-        self._roll(copy.wall)
+        self._roll(copy)
         copies = self._copies
         copies.append(copy)
         while len(copies) > COPIES + 1 or (len(copies) > 1 and copies[0].mono < copy.mono - self.window_s):
             copies.popleft()
 
-    def _roll(self, wall: float) -> None:
+    def _roll(self, copy: _Copy) -> None:
         """A new UTC day starts from the newest copy (taken before midnight, at most one interval
-        before it: what was spent in between counts for the new day)."""
-        day = utc_day(wall)
-        if day != self._day:
+        before it: what was spent in between counts for the new day); the first copy starts
+        the first day (the page counts from then)."""
+        day = utc_day(copy.wall)
+        if not self._copies:
+            self._day, self._day_counts, self._since = day, copy.counts, copy.wall
+        elif day != self._day:
             self._day, self._day_counts = day, self._copies[-1].counts
-            self._since = wall // _DAY_S * _DAY_S
+            self._since = copy.wall // _DAY_S * _DAY_S
 
-    def read(self) -> Reading:
-        now = _copy()
-        self._roll(now.wall)
+    async def read(self) -> Reading:
+        await self.start()
+        now = await _copy()
+        self._roll(now)
         oldest = now.mono - self.window_s
         # The oldest copy within the window; when the timer did not run (no copy that recent),
         # the newest one, and the window says how long it really is.
@@ -299,8 +338,7 @@ class StatusPage:
     async def report(self) -> StatusReport:
         """Read the store once and this worker's counts, and put them together."""
         guards = self.guards
-        self.history.start()
-        reading = self.history.read()
+        reading = await self.history.read()
         watched = guards.levels.models
         store = "ok"
         health = None
@@ -369,6 +407,7 @@ class StatusPage:
         else:
             level, now = seen.level, wall
         seconds = reading.recent_s
+        whose: CountsOf = "all_workers" if multiprocess() else "this_worker"
         return StatusReport(
             level=level,
             time=now,
@@ -376,11 +415,12 @@ class StatusPage:
             refresh_s=self.refresh_s,
             models=models,
             routes=[self._route(route, recent, spent, seconds) for route in _routes(guards)],
-            recent=Recent(seconds=round(seconds, 1), worker=os.getpid()),
+            recent=Recent(seconds=round(seconds, 1), counts=whose, worker=os.getpid()),
             today=Today(
                 day=reading.day,
                 since=reading.since,
                 cost_usd=_usd(sum(spent.values())),
+                counts=whose,
                 worker=os.getpid(),
             ),
         )
@@ -582,7 +622,7 @@ def status_router(
     @asynccontextmanager
     async def copying(app: Any) -> AsyncIterator[None]:
         # The recent window fills from the app's start, not from the first view.
-        page.history.start()
+        await page.history.start()
         try:
             yield
         finally:
@@ -876,6 +916,11 @@ def render_html(report: StatusReport, window_s: float) -> str:
     summary = f"{down} of {len(report.models)} models down" if report.models else "no models configured"
     store = "" if report.store == "ok" else " · store unavailable: level as last read, no breakers shown"
     window = _duration(window_s)
+    whose = (
+        "every worker's counts"
+        if report.recent.counts == "all_workers"
+        else f"the counts of the worker that answered (pid {report.recent.worker})"
+    )
     models = [_model_row(model, now) for model in report.models]
     routes = [_route_row(route) for route in report.routes]
     caps: dict[tuple[str, float], list[str]] = {}
@@ -896,11 +941,11 @@ def render_html(report: StatusReport, window_s: float) -> str:
     since = (
         "the start of the day"
         if today.since % _DAY_S == 0
-        else f"{_clock(today.since)} (this worker's start)"
+        else f"{_clock(today.since)} (the answering worker's start)"
     )
     spend = (
         f"<p><strong>{_e(_dollars(today.cost_usd))}</strong> spent on {_e(today.day)} (UTC) since "
-        f"{_e(since)}, by this worker's priced calls.</p>"
+        f"{_e(since)}, by priced calls.</p>"
     )
     if cap_rows:
         spend += _table((("Budget scope", ""), ("Routes", ""), ("Cap per key per day", "num")), cap_rows)
@@ -930,8 +975,8 @@ later model of the chain served, among those a model served.</p>
 </section>
 <footer>
 Level, breakers and cooldowns: read from the store, shared by every worker.
-Last failures, calls, rates and spend: the counts of the worker that answered
-(pid {_e(report.recent.worker)}), over the last {_e(_duration(report.recent.seconds))}.
+Calls, rates and spend: {_e(whose)}, over the last {_e(_duration(report.recent.seconds))}.
+Last failures: the answering worker's (pid {_e(report.recent.worker)}).
 </footer>
 </main>"""
     return _document(f"{level.value} · status", main, report.refresh_s)

@@ -18,15 +18,17 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from app.main import create_app
 from app.settings import Settings, SettingsError, load_settings
 from fixtures import Fail, FakeBinding, FakeWorkersAI, Reply
-from guards import AI, Budget, ConfigurationError, Guards, Price
+from guards import AI, Budget, ConfigurationError, Guards, Price, bearer_token
 from guards.stores import MemoryStore, SQLiteStore
 
-from .conftest import no_sleep, workers_ai_settings
+from .conftest import no_sleep, wait_until, workers_ai_settings
+from .served import ServedApp
+from .test_shared_state import app_process_env
 
 A = "@cf/test/a"
 B = "@cf/test/b"
@@ -275,7 +277,8 @@ def test_the_json_has_the_documented_shape(
         "spend_cap",
     }
     assert report["recent"]["seconds"] <= 300
-    assert set(report["today"]) == {"day", "since", "cost_usd", "worker"}
+    assert set(report["today"]) == {"day", "since", "cost_usd", "counts", "worker"}
+    assert report["recent"]["counts"] == report["today"]["counts"] == "this_worker"
     # The schema in the OpenAPI document is the answer's: every field it requires is there.
     schema = client.get("/openapi.json").json()
     operation = schema["paths"]["/status"]["get"]
@@ -437,3 +440,74 @@ def test_the_page_never_shows_a_key_a_user_a_prompt_an_answer_a_provider_message
     for text in answers:
         for canary in (USER, PROMPT, PROVIDER, REPLY, KEY, TOKEN, "paid plan", "AiError"):
             assert canary not in text, canary
+
+
+# --- several workers ------------------------------------------------------------------------------
+
+
+def test_every_worker_shows_the_totals_of_all_in_multiprocess_mode(
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path
+) -> None:
+    """Two worker processes (`python -m guards.serve --workers 2`) with PROMETHEUS_MULTIPROC_DIR
+    and one SQLite store, as `make run WORKERS=2` serves: whichever worker answers `/status`
+    shows the requests both served, and the breaker both share."""
+    metrics = tmp_path / "prometheus"
+    metrics.mkdir()
+    env = app_process_env(
+        fake_workers_ai,
+        f"sqlite:///{tmp_path / 'guards.db'}",
+        AI_MODEL=A,
+        AI_FALLBACK_MODELS=B,
+        BREAKER_FAILURE_THRESHOLD="1",
+        BREAKER_RESET_S=str(RESET_S),
+        STATUS_TOKEN=TOKEN,
+        PROMETHEUS_MULTIPROC_DIR=str(metrics),
+    )
+    fake_workers_ai.default = Reply("Thank you for your message.")
+    fake_workers_ai.script(A, *[DOWN] * 10)
+    requests = 12
+    with ServedApp(tmp_path / "log", "app.main:app", "--workers", "2", env=env) as served:
+        served.wait_started(2)
+        workers = set(served.started_pids())
+        # A new connection per request: the kernel spreads them over both workers.
+        fresh = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(base_url=served.url, limits=fresh, timeout=10) as client:
+            served_by = set()
+            for _ in range(requests):
+                answered = draft(client)
+                assert answered.status_code == 200
+                served_by.add(answered.headers["x-ai-model"])
+            assert served_by == {B}  # A failed once, then its breaker kept it out
+
+            seen: dict[int, dict[str, Any]] = {}
+
+            def both_workers_show_the_totals() -> bool:
+                report = status(client)
+                if route(report, "draft_reply")["requests"] == requests:
+                    seen[report["recent"]["worker"]] = report
+                return set(seen) == workers
+
+            # Each worker's counts reach the files within a second (FLUSH_INTERVAL_S).
+            wait_until(both_workers_show_the_totals, timeout_s=20)
+    for report in seen.values():
+        assert report["recent"]["counts"] == "all_workers"
+        assert route(report, "draft_reply")["fallback_model_rate"] == 1.0
+        assert model(report, A)["breaker"] == "open"
+        assert model(report, B)["calls"] == requests
+
+
+def test_bearer_token_guards_a_route_of_your_own(serve: Callable[[FastAPI], httpx.Client]) -> None:
+    app = FastAPI()
+
+    @app.get("/ops", dependencies=[Depends(bearer_token(TOKEN))])
+    async def ops() -> dict[str, bool]:
+        return {"ok": True}
+
+    client = serve(app)
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": f"Basic {TOKEN}"}):
+        refused = client.get("/ops", headers=headers)
+        assert refused.status_code == 401
+        assert refused.headers["www-authenticate"] == "Bearer"
+    assert client.get("/ops", headers=AUTH).json() == {"ok": True}
+    with pytest.raises(ConfigurationError):
+        bearer_token("")
