@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     ai_cloud_model: str = ""
     #: How long /summary serves the last good summary of the same text when the model fails.
     last_good_max_age_s: float = Field(default=600.0, gt=0)
-    #: The operator token of `GET /status` (`Authorization: Bearer <token>`); empty: no status page.
+    #: The operator token of `GET /status` (`Authorization: Bearer <token>`); empty: the page is open.
     status_token: SecretStr = SecretStr("")
     #: How often the status page reloads itself in a browser (seconds).
     status_refresh_s: float = Field(default=5.0, ge=1)

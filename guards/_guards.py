@@ -161,8 +161,9 @@ class Guards:
         seconds; 406 when `Accept` allows neither. It shows the service level and every
         model's breaker and cooldown (read from the store per view: every worker shows the
         same), each model's last failure kind, the requests, fallback and error rates of each
-        route over the last `window_s` seconds and the spend of the UTC day (the counts of the
-        worker that answers), and the routes' spend caps. Never a budget key, a user id, a
+        route over the last `window_s` seconds and the spend of the UTC day (every worker's
+        counts with `PROMETHEUS_MULTIPROC_DIR` set, else the answering worker's), and the
+        routes' spend caps. Never a budget key, a user id, a
         prompt, an answer or a provider's message. Read-only.
 
         `token`: the operator token; then the page answers 401 (`WWW-Authenticate: Bearer`)
