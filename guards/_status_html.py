@@ -240,7 +240,7 @@ def _route_row(route: RouteStatus) -> str:
 
 
 def render_html(report: StatusReport, window_s: float) -> str:
-    """The page: one document, inline CSS, no script, reloading itself every `refresh_s`."""
+    """The status page for `report` (`window_s`: the recent window it names)."""
     now = time.time()
     down = sum(model.down for model in report.models)
     level = report.level

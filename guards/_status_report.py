@@ -107,10 +107,12 @@ class ModelStatus(BaseModel):
         description="Seconds left on its cooldown (0: none); null when the store did not answer."
     )
     last_failure: LastFailure | None = Field(description="Its newest failed call on this worker.")
-    calls: int = Field(description="Provider calls in the recent window (this worker), retries included.")
+    calls: int = Field(
+        description="Provider calls in the recent window (see recent.counts), retries included."
+    )
     failures: int = Field(description="Those that failed (any classifier kind but cancelled).")
     cost_usd_today: float | None = Field(
-        description="What its calls cost today (this worker), US dollars; null without a price."
+        description="What its calls cost today (see today.counts), US dollars; null without a price."
     )
     price: Price | None = Field(description="Its price (Guards(prices=...)), when it has one.")
 
@@ -136,7 +138,7 @@ class SpendCap(BaseModel):
 
 class RouteStatus(BaseModel):
     route: str
-    requests: int = Field(description="Requests in the recent window (this worker), every outcome.")
+    requests: int = Field(description="Requests in the recent window (see recent.counts), every outcome.")
     per_minute: float
     outcomes: Outcomes
     error_rate: float | None = Field(description="error / (requests - invalid); null without such requests.")
@@ -315,7 +317,7 @@ class StatusPage:
         self.history = History(window_s)
 
     async def report(self) -> StatusReport:
-        """Read the store once and this worker's counts, and put them together."""
+        """Read the store once and the counts, and put them together."""
         guards = self.guards
         reading = await self.history.read()
         watched = guards.levels.models

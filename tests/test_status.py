@@ -12,6 +12,7 @@ import base64
 import hashlib
 import json
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,10 @@ from fastapi import Depends, FastAPI
 from app.main import create_app
 from app.settings import Settings, SettingsError, load_settings
 from fixtures import Fail, FakeBinding, FakeWorkersAI, Reply
-from guards import AI, Budget, ConfigurationError, Guards, Price, bearer_token
-from guards.stores import MemoryStore, SQLiteStore
+from guards import AI, Breaker, Budget, ConfigurationError, Guards, Price, bearer_token
+from guards.stores import MemoryStore, RedisStore, SQLiteStore
 
-from .conftest import no_sleep, wait_until, workers_ai_settings
+from .conftest import LogLines, no_sleep, wait_until, workers_ai_settings
 from .served import ServedApp
 from .test_shared_state import app_process_env
 
@@ -511,3 +512,34 @@ def test_bearer_token_guards_a_route_of_your_own(serve: Callable[[FastAPI], http
     assert client.get("/ops", headers=AUTH).json() == {"ok": True}
     with pytest.raises(ConfigurationError):
         bearer_token("")
+
+
+def test_without_the_store_the_page_says_so_and_shows_no_breakers(
+    fake_ai: FakeBinding, serve: Callable[[FastAPI], httpx.Client], guards_log: LogLines
+) -> None:
+    """A store that does not answer (Redis on a port nobody listens on): the page still
+    answers, with `store: unavailable`, the worker's last level and no breaker or cooldown."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    guards = Guards(fake_ai, store=RedisStore(f"redis://127.0.0.1:{port}", timeout_s=0.2), sleep=no_sleep)
+    app = FastAPI()
+    guards.install(app)
+    app.include_router(guards.status_router())
+
+    @app.post("/ask")
+    @guards.route(model=A, breaker=Breaker())
+    async def ask(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "hello"})
+
+    report = status(serve(app))
+    assert report["store"] == "unavailable"
+    assert report["level"] == "full"
+    [shown] = report["models"]
+    assert (shown["model"], shown["down"], shown["breaker"], shown["cooldown_s"]) == (A, False, None, None)
+    assert any(
+        line["guard"] == "status" and line["op"] == "health"
+        for line in guards_log.events("store_unavailable")
+    )
+    page = serve(app).get("/status", headers={"accept": "text/html"}).text
+    assert "store unavailable" in page
