@@ -417,7 +417,7 @@ class Tally:
         self.samples: dict[str, str] = {}
         self.unexpected: Counter[tuple[str, str]] = Counter()
         self.outside_5xx = 0
-        self.late: list[tuple[float, str]] = []  # the slowest of those past the deadline (a heap)
+        self.late: list[tuple[float, str]] = []  # the latest past their deadline (a heap)
         self.past_by_1s = 0  # requests past their deadline by more than a second
         self.answered = 0
         #: per user: [summary requests, answered by the model, refused by the daily cap]
@@ -453,7 +453,8 @@ class Tally:
                 self.samples[problem] = f"{request.route} q{request.index}: {shown}"
         if late:
             trace = answer[1].get("x-trace-id", "-") if answer is not None else "-"
-            entry = (elapsed, f"{request.route} q{request.index}: {verdict.outcome} (trace {trace})")
+            text = f"{elapsed * 1e3:,.0f} ms  {request.route} q{request.index}: {verdict.outcome} (trace {trace})"
+            entry = (elapsed - route.deadline_s, text)
             (heapq.heappush if len(self.late) < 10 else heapq.heappushpop)(self.late, entry)
         if request.route == SUMMARY and request.user is not None:
             counts = self.users[request.user]
@@ -477,6 +478,8 @@ class Load:
         self.next, self.end = first, first + count
         self.bound_s = bound_s  # the client's own bound on one answer
         self.marks: list[tuple[int, Any]] = []  # (requests answered, callback): run once reached
+        self.max_lag_s = 0.0  # the longest this event loop stalled (machine contention shows here)
+        self.stalls = 0  # stalls longer than 0.5 s
 
     def take(self) -> Request | None:
         if self.next >= self.end:
@@ -524,6 +527,7 @@ class Load:
             asyncio.create_task(self.connection(self.ports[k % len(self.ports)])) for k in range(connections)
         ]
         started, total = time.monotonic(), self.end - self.next
+        watch = asyncio.create_task(self.watch_lag())
         pending = set(tasks)
         try:
             while pending:
@@ -539,9 +543,19 @@ class Load:
             for task in tasks:
                 task.result()  # a connection's own error ends the soak
         finally:
-            for task in tasks:
+            for task in [*tasks, watch]:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, watch, return_exceptions=True)
+
+    async def watch_lag(self, tick_s: float = 0.05) -> None:
+        """How late this loop wakes from short sleeps: a light process stalled by the machine."""
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(tick_s)
+            lag = loop.time() - before - tick_s
+            self.max_lag_s = max(self.max_lag_s, lag)
+            self.stalls += lag > 0.5
 
 
 # --- the processes ------------------------------------------------------------------------------
@@ -572,6 +586,16 @@ def stop(process: subprocess.Popen[bytes] | None, timeout_s: float = 45.0) -> No
 
 def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def cpu_pressure_us() -> int:
+    """The machine's total CPU stall time so far ("some" line of /proc/pressure/cpu), in
+    microseconds; -1 where the kernel has no pressure information."""
+    try:
+        some = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return -1
+    return int(some.rsplit("total=", 1)[1])
 
 
 def rss_mb(pid: int) -> float | None:
@@ -832,15 +856,16 @@ def run_phase(name: str, options: Options, plan: Plan, first: int, count: int, c
             for pid in rss:
                 rss[pid].append(rss_mb(pid))
 
-        load.marks.append((max(1, count // 20), measure))
+        load.marks += [(max(1, count // 20), measure), (max(1, count // 2), measure)]
         started, cpu_before = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+        pressure_before, load_before = cpu_pressure_us(), load_average()
         day_before = datetime.datetime.now(datetime.UTC).date()
         asyncio.run(load.run(options.connections, 15.0, name))
         elapsed = time.monotonic() - started
         cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+        pressure = (cpu_pressure_us() - pressure_before) / (elapsed * 1e6) if pressure_before >= 0 else None
         for pid in rss:
-            if len(rss[pid]) < 2:
-                rss[pid].append(None)
+            rss[pid] += [None] * (3 - len(rss[pid]))  # a phase shorter than its marks
             rss[pid].append(rss_mb(pid))
         workers_after = {pid for app in apps for pid in app.worker_pids()}
         time.sleep(1.5)  # the workers' batched metric writes (at most 1 s old)
@@ -852,6 +877,18 @@ def run_phase(name: str, options: Options, plan: Plan, first: int, count: int, c
         out(f"{name}_duration", f"{elapsed:.0f}", "s")
         out(f"{name}_rate", f"{count / elapsed:.0f}", "req/s")
         out(f"{name}_load_generator_cpu", f"{client_cpu / elapsed:.2f}", "cores")
+        out(
+            f"{name}_load_generator_max_stall",
+            f"{load.max_lag_s * 1e3:.0f}",
+            f"ms ({load.stalls} stalls over 0.5 s)",
+        )
+        out(f"{name}_load_average", f"{load_before} at the start, {load_average()} at the end")
+        if pressure is not None:
+            out(
+                f"{name}_cpu_pressure",
+                f"{pressure:.0%}",
+                "of the time some task waited for a CPU (/proc/pressure/cpu)",
+            )
         out(
             f"{name}_provider_rss",
             f"{provider_rss or 0:.0f} MB at the start, {provider.rss_mb or 0:.0f}",
@@ -897,16 +934,16 @@ def print_phase(
 ) -> bool:
     print(f"\n## {name}: {tally.answered:,} requests, {len(workers)} workers", flush=True)
     # Memory.
-    print(f"{'worker':>24} {'start MB':>9} {'after 5%':>9} {'end MB':>9}")
-    for pid, (start, warm, end) in rss.items():
-        cells = [f"{v:9.1f}" if v is not None else f"{'gone':>9}" for v in (start, warm, end)]
+    print(f"{'worker':>24} {'start MB':>9} {'at 5%':>9} {'at 50%':>9} {'end MB':>9}")
+    for pid, sizes in rss.items():
+        cells = [f"{v:9.1f}" if v is not None else f"{'-':>9}" for v in sizes]
         print(f"{workers[pid].name + ' pid ' + str(pid):>24} {' '.join(cells)}")
     replaced = len(set(rss) - workers_after)
     died = sum(app.log_lines("died (exit status") for app in apps)
     errors = sum(app.log_lines("Traceback", "ERROR") for app in apps)
     out(f"{name}_workers_replaced", replaced + died)
     out(f"{name}_server_log_errors", errors, "(tracebacks and ERROR lines in the servers' logs)")
-    growth = max((e - w for (_, w, e) in rss.values() if w is not None and e is not None), default=0.0)
+    growth = max((e - w for (_, w, _, e) in rss.values() if w is not None and e is not None), default=0.0)
     out(f"{name}_rss_growth_after_warmup_max", f"{growth:.1f}", f"MB (at most {RSS_GROWTH_MB:g})")
     # Deadlines.
     print(
@@ -921,8 +958,8 @@ def print_phase(
         )
     out(f"{name}_past_deadline", tally.past_deadline, f"requests (deadline + {options.tolerance_s:g} s)")
     out(f"{name}_past_deadline_by_1s", tally.past_by_1s, "requests (deadline + 1 s)")
-    for elapsed, request in sorted(tally.late, reverse=True)[:10]:
-        print(f"  {elapsed * 1e3:,.0f} ms  {request}")
+    for overshoot, request in sorted(tally.late, reverse=True):
+        print(f"  +{overshoot * 1e3:,.0f} ms  {request}")
     # The contract.
     print(f"{'route':>20} {'answers':>9}  outcome")
     for (route, outcome), count in sorted(tally.outcomes.items()):
