@@ -4,12 +4,16 @@
 - `guarded`: the same route behind `Guards.route` (rate limit and daily cap that never bind,
   keyed by `x-user-id`; the default breaker; cooldown read; deadline; output validation;
   metrics; trace id), its state in the store `BENCH_STORE` names (`memory://` by default).
+  Its request and attempt log lines are off (the `guards` logger at WARNING, as an app that
+  does not want them sets it), unless `BENCH_LOGS=1`: then they go to the console fallback,
+  as in an app that configured no logging.
 
 Built on first access, like `app.main:app`, so importing this module starts nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -32,7 +36,9 @@ def bare_app() -> FastAPI:
     return app
 
 
-def guarded_app(store_url: str) -> FastAPI:
+def guarded_app(store_url: str, *, logs: bool = False) -> FastAPI:
+    if not logs:
+        logging.getLogger("guards").setLevel(logging.WARNING)
     guards = Guards(ConstantBinding(), store=open_store(store_url))
     app = FastAPI()
     guards.install(app)
@@ -49,5 +55,7 @@ def __getattr__(name: str) -> Any:
     if name == "bare":
         return bare_app()
     if name == "guarded":
-        return guarded_app(os.environ.get("BENCH_STORE", "memory://"))
+        return guarded_app(
+            os.environ.get("BENCH_STORE", "memory://"), logs=os.environ.get("BENCH_LOGS") == "1"
+        )
     raise AttributeError(name)

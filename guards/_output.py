@@ -8,6 +8,7 @@ answer is `moderation_blocked` before its shape is looked at.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,7 +19,7 @@ from ._binding import AIResult
 from ._envelope import Reason
 from ._errors import GuardTripped
 
-__all__ = ["Moderation", "OutputGuard"]
+__all__ = ["Moderation", "OutputGuard", "output_guard"]
 
 #: A moderation hook: receives the validated output, returns True to block it.
 Moderation = Callable[[Any], bool | Awaitable[bool]]
@@ -40,6 +41,19 @@ class OutputGuard:
         self.json_schema: dict[str, Any] | None = (
             schema if schema is not None and schema.get("type") != "string" else None
         )
+        #: What asks a model for JSON mode with that schema (None: plain text).
+        self.response_format: dict[str, Any] | None = (
+            {"type": "json_schema", "json_schema": self.json_schema} if self.json_schema is not None else None
+        )
+
+    def dump(self, value: Any) -> str:
+        """`value` (an output this guard passed) as JSON text, to keep it (a task's step)."""
+        return (self._adapter or _ANY).dump_json(value).decode()
+
+    def load(self, text: str) -> Any:
+        """An output kept as JSON text, validated again (raises `pydantic.ValidationError`
+        when it no longer matches the type)."""
+        return (self._adapter or _ANY).validate_json(text)
 
     async def check(self, result: AIResult) -> Any:
         """Return the validated output, or raise `GuardTripped` with an output reason."""
@@ -77,6 +91,16 @@ class OutputGuard:
                 errors = exc.errors(include_url=False, include_context=False, include_input=False)
                 where = ", ".join(sorted({_loc(e["loc"]) + e["type"] for e in errors}))[:200]
             raise GuardTripped(Reason.schema_invalid, f"answer does not match the schema ({where})") from None
+
+
+_ANY: TypeAdapter[Any] = TypeAdapter(Any)
+
+
+@functools.lru_cache(maxsize=256)
+def output_guard(output_type: Any) -> OutputGuard:
+    """The output guard of `output_type`, without moderation (one per type, kept): what a
+    call with an output type other than its route's validates against (`AI.step`)."""
+    return OutputGuard(output_type)
 
 
 def unfenced(answer: str) -> str:
