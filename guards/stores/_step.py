@@ -90,8 +90,7 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
             decisions.append(None)
             break
         before = state.breaker(breaker_key, now)
-        age = ages[index] if index < len(ages) else None
-        if age is not None and before.failures:
+        if before.failures and index < len(ages) and (age := ages[index]) is not None:
             # An earlier success the caller did not report: written whatever the admission
             # becomes (it is a report, not part of the admission).
             forgotten = forget_before(before, policy, now - age)
