@@ -7,12 +7,15 @@ PORT ?= 8000
 WORKERS ?= 1
 # prometheus-client's multiprocess directory for `make run`: emptied at every start.
 METRICS_DIR ?= .run/prometheus
+# `make soak`: requests in all (split between its SQLite and Redis phases), and further options.
+SOAK_REQUESTS ?= 1000000
+SOAK_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test lint format bench bench-http bench-instructions clean
+.PHONY: help install run test lint format bench bench-http bench-instructions soak clean
 
 # Variables a help text may name as $(NAME): `make help` prints their values.
-HELP_VARS := HOST PORT WORKERS METRICS_DIR VENV PYTHON
+HELP_VARS := HOST PORT WORKERS METRICS_DIR SOAK_REQUESTS VENV PYTHON
 
 help: ## list the targets
 	@grep -hE '^[A-Za-z0-9][A-Za-z0-9_.-]*:.*## ' $(MAKEFILE_LIST) \
@@ -54,6 +57,9 @@ bench-http: install ## requests per second over HTTP (uvicorn, wrk): guarded vs 
 
 bench-instructions: install ## the guard pipeline's cost in CPU instructions (valgrind: deterministic)
 	$(BIN)/python bench/instructions.py
+
+soak: install ## $(SOAK_REQUESTS) requests against the app (4 workers on SQLite, 2 processes on Redis), a tenth of provider calls failing
+	$(BIN)/python -m bench.soak --requests $(SOAK_REQUESTS) $(SOAK_ARGS)
 
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .run .pytest_cache .mypy_cache .ruff_cache .hypothesis

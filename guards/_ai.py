@@ -194,6 +194,8 @@ class AI(Generic[T]):
         leg, result, probe, record_success = await self._walk(inputs, self._run_call)
         if record_success or probe is not None or self._hold is not None:
             await self._finish_leg(leg, Outcome.success, probe, record_success)
+        else:  # not reported: the next step about the model tells the store (_success_ages)
+            leg.last_success[0] = self._guards.success_clock()
         self._served(leg, result.model)
         output = route.output
         value: T = output.check_shape(result) if output.moderation is None else await output.check(result)
@@ -244,6 +246,8 @@ class AI(Generic[T]):
         leg, result, probe, record_success = await self._walk(inputs, self._run_call)
         if record_success or probe is not None or self._hold is not None:
             await self._finish_leg(leg, Outcome.success, probe, record_success)
+        else:  # not reported: the next step about the model tells the store (_success_ages)
+            leg.last_success[0] = self._guards.success_clock()
         self._served(leg, result.model)
         return await output.check(result)
 
@@ -449,6 +453,8 @@ class AI(Generic[T]):
         self, leg: Leg, outcome: Outcome, probe: float | None, record_success: bool
     ) -> None:
         """Record the serving leg's outcome and settle the request's spend."""
+        if outcome is Outcome.success:
+            leg.last_success[0] = self._guards.success_clock()
         if outcome is not Outcome.success or record_success or probe is not None:
             await self._record(leg, outcome, probe)
         if self._hold is not None:
@@ -627,11 +633,22 @@ class AI(Generic[T]):
             await self._send(self._report_end(report))
             return None
         charge = None if self._charged else self._charge(inputs)
+        ages: list[float | None] = []
+        if route.breaker is not None:
+            # How long ago this process's last success on each leg's model ended (None: none
+            # yet). Every step about a model carries it, so a success that was not reported
+            # (a closed breaker's, admitted with no failure counted) still ends the failures
+            # counted while it ran: exactly within this process, at its next step for others.
+            now = self._guards.success_clock()
+            for leg in legs:
+                ended = leg.last_success[0]
+                ages.append(None if ended is None else now - ended)
         step = Step(
             report=report,
-            legs=[(leg.cooldown_key, leg.breaker_key) for leg in legs],
+            legs=route.leg_keys[start:],
             breaker=route.breaker,
             charge=charge,
+            success_ages=ages,
         )
         try:
             passage = await self._guards.store.step(step)
@@ -862,11 +879,13 @@ class AI(Generic[T]):
         walk's end) the spend. None when there is nothing to report."""
         breaker = self._route.breaker
         record = breaker is not None and (probe is not None or outcome is not Outcome.released)
+        ended = leg.last_success[0] if record else None
         report: Report | None = Report(
             breaker_key=leg.breaker_key if record else None,
             breaker=breaker if record else None,
             outcome=outcome,
             probe=probe,
+            success_age=None if ended is None else self._guards.success_clock() - ended,
             cooldown_key=leg.cooldown_key if cool_s > 0 else None,
             cooldown_s=cool_s,
         )

@@ -7,6 +7,12 @@ States: closed (calls flow, failures counted) → open (calls skipped until `res
 passes) → half-open (at most `half_open_probes` calls in flight; `success_threshold` successes
 close it, one failure reopens it). Failures count either consecutively (`window_s=None`: a
 success resets the count) or within a sliding window of `window_s` seconds.
+
+Consecutive failures are failures with no success ending between them, in the order the store
+sees calls end. A success admitted while the breaker counted no failure is not recorded (a
+closed breaker's success writes nothing: `BreakerDecision.record_success`); its caller tells
+the store when it ended at its next operation about that model instead, and `forget_before`
+drops the failures counted before that.
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ class Breaker:
     `failure_threshold` failures (consecutive, or within `window_s` seconds when set) open the
     breaker; after `reset_timeout_s` it half-opens and lets `half_open_probes` calls through at
     a time; `success_threshold` probe successes close it, any probe failure reopens it.
+    Consecutive failures are failures with no success ending between them, calls in flight
+    included: exact within one worker; a success in another worker ends the run at that
+    worker's next store operation about the model (see `guards.stores.Step.success_ages`).
 
     `on_store_failure`: `"open"` (default) lets calls through while the store is unreachable:
     the breaker only saves calls to a provider that is failing anyway, and the deadline and
@@ -96,8 +105,10 @@ class BreakerDecision:
     probe: float | None = None
     state: CircuitState = CircuitState.closed
     retry_after_s: float | None = None
-    #: False when recording a success would change nothing (closed, no failures counted, or
-    #: failures that only age out of a window): the caller may skip that store operation.
+    #: False when recording a success would change nothing now (closed, no failures counted,
+    #: or failures that only age out of a window): the caller may skip that store operation.
+    #: Failures counted while the call runs are then forgotten at the caller's next operation
+    #: about the model, which carries when the success ended (see `forget_before`).
     record_success: bool = True
 
 
@@ -127,6 +138,23 @@ def admit(s: BreakerState, policy: Breaker, now: float) -> tuple[BreakerState, B
         return s, BreakerDecision(False, state=s.state, retry_after_s=reclaim_at - now)
     s = replace(s, probes=1, last_probe_at=now, probe_since=now)
     return s, BreakerDecision(True, probe=s.probe_since, state=s.state)
+
+
+def forget_before(s: BreakerState, policy: Breaker, ended_at: float) -> BreakerState:
+    """`s` once a success that ended at `ended_at` (store time) is known: a closed breaker
+    counting consecutive failures forgets those counted before it (strictly before: a failure
+    counted at the same instant stays). Anything else is returned as it is (an open or
+    half-open breaker ignores closed-phase successes; a window's failures only age out)."""
+    failures = s.failures
+    if (
+        not failures
+        or failures[0] >= ended_at
+        or s.state is not CircuitState.closed
+        or policy.window_s is not None
+    ):
+        return s
+    kept = tuple(t for t in failures if t >= ended_at)
+    return BreakerState(failures=kept) if kept else CLOSED
 
 
 def record(

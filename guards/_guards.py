@@ -21,6 +21,7 @@ from ._breaker import Breaker
 from ._budget import Budget, Price
 from ._call import Retry
 from ._chain import DEFAULT_PROVIDER, HINT_PREFIX, Profile, check_hints
+from ._clock import SystemClock
 from ._cooldown import Cooldown
 from ._credentials import CredentialWarnings
 from ._effort import Effort
@@ -131,6 +132,11 @@ class Guards:
             None if tracing is False else Tracing(None if tracing is True else tracing)
         )
         self.credential_warnings = CredentialWarnings()
+        #: When this worker's last success on each model ended, by breaker key, on
+        #: `success_clock`: each step about a model tells the store how long ago (see
+        #: `guards.stores.Step.success_ages`). One cell per model its routes call.
+        self.last_success: dict[str, list[float | None]] = {}
+        self.success_clock = _success_clock(self.store)
         #: The service level of this worker, and its guarded requests in flight.
         self.levels = Levels(self, max_in_flight)
         #: Every route guarded by this instance, in the order they were declared.
@@ -414,3 +420,12 @@ def _problems(exc: Exception) -> list[Problem]:
         if len(found) == MAX_PROBLEMS:
             break
     return [Problem(field=field, problem=problem) for field, problem in found]
+
+
+def _success_clock(store: Store) -> Callable[[], float]:
+    """What measures how long ago a success ended: the store's own clock when it was given one
+    (a test's `ManualClock`: the ages then agree with the store's time), else `time.monotonic`,
+    which no step of the wall clock can make run backwards (only the age travels, never a time,
+    so the worker's clock need not agree with the store's)."""
+    clock = getattr(store, "clock", None)
+    return time.monotonic if clock is None or type(clock) is SystemClock else clock.time

@@ -103,12 +103,23 @@ class Leg:
     cost_usd: Tally | None
     #: Breaker state changes this process's store operations made, by the state entered.
     transitions: dict[CircuitState, Tally]
+    #: When this process's last success on the model ended (`Guards.last_success`: one cell
+    #: per model, shared by every route that calls it), None before the first.
+    last_success: list[float | None]
 
     @classmethod
-    def of(cls, ref: ModelRef, price: Price | None, route: str, first: bool) -> Leg:
+    def of(
+        cls,
+        ref: ModelRef,
+        price: Price | None,
+        route: str,
+        first: bool,
+        successes: dict[str, list[float | None]],
+    ) -> Leg:
+        breaker_key = f"guards:breaker:{ref.key}"
         return cls(
             ref=ref,
-            breaker_key=f"guards:breaker:{ref.key}",
+            breaker_key=breaker_key,
             cooldown_key=f"guards:cooldown:{ref.key}",
             price=price,
             seconds=histogram(ATTEMPT_SECONDS, ref.key),
@@ -123,6 +134,7 @@ class Leg:
             output_tokens=counter(TOKENS, ref.key, "output"),
             cost_usd=counter(COST, route, ref.key) if price is not None else None,
             transitions={state: counter(BREAKER_TRANSITIONS, ref.key, state.value) for state in CircuitState},
+            last_success=successes.setdefault(breaker_key, [None]),
         )
 
     def saw(self, state: CircuitState) -> None:
@@ -141,7 +153,8 @@ class GuardedRoute:
     model: str
     #: The flattened fallback chain, first model first.
     legs: tuple[Leg, ...]
-    cooldown_keys: tuple[str, ...]
+    #: Each leg's (cooldown key, breaker key): what a store step names (`Step.legs`).
+    leg_keys: tuple[tuple[str, str], ...]
     #: Provider calls one guarded call may make, across the whole chain (stated up front).
     attempt_budget: int
     timeout_s: float
@@ -255,7 +268,7 @@ def guard_route(
                 + ", ".join(unpriced)
             )
         legs = tuple(
-            Leg.of(ref, guards.prices.get(ref.key), route_name, index == 0)
+            Leg.of(ref, guards.prices.get(ref.key), route_name, index == 0, guards.last_success)
             for index, ref in enumerate(chain.models)
         )
         return legs, attempt_budget
@@ -329,7 +342,7 @@ def guard_route(
         name=route_name,
         model=legs[0].ref.key,
         legs=legs,
-        cooldown_keys=tuple(leg.cooldown_key for leg in legs),
+        leg_keys=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
         attempt_budget=attempt_budget,
         timeout_s=timeout_s,
         retry=retry,

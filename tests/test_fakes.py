@@ -219,3 +219,46 @@ def test_workers_ai_streams_a_whole_tool_call_flat(fake_workers_ai: FakeWorkersA
     events = asyncio.run(stream())
     assert events[:2] == [TextDelta("Looking."), ToolCallDelta(0, name="lookup", arguments='{"id": 7}')]
     assert isinstance(events[2], StreamEnd)
+
+
+# --- a default chosen per call (the soak's hook) ------------------------------------------------
+
+
+def post_workers_ai(server: FakeWorkersAI, content: str) -> httpx.Response:
+    return httpx.post(
+        f"{server.base_url}/accounts/{server.account_id}/ai/run/{WORKERS_MODEL}",
+        json={"messages": [{"role": "user", "content": content}]},
+        headers={"authorization": f"Bearer {server.api_token}"},
+    )
+
+
+def test_a_chooser_picks_each_calls_outcome_from_its_inputs(fake_workers_ai: FakeWorkersAI) -> None:
+    """A function as `default` is asked once per call that has no queued outcome, with the
+    model and the request's JSON body; queued outcomes still go first."""
+    asked: list[tuple[str, str]] = []
+
+    def choose(model: str, inputs: Any) -> Fail | Reply:
+        content = inputs["messages"][0]["content"]
+        asked.append((model, content))
+        return Fail(code=3040, status=429) if content == "busy" else Reply(f"echo {content}")
+
+    fake_workers_ai.default = choose
+    fake_workers_ai.script(WORKERS_MODEL, Reply("queued"))
+    answers = [post_workers_ai(fake_workers_ai, content) for content in ("first", "second", "busy")]
+    assert [a.json()["result"]["response"] if a.status_code == 200 else a.status_code for a in answers] == [
+        "queued",
+        "echo second",
+        429,
+    ]
+    assert answers[2].json()["errors"][0]["code"] == 3040
+    assert asked == [(WORKERS_MODEL, "second"), (WORKERS_MODEL, "busy")]
+    assert len(fake_workers_ai.calls) == 3
+
+
+def test_a_script_that_does_not_record_keeps_no_calls(fake_workers_ai: FakeWorkersAI) -> None:
+    fake_workers_ai.record = False
+    assert post_workers_ai(fake_workers_ai, "hello").status_code == 200
+    assert fake_workers_ai.calls == []
+    fake_workers_ai.record = True
+    assert post_workers_ai(fake_workers_ai, "hello").status_code == 200
+    assert len(fake_workers_ai.calls) == 1

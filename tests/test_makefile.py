@@ -29,7 +29,7 @@ def make_help(*overrides: str) -> str:
 
 def test_help_lists_every_target() -> None:
     targets = set(TARGET.findall((ROOT / "Makefile").read_text())) - {".PHONY", ".DEFAULT_GOAL"}
-    assert {"help", "run", "test", "bench-instructions"} <= targets
+    assert {"help", "run", "test", "bench-instructions", "soak"} <= targets
     listed = {line.split()[1] for line in make_help().splitlines() if line.startswith("  make ")}
     assert listed == targets
 
@@ -38,3 +38,17 @@ def test_help_expands_variables() -> None:
     text = make_help("HOST=0.0.0.0", "PORT=9123")
     assert "0.0.0.0:9123" in text
     assert "$(" not in text
+
+
+def test_make_test_runs_the_suite_and_not_the_soak() -> None:
+    """`make test` is the quick suite (tests/test_soak.py checks the soak's parts in seconds);
+    the soak itself, many minutes long, runs only when asked for."""
+    commands = subprocess.run(
+        ["make", "--no-print-directory", "-n", "-C", str(ROOT), "test"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    assert "-m pytest" in commands
+    assert "bench.soak" not in commands

@@ -161,3 +161,79 @@ def test_the_window_is_exact_for_any_per_minute(store: Store, clock: ManualClock
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(T0)
+
+
+def test_a_success_that_ended_between_failures_ends_their_run(store: Store, clock: ManualClock) -> None:
+    """Consecutive failures are failures with no success ending between them. A success
+    admitted while its breaker counted no failure is not reported (a closed breaker's success
+    writes nothing); the caller's next step about that model carries how long ago it ended
+    (`Step.success_ages`, `Report.success_age`), and the store forgets the failures counted
+    before that, keeping the ones after it."""
+    policy = Breaker(failure_threshold=3, reset_timeout_s=30)
+    key = LEGS[0][1]
+
+    def failure(age: float | None) -> Report:
+        return Report(breaker_key=key, breaker=policy, outcome=Outcome.failure, success_age=age)
+
+    async def failures() -> tuple[float, ...]:
+        return (await store.health(LEGS[:1])).breakers[0].failures
+
+    async def scenario() -> None:
+        running = await store.step(Step(legs=LEGS[:1], breaker=policy))  # a success's admission
+        assert running.decisions[0] is not None
+        assert not running.decisions[0].record_success  # nothing counted: not to be reported
+        await store.step(Step(report=failure(None)))  # T0: a failure, while the success runs
+        clock.advance(1)
+        await store.step(Step(report=failure(None)))  # T0 + 1
+        clock.advance(1)  # T0 + 2: the success ends, unreported
+        clock.advance(1)
+        # T0 + 3: the next admission carries the success's age: both failures are forgotten.
+        after = await store.step(Step(legs=LEGS[:1], breaker=policy, success_ages=[1.0]))
+        assert after.admitted == 0
+        assert after.decisions[0] is not None
+        assert not after.decisions[0].record_success
+        assert await failures() == ()
+        recorded = (await store.step(Step(report=failure(1.0)))).recorded  # T0 + 3
+        assert recorded is not None
+        assert recorded.failures == (T0 + 3,)
+        clock.advance(1)
+        # A failure report carries it too; failures after the success stay counted.
+        await store.step(Step(report=failure(None)))  # T0 + 4
+        clock.advance(1)  # T0 + 5: a second success ends, unreported
+        clock.advance(1)
+        recorded = (await store.step(Step(report=failure(1.0)))).recorded  # T0 + 6
+        assert recorded is not None
+        assert recorded.failures == (T0 + 6,)
+        assert recorded.state is CircuitState.closed
+        # An older success, or one that ended as the failure landed, forgets nothing: three
+        # failures with no success ending between them open the breaker.
+        clock.advance(1)
+        await store.step(Step(report=failure(5.0)))  # T0 + 7, the success of T0 + 2
+        clock.advance(1)
+        # T0 + 8: a success that ended at T0 + 6, as that failure landed (a tie is no proof
+        # the success ended after it).
+        opened = await store.step(
+            Step(report=failure(2.0), legs=LEGS[:1], breaker=policy, success_ages=[2.0])
+        )
+        assert opened.transitions == ((key, CircuitState.open),)
+        assert opened.admitted is None
+        # An open breaker is not closed by a closed-phase success.
+        refused = await store.step(Step(legs=LEGS[:1], breaker=policy, success_ages=[0.0]))
+        assert refused.admitted is None
+
+    asyncio.run(scenario())
+
+
+def test_a_success_age_does_not_touch_a_windowed_breaker(store: Store, clock: ManualClock) -> None:
+    """With `window_s` a success never resets the count: neither does its age."""
+    policy = Breaker(failure_threshold=3, window_s=60, reset_timeout_s=30)
+    key = LEGS[0][1]
+    report = Report(breaker_key=key, breaker=policy, outcome=Outcome.failure, success_age=0.5)
+
+    async def scenario() -> None:
+        await store.step(Step(report=report))
+        clock.advance(1)
+        await store.step(Step(report=report, legs=LEGS[:1], breaker=policy, success_ages=[0.5]))
+        assert (await store.health(LEGS[:1])).breakers[0].failures == (T0, T0 + 1)
+
+    asyncio.run(scenario())

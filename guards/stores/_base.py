@@ -139,13 +139,16 @@ class Report:
       `Store.breaker_record` does; None: nothing to record;
     - `cooldown_key`, `cooldown_s`: start a cooldown, as `Store.start_cooldown` (0: none);
     - `spend_key`, `reservation`, `actual`: settle the request's spend hold, as
-      `Store.settle_spend` (None: no hold).
+      `Store.settle_spend` (None: no hold);
+    - `success_age`: how many seconds ago the caller's last success on the breaker's model
+      ended (None: none known), applied before the outcome, as `Step.success_ages` is.
     """
 
     breaker_key: str | None = None
     breaker: Breaker | None = None
     outcome: Outcome = Outcome.released
     probe: float | None = None
+    success_age: float | None = None
     cooldown_key: str | None = None
     cooldown_s: float = 0.0
     spend_key: str | None = None
@@ -162,12 +165,21 @@ class Step:
     is not cooling down and whose breaker (`breaker`; None: no breaker) lets a call through is
     admitted; each leg is `(cooldown_key, breaker_key)`. When `charge` is set, the admission
     also pays it; if the charge is refused, nothing of the admission is written.
+
+    `success_ages` (one per leg, or none): how many seconds ago, by the caller's clock, the
+    caller's last success on each leg's model ended (None: none known). A success admitted
+    while its breaker counted no failure is not reported (a closed breaker's success writes
+    nothing); this is how it still ends a run of failures: a closed breaker counting
+    consecutive failures forgets those counted before `now - age` (store time) when the step
+    reads it, whether or not the leg is then admitted. The age is a difference, so the
+    caller's clock need not agree with the store's; it is exact to within the step's transit.
     """
 
     report: Report | None = None
     legs: Sequence[tuple[str, str]] = ()
     breaker: Breaker | None = None
     charge: Charge | None = None
+    success_ages: Sequence[float | None] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +318,9 @@ class Store(Protocol):
         report (a probe, a success after counted failures, a spend hold to settle).
 
         A breaker whose state does not change is not written: a closed breaker's success,
-        an open breaker's refusal. Raises `StoreUnavailable` when the store cannot be
+        an open breaker's refusal. A success that is not reported still ends a run of
+        failures, at the caller's next step about its model (`Step.success_ages`,
+        `Report.success_age`). Raises `StoreUnavailable` when the store cannot be
         reached, and then nothing of the step was done."""
         ...
 

@@ -68,6 +68,11 @@ class MemoryStore:
         live = sum(1 for _, expires in self._data.values() if expires > now)
         return live + sum(1 for _, _, expires in self._answers.values() if expires > now)
 
+    @property
+    def clock(self) -> Clock:
+        """The clock the store reads its time from (`now`)."""
+        return self._clock
+
     async def now(self) -> float:
         return self._clock.time()
 

@@ -377,6 +377,22 @@ local function admit(s, policy)
   return s, {'1', fmt(s.probe_since), s.state, '', '1'}
 end
 
+-- As guards._breaker.forget_before: a closed breaker counting consecutive failures forgets
+-- those counted strictly before a success that ended at `ended_at`.
+local function forget_before(s, policy, ended_at)
+  if #s.failures == 0 or s.failures[1] >= ended_at or s.state ~= 'closed'
+      or policy.window_s ~= nil then
+    return s
+  end
+  local kept = {}
+  for _, t in ipairs(s.failures) do
+    if t >= ended_at then kept[#kept + 1] = t end
+  end
+  local s2 = closed()
+  s2.failures = kept
+  return s2
+end
+
 local function record(s, policy, outcome, probe)
   s = copy(s)
   if probe ~= nil then
@@ -429,7 +445,8 @@ end
 -- key, cooldown key and spend stem ('' where unused). ARGV[3] L; ARGV[4..9] the step's breaker
 -- policy; ARGV[10] '1' to charge: ARGV[11..16] per_minute, per_day, spend, cap, hold_s,
 -- reservation; ARGV[17..22] the report's breaker policy, ARGV[23] outcome, ARGV[24] probe;
--- ARGV[25] cooldown seconds; ARGV[26] the reservation to settle, ARGV[27] its actual cost.
+-- ARGV[25] cooldown seconds; ARGV[26] the reservation to settle, ARGV[27] its actual cost;
+-- ARGV[28] the report's success age, ARGV[29..28+L] the legs' ('' for none: see Step).
 -- Returns {admitted index (0-based) or '', refused_by or '', retry_after, reservation or '',
 -- recorded state or '', the state the report moved its breaker to or '', the state the
 -- admission moved its breaker to or '', the L waits, then L decisions of 5 fields ('' for none)}.
@@ -441,7 +458,10 @@ local function step()
   if report_policy then
     local key = KEYS[base + 4]
     local before = load_breaker(key)
-    local after = record(before, report_policy, ARGV[23], tonumber(ARGV[24]))
+    local age = tonumber(ARGV[28])
+    local known = before
+    if age then known = forget_before(before, report_policy, now - age) end
+    local after = record(known, report_policy, ARGV[23], tonumber(ARGV[24]))
     save_changed(key, before, after, report_policy.ttl_s)
     recorded = table.concat(state_fields(after), ' ')
     if after.state ~= before.state then report_to = after.state end
@@ -460,6 +480,13 @@ local function step()
         break
       end
       local before = load_breaker(KEYS[n + i])
+      local age = tonumber(ARGV[28 + i])
+      if age and #before.failures > 0 then
+        -- an earlier success the caller did not report: written whatever the admission becomes
+        local forgotten = forget_before(before, policy, now - age)
+        save_changed(KEYS[n + i], before, forgotten, policy.ttl_s)
+        before = forgotten
+      end
       local after, d = admit(before, policy)
       decisions[i] = d
       if d[1] == '1' then
@@ -700,6 +727,12 @@ class RedisStore:
 
     # --- the Store operations ---------------------------------------------------------------
 
+    @property
+    def clock(self) -> Clock | None:
+        """The clock the store's time comes from, when one was given (tests); None: the
+        server's (Redis `TIME`)."""
+        return self._clock
+
     async def now(self) -> float:
         if self._clock is not None:
             return self._clock.time()
@@ -800,6 +833,10 @@ class RedisStore:
             args += [_num(report.probe), _num(report.cooldown_s if report.cooldown_key else None)]
             settle = report.spend_key is not None and report.reservation is not None
             args += [report.reservation or "" if settle else "", _num(report.actual)]
+        args.append(_num(report.success_age if record and report is not None else None))
+        ages = step.success_ages
+        if ages:
+            args += [_num(age) for age in ages[: len(legs)]]
         reply = await self._run("step", keys, *args)
         admitted, refused_by, retry_after, held, recorded, report_to, admit_to = reply[:7]
         n = len(legs)

@@ -511,6 +511,11 @@ class SQLiteStore:
     def __repr__(self) -> str:
         return f"SQLiteStore({self._path!r})"
 
+    @property
+    def clock(self) -> Clock:
+        """The clock the store reads its time from (`now`)."""
+        return self._clock
+
     async def now(self) -> float:
         return self._clock.time()
 

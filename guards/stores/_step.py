@@ -5,7 +5,8 @@ A store provides the few primitives of `StepState`, each reading or writing one 
 at the store's time `now`; `run_step` composes them into one step of a request's walk. The
 caller makes the whole of `run_step` atomic (no `await` in memory, one write transaction on
 SQLite), so the step reads and writes as one operation, and a refused charge leaves nothing
-of the admission behind: nothing is written before the charge is known to pass.
+of the admission behind: nothing of it is written before the charge is known to pass (what
+the step reports, its `report` and its `success_ages`, is written either way).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState
+from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, forget_before
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from ._base import Admission, Charge, Passage, Step
@@ -59,9 +60,11 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
     report = step.report
     if report is not None:
         if report.breaker_key is not None and report.breaker is not None:
-            before = state.breaker(report.breaker_key, now)
+            before = stored = state.breaker(report.breaker_key, now)
+            if report.success_age is not None:
+                before = forget_before(before, report.breaker, now - report.success_age)
             recorded = breaker_record(before, report.breaker, now, report.outcome, probe=report.probe)
-            if recorded is not before:  # unchanged (a stale probe, a healthy success): no write
+            if recorded is not stored:  # unchanged (a stale probe, a healthy success): no write
                 state.put_breaker(report.breaker_key, recorded, report.breaker, now)
                 if recorded.state is not before.state:
                     transitions = [(report.breaker_key, recorded.state)]
@@ -77,6 +80,7 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
     admitted: int | None = None
     policy = step.breaker
     opened: tuple[str, BreakerState, BreakerState] | None = None  # (key, before, after)
+    ages = step.success_ages
     for index, (_, breaker_key) in enumerate(legs):
         if waits[index] > 0:
             decisions.append(None)
@@ -86,6 +90,13 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
             decisions.append(None)
             break
         before = state.breaker(breaker_key, now)
+        if before.failures and index < len(ages) and (age := ages[index]) is not None:
+            # An earlier success the caller did not report: written whatever the admission
+            # becomes (it is a report, not part of the admission).
+            forgotten = forget_before(before, policy, now - age)
+            if forgotten is not before:
+                state.put_breaker(breaker_key, forgotten, policy, now)
+                before = forgotten
         after, decision = breaker_admit(before, policy, now)
         decisions.append(decision)
         if decision.allowed:
