@@ -1,8 +1,10 @@
 """The example service: `uvicorn app.main:app`.
 
-`POST /draft-reply` is a strict route (public errors); `POST /summary` a degrading one (always
-the envelope); `GET /metrics` the Prometheus exposition. Configured from the environment (see
-`app.settings.Settings` and the README).
+`POST /draft-reply` is a strict route (public errors), and `POST /draft-reply/stream` the same
+streamed, shed first when a model is down; `POST /summary` a degrading one (always the
+envelope); `POST /report` a strict three-step task that resumes under an `Idempotency-Key`;
+`GET /health` the service level; `GET /metrics` the Prometheus exposition. Configured from the
+environment (see `app.settings.Settings` and the README).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import anyio
 from fastapi import FastAPI, Header, Response
@@ -25,9 +27,12 @@ from guards import (
     Breaker,
     Budget,
     Clock,
+    Effort,
     EventStream,
     Guards,
     GuardTripped,
+    LastGood,
+    Task,
     header_key,
     render_metrics,
 )
@@ -36,13 +41,20 @@ from guards.stores import Store, open_store
 
 from .labels import keyword_label, mentions_personal_data
 from .offline import OfflineModel
-from .settings import Settings, load_settings
+from .settings import CLOUD_HINT, LOCAL_HINT, Settings, load_settings
+from .tracing import tracer_provider_from_env
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 DRAFT_PROMPT = (
     "You draft short, polite replies to customer messages. Answer with the reply text only, "
     "at most 150 words."
 )
 SUMMARY_PROMPT = "Label the customer message with a short topic label and your confidence between 0 and 1."
+REPORT_SUMMARY_PROMPT = (
+    "Summarize the customer message in one or two sentences. Answer with the summary only."
+)
 
 
 #: Whitespace as JSON Schema patterns know it (ECMA-262 `\s`), spelled out, so that what the
@@ -136,11 +148,51 @@ class Summary(BaseModel):
     confidence: float = Field(ge=0, le=1)
 
 
+#: The budget key of /summary and /report.
+UserId = Annotated[
+    str | None,
+    Header(
+        max_length=128,
+        pattern=r"^[^\x00-\x1f\x7f]*$",
+        description="Budget key (default: client address): at most 128 characters, no control characters.",
+    ),
+]
+
+
+class ReportRequest(SummaryRequest):
+    """`/report`'s body: the customer message, as `/summary` takes it."""
+
+
+class Report(BaseModel):
+    summary: str
+    label: str = Field(description="The topic label, as `/summary` gives it.")
+    reply: str = Field(description="A drafted reply.")
+    resumed_steps: list[str] = Field(
+        description="The steps (`summarize`, `classify`, `draft`) loaded from the task's "
+        "checkpoints rather than called, in order."
+    )
+    trace_id: str
+
+
+class Health(BaseModel):
+    ok: bool = Field(description="Always true: the process is up.")
+    level: Literal["full", "degraded", "minimal"] = Field(
+        description="The service level: full (no model down), degraded (some model down: "
+        "streaming is shed), minimal (every model down)."
+    )
+    down: list[str] = Field(description="The models down, as AI_ATTRIBUTION allows naming them.")
+
+
 def keyword_summary(arguments: Mapping[str, Any], tripped: GuardTripped) -> Summary:
     """`/summary`'s fallback: a deterministic keyword label, with a confidence low enough that
     clients can tell it from a model's answer."""
     label, hits = keyword_label(arguments["body"].text)
     return Summary(label=label, confidence=0.3 if hits else 0.1)
+
+
+def summary_key(arguments: Mapping[str, Any]) -> str:
+    """Which `/summary` answers are shared: the same text, whitespace and case normalized."""
+    return " ".join(arguments["body"].text.split()).casefold()
 
 
 def create_app(
@@ -150,10 +202,19 @@ def create_app(
     store: Store | None = None,
     clock: Clock | None = None,
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
-    """Build the service. Tests pass `binding`, `store`, `clock` and `sleep` to control the world."""
+    """Build the service. Tests pass `binding`, `store`, `clock` and `sleep` to control the world,
+    and `tracer_provider` to trace (else `OTEL_TRACES_EXPORTER` decides: see `app.tracing`)."""
     settings = settings or load_settings()
     configure_logging()
+    # Traces when OTEL_TRACES_EXPORTER names an exporter (the app then owns the provider and
+    # flushes it at shutdown); none otherwise, and OpenTelemetry is never imported.
+    owned = None
+    if tracer_provider is None:
+        tracer_provider = owned = tracer_provider_from_env()
+        if owned is not None:
+            use_as_global(owned)
     # The main binding, and every provider the fallback chain names (by name).
     providers = {
         name: binding
@@ -170,16 +231,31 @@ def create_app(
         sleep=sleep,
         retry_after_s=settings.retry_after_s,
         attribution=settings.ai_attribution,
+        tracing=tracer_provider if tracer_provider is not None else False,
+        hints=settings.hints,
+        max_in_flight=settings.max_in_flight,
     )
     fallbacks = settings.fallback_models
+    # AI_EFFORT=auto: the draft routes send simple and standard turns to the local model, complex
+    # ones to the cloud model (then AI_FALLBACK_MODELS); else they call AI_MODEL.
+    effort = (
+        Effort(simple=LOCAL_HINT, standard=LOCAL_HINT, complex=CLOUD_HINT)
+        if settings.ai_effort == "auto"
+        else None
+    )
+    draft_model = None if effort is not None else settings.ai_model
     # GUARDS_STORE_FAILURE, when set, decides for both guards; else each keeps its default
     # (budget fails closed, breaker fails open: see guards.Budget and guards.Breaker).
     failure = settings.guards_store_failure
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with guards:
-            yield
+        try:
+            async with guards:
+                yield
+        finally:
+            if owned is not None:
+                owned.shutdown()  # exports the spans still batched
 
     app = FastAPI(
         title="guards example service",
@@ -206,8 +282,10 @@ def create_app(
     )
 
     @app.get("/health")
-    async def health() -> dict[str, bool]:
-        return {"ok": True}
+    async def health() -> Health:
+        """The service level (always 200: the process is up)."""
+        level = guards.service_level()
+        return Health(ok=True, level=level.level.value, down=[model.model for model in level.down])
 
     # Out of the OpenAPI document: an operations endpoint, not part of the service's contract.
     # Under several workers, PROMETHEUS_MULTIPROC_DIR makes every worker answer the totals of all
@@ -220,7 +298,11 @@ def create_app(
 
     @app.post("/draft-reply")
     @guards.route(
-        model=settings.ai_model, fallbacks=fallbacks, timeout_s=settings.ai_timeout_s, breaker=breaker
+        model=draft_model,
+        effort=effort,
+        fallbacks=fallbacks,
+        timeout_s=settings.ai_timeout_s,
+        breaker=breaker,
     )
     async def draft_reply(body: DraftRequest, ai: AI[ReplyText]) -> DraftReply:
         """Draft a reply to a customer message. Strict: fails with a public error."""
@@ -231,18 +313,29 @@ def create_app(
 
     @app.post("/draft-reply/stream")
     @guards.route(
-        model=settings.ai_model,
+        model=draft_model,
+        effort=effort,
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
         breaker=breaker,
         name="draft_reply_stream",
         stream_max_s=settings.ai_stream_max_s,
         stream_max_chars=settings.ai_stream_max_chars,
+        shed_at="degraded",  # streaming is the first thing to go
     )
     async def draft_reply_stream(body: DraftRequest, ai: AI[str]) -> EventStream:
         """Stream a reply to a customer message as Server-Sent Events. Strict: a failure before
         the first word is a public error; after it, an `error` event ends the stream."""
         return await ai.stream(draft_inputs(body))
+
+    # One budget for /summary and /report: their counters are shared (scope "summary").
+    budget = Budget(
+        per_minute=settings.rate_limit_per_minute,
+        per_day=settings.daily_call_limit,
+        key=header_key("x-user-id"),
+        scope="summary",
+        on_store_failure=failure or "closed",
+    )
 
     @app.post("/summary")
     @guards.route(
@@ -250,38 +343,70 @@ def create_app(
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
         breaker=breaker,
-        budget=Budget(
-            per_minute=settings.rate_limit_per_minute,
-            per_day=settings.daily_call_limit,
-            key=header_key("x-user-id"),
-            on_store_failure=failure or "closed",
-        ),
-        fallback=keyword_summary,
+        budget=budget,
+        # The last good summary of the same text, while fresh; then the keyword label.
+        fallback=LastGood(key=summary_key, max_age_s=settings.last_good_max_age_s, otherwise=keyword_summary),
         moderation=mentions_personal_data,
     )
-    async def summary(
-        body: SummaryRequest,
-        ai: AI[Summary],
-        x_user_id: Annotated[
-            str | None,
-            Header(
-                max_length=128,
-                pattern=r"^[^\x00-\x1f\x7f]*$",
-                description="Budget key (default: client address): at most 128 characters, no control characters.",
-            ),
-        ] = None,
-    ) -> Summary:
-        """Label a customer message. Degrading: always the envelope; a keyword label on failure."""
-        return await ai.run(
+    async def summary(body: SummaryRequest, ai: AI[Summary], x_user_id: UserId = None) -> Summary:
+        """Label a customer message. Degrading: always the envelope; on failure the last good
+        label of the same text (while fresh), else a keyword label."""
+        return await ai.run(summary_inputs(body.text))
+
+    @app.post("/report")
+    @guards.route(
+        model=settings.ai_model,
+        fallbacks=fallbacks,
+        # Three calls, each with the chain's attempts (every model, one retry).
+        attempts=3 * (len(fallbacks) + 2),
+        timeout_s=settings.ai_timeout_s,
+        breaker=breaker,
+        budget=budget,
+        task=Task(),
+    )
+    async def report(body: ReportRequest, ai: AI[ReplyText], x_user_id: UserId = None) -> Report:
+        """Summarize, label and answer a customer message in three model calls. Strict. With
+        an `Idempotency-Key`, a retry resumes after the steps that completed, and a completed
+        report is answered again without a call."""
+        text = body.text
+        summary = await ai.step(
+            "summarize",
             {
                 "messages": [
-                    {"role": "system", "content": SUMMARY_PROMPT},
-                    {"role": "user", "content": body.text},
+                    {"role": "system", "content": REPORT_SUMMARY_PROMPT},
+                    {"role": "user", "content": text},
                 ]
-            }
+            },
+        )
+        label = await ai.step("classify", summary_inputs(text), output=Summary)
+        context = f"The message is about: {label.label}. Summary: {summary}"
+        reply = await ai.step(
+            "draft",
+            {
+                "messages": [
+                    {"role": "system", "content": f"{DRAFT_PROMPT} {context}"},
+                    {"role": "user", "content": text},
+                ]
+            },
+        )
+        return Report(
+            summary=summary,
+            label=label.label,
+            reply=reply,
+            resumed_steps=list(ai.resumed_steps),
+            trace_id=ai.trace_id,
         )
 
     return app
+
+
+def summary_inputs(text: str) -> dict[str, Any]:
+    return {
+        "messages": [
+            {"role": "system", "content": SUMMARY_PROMPT},
+            {"role": "user", "content": text},
+        ]
+    }
 
 
 def draft_inputs(body: DraftRequest) -> dict[str, Any]:
@@ -309,6 +434,15 @@ def make_binding(settings: Settings, provider: str) -> Binding:
             idle_timeout_s=settings.ai_stream_idle_timeout_s,
         )
     return OfflineModel()
+
+
+def use_as_global(provider: TracerProvider) -> None:
+    """Make `provider` OpenTelemetry's global one (the handlers' own spans, other
+    instrumentations), unless the process already has one."""
+    from opentelemetry import trace
+
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        trace.set_tracer_provider(provider)
 
 
 def configure_logging() -> None:

@@ -21,6 +21,9 @@ class OfflineModel:
     fixed draft for text requests (streamed word by word), a keyword label for JSON-mode
     summary requests."""
 
+    #: What traces call this provider (`gen_ai.provider.name`).
+    gen_ai_provider_name = "guards.offline"
+
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
         text = _user_text(inputs)
         usage = _usage(text)

@@ -13,6 +13,11 @@ OPENAI_BASE_URL = "https://api.openai.com/v1"
 PROVIDERS = ("fake", "workers-ai", "openai")
 #: A browser origin: scheme, host and optional port, nothing after.
 _ORIGIN = re.compile(r"https?://[^/\s,]+")
+#: The routing hints effort routing uses, and their targets unless AI_LOCAL_MODEL,
+#: AI_CLOUD_MODEL or AI_HINTS say otherwise.
+LOCAL_HINT, CLOUD_HINT = "local", "cloud"
+DEFAULT_LOCAL_MODEL = "@cf/meta/llama-3.1-8b-instruct"
+DEFAULT_CLOUD_MODEL = "@cf/meta/llama-3.3-70b-instruct-fp8-fast"
 
 
 class SettingsError(RuntimeError):
@@ -45,11 +50,24 @@ class Settings(BaseSettings):
     breaker_failure_threshold: int = Field(default=5, ge=1)
     breaker_reset_s: float = Field(default=30.0, gt=0)
     retry_after_s: float = Field(default=30.0, gt=0)
+    #: Guarded requests one worker serves at once before it sheds /draft-reply/stream (unset: no limit).
+    max_in_flight: int | None = Field(default=None, ge=1)
     guards_store: str = "memory://"
     guards_store_failure: Literal["open", "closed"] | None = None
     #: Origins whose pages may call the app from a browser (comma-separated; `*` for any);
     #: empty: no CORS headers at all.
     cors_allow_origins: str = ""
+    #: Routing hints, comma-separated `name=entry` (`fast=openai:gpt-4o-mini`), which AI_MODEL
+    #: and AI_FALLBACK_MODELS may name as `hint:name`.
+    ai_hints: str = ""
+    #: `auto`: /draft-reply and /draft-reply/stream route each request by its estimated effort
+    #: (simple and standard to the `local` hint, complex to the `cloud` hint).
+    ai_effort: Literal["off", "auto"] = "off"
+    #: The targets of the `local` and `cloud` hints (may carry a provider prefix).
+    ai_local_model: str = ""
+    ai_cloud_model: str = ""
+    #: How long /summary serves the last good summary of the same text when the model fails.
+    last_good_max_age_s: float = Field(default=600.0, gt=0)
 
     @property
     def fallback_models(self) -> list[str]:
@@ -67,10 +85,47 @@ class Settings(BaseSettings):
                 raise ValueError("each entry must be an origin such as https://app.example.com, or *")
         return value
 
+    @property
+    def hints(self) -> dict[str, str]:
+        """Every routing hint: `local` and `cloud` (AI_LOCAL_MODEL, AI_CLOUD_MODEL, else
+        AI_HINTS, else the defaults), and AI_HINTS' own."""
+        hints = {LOCAL_HINT: DEFAULT_LOCAL_MODEL, CLOUD_HINT: DEFAULT_CLOUD_MODEL}
+        for entry in self.ai_hints.split(","):
+            if entry.strip():
+                name, _, target = entry.partition("=")
+                hints[name.strip()] = target.strip()
+        if self.ai_local_model.strip():
+            hints[LOCAL_HINT] = self.ai_local_model.strip()
+        if self.ai_cloud_model.strip():
+            hints[CLOUD_HINT] = self.ai_cloud_model.strip()
+        return hints
+
     def providers_used(self) -> set[str]:
-        """AI_PROVIDER and every provider an AI_FALLBACK_MODELS entry names."""
-        named = {entry.partition(":")[0] for entry in self.fallback_models if ":" in entry}
-        return {self.ai_provider} | (named & set(PROVIDERS))
+        """AI_PROVIDER and every provider an AI_FALLBACK_MODELS entry or a hint names."""
+        return {self.ai_provider} | set(self._named_providers())
+
+    def _named_providers(self) -> dict[str, str]:
+        """Each provider a chain entry or a hint names, with the variable that names it first."""
+        named: dict[str, str] = {}
+        entries = [(entry, "AI_FALLBACK_MODELS") for entry in self.fallback_models]
+        hints = self.hints
+        for name, variable in ((LOCAL_HINT, "AI_LOCAL_MODEL"), (CLOUD_HINT, "AI_CLOUD_MODEL")):
+            if hints[name] == getattr(self, variable.lower()).strip():
+                entries.append((hints[name], variable))
+        entries += [(target, "AI_HINTS") for target in hints.values()]
+        for entry, variable in entries:
+            prefix = entry.partition(":")[0].strip() if ":" in entry else ""
+            if prefix in PROVIDERS:
+                named.setdefault(prefix, variable)
+        return named
+
+    @model_validator(mode="after")
+    def _hints(self) -> Settings:
+        for entry in self.ai_hints.split(","):
+            name, equals, target = entry.partition("=")
+            if entry.strip() and not (equals and name.strip() and target.strip()):
+                raise ValueError("AI_HINTS: each entry is name=model (comma-separated)")
+        return self
 
     @model_validator(mode="after")
     def _credentials(self) -> Settings:
@@ -83,13 +138,14 @@ class Settings(BaseSettings):
             ),
             "openai": (("OPENAI_API_KEY", self.openai_api_key.get_secret_value()),),
         }
+        named = self._named_providers()
         for provider in sorted(self.providers_used()):
             missing = [name for name, value in needs.get(provider, ()) if not value]
             # A local OpenAI-compatible server (Ollama, llama.cpp) needs no key.
             if provider == "openai" and self.openai_base_url != OPENAI_BASE_URL:
                 missing = []
             if missing:
-                where = "AI_PROVIDER" if provider == self.ai_provider else "AI_FALLBACK_MODELS"
+                where = "AI_PROVIDER" if provider == self.ai_provider else named[provider]
                 raise ValueError(f"{where} uses {provider}, which needs {' and '.join(missing)} to be set")
         return self
 

@@ -12,6 +12,9 @@ The fixtures' `FakeBinding` renders and parses Workers AI's wire format on every
 pair is also measured with a binding that returns a ready result (`const`), which isolates the
 pipeline from the fake's own work.
 
+Tracing (`tracing_*`): the same guarded route with tracing off (the default), with the
+OpenTelemetry API's no-op tracer (tracing on, no SDK set up) and with the SDK, interleaved.
+
 Each figure is printed on its own line as `name = value unit`. The same pipeline's cost in
 CPU instructions, which the machine's noise does not move: `make bench-instructions`.
 """
@@ -47,6 +50,7 @@ from guards import (
     StreamEnd,
     StreamEvent,
     TextDelta,
+    estimate_effort,
     header_key,
 )
 from guards.providers import SSEParser, WorkersAI
@@ -75,9 +79,9 @@ def scope_for(user: str) -> dict[str, Any]:
 
 
 def guarded_endpoint(
-    fake: FakeBinding | ConstantBinding | ReadyAnswer, store: Store | None = None
+    fake: FakeBinding | ConstantBinding | ReadyAnswer, store: Store | None = None, tracing: Any = False
 ) -> tuple[Callable[..., Awaitable[Any]], str, str]:
-    guards = Guards(fake, store=store)
+    guards = Guards(fake, store=store, tracing=tracing)
 
     @guards.route(model=MODEL, budget=Budget(per_minute=10**9, per_day=10**9, key=header_key("x-user-id")))
     async def label(ai: AI[Label]) -> Label:
@@ -147,6 +151,62 @@ async def measure(fake: FakeBinding | ConstantBinding) -> dict[str, float]:
         samples["logged"].append(await timed(guarded))
         logger.removeHandler(handler)
         logger.setLevel(logging.NOTSET)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+class DroppingExporter:
+    """An OpenTelemetry span exporter that drops every span (the SDK's own work is measured,
+    not an exporter's)."""
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+
+async def tracing_costs() -> dict[str, float]:
+    """CPU time per request of the guarded route (ready-result binding), interleaved: tracing
+    off (the default), on with the OpenTelemetry API alone (no SDK set up: its no-op tracer),
+    and on with the SDK (a real `TracerProvider`, spans handed to a processor that drops them)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(DroppingExporter()))  # type: ignore[arg-type]
+    binding = ConstantBinding()
+    sides = {
+        "off": guarded_endpoint(binding),
+        "noop": guarded_endpoint(binding, tracing=True),
+        "sdk": guarded_endpoint(binding, tracing=provider),
+    }
+    requests = [Request(scope_for(f"user-{i}")) for i in range(USERS)]
+    response = Response()
+
+    async def timed(side: tuple[Callable[..., Awaitable[Any]], str, str]) -> float:
+        endpoint, request_param, response_param = side
+        gc.collect()
+        start = time.process_time()
+        for i in range(PER_ROUND):
+            response.raw_headers.clear()
+            await endpoint(**{request_param: requests[i % USERS], response_param: response})
+            await asyncio.sleep(0)
+        return (time.process_time() - start) / PER_ROUND * 1e6
+
+    logging.getLogger("guards").setLevel(logging.WARNING)
+    samples: dict[str, list[float]] = {name: [] for name in sides}
+    for side in sides.values():
+        await timed(side)  # warm up
+    for _ in range(ROUNDS):
+        for name, side in sides.items():
+            samples[name].append(await timed(side))
+    logging.getLogger("guards").setLevel(logging.NOTSET)
+    provider.shutdown()
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -512,8 +572,8 @@ async def worst_answer_check() -> float:
 
 async def list_errors_check() -> float:
     """A route whose output is a list of objects, answered with half a million invalid items in
-    1 MiB (an error for each): CPU time per request, median of rounds, in seconds. The cost is
-    pydantic-core validating and counting the errors; the output guard lists none of them."""
+    1 MiB: CPU time per request, median of rounds, in seconds. The output guard's validation
+    stops at the first invalid item (pydantic-core would report an error for each)."""
     binding = ReadyAnswer()
     binding.answer = "[" + "1," * (MIB // 2 - 1) + "1]"
     guards = Guards(binding)
@@ -553,6 +613,25 @@ def worst_sse_parse() -> float:
     return worst
 
 
+def effort_estimate() -> float:
+    """CPU time of one effort estimate of a 4,000-character turn, in microseconds (median of
+    rounds). The turn is prose with one question and no fence, so every rule reads it whole."""
+    sentence = "My parcel was sent on Monday and the tracking page has not changed since then. "
+    text = (sentence * 60)[:3_989] + " Why is it?"
+    inputs = {
+        "messages": [{"role": "system", "content": "You draft replies."}, {"role": "user", "content": text}]
+    }
+    assert len(text) == 4_000
+    assert estimate_effort(inputs) == "complex"  # by length, the last rule
+    samples = []
+    for _ in range(ROUNDS):
+        start = time.process_time()
+        for _ in range(PER_ROUND):
+            estimate_effort(inputs)
+        samples.append((time.process_time() - start) / PER_ROUND * 1e6)
+    return statistics.median(samples)
+
+
 def main() -> None:
     figures = asyncio.run(measure(FakeBinding(Reply({"label": "billing", "confidence": 0.9}))))
     bare, guarded, logged = figures["bare"], figures["guarded"], figures["logged"]
@@ -565,10 +644,18 @@ def main() -> None:
     print(f"const_bare_call_us = {const['bare']:.2f} us")
     print(f"const_guard_overhead_us = {const['guarded'] - const['bare']:.2f} us")
 
+    traced = asyncio.run(tracing_costs())
+    print(f"tracing_off_call_us = {traced['off']:.2f} us")
+    print(f"tracing_noop_overhead_us = {traced['noop'] - traced['off']:.2f} us")
+    print(f"tracing_noop_ratio = {traced['noop'] / traced['off']:.3f} x")
+    print(f"tracing_sdk_overhead_us = {traced['sdk'] - traced['off']:.2f} us")
+    print(f"tracing_sdk_ratio = {traced['sdk'] / traced['off']:.3f} x")
+
     skip = asyncio.run(chain_skip())
     print(f"single_model_call_us = {skip['single']:.2f} us")
     print(f"chain_skip_two_call_us = {skip['chain']:.2f} us")
     print(f"chain_skip_ratio = {skip['chain'] / skip['single']:.2f} x")
+    print(f"effort_estimate_us = {effort_estimate():.2f} us")
 
     # Hostile text: a 1 MiB answer is checked in well under 50 ms whatever it holds.
     print(f"answer_check_1mib_worst_ms = {asyncio.run(worst_answer_check()) * 1e3:.1f} ms")

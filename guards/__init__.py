@@ -13,14 +13,18 @@ from ._chain import Chain, ModelRef, Profile, flatten_chain
 from ._classify import Classification, Kind, classify
 from ._clock import Clock, SystemClock
 from ._cooldown import Cooldown
+from ._effort import Effort, Tier, estimate_effort, override_effort
 from ._envelope import Envelope, ErrorBody, ErrorCode, FallbackInfo, GuardName, Problem, Reason
 from ._errors import ConfigurationError, GuardsError, GuardTripped, ProviderError
 from ._event_stream import EventStream
 from ._guards import Attribution, Guards
+from ._last_good import LastGood
 from ._ledger import Attempt, Ledger, LogLedger
+from ._levels import Level, ModelDown, ServiceLevel
 from ._metrics import render_metrics
 from ._output import Moderation
 from ._responses import PublicError, public_error
+from ._retry_budget import RetryBudget
 from ._route import FallbackFunction
 from ._stream import (
     ReasoningDelta,
@@ -31,6 +35,7 @@ from ._stream import (
     ToolCallDelta,
     is_output,
 )
+from ._tasks import Task
 from ._throttle import Throttled
 
 __all__ = [
@@ -47,6 +52,7 @@ __all__ = [
     "Clock",
     "ConfigurationError",
     "Cooldown",
+    "Effort",
     "Envelope",
     "ErrorBody",
     "ErrorCode",
@@ -58,8 +64,11 @@ __all__ = [
     "Guards",
     "GuardsError",
     "Kind",
+    "LastGood",
     "Ledger",
+    "Level",
     "LogLedger",
+    "ModelDown",
     "ModelRef",
     "Moderation",
     "Outcome",
@@ -71,20 +80,26 @@ __all__ = [
     "Reason",
     "ReasoningDelta",
     "Retry",
+    "RetryBudget",
+    "ServiceLevel",
     "StoreFailureMode",
     "StreamEnd",
     "StreamEvent",
     "StreamingBinding",
     "SystemClock",
+    "Task",
     "TextDelta",
+    "Tier",
     "Throttled",
     "ToolCallDelta",
     "Usage",
     "classify",
     "client_key",
+    "estimate_effort",
     "flatten_chain",
     "header_key",
     "is_output",
+    "override_effort",
     "public_error",
     "render_metrics",
 ]

@@ -15,8 +15,8 @@ import functools
 import logging
 import time
 import typing
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar, overload
 
 import anyio
 
@@ -33,7 +33,9 @@ from ._event_stream import EventStream, end_data
 from ._ledger import Attempt
 from ._log import emit, emit_warning, logger
 from ._metrics import SKIPS, STORE_UNAVAILABLE, counter, flush_soon
+from ._output import OutputGuard, output_guard
 from ._relay import Opened, Relayed, no_events, open_stream, relay
+from ._retry_budget import admit_retry
 from ._stream import StreamEnd, StreamingBinding, TextDelta
 from .stores import Charge, Report, Step, StoreUnavailable
 
@@ -42,10 +44,13 @@ if typing.TYPE_CHECKING:
 
     from ._guards import Guards
     from ._route import GuardedRoute, Leg
+    from ._tasks import TaskRun
+    from ._tracing import RequestTrace
 
-__all__ = ["AI", "finish_request"]
+__all__ = ["AI", "TASK_SCOPE", "finish_request"]
 
 T = TypeVar("T")
+S = TypeVar("S")
 R = TypeVar("R")
 #: One attempt on a leg: `call(model, inputs)`.
 Call = Callable[[str, Mapping[str, Any]], Awaitable[R]]
@@ -55,6 +60,11 @@ STORE_RETRY_AFTER_S = 5.0
 _COOLDOWN_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
 #: The longest attempt summary a detail or a log line carries.
 _SUMMARY_MAX = 400
+#: Where a task route's request keeps the task it holds (`guards._tasks.TaskRun`).
+TASK_SCOPE = "guards.task"
+_ROUTE_OUTPUT: Any = object()
+#: The longest name of a task's step (the handler's own text, kept in the store).
+_MAX_STEP_NAME = 100
 
 
 class AI(Generic[T]):
@@ -65,7 +75,8 @@ class AI(Generic[T]):
     `GuardTripped`. After a call: `model` is the model that served (as the provider named it),
     `fallback_model` the chain entry that served when it was not the first (else None),
     `attempts` the provider calls made and `attempt_budget` the most it could make;
-    `trace_id` is the request's trace id (also the `x-trace-id` header).
+    `trace_id` is the request's trace id (also the `x-trace-id` header); `resumed_steps` the
+    names of the steps `step` loaded from the request's task instead of calling, in order.
     """
 
     __slots__ = (
@@ -81,8 +92,10 @@ class AI(Generic[T]):
         "_request",
         "_route",
         "_scope",
+        "_served_leg",
         "_started",
         "_tokens",
+        "_trace",
         "_waits",
         "_watch",
         "attempt_budget",
@@ -101,6 +114,7 @@ class AI(Generic[T]):
         trace_id: str,
         request: Request | None = None,
         started: float | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self._guards = guards
         self._started = time.perf_counter() if started is None else started
@@ -122,6 +136,10 @@ class AI(Generic[T]):
         self._tokens = 0
         #: Seconds of cooldown left per leg, as the last store step read them (None: unknown).
         self._waits: list[float] | None = None
+        #: The request's spans when tracing is on (see `guards._tracing`), else None.
+        self._trace = trace
+        #: The leg whose answer the request was last given (`guards_served_total`).
+        self._served_leg: Leg | None = None
         self.trace_id = trace_id
         self.model: str | None = None
         self.fallback_model: str | None = None
@@ -144,6 +162,17 @@ class AI(Generic[T]):
         """The chain's first model: what the route asks for before any fallback."""
         return self._route.model
 
+    @property
+    def resumed_steps(self) -> tuple[str, ...]:
+        """The steps `step` loaded from the request's task instead of calling, in order."""
+        task = self._task()
+        return task.resumed if task is not None else ()
+
+    def _task(self) -> TaskRun | None:
+        """The task the request holds (see `guards._tasks`), if any."""
+        task: TaskRun | None = self._request.scope.get(TASK_SCOPE) if self._request is not None else None
+        return task
+
     async def run(self, inputs: Mapping[str, Any]) -> T:
         """Call the route's models with Workers-AI-shaped `inputs` (`messages` or `prompt`).
 
@@ -156,6 +185,8 @@ class AI(Generic[T]):
         or rejects its answer.
         """
         route = self._route
+        if route.effort is not None:
+            route = self._by_effort(inputs)
         if route.response_format is not None and "response_format" not in inputs:
             inputs = {**inputs, "response_format": route.response_format}
         if route.max_tokens is not None and "max_tokens" not in inputs:
@@ -167,6 +198,54 @@ class AI(Generic[T]):
         output = route.output
         value: T = output.check_shape(result) if output.moderation is None else await output.check(result)
         return value
+
+    @overload
+    async def step(self, name: str, inputs: Mapping[str, Any]) -> T: ...
+
+    @overload
+    async def step(self, name: str, inputs: Mapping[str, Any], *, output: type[S]) -> S: ...
+
+    @overload
+    async def step(self, name: str, inputs: Mapping[str, Any], *, output: Any) -> Any: ...
+
+    async def step(self, name: str, inputs: Mapping[str, Any], *, output: Any = _ROUTE_OUTPUT) -> Any:
+        """One named step of a multi-step task: `run(inputs)`, validated against `output` (a
+        pydantic model, which requests JSON mode, or any type pydantic validates; default: the
+        route's `AI[...]` type, with its moderation hook).
+
+        On a route declared with `task=Task()` and a request with an `Idempotency-Key`, a step
+        runs at most once per task: its result is saved when it completes, and a later request
+        of the task gets it back (validated again; one that no longer validates runs again)
+        with no provider call, no attempt and no budget charge, and its name joins
+        `resumed_steps`. Otherwise this is `run`. `name`: 1 to 100 printable characters (else
+        `ValueError`), unique within the task. Raises `GuardTripped` as `run` does.
+        """
+        if not 0 < len(name) <= _MAX_STEP_NAME or not name.isprintable():
+            raise ValueError(f"a step's name is 1 to {_MAX_STEP_NAME} printable characters")
+        guard = self._route.output if output is _ROUTE_OUTPUT else output_guard(output)
+        task = self._task()
+        if task is not None:
+            saved = task.load(name, guard)
+            if saved is not None:
+                return saved[0]
+        value = await self._run_checked(inputs, guard)
+        if task is not None:
+            await task.save(name, guard, value)
+        return value
+
+    async def _run_checked(self, inputs: Mapping[str, Any], output: OutputGuard) -> Any:
+        """`run`, its answer validated by `output` (and JSON mode requested for its type).
+        `run` keeps its own copy of these lines: it is every request's path, one frame less."""
+        route = self._route
+        if output.response_format is not None and "response_format" not in inputs:
+            inputs = {**inputs, "response_format": output.response_format}
+        if route.max_tokens is not None and "max_tokens" not in inputs:
+            inputs = {**inputs, "max_tokens": route.max_tokens}
+        leg, result, probe, record_success = await self._walk(inputs, self._run_call)
+        if record_success or probe is not None or self._hold is not None:
+            await self._finish_leg(leg, Outcome.success, probe, record_success)
+        self._served(leg, result.model)
+        return await output.check(result)
 
     async def stream(self, inputs: Mapping[str, Any]) -> EventStream:
         """Stream the answer of the route's models to the client (Server-Sent Events, see
@@ -184,6 +263,8 @@ class AI(Generic[T]):
         `stream_max_chars` (output characters), which end the stream with an `error` event.
         """
         route = self._route
+        if route.effort is not None:
+            route = self._by_effort(inputs)
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
         leg, opened, probe, record_success = await self._walk(
@@ -250,9 +331,12 @@ class AI(Generic[T]):
                         leg = legs[index]
                         inflight = (leg, probe)
                         self._leg = leg
+                        call = call_for(leg)
+                        if self._trace is not None:
+                            call = self._trace.traced(call, self, leg, self._binding(leg))
                         try:
                             result, _ = await call_model(
-                                call_for(leg),
+                                call,
                                 leg.ref.model,
                                 inputs,
                                 policy=route.retry,
@@ -260,7 +344,7 @@ class AI(Generic[T]):
                                 limit=self._leg_limit(index, self._waits),
                                 sleep=self._guards.sleep,
                                 on_attempt=self._on_attempt,
-                                on_retry=self._log_retry,
+                                on_retry=self._before_retry,
                             )
                         except CallFailed as failed:
                             inflight = None
@@ -314,6 +398,14 @@ class AI(Generic[T]):
         await self._settle()
         raise self._exhausted(last, spent)
 
+    def _by_effort(self, inputs: Mapping[str, Any]) -> GuardedRoute:
+        """Effort routing (`_effort.py`): the request's first call picks its tier's chain, which
+        every later call of the request keeps."""
+        assert self._route.effort is not None
+        route = self._route = self._route.effort.choose(inputs, self._request, self.trace_id)
+        self._leg, self.attempt_budget = route.legs[0], route.attempt_budget
+        return route
+
     def _start_watch(self) -> None:
         """MARK_AFTER_S into a walk: watch the client."""
         assert self._scope is not None
@@ -363,9 +455,10 @@ class AI(Generic[T]):
             await self._settle()
 
     def _served(self, leg: Leg, model: str | None) -> None:
+        self._served_leg = leg
         self.model = model or leg.ref.model
         if leg is not self._route.legs[0]:
-            self.fallback_model = leg.ref.key
+            self.fallback_model = leg.ref.entry
 
     def _streaming(self, leg: Leg) -> StreamingBinding:
         binding = self._binding(leg)
@@ -380,10 +473,13 @@ class AI(Generic[T]):
         if self.attempts >= self.attempt_budget:
             await self._finish_leg(leg, Outcome.success, probe, record_success)
             raise GuardTripped(Reason.empty_response, "the stream completed empty", model=leg.ref.key)
+        call: Call[AIResult] = self._binding(leg).run
+        if self._trace is not None:
+            call = self._trace.traced(call, self, leg, self._binding(leg), retry=True)
         try:
             async with asyncio.timeout_at(self._deadline):
                 result, _ = await call_model(
-                    self._binding(leg).run,
+                    call,
                     leg.ref.model,
                     inputs,
                     policy=self._route.retry,
@@ -421,6 +517,8 @@ class AI(Generic[T]):
                 finish_request(self._route, self, self._started, outcome, 200, tripped=relayed.failure)
 
         route = self._route
+        if self._trace is not None:
+            self._trace.streaming = True  # the request's span ends with the stream
         # The stream's time limit counts from the request's start, in event-loop time.
         left_s = route.stream_max_s - (time.perf_counter() - self._started)
         return EventStream(
@@ -441,6 +539,8 @@ class AI(Generic[T]):
         self, leg: Leg, opened: Opened, kind: str, end: StreamEnd | None, delivered: int, recorded: bool
     ) -> None:
         """Account for the committed stream attempt once it ended (its ledger record)."""
+        if self._trace is not None:
+            self._trace.stream_ended(opened, kind, end, delivered)
         if not recorded:
             usage = end.usage if end is not None else None
             served = (end.model if end is not None else None) or opened.model or leg.ref.model
@@ -501,6 +601,8 @@ class AI(Generic[T]):
     def _skip(self, leg: Leg, why: str, wait_s: float | None) -> None:
         self._notes.append((leg, f"skipped ({why})", wait_s))
         counter(SKIPS, leg.ref.key, why).add()
+        if self._trace is not None:
+            self._trace.skipped(leg.ref.key, why, wait_s)
         emit(
             "skip",
             route=self._route.name,
@@ -547,6 +649,8 @@ class AI(Generic[T]):
             return start, None, False
         if passage.recorded is not None and report is not None:
             self._saw_report(report, passage.recorded.state)
+        if passage.transitions:
+            self._saw_transitions(passage.transitions)
         waits, decisions = passage.waits, passage.decisions
         if self._waits is None:
             self._waits = [0.0] * len(route.legs)
@@ -647,11 +751,18 @@ class AI(Generic[T]):
         route = self._route
         leg.seconds.observe(elapsed)
         leg.attempts[kind].add()
-        if route.spend_capped and leg.price is not None:
-            # Usage when known; else the worst case when the provider may have billed.
+        if usage is not None:
+            leg.input_tokens.add(usage.prompt_tokens)
+            leg.output_tokens.add(usage.completion_tokens)
+        if leg.price is not None:
+            # Usage when known; else (spend cap only) the worst case when the provider may
+            # have billed. The cost metric counts reported usage only.
             if usage is not None:
-                self._cost += leg.price.cost(usage.prompt_tokens, usage.completion_tokens)
-            elif billed:
+                cost = leg.price.cost(usage.prompt_tokens, usage.completion_tokens)
+                self._cost += cost
+                if leg.cost_usd is not None:
+                    leg.cost_usd.add(cost * self._guards.cost_unit_usd)
+            elif billed and route.spend_capped:
                 self._cost += _worst(leg, self._tokens, route.max_tokens)
         if self._guards.ledger_enabled():
             self._guards.ledger.record(
@@ -661,6 +772,7 @@ class AI(Generic[T]):
                     attempt=self.attempts,
                     requested_model=route.model,
                     model=leg.ref.key,
+                    entry=leg.ref.entry,
                     served_model=served,
                     outcome=kind,
                     latency_ms=round(elapsed * 1000, 2),
@@ -668,6 +780,7 @@ class AI(Generic[T]):
                     delivered_chars=delivered,
                     status=status,
                     code=code,
+                    resumed_steps=self.resumed_steps if route.task is not None else (),
                 )
             )
 
@@ -788,6 +901,17 @@ class AI(Generic[T]):
             return
         if passage.recorded is not None:
             self._saw_report(report, passage.recorded.state)
+        if passage.transitions:
+            self._saw_transitions(passage.transitions)
+
+    def _saw_transitions(self, transitions: Sequence[tuple[str, CircuitState]]) -> None:
+        """Count the breaker state changes a store step made (the store tells exactly one
+        caller of each, so every worker together counts each once)."""
+        for key, state in transitions:
+            for leg in self._route.legs:
+                if leg.breaker_key == key:
+                    leg.transitions[state].add()
+                    break
 
     def _saw_report(self, report: Report, state: CircuitState) -> None:
         """After a step's report: the breaker state it recorded, and the cooldown it started."""
@@ -837,7 +961,15 @@ class AI(Generic[T]):
             "store_unavailable", guard=guard, route=self._route.name, trace_id=self.trace_id, **fields
         )
 
-    def _log_retry(self, attempt: int, verdict: Classification, delay_s: float) -> None:
+    def _before_retry(self, attempt: int, verdict: Classification, delay_s: float) -> bool:
+        """Before a retry the policy allows: False when the model's retry budget refuses it
+        (`_retry_budget.py` logs the refusal), else log the retry."""
+        route = self._route
+        windows, budget = self._guards.retry_windows, route.retry.budget
+        if not admit_retry(
+            windows, self._leg, budget, verdict, attempt, route=route.name, trace_id=self.trace_id
+        ):
+            return False
         emit(
             "retry",
             route=self._route.name,
@@ -847,6 +979,7 @@ class AI(Generic[T]):
             kind=verdict.kind.value,
             delay_ms=round(delay_s * 1000, 1),
         )
+        return True
 
 
 def _worst(leg: Leg, input_tokens: int, max_tokens: int | None) -> float:
@@ -872,6 +1005,9 @@ def finish_request(
     metrics.seconds.observe(elapsed)
     if outcome == "ok":
         metrics.ok.add()
+        served = ai._served_leg
+        if served is not None:  # a model's answer served (not the handler's own value)
+            served.served.add()
     elif outcome == "fallback":
         metrics.fallback.add()
     elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback
@@ -881,6 +1017,10 @@ def finish_request(
     if tripped is not None and outcome != "cancelled":
         metrics.tripped(tripped.guard.value, tripped.reason.value)
     flush_soon()
+    if ai._trace is not None:
+        # The one place the request span learns its outcome, and the level it was served at.
+        level = ai._guards.levels.view.level.value
+        ai._trace.finish(outcome, status, tripped, error, ai.attempts, service_level=level)
     if not logger.isEnabledFor(logging.INFO):
         return
     emit(
@@ -897,7 +1037,8 @@ def finish_request(
         attempt_budget=ai.attempt_budget,
         model=(tripped.model if tripped is not None else None) or ai.model,
         fallback_model=ai.fallback_model,
-        legs=ai._summary(True) if tripped is not None and len(route.legs) > 1 else None,
+        legs=(ai._summary(True) or None) if tripped is not None and len(ai._route.legs) > 1 else None,
+        resumed_steps=(list(ai.resumed_steps) or None) if route.task is not None else None,
         latency_ms=round(elapsed * 1000, 2),
         **extra,
     )

@@ -27,7 +27,8 @@ class AIResult:
     `response` is the text, or the parsed object in JSON mode (some models send a JSON string
     instead: the output guard accepts both). `model` is the model that served, when the provider
     says so. `moderated` is set when the provider itself flagged or filtered the answer;
-    `truncated` when it stopped at its token limit (`finish_reason: length`).
+    `truncated` when it stopped at its token limit (`finish_reason: length`). `finish_reason`
+    is the provider's own, when it sends one (OpenAI-compatible answers do; Workers AI's do not).
     """
 
     response: Any
@@ -36,6 +37,7 @@ class AIResult:
     tool_calls: tuple[Mapping[str, Any], ...] = field(default=())
     moderated: bool = False
     truncated: bool = False
+    finish_reason: str | None = None
 
 
 @runtime_checkable

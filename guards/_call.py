@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import anyio
 
 from ._classify import Classification, classify
+from ._retry_budget import RetryBudget
 
 __all__ = ["CallFailed", "Retry", "call_model", "retry_delay", "should_retry"]
 
@@ -30,13 +31,16 @@ class Retry:
     `attempts` is the most calls to one model, the first included (default 2: one retry); a
     route's attempt budget caps the calls across its whole fallback chain. Only failures the
     classifier calls retryable are retried, after `delay_s` jittered by ±`jitter` (a fraction),
-    and only when at least `min_room_s` of the deadline is left after that delay.
+    and only when at least `min_room_s` of the deadline is left after that delay. `budget`
+    caps a model's retries across requests, in each worker (`RetryBudget`: 20 % of its
+    requests, at least 3, over 10 s); None lets every request retry.
     """
 
     attempts: int = 2
     delay_s: float = 0.2
     jitter: float = 0.5
     min_room_s: float = 0.5
+    budget: RetryBudget | None = RetryBudget()
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -76,7 +80,9 @@ class CallFailed(Exception):
 
 #: Called once per provider call: (attempt number, its result or exception, perf_counter start).
 OnAttempt = Callable[[int, Any, float], None]
-OnRetry = Callable[[int, Classification, float], None]
+#: Called before each retry the policy allows (attempt number, verdict, delay); returning False
+#: skips it (the retry budget), as if the policy had refused.
+OnRetry = Callable[[int, Classification, float], bool | None]
 
 
 async def call_model(
@@ -96,7 +102,8 @@ async def call_model(
 
     At most `limit` calls (default and cap: `policy.attempts`). `deadline` is in event-loop
     time (`loop.time()`) and only informs the retry decision; the caller's timeout scope
-    enforces it. Raises `CallFailed` when it gives up; cancellation passes through untouched.
+    enforces it. A retry the policy allows is made unless `on_retry` returns False (the retry
+    budget). Raises `CallFailed` when it gives up; cancellation passes through untouched.
     """
     limit = policy.attempts if limit is None else min(limit, policy.attempts)
     attempt = 0
@@ -113,10 +120,10 @@ async def call_model(
                 raise CallFailed(error, verdict, attempt) from None
             delay = retry_delay(policy, error)
             remaining = deadline - asyncio.get_running_loop().time()
-            if not should_retry(verdict, attempt, limit, policy, remaining, delay):
+            if not should_retry(verdict, attempt, limit, policy, remaining, delay) or (
+                on_retry is not None and on_retry(attempt, verdict, delay) is False
+            ):
                 raise CallFailed(error, verdict, attempt) from None
-            if on_retry is not None:
-                on_retry(attempt, verdict, delay)
         except BaseException as stopped:  # cancelled: the attempt may still have been billed
             if on_attempt is not None:
                 on_attempt(attempt, stopped, started)

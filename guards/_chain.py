@@ -4,6 +4,11 @@ A chain entry is a string:
 
 - `"provider:model"`, when `provider` names a binding given to `Guards(providers=...)` (or
   `"default"`, the main binding): that model at that provider;
+- `"hint:name"`, when `name` is a routing hint given to `Guards(hints=...)`: the hint's target
+  (itself a model spec or a profile name), resolved here, before the target's own reliability
+  policy (breaker, cooldown, retries) applies; each model it yields remembers the hint
+  (`ModelRef.hint`). An unknown hint is reported and kept as the literal main-binding model id
+  `hint:name`, which the provider may reject (the usual classification follows);
 - the name of a `Profile`: the profile's model, then its fallbacks, depth-first;
 - anything else: a model id of the main binding (`"@cf/meta/llama-3.1-8b-instruct"`).
 
@@ -17,30 +22,51 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._errors import ConfigurationError
 
-__all__ = ["DEFAULT_PROVIDER", "MAX_PROFILE_DEPTH", "Chain", "ModelRef", "Profile", "flatten_chain"]
+__all__ = [
+    "DEFAULT_PROVIDER",
+    "HINT_PREFIX",
+    "MAX_PROFILE_DEPTH",
+    "Chain",
+    "ModelRef",
+    "Profile",
+    "check_hints",
+    "flatten_chain",
+]
 
 #: The provider name of the binding given to `Guards(binding)`.
 DEFAULT_PROVIDER = "default"
 #: Profiles nested deeper than this are cut off (and reported).
 MAX_PROFILE_DEPTH = 8
+#: A chain entry starting with this names a routing hint (`hint:fast`).
+HINT_PREFIX = "hint:"
 _PROVIDER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+#: What a hint's name may be (it is a metric label value: short, printable, no spaces).
+_HINT_NAME = _PROVIDER
 
 
 @dataclass(frozen=True, slots=True)
 class ModelRef:
-    """One model of a chain: `model` at `provider` (None: the main binding)."""
+    """One model of a chain: `model` at `provider` (None: the main binding). `hint` is the
+    routing hint the chain entry named, when the model came from one (not part of equality:
+    the model is the same whichever way it was named)."""
 
     provider: str | None
     model: str
+    hint: str | None = field(default=None, compare=False)
 
     @property
     def key(self) -> str:
         """How the model is named in keys, logs and headers: `model` or `provider:model`."""
         return self.model if self.provider is None else f"{self.provider}:{self.model}"
+
+    @property
+    def entry(self) -> str:
+        """The chain entry as written: `hint:name` for a model a hint resolved to, else `key`."""
+        return self.key if self.hint is None else HINT_PREFIX + self.hint
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,21 +95,26 @@ def flatten_chain(
     *,
     profiles: Mapping[str, Profile] | None = None,
     providers: Collection[str] = (),
+    hints: Mapping[str, str] | None = None,
 ) -> Chain:
-    """Flatten `entries` (model specs and profile names) into an ordered chain of models.
+    """Flatten `entries` (model specs, `hint:name` and profile names) into an ordered chain of
+    models.
 
-    `providers` are the provider names a `"provider:model"` entry may use besides `"default"`.
-    Problems that can be fixed by removing an entry are reported in `Chain.problems` (each a
-    short sentence naming the entry); raises `ConfigurationError` for a provider prefix that
-    names no configured provider.
+    `providers` are the provider names a `"provider:model"` entry may use besides `"default"`;
+    `hints` maps hint names to their targets (a model spec or a profile name). Problems that
+    can be fixed by removing an entry are reported in `Chain.problems` (each a short sentence
+    naming the entry), and so is an unknown hint (`entry 'hint:x': unknown hint`), kept as the
+    literal model id; raises `ConfigurationError` for a provider prefix that names no
+    configured provider.
     """
     profiles = profiles or {}
+    hints = hints or {}
     known = {DEFAULT_PROVIDER, *providers}
     models: list[ModelRef] = []
     problems: list[str] = []
     seen: set[str] = set()
 
-    def add(entry: str, where: str) -> None:
+    def add(entry: str, where: str, hint: str | None) -> None:
         ref = parse_model(entry, known)
         if ref is None:
             problems.append(f"{where}: empty model id removed")
@@ -91,9 +122,9 @@ def flatten_chain(
             problems.append(f"{where}: duplicate model {ref.key!r} removed")
         else:
             seen.add(ref.key)
-            models.append(ref)
+            models.append(ref if hint is None else ModelRef(ref.provider, ref.model, hint))
 
-    def expand(name: str, path: tuple[str, ...]) -> None:
+    def expand(name: str, path: tuple[str, ...], hint: str | None) -> None:
         where = " -> ".join((*path, name))
         if name in path:
             problems.append(f"{where}: cycle removed")
@@ -102,20 +133,48 @@ def flatten_chain(
             problems.append(f"{where}: deeper than {MAX_PROFILE_DEPTH} profiles, removed")
             return
         profile = profiles[name]
-        add(profile.model, f"profile {name!r}")
+        add(profile.model, f"profile {name!r}", hint)
         for reference in profile.fallbacks:
             if reference not in profiles:
                 problems.append(f"{where}: fallback {reference!r} names no profile, removed")
             else:
-                expand(reference, (*path, name))
+                expand(reference, (*path, name), hint)
 
     for entry in entries:
         entry = entry.strip()
+        hint = None
+        if entry.startswith(HINT_PREFIX):
+            name = entry[len(HINT_PREFIX) :].strip()
+            target = hints.get(name)
+            if target is None:
+                problems.append(f"entry {entry!r}: unknown hint")
+                # Kept as the literal model id, on the main binding.
+                add(f"{DEFAULT_PROVIDER}:{entry}", f"entry {entry!r}", None)
+                continue
+            hint, entry = name, target.strip()
         if entry in profiles:
-            expand(entry, ())
+            expand(entry, (), hint)
         else:
-            add(entry, f"entry {entry!r}")
+            add(entry, f"entry {entry!r}", hint)
     return Chain(tuple(models), tuple(problems))
+
+
+def check_hints(hints: Mapping[str, str]) -> dict[str, str]:
+    """`hints` as `Guards` keeps them; raises `ConfigurationError` for a hint name that is not
+    a short token (it becomes a metric label value) or a target that is empty or another hint
+    (a hint names a model or a profile: no chains of hints)."""
+    checked = {}
+    for name, target in hints.items():
+        if not isinstance(name, str) or not _HINT_NAME.match(name):
+            raise ConfigurationError(
+                f"hint name {name!r}: a letter, then up to 63 letters, digits, '_', '.' or '-'"
+            )
+        if not isinstance(target, str) or not target.strip():
+            raise ConfigurationError(f"hint {name!r} names no model")
+        if target.strip().startswith(HINT_PREFIX):
+            raise ConfigurationError(f"hint {name!r} names another hint: name a model or a profile")
+        checked[name] = target.strip()
+    return checked
 
 
 def parse_model(entry: str, providers: Collection[str]) -> ModelRef | None:

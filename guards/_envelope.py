@@ -99,6 +99,10 @@ class ErrorCode(StrEnum):
     rate_limited = "rate_limited"
     budget_exceeded = "budget_exceeded"
     circuit_open = "circuit_open"
+    #: Multi-step tasks: another request holds the task of this `Idempotency-Key` (409).
+    task_in_progress = "task_in_progress"
+    #: Multi-step tasks: this `Idempotency-Key` was used with another request body (422).
+    idempotency_key_reused = "idempotency_key_reused"
 
 
 #: The most problems a 400 lists.

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 from fastapi import FastAPI
@@ -19,20 +20,28 @@ from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, BodyTooLarge
 from ._breaker import Breaker
 from ._budget import Budget, Price
 from ._call import Retry
-from ._chain import DEFAULT_PROVIDER, Profile
+from ._chain import DEFAULT_PROVIDER, HINT_PREFIX, Profile, check_hints
 from ._cooldown import Cooldown
 from ._credentials import CredentialWarnings
+from ._effort import Effort
 from ._envelope import MAX_PROBLEMS, ErrorCode, Problem
 from ._errors import ConfigurationError
 from ._ledger import Ledger, LogLedger
+from ._levels import LevelMiddleware, Levels, ServiceLevel
 from ._log import emit, logger, show_logs
-from ._metrics import flush_metrics
+from ._metrics import flush_metrics, flush_soon
 from ._openapi import document_guarded_routes
 from ._output import Moderation
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
-from ._route import _NO_FALLBACK, guard_route, handler_entered, request_trace_id, route_of
+from ._retry_budget import RetryWindows
+from ._route import _NO_FALLBACK, GuardedRoute, guard_route, handler_entered, request_trace_id, route_of
+from ._tasks import Task
+from ._tracing import Tracing
 from .stores import MemoryStore, Store
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["Guards"]
 
@@ -51,13 +60,22 @@ class Guards:
 
     `binding` is the main binding (provider name `"default"`); `providers` names more bindings,
     reached from chains as `"name:model"`. Bindings may be swapped at any time (tests swap in
-    fakes). `profiles` names models with their own fallbacks (see `Profile`). `store` holds
+    fakes). `profiles` names models with their own fallbacks (see `Profile`); `hints` names
+    routing hints, reached from chains as `"hint:name"` and resolved at start-up, each to a
+    chain entry (a model spec or a profile name: `{"fast": "openai:gpt-4o-mini"}`). `store` holds
     budget, breaker and cooldown state (default: a `MemoryStore`, one process). `sleep` is what
     retries wait with (inject a no-op in tests). `retry_after_s` is the `Retry-After` a strict
     route sends with `model_temporarily_unavailable`. `prices` maps model keys (`model` or
-    `provider:model`) to their `Price`, for spend caps. `cooldown` says how long a rate-limited
+    `provider:model`) to their `Price`, for spend caps and `guards_cost_usd_total`;
+    `cost_unit_usd` is what one unit of those prices is worth in US dollars (default 1.0:
+    prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
     model is skipped; `attribution` how responses name the model that served (`x-ai-model`,
     `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
+    `tracing` turns on OpenTelemetry traces (GenAI semantic conventions; needs `guards[otel]`):
+    True traces with OpenTelemetry's global tracer provider, a `TracerProvider` with that one;
+    False (default) imports nothing of OpenTelemetry and costs nothing.
+    `max_in_flight` (default None: no limit) is how many requests of guarded routes one worker
+    serves at once before it sheds the routes declared with `shed_at` (see `route`).
 
     Use it as an async context manager (or call `aclose`) to close the binding's connections and
     the store on shutdown.
@@ -76,16 +94,29 @@ class Guards:
         cooldown: Cooldown = Cooldown(),
         attribution: Attribution = "detailed",
         ledger: Ledger | None = None,
+        cost_unit_usd: float = 1.0,
+        tracing: bool | TracerProvider = False,
+        hints: Mapping[str, str] | None = None,
+        max_in_flight: int | None = None,
     ) -> None:
         if attribution not in ("off", "redacted", "detailed"):
             raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
+        if not cost_unit_usd > 0:
+            raise ConfigurationError("cost_unit_usd must be positive (US dollars per cost unit)")
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ConfigurationError("max_in_flight must be at least 1 (or None: no limit)")
         if DEFAULT_PROVIDER in (providers or {}):
             raise ConfigurationError(
                 f"{DEFAULT_PROVIDER!r} names the main binding: pick another provider name"
             )
+        if HINT_PREFIX[:-1] in (providers or {}):
+            raise ConfigurationError(f"{HINT_PREFIX!r} starts routing hints: pick another provider name")
         self.binding = binding
         self.providers: dict[str, Binding] = dict(providers or {})
         self.profiles: Mapping[str, Profile] = dict(profiles or {})
+        self.hints: Mapping[str, str] = check_hints(hints or {})
+        #: The retry budget's counts in this worker (see `RetryBudget`).
+        self.retry_windows = RetryWindows()
         self.cooldown = cooldown
         self.attribution: Attribution = attribution
         self.ledger: Ledger = ledger if ledger is not None else LogLedger()
@@ -93,7 +124,22 @@ class Guards:
         self.sleep = sleep
         self.retry_after_s = retry_after_s
         self.prices: Mapping[str, Price] = dict(prices or {})
+        self.cost_unit_usd = cost_unit_usd
+        #: The tracer when tracing is on (see `guards._tracing`), else None.
+        self.tracing: Tracing | None = (
+            None if tracing is False else Tracing(None if tracing is True else tracing)
+        )
         self.credential_warnings = CredentialWarnings()
+        #: The service level of this worker, and its guarded requests in flight.
+        self.levels = Levels(self, max_in_flight)
+
+    def service_level(self) -> ServiceLevel:
+        """The service level as this worker last read it from the store (at most a second old
+        while requests arrive; reading it starts a fresh read when it is older): the level
+        (`full`, `degraded`, `minimal`) and the models down, each with the time (seconds since
+        the epoch) it may come back. For an app's health route."""
+        self.levels.tick(time.perf_counter())
+        return self.levels.view
 
     def ledger_enabled(self) -> bool:
         """False when records would be dropped anyway (the default log ledger with INFO off),
@@ -103,7 +149,7 @@ class Guards:
     def route(
         self,
         *,
-        model: str,
+        model: str | None = None,
         fallbacks: Sequence[str] = (),
         attempts: int | None = None,
         timeout_s: float = 8.0,
@@ -117,6 +163,9 @@ class Guards:
         stream_max_s: float = DEFAULT_STREAM_MAX_S,
         stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
         max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+        effort: Effort | None = None,
+        shed_at: Literal["degraded", "minimal"] | None = None,
+        task: Task | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -124,9 +173,11 @@ class Guards:
         it calls the model (`await ai.run(inputs)`); `Output` is what the model must produce
         (a pydantic model requests JSON mode; `str` plain text).
 
-        - `model`: the model (a model id, `"provider:model"`, or a `Profile` name);
-          `fallbacks`: the models to try after it, in order (same forms). The chain is
+        - `model`: the model (a model id, `"provider:model"`, `"hint:name"` or a `Profile`
+          name); `fallbacks`: the models to try after it, in order (same forms). The chain is
           flattened now; invalid entries are logged (`chain_invalid`) and removed.
+        - `effort`: instead of `model`, route each request by its estimated effort to the
+          routing hint of its tier (see `Effort`), then to `fallbacks`.
         - `attempts`: the most provider calls one request makes across the whole chain, every
           `ai.run` / `ai.stream` of the request together (default: the chain's length plus
           `retry.attempts - 1`, i.e. one retry in total).
@@ -135,8 +186,9 @@ class Guards:
           most); `budget`: per-key limits; `breaker`: circuit breaker policy, one breaker per
           model (None to disable).
         - `fallback`: makes the route *degrading*: it answers `Envelope[ReturnType]`, with this
-          value (or, if callable, `fallback(arguments, tripped)`) as `data` when a guard trips.
-          Without it the route is *strict* and answers public errors.
+          value (or, if callable, `fallback(arguments, tripped)`, or the route's last good
+          answer: `LastGood`) as `data` when a guard trips. Without it the route is *strict*
+          and answers public errors.
         - `moderation`: a hook given the validated output; returning True blocks it.
         - `max_tokens`: sent with each call unless the inputs set it; required with a spend cap.
         - `stream_max_s`, `stream_max_chars`: a streamed answer (`ai.stream`) ends with the
@@ -147,6 +199,15 @@ class Guards:
         - `max_body_bytes`: the most request body the route reads (default 1 MiB; None: no
           limit). A longer body is answered `400 invalid_request` as soon as its declared
           length or its bytes pass the limit, never read whole (`install` sets this up).
+        - `shed_at`: the service level (`"degraded"` or `"minimal"`) at which the route is shed
+          (default None: never): at that level or a lower one, and when the worker has more
+          than `max_in_flight` guarded requests in flight, it answers at once with no provider
+          call and no charge, like an open breaker (`circuit_open`: the envelope's fallback,
+          or 503 with `Retry-After`).
+        - `task`: `Task(...)` runs requests that carry an `Idempotency-Key` header as
+          multi-step tasks: `ai.step(name, ...)` saves each step's result, a retry resumes
+          after the steps that completed, and a completed task replays its answer (see
+          `AI.step` and `Task`). Not for streaming routes.
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -169,14 +230,21 @@ class Guards:
                 stream_max_s=stream_max_s,
                 stream_max_chars=stream_max_chars,
                 max_body_bytes=max_body_bytes,
+                effort=effort,
+                shed_at=shed_at,
+                task=task,
             )
+            route = route_of(endpoint)
+            assert route is not None
+            self.levels.watch(route)
             return endpoint  # type: ignore[return-value]
 
         return decorate
 
     def install(self, app: FastAPI) -> None:
         """Attach to `app`: answer invalid input on guarded routes with `400 invalid_request`,
-        stop reading a guarded route's request body past its `max_body_bytes`, document every
+        stop reading a guarded route's request body past its `max_body_bytes`, keep the
+        service level fresh (`x-service-level` on guarded responses, `max_in_flight`), document every
         status a guarded route can answer in OpenAPI, and make `Guards.of(app)` find this
         instance. Call once, when building the app.
 
@@ -188,11 +256,12 @@ class Guards:
         app.state.guards = self
         app.add_middleware(BodyLimit)
         show_logs()
+        app.add_middleware(LevelMiddleware, levels=self.levels)
         # Input that never reached a guarded handler (unparseable or invalid) is answered
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):
             previous = app.exception_handlers.get(exc_class)
-            app.add_exception_handler(exc_class, _invalid_input_handler(previous))
+            app.add_exception_handler(exc_class, _invalid_input_handler(previous, self.tracing))
         original_openapi = app.openapi
 
         def openapi() -> dict[str, Any]:
@@ -214,6 +283,7 @@ class Guards:
     async def aclose(self) -> None:
         """Close the bindings and the store, and write this process's metrics."""
         flush_metrics()
+        self.levels.close()
         try:
             # A binding may serve under several names: close each once.
             for binding in {id(b): b for b in (self.binding, *self.providers.values())}.values():
@@ -233,13 +303,15 @@ class Guards:
         await self.aclose()
 
 
-def _invalid_input_handler(previous: Any) -> Callable[[Request, Exception], Awaitable[Response]]:
+def _invalid_input_handler(
+    previous: Any, tracing: Tracing | None
+) -> Callable[[Request, Exception], Awaitable[Response]]:
     async def handle(request: Request, exc: Exception) -> Response:
         route = route_of(request.scope.get("endpoint"))
         before_handler = route is not None and not handler_entered(request)
         if before_handler and (isinstance(exc, RequestValidationError) or _is_bad_request(exc)):
             assert route is not None
-            return _invalid_request(route.name, request, exc)
+            return _invalid_request(route, request, exc, tracing)
         if previous is None:
             raise exc
         response: Response = await previous(request, exc)
@@ -253,12 +325,23 @@ def _is_bad_request(exc: Exception) -> bool:
     return isinstance(exc, StarletteHTTPException) and exc.status_code == 400
 
 
-def _invalid_request(route_name: str, request: Request, exc: Exception) -> Response:
-    trace_id = request_trace_id(request)
+def _invalid_request(
+    route: GuardedRoute, request: Request, exc: Exception, tracing: Tracing | None
+) -> Response:
+    """The 400 of input that never reached the guarded handler (unreadable, invalid, or a body
+    over the route's limit): counted as `outcome="invalid"`, logged (and traced), no model call."""
+    if tracing is None:
+        trace_id = request_trace_id(request)
+    else:
+        trace = tracing.start(route.name, request, lambda: request_trace_id(request))
+        trace.finish("invalid", 400, None, ErrorCode.invalid_request, 0)
+        trace_id = trace.trace_id
     found = _problems(exc)
+    route.metrics.invalid.add()
+    flush_soon()
     emit(
         "request",
-        route=route_name,
+        route=route.name,
         trace_id=trace_id,
         outcome="error",
         status=400,

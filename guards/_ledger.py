@@ -23,14 +23,18 @@ class Attempt:
     """One provider call.
 
     `attempt` counts the calls of one guarded call (1, 2, ...), across the chain's models.
-    `requested_model` is the chain's first model, `model` the one this call asked for, and
-    `served_model` the one the provider says answered (None when it did not answer). `outcome`
+    `requested_model` is the chain's first model, `model` the one this call asked for (its key,
+    `provider:model`), `entry` that model's chain entry as written (`hint:fast` for a model a
+    routing hint resolved to, else the same as `model`), and `served_model` the one the
+    provider says answered (None when it did not answer). `outcome`
     is `"ok"` or the classifier's kind (`"cancelled"` when the caller stopped waiting).
     `usage` is the provider's token count, when it sent one. `delivered_chars` counts the
     characters a streamed attempt delivered to the client (for a stream cut or cancelled
     before the provider's usage arrived); None for a non-streaming call. A failed call carries
     the provider's HTTP `status` and numeric error `code` when it sent them (never its message):
     a 401 reads as a credential problem, not an outage.
+    `resumed_steps` names the steps its request had loaded from its task's checkpoints
+    (`AI.step`) instead of calling, when the call was made.
     """
 
     trace_id: str
@@ -45,6 +49,8 @@ class Attempt:
     delivered_chars: int | None = None
     status: int | None = None
     code: int | None = None
+    entry: str | None = None
+    resumed_steps: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -66,6 +72,7 @@ class LogLedger:
             attempt=attempt.attempt,
             requested_model=attempt.requested_model,
             model=attempt.model,
+            entry=attempt.entry if attempt.entry != attempt.model else None,
             served_model=attempt.served_model,
             outcome=attempt.outcome,
             latency_ms=attempt.latency_ms,
@@ -74,4 +81,5 @@ class LogLedger:
             delivered_chars=attempt.delivered_chars,
             status=attempt.status,
             code=attempt.code,
+            resumed_steps=list(attempt.resumed_steps) if attempt.resumed_steps else None,
         )

@@ -7,7 +7,7 @@ several; see its docstring for several worker processes).
 
 A 200 with a fallback is a successful request: `guards_requests_total{outcome="fallback"}`, and
 `guards_fallbacks_total` says which guard and reason; `outcome="error"` counts public errors
-and application failures.
+and application failures, `outcome="invalid"` the 400s answered before the handler ran.
 
 The counts of every request are tallied in plain process memory (`Tally`, `HistogramTally`:
 an integer increment, a bucket search) and written to prometheus-client at most
@@ -47,12 +47,20 @@ __all__ = [
     "ATTEMPTS",
     "ATTEMPT_SECONDS",
     "BREAKER_STATE",
+    "BREAKER_TRANSITIONS",
+    "COST",
+    "EFFORT_DECISIONS",
     "FALLBACKS",
     "REQUESTS",
     "REQUEST_SECONDS",
+    "RETRY_BUDGET_EXHAUSTED",
+    "SERVED",
+    "SERVICE_LEVEL",
     "SKIPS",
+    "TOKENS",
     "FLUSH_INTERVAL_S",
     "STORE_UNAVAILABLE",
+    "TASK_STEPS",
     "HistogramTally",
     "RouteMetrics",
     "Tally",
@@ -76,7 +84,7 @@ REQUESTS = Counter(
     "guards_requests",
     "Requests to guarded routes by outcome: ok (the model answered), fallback (200 with a "
     "fallback envelope), error (a public error or an application failure), cancelled (the "
-    "client left before the answer).",
+    "client left before the answer), invalid (400 invalid_request: no handler ran, no call).",
     ["route", "outcome"],
 )
 FALLBACKS = Counter(
@@ -89,10 +97,46 @@ ATTEMPTS = Counter(
     "Provider calls by model (as configured in the chain) and outcome kind (ok or a failure kind).",
     ["model", "kind"],
 )
+SERVED = Counter(
+    "guards_served",
+    "Requests answered (outcome ok) by a model, by route, the chain entry whose answer served "
+    "(as configured) and its position in the chain: first (the route's model) or fallback.",
+    ["route", "model", "position"],
+)
+TOKENS = Counter(
+    "guards_tokens",
+    "Tokens the providers reported using, by model (as configured in the chain) and type: "
+    "input or output. Calls that report no usage add nothing.",
+    ["model", "type"],
+)
+COST = Counter(
+    "guards_cost_usd",
+    "What provider calls cost in US dollars, by route and model: the reported usage priced by "
+    "Guards(prices=...) (times Guards(cost_unit_usd=...)). Models without a price, and calls "
+    "that report no usage, add nothing.",
+    ["route", "model"],
+)
+BREAKER_TRANSITIONS = Counter(
+    "guards_breaker_transitions",
+    "Breaker state changes by model and the state entered: open, half_open, closed. Each change "
+    "is counted once, by the worker whose store operation made it.",
+    ["model", "to"],
+)
 SKIPS = Counter(
     "guards_model_skips",
     "Chain models skipped without a call, by reason: cooldown or circuit_open.",
     ["model", "reason"],
+)
+EFFORT_DECISIONS = Counter(
+    "guards_effort_decisions",
+    "Effort routing decisions, by route, the tier the request was given (simple, standard, "
+    "complex) and the routing hint it was sent to.",
+    ["route", "tier", "hint"],
+)
+RETRY_BUDGET_EXHAUSTED = Counter(
+    "guards_retry_budget_exhausted",
+    "Retryable failures not retried because the model's retry budget (in this worker) was spent.",
+    ["model"],
 )
 REQUEST_SECONDS = Histogram(
     "guards_request_duration_seconds",
@@ -113,6 +157,22 @@ BREAKER_STATE = Gauge(
     multiprocess_mode="mostrecent",
 )
 STATE_VALUE = {CircuitState.closed: 0, CircuitState.half_open: 1, CircuitState.open: 2}
+#: Every worker reads the same store, so the value a worker set last is the freshest reading
+#: (`mostrecent`): a worker that has been idle keeps an older one, and `max` or `min` would
+#: hold on to it.
+SERVICE_LEVEL = Gauge(
+    "guards_service_level",
+    "The service level a worker last read: 0 full, 1 degraded (some model down), 2 minimal "
+    "(every model down).",
+    multiprocess_mode="mostrecent",
+)
+TASK_STEPS = Counter(
+    "guards_task_steps",
+    "Multi-step tasks by outcome: saved and resumed (steps), replayed (requests answered with a "
+    "completed task's response), conflict (requests refused 409 task_in_progress or 422 "
+    "idempotency_key_reused).",
+    ["route", "outcome"],
+)
 
 
 class Tally:
@@ -124,11 +184,11 @@ class Tally:
     def __init__(self, child: Counter) -> None:
         self._child = child
         #: Only ever grows; `_flushed` is what prometheus-client has of it.
-        self.count = 0
-        self._flushed = 0
+        self.count: float = 0
+        self._flushed: float = 0
 
-    def add(self) -> None:
-        self.count += 1
+    def add(self, amount: float = 1) -> None:
+        self.count += amount
 
     def _flush(self) -> None:
         count = self.count
@@ -228,7 +288,7 @@ def _timed_flush() -> None:
 class RouteMetrics:
     """The tallies of one route's series, bound once at start-up."""
 
-    __slots__ = ("_route", "cancelled", "error", "fallback", "ok", "seconds")
+    __slots__ = ("_route", "cancelled", "error", "fallback", "invalid", "ok", "seconds")
 
     def __init__(self, route: str) -> None:
         self._route = route
@@ -236,6 +296,7 @@ class RouteMetrics:
         self.fallback = counter(REQUESTS, route, "fallback")
         self.error = counter(REQUESTS, route, "error")
         self.cancelled = counter(REQUESTS, route, "cancelled")
+        self.invalid = counter(REQUESTS, route, "invalid")
         self.seconds = histogram(REQUEST_SECONDS, route)
 
     def tripped(self, guard: str, reason: str) -> None:

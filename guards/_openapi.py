@@ -1,8 +1,10 @@
 """OpenAPI for guarded routes: every status a guarded route can answer, with its body.
 
 FastAPI documents the success shape from the return annotation (the envelope for a degrading
-route). This adds the error statuses (each limited to the tokens it can carry), `x-trace-id` and
-`Retry-After` headers, and removes FastAPI's 422, which a guarded route never answers.
+route), and a task route's `Idempotency-Key` header from its endpoint's signature. This adds
+the error statuses (each limited to the tokens it can carry), the `x-trace-id`,
+`x-service-level` and `Retry-After` headers, and removes FastAPI's 422, which a guarded route
+answers only as a task's `idempotency_key_reused`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ __all__ = ["document_guarded_routes"]
 _REF = "#/components/schemas/{model}"
 _TRACE_HEADER = {"description": "Trace id of the request, also in logs.", "schema": {"type": "string"}}
 _RETRY_AFTER = {"description": "Seconds to wait before retrying, when known.", "schema": {"type": "integer"}}
+_LEVEL_HEADER = {
+    "description": "The service level, while it is not full: degraded (some model is down) or "
+    "minimal (every model is down).",
+    "schema": {"type": "string", "enum": ["degraded", "minimal"]},
+}
+_REPLAYED = {
+    "idempotent-replayed": {
+        "description": "`true` when the answer is a completed task's, answered again without a call.",
+        "schema": {"type": "string", "enum": ["true"]},
+    }
+}
 _ATTRIBUTION = {
     "detailed": {
         "x-ai-model": {
@@ -130,6 +143,8 @@ _DESCRIPTIONS = {
         "Invalid input (missing, wrong-typed or oversized); no model call was made. `problems` "
         "names each field and what is wrong with it (a pydantic error type), never the input."
     ),
+    409: "Another request holds this Idempotency-Key's task; retry after `Retry-After`.",
+    422: "This Idempotency-Key was used with another request body.",
     429: "A per-key budget is spent.",
     500: "The route's own code failed; the model's answer was fine.",
     502: "The model cannot serve this route, or answered in the wrong shape.",
@@ -140,8 +155,11 @@ _DESCRIPTIONS = {
 def error_statuses(route: GuardedRoute) -> dict[int, list[ErrorCode]]:
     """The error statuses `route` can answer and the tokens each can carry."""
     statuses = {400: [ErrorCode.invalid_request], 500: [ErrorCode.application_failure]}
+    if route.task is not None:
+        statuses[409] = [ErrorCode.task_in_progress]
+        statuses[422] = [ErrorCode.idempotency_key_reused]
     if route.degrading:
-        return statuses
+        return dict(sorted(statuses.items()))
     for status, codes in STRICT_STATUSES.items():
         allowed = [c for c in codes if _possible(route, c)]
         if allowed:
@@ -156,7 +174,7 @@ def _possible(route: GuardedRoute, code: ErrorCode) -> bool:
     if code is ErrorCode.budget_exceeded:
         return budget is not None and budget.per_day is not None
     if code is ErrorCode.circuit_open:
-        return route.breaker is not None
+        return route.breaker is not None or route.shed_at is not None
     return True
 
 
@@ -179,6 +197,8 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
             responses.pop("422", None)
             if route.streaming:
                 responses["200"] = _stream_response(attribution)
+            if route.task is not None:
+                responses.setdefault("200", {}).setdefault("headers", {}).update(_REPLAYED)
             for status, codes in error_statuses(route).items():
                 responses[str(status)] = _error_response(status, codes)
             if route.max_body_bytes is not None:
@@ -192,7 +212,9 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
                     if answered in responses:
                         responses[answered].setdefault("headers", {}).update(_ATTRIBUTION[attribution])
             for response in responses.values():
-                response.setdefault("headers", {})["x-trace-id"] = _TRACE_HEADER
+                headers = response.setdefault("headers", {})
+                headers["x-trace-id"] = _TRACE_HEADER
+                headers["x-service-level"] = _LEVEL_HEADER
 
 
 def _error_response(status: int, codes: list[ErrorCode]) -> dict[str, Any]:
@@ -211,6 +233,6 @@ def _error_response(status: int, codes: list[ErrorCode]) -> dict[str, Any]:
         "description": _DESCRIPTIONS[status] + " Errors: " + ", ".join(c.value for c in codes) + ".",
         "content": {"application/json": {"schema": body}},
     }
-    if status in (429, 503):
+    if status in (409, 429, 503):
         response["headers"] = {"retry-after": _RETRY_AFTER}
     return response

@@ -32,17 +32,24 @@ from ._ai import AI, finish_request
 from ._breaker import Breaker, CircuitState
 from ._budget import Budget, Price
 from ._call import Retry
-from ._chain import ModelRef, flatten_chain
+from ._chain import HINT_PREFIX, ModelRef, flatten_chain
 from ._classify import Kind
+from ._effort import Effort, EffortRoutes
 from ._envelope import Envelope, ErrorCode, FallbackInfo
 from ._errors import ConfigurationError, GuardTripped
 from ._event_stream import EventStream
+from ._last_good import LastGood, LastGoodCache
+from ._levels import Level
 from ._log import emit_error, emit_warning, frames
 from ._metrics import (
     ATTEMPT_SECONDS,
     ATTEMPTS,
     BREAKER_STATE,
+    BREAKER_TRANSITIONS,
+    COST,
+    SERVED,
     STATE_VALUE,
+    TOKENS,
     HistogramTally,
     RouteMetrics,
     Tally,
@@ -52,6 +59,7 @@ from ._metrics import (
 from ._output import Moderation, OutputGuard
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response, public_error
+from ._tasks import Task, key_parameter, task_endpoint
 
 if typing.TYPE_CHECKING:
     from ._guards import Guards
@@ -79,16 +87,24 @@ class Leg:
     ref: ModelRef
     breaker_key: str
     cooldown_key: str
-    #: The model's price, when the route has a spend cap.
+    #: The model's price (`Guards(prices=...)`), when known.
     price: Price | None
     seconds: HistogramTally
     breaker_state: Gauge
     attempts: dict[str, Tally]
     #: The breaker state this process last saw (the gauge is set only when it changes).
     last_state: list[CircuitState | None]
+    #: Requests this leg's answer served (`guards_served_total`: its route and position).
+    served: Tally
+    #: Reported usage (`guards_tokens_total`), and its cost on this route when priced.
+    input_tokens: Tally
+    output_tokens: Tally
+    cost_usd: Tally | None
+    #: Breaker state changes this process's store operations made, by the state entered.
+    transitions: dict[CircuitState, Tally]
 
     @classmethod
-    def of(cls, ref: ModelRef, price: Price | None) -> Leg:
+    def of(cls, ref: ModelRef, price: Price | None, route: str, first: bool) -> Leg:
         return cls(
             ref=ref,
             breaker_key=f"guards:breaker:{ref.key}",
@@ -98,6 +114,11 @@ class Leg:
             breaker_state=BREAKER_STATE.labels(ref.key),
             attempts={kind: counter(ATTEMPTS, ref.key, kind) for kind in ("ok", *Kind)},
             last_state=[None],
+            served=counter(SERVED, route, ref.key, "first" if first else "fallback"),
+            input_tokens=counter(TOKENS, ref.key, "input"),
+            output_tokens=counter(TOKENS, ref.key, "output"),
+            cost_usd=counter(COST, route, ref.key) if price is not None else None,
+            transitions={state: counter(BREAKER_TRANSITIONS, ref.key, state.value) for state in CircuitState},
         )
 
     def saw(self, state: CircuitState) -> None:
@@ -142,6 +163,13 @@ class GuardedRoute:
     #: A streamed answer's limits: seconds since the request began, characters of output.
     stream_max_s: float = DEFAULT_STREAM_MAX_S
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS
+    #: A route that routes by effort: its chain per tier (the route itself runs the standard
+    #: tier's chain until a request's first call picks one). None: the chain is pinned.
+    effort: EffortRoutes | None = None
+    #: The service level at which the route is shed (and shed under overload); None: never.
+    shed_at: Level | None = None
+    #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).
+    task: Task | None = None
 
     @property
     def degrading(self) -> bool:
@@ -158,7 +186,7 @@ def guard_route(
     guards: Guards,
     handler: Callable[..., Awaitable[Any]],
     *,
-    model: str,
+    model: str | None,
     fallbacks: Sequence[str],
     attempts: int | None,
     timeout_s: float,
@@ -172,13 +200,20 @@ def guard_route(
     stream_max_s: float = DEFAULT_STREAM_MAX_S,
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
     max_body_bytes: int | None,
+    effort: Effort | None = None,
+    shed_at: str | None = None,
+    task: Task | None = None,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
         raise ConfigurationError(f"guarded route {handler.__qualname__} must be an `async def`")
     if timeout_s <= 0:
         raise ConfigurationError("timeout_s must be positive")
-    if not model.strip():
+    if effort is not None and model is not None:
+        raise ConfigurationError(
+            f"{handler.__qualname__}: a route names its model or routes by effort, not both"
+        )
+    if effort is None and (model is None or not model.strip()):
         raise ConfigurationError("a guarded route needs a model id")
     if max_tokens is not None and max_tokens < 1:
         raise ConfigurationError("max_tokens must be at least 1")
@@ -186,29 +221,42 @@ def guard_route(
         raise ConfigurationError("stream_max_s must be positive and stream_max_chars at least 1")
     if max_body_bytes is not None and max_body_bytes < 1:
         raise ConfigurationError("max_body_bytes must be at least 1 (or None: no limit)")
+    if shed_at not in (None, Level.degraded, Level.minimal):
+        raise ConfigurationError('shed_at must be "degraded", "minimal" or None (never shed)')
     route_name = name or handler.__name__
-    chain = flatten_chain([model, *fallbacks], profiles=guards.profiles, providers=guards.providers)
-    for problem in chain.problems:
-        emit_warning("chain_invalid", route=route_name, problem=problem)
-    if not chain.models:
-        raise ConfigurationError(
-            f"{handler.__qualname__}: no model left in its chain ({'; '.join(chain.problems)})"
-        )
-    attempt_budget = attempts if attempts is not None else len(chain.models) + retry.attempts - 1
-    if attempt_budget < 1:
-        raise ConfigurationError("attempts must be at least 1")
     spend_capped = budget is not None and budget.spend_per_day is not None
-    if spend_capped:
-        if max_tokens is None:
+    if spend_capped and max_tokens is None:
+        raise ConfigurationError(
+            f"{handler.__qualname__} has a spend cap: declare max_tokens to bound its cost"
+        )
+    problems: dict[str, None] = {}  # each logged once, whichever tier's chain has it
+
+    def chain_of(first: str) -> tuple[tuple[Leg, ...], int]:
+        """The legs of the chain `first, *fallbacks`, and its attempt budget."""
+        chain = flatten_chain(
+            [first, *fallbacks], profiles=guards.profiles, providers=guards.providers, hints=guards.hints
+        )
+        problems.update(dict.fromkeys(chain.problems))
+        if not chain.models:
             raise ConfigurationError(
-                f"{handler.__qualname__} has a spend cap: declare max_tokens to bound its cost"
+                f"{handler.__qualname__}: no model left in its chain ({'; '.join(chain.problems)})"
             )
+        attempt_budget = attempts if attempts is not None else len(chain.models) + retry.attempts - 1
+        if attempt_budget < 1:
+            raise ConfigurationError("attempts must be at least 1")
         unpriced = [ref.key for ref in chain.models if guards.prices.get(ref.key) is None]
-        if unpriced:
+        if spend_capped and unpriced:
             raise ConfigurationError(
                 f"{handler.__qualname__} has a spend cap: Guards(prices=...) has no price for "
                 + ", ".join(unpriced)
             )
+        legs = tuple(
+            Leg.of(ref, guards.prices.get(ref.key), route_name, index == 0)
+            for index, ref in enumerate(chain.models)
+        )
+        return legs, attempt_budget
+
+    legs, attempt_budget = chain_of(HINT_PREFIX + effort.standard if effort is not None else str(model))
     try:
         hints = typing.get_type_hints(handler, include_extras=True)
     except NameError as exc:
@@ -254,19 +302,28 @@ def guard_route(
             )
         if output_type not in (str, Any):
             raise ConfigurationError(f"streaming route {handler.__qualname__} must declare `AI[str]`")
+        if task is not None:
+            raise ConfigurationError(
+                f"streaming route {handler.__qualname__} cannot run as a task: a stream is not replayed"
+            )
     data_adapter: TypeAdapter[Any] = TypeAdapter(Any if streaming else data_type)
-    if degrading and not callable(fallback):
+    last_good = None
+    if isinstance(fallback, LastGood):
+        last_good = LastGoodCache(fallback, route_name, data_adapter)
+        plain = fallback.otherwise
+    else:
+        plain = fallback
+    if degrading and not callable(plain):
         try:
-            fallback = data_adapter.validate_python(fallback)
+            plain = data_adapter.validate_python(plain)
         except ValidationError as exc:
             raise ConfigurationError(
                 f"the fallback of {handler.__qualname__} does not validate against its return type: {exc}"
             ) from None
     output = OutputGuard(output_type, moderation)
-    legs = tuple(Leg.of(ref, guards.prices.get(ref.key)) for ref in chain.models)
     route = GuardedRoute(
         name=route_name,
-        model=chain.models[0].key,
+        model=legs[0].ref.key,
         legs=legs,
         cooldown_keys=tuple(leg.cooldown_key for leg in legs),
         attempt_budget=attempt_budget,
@@ -290,20 +347,36 @@ def guard_route(
         metrics=RouteMetrics(route_name),
         stream_max_s=stream_max_s,
         stream_max_chars=stream_max_chars,
+        shed_at=Level(shed_at) if shed_at is not None else None,
+        task=task,
     )
+    if effort is not None:
+        route = EffortRoutes.attach(route, effort, lambda hint: chain_of(HINT_PREFIX + hint))
+    for problem in problems:
+        emit_warning("chain_invalid", route=route_name, problem=problem)
     envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]
 
-    async def compute_fallback(arguments: Mapping[str, Any], tripped: GuardTripped) -> Any:
-        if not callable(route.fallback):
-            return route.fallback
-        value = route.fallback(arguments, tripped)
+    async def compute_fallback(
+        arguments: Mapping[str, Any], tripped: GuardTripped, trace_id: str
+    ) -> tuple[Any, str]:
+        """The fallback's data, and the envelope's detail."""
+        if last_good is not None:
+            found = await last_good.recall(guards.store, arguments, tripped, trace_id)
+            if found is not None:
+                return found
+        if not callable(plain):
+            return plain, tripped.detail
+        value = plain(arguments, tripped)
         if inspect.isawaitable(value):
             value = await value
-        return data_adapter.validate_python(value)
+        return data_adapter.validate_python(value), tripped.detail
 
     budget_prefix = f"guards:{route.scope}:"
     # An instance of exactly the route's model class needs no second validation.
     data_class = data_type if isinstance(data_type, type) and issubclass(data_type, BaseModel) else None
+    levels = guards.levels
+    # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
+    enter_levels = route.shed_at is not None or levels.max_in_flight is not None
 
     @functools.wraps(handler)
     async def endpoint(**kwargs: Any) -> Any:
@@ -311,7 +384,14 @@ def guard_route(
         response: Response = kwargs.pop(_RESPONSE)
         request.scope[_ENTERED] = True
         started = time.perf_counter()
-        trace_id = request_trace_id(request)
+        # With tracing on, the request's span (its trace id is the `x-trace-id`), current
+        # while the handler runs; ended with the request's outcome (`finish_request`).
+        trace = (
+            None
+            if guards.tracing is None
+            else guards.tracing.start(route.name, request, lambda: request_trace_id(request))
+        )
+        trace_id = request_trace_id(request) if trace is None else trace.trace_id
         # Budget keys are scoped to the route (or the budget's scope): guards:{scope}:{caller}.
         budget_key = f"{budget_prefix}{budget.key(request)}" if budget is not None else None
         ai: AI[Any] = AI(
@@ -321,12 +401,19 @@ def guard_route(
             trace_id=trace_id,
             request=request,
             started=started,
+            trace=trace,
         )
         kwargs[ai_name] = ai
         try:
+            if trace is not None:
+                trace.enter()
+            if enter_levels and (shed := levels.enter(route, request.scope)) is not None:
+                raise shed  # answered at once, like an open breaker: no call, no charge
             value = await handler(**kwargs)
             if type(value) is not data_class and not isinstance(value, Response):
                 value = data_adapter.validate_python(value)
+            if last_good is not None and not isinstance(value, Response):  # a validated success
+                await last_good.remember(guards.store, _arguments(kwargs, ai_name), value, trace_id)
         except GuardTripped as tripped:
             del kwargs[ai_name]  # the fallback sees the route's own arguments
             outcome = "cancelled" if tripped.kind is Kind.cancelled else "error"
@@ -337,7 +424,7 @@ def guard_route(
                 answer.raw_headers.extend(_attribution(ai, guards.attribution))
                 return answer
             try:
-                data = await compute_fallback(kwargs, tripped)
+                data, detail = await compute_fallback(kwargs, tripped, trace_id)
             except Exception as exc:
                 return _application_failure(route, ai, started, exc, guards.attribution)
             finish_request(
@@ -346,14 +433,18 @@ def guard_route(
             # A model that answered is named even when its answer was rejected.
             response.raw_headers.extend(_attribution(ai, guards.attribution))
             response.raw_headers.append((b"x-trace-id", trace_id.encode()))
-            info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=tripped.detail)
+            info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=detail)
             return envelope_type(ok=True, data=data, fallback=info)
         except HTTPException:
             raise  # the handler's own deliberate HTTP answer
         except Exception as exc:
             return _application_failure(route, ai, started, exc, guards.attribution)
-        if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
-            finish_request(route, ai, started, "ok", 200)
+        else:
+            if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
+                finish_request(route, ai, started, "ok", 200)
+        finally:
+            if trace is not None:
+                trace.leave()
         headers = _attribution(ai, guards.attribution)
         headers.append((b"x-trace-id", trace_id.encode()))
         if isinstance(value, Response):
@@ -366,11 +457,28 @@ def guard_route(
         inspect.Parameter(_REQUEST, inspect.Parameter.KEYWORD_ONLY, annotation=Request),
         inspect.Parameter(_RESPONSE, inspect.Parameter.KEYWORD_ONLY, annotation=Response),
     ]
-    endpoint.__signature__ = signature.replace(  # type: ignore[attr-defined]
+    guarded: Callable[..., Awaitable[Any]] = endpoint
+    if task is not None:  # the Idempotency-Key header: validated and documented by FastAPI
+        params.append(key_parameter())
+        guarded = task_endpoint(
+            guards,
+            route,
+            endpoint,
+            response_type=envelope_type or data_type,
+            trace_id_of=request_trace_id,
+            request_param=_REQUEST,
+            response_param=_RESPONSE,
+        )
+    guarded.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=params, return_annotation=envelope_type if degrading else data_type
     )
-    endpoint.__guards_route__ = route  # type: ignore[attr-defined]
-    return endpoint
+    guarded.__guards_route__ = route  # type: ignore[attr-defined]
+    return guarded
+
+
+def _arguments(kwargs: Mapping[str, Any], ai_name: str) -> dict[str, Any]:
+    """The route's own arguments (without its `AI`), as a fallback function sees them."""
+    return {name: value for name, value in kwargs.items() if name != ai_name}
 
 
 def route_of(endpoint: Any) -> GuardedRoute | None:

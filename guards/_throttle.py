@@ -27,6 +27,8 @@ class Throttled:
             raise ValueError("Throttled needs a positive max_rate and time_period_s")
         self.binding = binding
         self._limiter = AsyncLimiter(max_rate, time_period_s)
+        #: Traces name the provider behind the pacing (see `guards._tracing.provider_name`).
+        self.gen_ai_provider_name: str | None = getattr(binding, "gen_ai_provider_name", None)
 
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
         async with self._limiter:

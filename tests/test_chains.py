@@ -552,9 +552,9 @@ def test_default_attempt_budget_is_chain_length_plus_one_retry(
 @pytest.mark.parametrize(
     ("mode", "headers"),
     [
-        ("detailed", {"x-ai-model", "x-ai-fallback", "x-trace-id"}),
-        ("redacted", {"x-ai-fallback", "x-trace-id"}),
-        ("off", {"x-trace-id"}),
+        ("detailed", {"x-ai-model", "x-ai-fallback", "x-trace-id", "x-service-level"}),
+        ("redacted", {"x-ai-fallback", "x-trace-id", "x-service-level"}),
+        ("off", {"x-trace-id", "x-service-level"}),
     ],
 )
 def test_openapi_documents_the_attribution_headers(fake_ai: Any, mode: Any, headers: set[str]) -> None:

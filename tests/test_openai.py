@@ -76,6 +76,7 @@ def test_success_returns_text_usage_and_model(fake_openai: FakeOpenAI) -> None:
         response="Hello there.",
         model=MODEL,
         usage=Usage(prompt_tokens=10, completion_tokens=5, total_tokens=15),
+        finish_reason="stop",
     )
 
 
@@ -89,7 +90,7 @@ def test_model_is_the_one_that_served(fake_openai: FakeOpenAI) -> None:
 def test_model_falls_back_to_the_requested_id(fake_openai: FakeOpenAI) -> None:
     body = b'{"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}'
     result = run_once(fake_openai, Raw(200, body, "application/json"))
-    assert result == AIResult(response="hi", model=MODEL)
+    assert result == AIResult(response="hi", model=MODEL, finish_reason="stop")
 
 
 def test_request_carries_path_model_and_bearer_key(fake_openai: FakeOpenAI) -> None:

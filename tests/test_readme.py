@@ -88,10 +88,16 @@ CHECKED = {
     ("## Streaming routes", "", 0): "test_stream_sample_has_the_documented_events",
     ("## Logs", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
     ("## How the guards count", "python", 0): "test_budget_keys_example_keys_by_the_principal",
+    ("## Effort routing", "python", 0): "test_effort_example_routes_by_effort",
+    ("## Effort routing", "python", 1): "test_effort_override_example_escalates_premium_users",
+    ("## The last good answer", "python", 0): "test_last_good_example_serves_the_last_answer",
     ("## Metrics", "python", 0): "test_metrics_snippet_serves_the_exposition",
+    ("## Traces", "python", 0): "test_tracing_snippet_traces_with_its_provider",
     ("## Testing your routes", "python", 0): "test_testing_example_passes_under_pytest",
     ("## Serving in production", "sh", 0): "test_serve_command_serves_and_stops_gracefully",
     ("## Serving in production", "nginx", 0): "test_nginx_sketch_agrees_with_the_app",
+    ("## Service levels and shedding", "python", 0): "test_health_example_answers_the_level",
+    ("## Multi-step tasks", "python", 0): "test_readme_task_example_resumes_and_replays",
     ("## Layout", "", 0): "test_layout_names_files_that_exist",
 }
 
@@ -115,7 +121,9 @@ def free_port() -> int:
 
 
 #: Settings of the example app: none of the test machine's own may leak into a server run here.
-_SETTINGS = re.compile(r"^(AI_|CLOUDFLARE_|OPENAI_|GUARDS_|CORS_|DAILY_|RATE_|BREAKER_|RETRY_|PROMETHEUS_)")
+_SETTINGS = re.compile(
+    r"^(AI_|CLOUDFLARE_|OPENAI_|GUARDS_|CORS_|DAILY_|RATE_|BREAKER_|RETRY_|PROMETHEUS_|OTEL_)"
+)
 
 
 @pytest.fixture
@@ -218,7 +226,7 @@ def test_nginx_sketch_agrees_with_the_app() -> None:
 def check_curl(command: str, out: str) -> None:
     """What each README curl must print, by the route it calls."""
     if "/health" in command:
-        assert json.loads(out) == {"ok": True}
+        assert json.loads(out) == {"ok": True, "level": "full", "down": []}
     elif "/draft-reply/stream" in command:
         assert out.startswith("event: delta\n")
         assert out.rstrip().splitlines()[-2] == "event: done"
@@ -230,6 +238,8 @@ def check_curl(command: str, out: str) -> None:
         )
     elif "/draft-reply" in command:
         assert set(json.loads(out)) == {"model", "reply", "attempts", "trace_id"}
+    elif "/report" in command:
+        assert set(json.loads(out)) == {"summary", "label", "reply", "resumed_steps", "trace_id"}
     elif "/summary" in command:
         body = json.loads(out)
         assert body["ok"] is True
@@ -247,17 +257,22 @@ def test_curls_run_against_a_live_server(run_server: Callable[..., str]) -> None
         for section, index in (("## Quick start", 1), ("## Streaming routes", 0))
         for command in shell_commands(block(section, "sh", index))
     ]
-    assert len(curls) == 7
+    assert len(curls) == 8
     for command in curls:
         assert command.startswith("curl ")
-        done = subprocess.run(
-            ["bash", "-c", command.replace("localhost:8000", url.removeprefix("http://"))],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert done.returncode == 0, (command, done.stderr)
-        check_curl(command, done.stdout)
+        outputs = []
+        # "again: replayed": the same request a second time gets the same answer.
+        for _ in range(2 if "again: replayed" in command else 1):
+            done = subprocess.run(
+                ["bash", "-c", command.replace("localhost:8000", url.removeprefix("http://"))],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert done.returncode == 0, (command, done.stderr)
+            check_curl(command, done.stdout)
+            outputs.append(done.stdout)
+        assert len(set(outputs)) == 1
 
 
 def test_workers_ai_with_an_openai_fallback_as_written(run_server: Callable[..., str]) -> None:
@@ -355,6 +370,83 @@ def test_budget_keys_example_keys_by_the_principal(use_fake_ai: Any) -> None:
     assert anyio.run(charge, "guards:triage_mine:eve", 1)
 
 
+def effort_example() -> tuple[dict[str, Any], FakeBinding, FakeBinding]:
+    """The "Effort routing" example, its main binding and its `openai` provider faked."""
+    example = readme_example("## Effort routing")
+    guards = example["guards"]
+    main, openai = FakeBinding(Reply("from the main binding")), FakeBinding(Reply("from openai"))
+    guards.binding, guards.providers["openai"] = main, openai
+    return example, main, openai
+
+
+def test_effort_example_routes_by_effort() -> None:
+    example, main, openai = effort_example()
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            return [
+                await client.post("/reply", json={"message": "Where is my parcel?"}),  # simple
+                await client.post("/reply", json={"message": "Why? How? When?"}),  # complex
+            ]
+
+    simple, complex_ = anyio.run(scenario)
+    assert simple.json() == "from the main binding"
+    assert complex_.json() == "from openai"
+    assert [call.model for call in main.calls] == ["@cf/meta/llama-3.1-8b-instruct"]
+    assert [call.model for call in openai.calls] == ["gpt-4o"]
+
+
+def test_effort_override_example_escalates_premium_users() -> None:
+    example, _, openai = effort_example()
+
+    @dataclass(frozen=True)
+    class User:
+        plan: str
+
+    async def authenticate(request: Any) -> User | None:
+        plan = request.headers.get("authorization", "").removeprefix("Bearer ")
+        return User(plan) if plan else None
+
+    example["authenticate"] = authenticate
+    exec(compile(block("## Effort routing", "python", 1), str(README), "exec"), example)
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            body = {"message": "Where is my parcel?"}  # simple, by the estimator
+            return [
+                await client.post("/reply/premium", json=body, headers={"authorization": "Bearer free"}),
+                await client.post("/reply/premium", json=body, headers={"authorization": "Bearer premium"}),
+            ]
+
+    free, premium = anyio.run(scenario)
+    assert free.json() == "from the main binding"
+    assert premium.json() == "from openai"
+    assert [call.model for call in openai.calls] == ["gpt-4o"]
+
+
+def test_last_good_example_serves_the_last_answer(use_fake_ai: Any) -> None:
+    example = readme_example()
+    exec(compile(block("## The last good answer", "python"), str(README), "exec"), example)
+    fake = use_fake_ai(example["app"])
+    fake.script("*", Reply({"label": "billing", "urgent": False}), Fail(code=3036, status=429))
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            return [
+                await client.post("/triage/cached", json={"text": "I was charged twice"}),
+                # The same question (whitespace and case aside), when the model fails.
+                await client.post("/triage/cached", json={"text": "  i WAS charged   twice "}),
+                # Another question: the computed fallback.
+                await client.post("/triage/cached", json={"text": "The site is down"}),
+            ]
+
+    answered, remembered, computed = anyio.run(scenario)
+    assert answered.json()["fallback"] is None
+    assert remembered.json()["data"] == {"label": "billing", "urgent": False}
+    assert remembered.json()["fallback"]["detail"].startswith("the last good answer")
+    assert computed.json()["data"] == {"label": "outage", "urgent": True}  # triage_by_rules
+
+
 def test_readme_chain_example_falls_back_as_documented() -> None:
     example = readme_example("## Fallback chains")
     guards = example["guards"]
@@ -416,6 +508,13 @@ def test_metrics_snippet_serves_the_exposition() -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     assert "guards_requests_total" in response.text
+
+
+def test_tracing_snippet_traces_with_its_provider() -> None:
+    namespace: dict[str, Any] = {"__name__": "readme_traces"}
+    exec(compile(block("## Traces", "python"), str(README), "exec"), namespace)
+    assert namespace["guards"].tracing is not None
+    namespace["provider"].shutdown()
 
 
 def test_testing_example_passes_under_pytest(tmp_path: Path) -> None:
@@ -498,11 +597,17 @@ def test_log_samples_have_the_fields_of_real_lines(
     client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
     fake_workers_ai.script("*", Fail(code=3040, status=429), Reply("Fine."))
     assert client.post("/draft-reply", json={"message": "Where is my parcel?"}).status_code == 200
+    # Effort routing on, and a model failing every call: the effort decision, and retries until
+    # the retry budget (at least 3 per window) refuses one.
+    routed = serve(create_app(workers_ai_settings(fake_workers_ai, ai_effort="auto"), sleep=no_sleep))
+    fake_workers_ai.script("*", *[Fail(code=3040, status=429)] * 10)
+    for _ in range(5):
+        routed.post("/draft-reply", json={"message": "Where is my parcel?"})
     real: dict[str, list[set[str]]] = {}
     for line in guards_log.events():
         real.setdefault(line["event"], []).append(set(line))
     samples = json_values(block("## Logs", "json"))
-    assert [s["event"] for s in samples] == ["attempt", "retry", "request"]
+    assert [s["event"] for s in samples] == ["effort", "attempt", "retry", "retry", "request"]
     for sample in samples:
         assert set(sample) in real[sample["event"]], sample["event"]
 
@@ -558,3 +663,45 @@ def test_reason_tables_say_a_cooldown_answers_circuit_open(
     assert strict.json()["error"] == "circuit_open"
     assert 590 <= int(strict.headers["retry-after"]) <= 600
     assert len(fake_workers_ai.calls) == 1
+
+
+def test_health_example_answers_the_level() -> None:
+    example = readme_example()
+    example["app"] = FastAPI()  # the block's own route, on an app of its own
+    exec(compile(block("## Service levels and shedding", "python"), str(README), "exec"), example)
+
+    async def health() -> httpx.Response:
+        async with asgi_client(example["app"]) as client:
+            return await client.get("/health")
+
+    assert anyio.run(health).json() == {"ok": True, "level": "full", "down": []}
+
+
+def test_readme_task_example_resumes_and_replays(use_fake_ai: Any) -> None:
+    example = readme_example("## Multi-step tasks")
+    fake = use_fake_ai(example["app"])
+    fake.script(
+        "*", Reply("A summary."), Reply({"label": "billing", "confidence": 0.9}), Fail(code=5035, status=403)
+    )
+
+    async def scenario() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=example["app"])
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            headers = {"Idempotency-Key": "ticket-42", "x-user-id": "ada"}
+            answers = [await client.post("/report", json={"text": "Charged twice"}, headers=headers)]
+            fake.script("*", Reply("Sorry, refunded."))
+            for _ in range(2):
+                answers.append(await client.post("/report", json={"text": "Charged twice"}, headers=headers))
+            return answers
+
+    failed, resumed, replayed = anyio.run(scenario)
+    assert failed.status_code == 502
+    assert resumed.json() == {
+        "summary": "A summary.",
+        "label": "billing",
+        "reply": "Sorry, refunded.",
+        "resumed_steps": ["summarize", "classify"],
+    }
+    assert replayed.content == resumed.content
+    assert replayed.headers["idempotent-replayed"] == "true"
+    assert len(fake.calls) == 4

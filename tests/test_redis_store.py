@@ -91,6 +91,8 @@ def every_operation(store: Store) -> list[tuple[str, Callable[[], Awaitable[obje
         ("breaker_record", lambda: store.breaker_record("k", POLICY, Outcome.failure, probe=None)),
         ("cooldowns", lambda: store.cooldowns(["k"])),  # one key: one EVALSHA
         ("start_cooldown", lambda: store.start_cooldown("k", 30)),
+        ("put_answer", lambda: store.put_answer("k", "{}", ttl_s=30)),
+        ("get_answer", lambda: store.get_answer("k", max_age_s=30)),
     ]
 
 
@@ -218,6 +220,8 @@ def test_every_key_has_a_ttl(redis_url: str, admin: redis.Redis, prefix: str, wi
         await store.breaker_record("healthy", consecutive, Outcome.success, probe=None)
         await store.breaker_record("recovered", consecutive, Outcome.failure, probe=None)
         await store.breaker_record("recovered", consecutive, Outcome.success, probe=None)
+        await store.put_answer("answer", '{"label": "billing"}', ttl_s=600)
+        assert await store.get_answer("unanswered", max_age_s=600) is None  # reads create nothing
 
     before = admin.time()[0]
     asyncio.run(scenario())
@@ -241,6 +245,7 @@ def test_every_key_has_a_ttl(redis_url: str, admin: redis.Redis, prefix: str, wi
         "{settled-only}:spend:DAY",
         "{open}:breaker",
         "{windowed}:breaker",  # closed, but with a failure to remember
+        "{answer}:answer",
     }  # no key for the healthy breakers, nor for what was only read
     assert {key[-10:] for key in ttls if ":day:" in key or ":spend:" in key} <= days
     minute_ms, daily_ms = 60_000, DAILY_TTL_S * 1000
@@ -249,6 +254,8 @@ def test_every_key_has_a_ttl(redis_url: str, admin: redis.Redis, prefix: str, wi
             assert minute_ms - 10_000 < ttl <= minute_ms
         elif key.endswith(":breaker"):
             assert consecutive.ttl_s * 1000 - 10_000 < ttl <= windowed.ttl_s * 1000
+        elif key.endswith(":answer"):
+            assert 600_000 - 10_000 < ttl <= 600_000
         else:
             assert daily_ms - 10_000 < ttl <= daily_ms
 

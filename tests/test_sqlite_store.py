@@ -63,7 +63,8 @@ def row_counts(path: Path) -> dict[str, int]:
 
 async def leave_state_everywhere(store: Store, clock: ManualClock) -> Breaker:
     """Rows in every table: a rate window, a daily counter, a live hold, settled spend, an open
-    breaker and a closed one that counts failures, a cooldown. Returns the breakers' policy."""
+    breaker and a closed one that counts failures, a cooldown, a last good answer, a task with a
+    saved step. Returns the breakers' policy."""
     policy = Breaker(failure_threshold=2, reset_timeout_s=30)
     assert (await store.charge_budget("user", per_minute=5, per_day=10)).allowed
     hold = await store.reserve_spend("team", amount=3, cap=10, hold_s=120)
@@ -74,6 +75,10 @@ async def leave_state_everywhere(store: Store, clock: ManualClock) -> Breaker:
         await store.breaker_record("breaker:open", policy, Outcome.failure, probe=None)
     await store.breaker_record("breaker:flaky", policy, Outcome.failure, probe=None)
     await store.start_cooldown("openai:gpt-4o-mini", 30)
+    await store.put_answer("guards:last_good:0f1e", '{"label": "billing"}', ttl_s=600)
+    task = await store.task_claim("guards:task:r:k", fingerprint="fp", lease_s=76, ttl_s=86_400)
+    assert task.lease is not None
+    assert await store.task_save("guards:task:r:k", task.lease, "summarize", '"s"', lease_s=76)
     return policy
 
 
@@ -102,6 +107,9 @@ def test_every_table_has_expires_at_and_every_row_sets_it(
         "guards_hold",
         "guards_breaker",
         "guards_cooldown",
+        "guards_answer",
+        "guards_task",
+        "guards_task_step",
     }
     assert all(counts.values()), counts  # the scenario left rows in every table
     with peek(path) as conn:
@@ -198,7 +206,7 @@ def test_closed_breakers_keep_no_row(store: SQLiteStore, path: Path, clock: Manu
 
 def test_a_sweep_past_every_ttl_leaves_no_rows(store: SQLiteStore, path: Path, clock: ManualClock) -> None:
     policy = asyncio.run(leave_state_everywhere(store, clock))
-    assert sum(row_counts(path).values()) >= 6
+    assert sum(row_counts(path).values()) >= 7
     clock.advance(DAILY_TTL_S + policy.ttl_s + 61)  # past every TTL and the sweep interval
     assert asyncio.run(store.spent("team")) == 0  # an operation that writes nothing: it sweeps
     assert row_counts(path) == dict.fromkeys(row_counts(path), 0)

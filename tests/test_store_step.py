@@ -66,6 +66,57 @@ def test_a_refused_charge_takes_no_probe_and_a_report_applies_first(store: Store
     asyncio.run(scenario())
 
 
+def test_each_breaker_transition_is_told_to_the_one_step_that_made_it(
+    store: Store, clock: ManualClock
+) -> None:
+    """closed -> open (a report), open -> half_open (an admission), half_open -> closed (two
+    probe successes) and half_open -> open (a failed probe): each reported once, by the step
+    that made it; a step that changes no state reports none (a refusal, a second failure of an
+    open breaker, a healthy success)."""
+    policy = Breaker(failure_threshold=2, reset_timeout_s=30, success_threshold=2, half_open_probes=2)
+    key = LEGS[0][1]
+
+    def failure(probe: float | None = None) -> Report:
+        return Report(breaker_key=key, breaker=policy, outcome=Outcome.failure, probe=probe)
+
+    def success(probe: float | None = None) -> Report:
+        return Report(breaker_key=key, breaker=policy, outcome=Outcome.success, probe=probe)
+
+    async def scenario() -> None:
+        step = Step(legs=LEGS[:1], breaker=policy)
+        first = await store.step(step)
+        assert first.transitions == ()  # a closed breaker's admission
+        assert (await store.step(Step(report=failure()))).transitions == ()  # 1 of 2 failures
+        opened = await store.step(Step(report=failure(), legs=LEGS[:1], breaker=policy))
+        assert opened.transitions == ((key, CircuitState.open),)
+        assert opened.admitted is None  # the admission after the report is refused: no change
+        assert (await store.step(Step(report=failure()))).transitions == ()  # already open
+        clock.advance(30)
+        probe = await store.step(step)
+        assert probe.transitions == ((key, CircuitState.half_open),)
+        second_probe = await store.step(step)  # a second slot of the same generation
+        assert second_probe.transitions == ()
+        assert probe.decisions[0] is not None
+        ticket = probe.decisions[0].probe
+        assert (await store.step(Step(report=success(ticket)))).transitions == ()  # 1 of 2
+        closed = await store.step(Step(report=success(ticket)))
+        assert closed.transitions == ((key, CircuitState.closed),)
+        assert (await store.step(Step(report=success()))).transitions == ()  # healthy
+        # Open again, half-open, and a failed probe reopens it.
+        await store.step(Step(report=failure()))
+        assert (await store.step(Step(report=failure()))).transitions == ((key, CircuitState.open),)
+        clock.advance(30)
+        probe = await store.step(step)
+        assert probe.decisions[0] is not None
+        reopened = await store.step(
+            Step(report=failure(probe.decisions[0].probe), legs=LEGS[1:], breaker=policy)
+        )
+        assert reopened.transitions == ((key, CircuitState.open),)
+        assert reopened.admitted == 0  # the next leg, closed: no transition of its own
+
+    asyncio.run(scenario())
+
+
 def test_a_spend_refusal_charges_no_other_limit(store: Store) -> None:
     async def scenario() -> None:
         charge = Charge(key="u", per_day=5, spend=3.0, spend_cap=5.0, hold_s=60)

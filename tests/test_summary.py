@@ -21,6 +21,8 @@ MODEL = "@cf/test/model"
 TEXT = "I was charged twice and need a refund for the second invoice."
 #: What the keyword fallback answers for TEXT.
 FALLBACK = {"label": "billing", "confidence": 0.3}
+#: What the model answers in these tests; once it did, the last good answer to TEXT.
+ANSWER = {"label": "billing", "confidence": 0.9}
 Serve = Callable[[FastAPI], httpx.Client]
 
 
@@ -47,6 +49,13 @@ def summarize(client: httpx.Client, text: Any = TEXT, user: str = "user-1") -> h
 def fallback(response: httpx.Response, guard: str, reason: str) -> dict[str, Any]:
     """The envelope of a fallback carrying the keyword label, whole; returned for more checks."""
     return assert_fallback(response, guard, reason, FALLBACK)
+
+
+def last_good(response: httpx.Response, guard: str, reason: str) -> dict[str, Any]:
+    """The envelope of a fallback carrying the last good answer to TEXT (`ANSWER`), whole."""
+    body = assert_fallback(response, guard, reason, ANSWER)
+    assert body["fallback"]["detail"].startswith("the last good answer, ")
+    return body
 
 
 def test_model_answer_in_json_mode(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:
@@ -85,7 +94,8 @@ def test_rate_limited(make_client: Callable[..., httpx.Client], fake_workers_ai:
     fake_workers_ai.default = Reply({"label": "billing", "confidence": 0.9})
     assert summarize(client).json()["fallback"] is None
     assert summarize(client).json()["fallback"] is None
-    fallback(summarize(client), "budget", "rate_limited")
+    last_good(summarize(client), "budget", "rate_limited")  # the model answered this text before
+    fallback(summarize(client, text="My invoice is wrong."), "budget", "rate_limited")  # not this one
     assert len(fake_workers_ai.calls) == 2
     # Another user has a budget of their own.
     assert summarize(client, user="user-2").json()["fallback"] is None
@@ -98,7 +108,7 @@ def test_rate_limit_frees_up_after_a_minute(
     fake_workers_ai.default = Reply({"label": "billing", "confidence": 0.9})
     assert summarize(client).json()["fallback"] is None
     manual_clock.advance(59)
-    fallback(summarize(client), "budget", "rate_limited")
+    last_good(summarize(client), "budget", "rate_limited")
     manual_clock.advance(1.5)
     assert summarize(client).json()["fallback"] is None
 
@@ -126,7 +136,7 @@ def test_retries_are_charged_once(
     fake_workers_ai.script(MODEL, Fail(code=3040, status=429), Reply({"label": "billing", "confidence": 0.9}))
     assert summarize(client).json()["fallback"] is None
     assert len(fake_workers_ai.calls) == 2
-    fallback(summarize(client), "budget", "budget_exceeded")
+    last_good(summarize(client), "budget", "budget_exceeded")
 
 
 def test_timeout(make_client: Callable[..., httpx.Client], fake_workers_ai: FakeWorkersAI) -> None:
@@ -211,7 +221,7 @@ def test_breaker_opens_short_circuits_and_closes_after_the_reset_timeout(
 
     # Closed again: one failure is not enough to reopen it.
     fake_workers_ai.script(MODEL, Fail(code=5035, status=403))
-    fallback(summarize(client), "call", "provider_error")
+    last_good(summarize(client), "call", "provider_error")
     assert summarize(client).json()["fallback"] is None
     assert len(fake_workers_ai.calls) == 6
 

@@ -103,6 +103,10 @@ class OpenAICompatible:
     `/compat` (the gateway's compat endpoint), and to no resume for any other `base_url`.
     """
 
+    #: OpenTelemetry's `gen_ai.provider.name`: the conventions' well-known value for the
+    #: OpenAI API, which compatible servers speak (their `gen_ai.response.model` tells them apart).
+    gen_ai_provider_name = "openai"
+
     def __init__(
         self,
         *,
@@ -323,6 +327,7 @@ def parse_chat_response(
         # A refusal (structured outputs) is the model's own safety filter speaking.
         moderated=finish == "content_filter" or bool(message.get("refusal")),
         truncated=finish == "length",
+        finish_reason=identifier(finish),
     )
 
 

@@ -53,6 +53,9 @@ class WorkersAI:
     `{resume_base}/run/{id}/resume`; without it, a cut fails the stream.
     """
 
+    #: OpenTelemetry's `gen_ai.provider.name` (the conventions list no value for Workers AI).
+    gen_ai_provider_name = "cloudflare.workers_ai"
+
     def __init__(
         self,
         *,

@@ -1,4 +1,11 @@
-"""Where budget counters, spend and breaker state live."""
+"""Where budget counters, spend, breaker state, cooldowns, last good answers and multi-step
+tasks live.
+
+`RedisStore` is imported on first use: the Redis client (the extra `guards[redis]`) is loaded
+only by an app that uses it (redis-py also loads OpenTelemetry's metrics when installed).
+"""
+
+from typing import TYPE_CHECKING, Any
 
 from ._base import (
     DAILY_TTL_S,
@@ -7,20 +14,26 @@ from ._base import (
     BreakerDecision,
     BreakerState,
     Charge,
+    Health,
     Outcome,
     Passage,
     Report,
     SpendReservation,
     Step,
     Store,
+    StoredAnswer,
     StoreUnavailable,
+    TaskClaim,
+    TaskStatus,
     bounded_key,
     utc_day,
 )
 from ._memory import MemoryStore
-from ._redis import RedisStore
 from ._sqlite import SQLiteStore
 from ._url import open_store
+
+if TYPE_CHECKING:
+    from ._redis import RedisStore
 
 __all__ = [
     "DAILY_TTL_S",
@@ -29,6 +42,7 @@ __all__ = [
     "BreakerDecision",
     "BreakerState",
     "Charge",
+    "Health",
     "MemoryStore",
     "Outcome",
     "Passage",
@@ -39,7 +53,18 @@ __all__ = [
     "Step",
     "Store",
     "StoreUnavailable",
+    "StoredAnswer",
+    "TaskClaim",
+    "TaskStatus",
     "bounded_key",
     "open_store",
     "utc_day",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisStore":
+        from ._redis import RedisStore
+
+        return RedisStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from .._breaker import Breaker, BreakerDecision, BreakerState, Outcome
+from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._errors import GuardsError
 
 
@@ -39,6 +40,7 @@ __all__ = [
     "BreakerDecision",
     "BreakerState",
     "Charge",
+    "Health",
     "Outcome",
     "Passage",
     "Report",
@@ -46,6 +48,9 @@ __all__ = [
     "Step",
     "Store",
     "StoreUnavailable",
+    "StoredAnswer",
+    "TaskClaim",
+    "TaskStatus",
     "bounded_key",
     "utc_day",
 ]
@@ -183,7 +188,11 @@ class Passage:
     - `refusal`: why the charge was refused (`refused_by`: `per_minute`, `per_day` or
       `spend_per_day`), or None;
     - `reservation`: the spend hold to settle later, when the charge held spend;
-    - `recorded`: the reported breaker's state after the report, when one was recorded.
+    - `recorded`: the reported breaker's state after the report, when one was recorded;
+    - `transitions`: each breaker state change this step made, as (breaker key, the state
+      entered): the report's (to open, or to closed), then the admission's (open to half_open).
+      The store makes a change once, so exactly one caller, among every worker sharing the
+      store, is told of it: what `guards_breaker_transitions_total` counts.
     """
 
     waits: tuple[float, ...] = ()
@@ -192,6 +201,52 @@ class Passage:
     refusal: Admission | None = None
     reservation: str | None = None
     recorded: BreakerState | None = None
+    transitions: tuple[tuple[str, CircuitState], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StoredAnswer:
+    """The answer of `Store.get_answer`: the value kept, and its age in seconds (store time)."""
+
+    value: str
+    age_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """The answer of `Store.health`: the store's time `now`, and for each model asked about,
+    its breaker's state (`BreakerState()`, closed, when it has none) and the seconds left on
+    its cooldown (0.0: not cooling down), read together."""
+
+    now: float
+    breakers: tuple[BreakerState, ...]
+    cooldowns: tuple[float, ...]
+
+
+class TaskStatus(StrEnum):
+    """What `Store.task_claim` found under a task's key."""
+
+    #: The caller holds the task's lease now (a new task, or one whose lease was released or
+    #: lapsed): run it; `TaskClaim.steps` holds the steps saved so far.
+    claimed = "claimed"
+    #: Another caller holds the lease; `TaskClaim.retry_after_s` says when it lapses.
+    busy = "busy"
+    #: The task was started with another fingerprint (another request body).
+    reused = "reused"
+    #: The task completed; `TaskClaim.response` is the response it stored.
+    done = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskClaim:
+    """The answer of `Store.task_claim` (see `TaskStatus`). `lease` is the caller's lease
+    token when `claimed`; `steps` maps each saved step's name to its value."""
+
+    status: TaskStatus
+    lease: str | None = None
+    steps: Mapping[str, str] = field(default_factory=dict)
+    response: str | None = None
+    retry_after_s: float | None = None
 
 
 @runtime_checkable
@@ -259,6 +314,47 @@ class Store(Protocol):
         A breaker whose state does not change is not written: a closed breaker's success,
         an open breaker's refusal. Raises `StoreUnavailable` when the store cannot be
         reached, and then nothing of the step was done."""
+        ...
+
+    async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
+        """Keep `value` (a route's last good answer) under `key`, replacing what was there, for
+        `ttl_s` seconds from now (store time), in one atomic step. The caller hashes `key`."""
+        ...
+
+    async def get_answer(self, key: str, *, max_age_s: float) -> StoredAnswer | None:
+        """The value kept under `key` with its age, if it was put less than `max_age_s` seconds
+        ago and has not expired; else None."""
+
+    async def health(self, legs: Sequence[tuple[str, str]]) -> Health:
+        """Read the health of models in one operation, writing nothing: for each leg
+        `(cooldown_key, breaker_key)`, the breaker's state and the seconds of cooldown left,
+        with the store's time. What the service level is derived from (at most once a second
+        per worker, off the request path)."""
+        ...
+
+    # --- tasks: a multi-step request's checkpoints under one key, each operation atomic ------
+    # A task lives `ttl_s` from its creation (every part of it expires then), bound to the
+    # fingerprint it was created with. One caller at a time holds its lease.
+
+    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
+        """Claim the task `key` for `lease_s` seconds, in one atomic step: create it (kept
+        `ttl_s`) when there is none; else answer `reused` when its fingerprint differs, `done`
+        with its response when it completed, `busy` while another caller's lease runs; else
+        (its lease released or lapsed) take the lease and answer its saved steps."""
+        ...
+
+    async def task_save(self, key: str, lease: str, name: str, value: str, *, lease_s: float) -> bool:
+        """Save step `name`'s `value` (replacing an earlier one) and renew the lease for
+        `lease_s`, if `lease` still holds the task and it has not completed. False: not saved."""
+        ...
+
+    async def task_complete(self, key: str, lease: str, response: str) -> bool:
+        """Complete the task held by `lease`: keep `response` (to its expiry) for replays, drop
+        its steps and its lease. False if `lease` no longer holds it (nothing written)."""
+        ...
+
+    async def task_release(self, key: str, lease: str) -> None:
+        """Give up the lease `lease` (the request failed): the next claim resumes at once."""
         ...
 
     async def aclose(self) -> None: ...

@@ -4,7 +4,9 @@ Atomicity: every method does all its work synchronously, with no `await` between
 writing a key, so on one event loop no other task can interleave. Not shared between workers.
 
 Bounded: every key has an expiry; expired keys are ignored on read and swept out in full at most
-once per `sweep_interval_s`, so memory holds only keys live within their TTL.
+once per `sweep_interval_s`, so memory holds only keys live within their TTL. Last good answers
+(user data, one per distinct question) are also capped in number: past `max_answers`, the oldest
+stored goes first.
 """
 
 from __future__ import annotations
@@ -26,21 +28,29 @@ from ._base import (
     MINUTE_S,
     Admission,
     Charge,
+    Health,
     Passage,
     SpendReservation,
     Step,
+    StoredAnswer,
+    TaskClaim,
+    TaskStatus,
     bounded_key,
     utc_day,
 )
 from ._step import run_step
+from ._task import TaskRecord, new_lease, refusal
 
 __all__ = ["MemoryStore"]
 
 
 class MemoryStore:
-    """A `Store` in process memory: exact for one process (one uvicorn worker)."""
+    """A `Store` in process memory: exact for one process (one uvicorn worker). It keeps at most
+    `max_answers` last good answers (the oldest stored go first)."""
 
-    def __init__(self, *, clock: Clock | None = None, sweep_interval_s: float = 60.0) -> None:
+    def __init__(
+        self, *, clock: Clock | None = None, sweep_interval_s: float = 60.0, max_answers: int = 10_000
+    ) -> None:
         self._clock = clock or SystemClock()
         # The system clock's `time` is `time.time` itself: one Python call less per operation.
         self._time = time.time if type(self._clock) is SystemClock else self._clock.time
@@ -48,11 +58,15 @@ class MemoryStore:
         self._sweep_interval_s = sweep_interval_s
         self._next_sweep = 0.0
         self._state = _State(self)
+        #: Last good answers: key -> (value, stored at, expires at), oldest stored first.
+        self._answers: dict[str, tuple[str, float, float]] = {}
+        self._max_answers = max_answers
 
     def __len__(self) -> int:
         """Live keys (expired ones may linger until the next sweep; they are not counted)."""
         now = self._clock.time()
-        return sum(1 for _, expires in self._data.values() if expires > now)
+        live = sum(1 for _, expires in self._data.values() if expires > now)
+        return live + sum(1 for _, _, expires in self._answers.values() if expires > now)
 
     async def now(self) -> float:
         return self._clock.time()
@@ -106,8 +120,74 @@ class MemoryStore:
     async def step(self, step: Step) -> Passage:
         return run_step(self._state, step, self._tick())
 
+    async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
+        now = self._tick()
+        answers, key = self._answers, bounded_key(key)
+        answers.pop(key, None)  # stored again: the newest
+        if ttl_s > 0:
+            answers[key] = (value, now, now + ttl_s)
+        while len(answers) > self._max_answers:
+            del answers[next(iter(answers))]
+
+    async def get_answer(self, key: str, *, max_age_s: float) -> StoredAnswer | None:
+        now = self._tick()
+        item = self._answers.get(bounded_key(key))
+        if item is None or item[2] <= now or now - item[1] >= max_age_s:
+            return None
+        return StoredAnswer(item[0], now - item[1])
+
+    async def health(self, legs: Sequence[tuple[str, str]]) -> Health:
+        now, state = self._tick(), self._state
+        breakers = tuple(state.breaker(breaker_key, now) for _, breaker_key in legs)
+        return Health(now, breakers, state.cooldowns([cooldown_key for cooldown_key, _ in legs], now))
+
+    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
+        now = self._tick()
+        task = self._task(key, now)
+        refused = refusal(task[0] if task is not None else None, fingerprint, now)
+        if refused is not None:
+            return refused
+        if task is None:
+            task = (TaskRecord(fingerprint, now + ttl_s), {})
+            self._data[bounded_key(key)] = (task, now + ttl_s)
+        record, steps = task
+        record.lease, record.lease_until = new_lease(), now + lease_s
+        return TaskClaim(TaskStatus.claimed, record.lease, dict(steps))
+
+    async def task_save(self, key: str, lease: str, name: str, value: str, *, lease_s: float) -> bool:
+        now = self._tick()
+        task = self._task(key, now)
+        if task is None or task[0].lease != lease or task[0].response is not None:
+            return False
+        task[0].lease_until = now + lease_s
+        task[1][name] = value
+        return True
+
+    async def task_complete(self, key: str, lease: str, response: str) -> bool:
+        task = self._task(key, self._tick())
+        if task is None or task[0].lease != lease or task[0].response is not None:
+            return False
+        record, steps = task
+        record.response, record.lease, record.lease_until = response, "", 0.0
+        steps.clear()
+        return True
+
+    async def task_release(self, key: str, lease: str) -> None:
+        task = self._task(key, self._tick())
+        if task is not None and task[0].lease == lease:
+            task[0].lease, task[0].lease_until = "", 0.0
+
     async def aclose(self) -> None:
         self._data.clear()
+        self._answers.clear()
+
+    def _task(self, key: str, now: float) -> tuple[TaskRecord, dict[str, str]] | None:
+        """The live task under `key` (its record and saved steps, changed in place), or None."""
+        item = self._data.get(bounded_key(key))
+        if item is None or item[1] <= now:
+            return None
+        task: tuple[TaskRecord, dict[str, str]] = item[0]
+        return task
 
     def _get(self, key: str, now: float, default: tuple[Any, float]) -> tuple[Any, float]:
         item = self._data.get(key)
@@ -120,6 +200,7 @@ class MemoryStore:
         now = self._time()
         if now >= self._next_sweep:
             self._data = {k: v for k, v in self._data.items() if v[1] > now}
+            self._answers = {k: v for k, v in self._answers.items() if v[2] > now}
             self._next_sweep = now + self._sweep_interval_s
         return now
 

@@ -19,7 +19,12 @@ with `%`, `{` and `}` percent-escaped, so every key of one operation lives in on
 - `<prefix>{<key>}:breaker`: the breaker state (one string), kept `Breaker.ttl_s` after its
   last write; a closed breaker without failures has no key;
 - `<prefix>{<key>}:cooldown`: the time a cooldown ends (store time, `%.17g`), kept until then
-  (set with `PX` in the script that writes it); no key while not cooling down.
+  (set with `PX` in the script that writes it); no key while not cooling down;
+- `<prefix>{<key>}:answer`: a route's last good answer (its key a hash): `"<stored_at>
+  <expires_at> <value>"`, kept `ttl_s` (`PX`).
+- `<prefix>{<key>}:task`: a multi-step task, one hash: `fp` (its fingerprint), `lease` (empty
+  while nobody holds it), `until` (the lease's end), `exp` (the task's expiry, store time),
+  `response` once it completed, and `s:<name>` per saved step; kept `ttl_s` from its creation.
 
 Cooldowns of different keys live in different slots (each its own hash tag, like every other
 key), so `cooldowns(keys)` never sends a multi-key script (a cross-slot error on Redis Cluster):
@@ -64,7 +69,20 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._clock import Clock
-from ._base import ADMITTED, Admission, Passage, SpendReservation, Step, StoreUnavailable, bounded_key
+from ._base import (
+    ADMITTED,
+    Admission,
+    Health,
+    Passage,
+    SpendReservation,
+    Step,
+    StoredAnswer,
+    StoreUnavailable,
+    TaskClaim,
+    TaskStatus,
+    bounded_key,
+)
+from ._task import new_lease
 
 __all__ = ["RedisStore"]
 
@@ -416,7 +434,8 @@ end
 -- a[23] outcome, a[24] probe; a[25] cooldown seconds; a[26] the reservation to settle, a[27]
 -- its actual cost. Returns one string, its fields joined by '|' (one reply to parse, not a
 -- dozen): admitted index (0-based) or '', refused_by or '', retry_after, reservation or '',
--- recorded state or '', the L waits, then L decisions of 5 fields ('' for none).
+-- recorded state or '', the state the report moved its breaker to or '', the state the
+-- admission moved its breaker to or '', the L waits, then L decisions of 5 fields ('' for none).
 local function step()
   local a, i = {}, 3
   for field in string.gmatch(ARGV[3] .. '|', '([^|]*)|') do
@@ -425,7 +444,7 @@ local function step()
   end
   local n = tonumber(a[3])
   local base = 2 * n
-  local recorded = ''
+  local recorded, report_to, admit_to = '', '', ''
   local report_policy = read_policy(a, 17)
   if report_policy then
     local key = KEYS[base + 4]
@@ -433,6 +452,7 @@ local function step()
     local after = record(before, report_policy, a[23], tonumber(a[24]))
     save_changed(key, before, after, report_policy.ttl_s)
     recorded = table.concat(state_fields(after), ' ')
+    if after.state ~= before.state then report_to = after.state end
   end
   local cool_s = tonumber(a[25])
   if cool_s and cool_s > 0 then start_cooldown(KEYS[base + 5], cool_s) end
@@ -470,9 +490,12 @@ local function step()
       reservation = c.reservation
     end
   end
-  if admitted and opened then save_changed(opened[1], opened[2], opened[3], policy.ttl_s) end
+  if admitted and opened then
+    save_changed(opened[1], opened[2], opened[3], policy.ttl_s)
+    if opened[3].state ~= opened[2].state then admit_to = opened[3].state end
+  end
   local reply = {admitted and string.format('%d', admitted - 1) or '', refused_by, retry,
-    reservation, recorded}
+    reservation, recorded, report_to, admit_to}
   for i = 1, n do reply[#reply + 1] = fmt(waits[i]) end
   for i = 1, n do
     local d = decisions[i] or {'', '', '', '', ''}
@@ -481,7 +504,87 @@ local function step()
   return {table.concat(reply, '|')}
 end
 
+-- The health of models, read only: KEYS are L cooldown keys, then the L breaker keys. Returns
+-- {now, the L waits, then L breaker states of 7 fields}.
+local function health()
+  local n = #KEYS / 2
+  local reply = {fmt(now)}
+  for i = 1, n do reply[#reply + 1] = fmt(cooldown_left(KEYS[i])) end
+  for i = 1, n do
+    local f = state_fields(load_breaker(KEYS[n + i]))
+    for j = 1, 7 do reply[#reply + 1] = f[j] end
+  end
+  return reply
+end
+
+-- Tasks (see guards.stores._task for the same rules in Python). A task whose `exp` has passed
+-- on the store's clock counts as gone, whatever the key's TTL says (an injected clock in tests).
+local function task_live(key)
+  local exp = tonumber(redis.call('HGET', key, 'exp') or '')
+  return exp ~= nil and exp > now
+end
+
+local function task_held(key, lease)
+  if not task_live(key) then return false end
+  local f = redis.call('HMGET', key, 'lease', 'response')
+  return f[1] == lease and not f[2]
+end
+
+-- Returns {status, lease, response, retry_after, then the saved steps' names and values}.
+local function task_claim(key, fp, lease, lease_s, ttl_s)
+  if not task_live(key) then
+    redis.call('DEL', key)
+    redis.call('HSET', key, 'fp', fp, 'lease', lease, 'until', fmt(now + lease_s), 'exp', fmt(now + ttl_s))
+    redis.call('PEXPIRE', key, math.ceil(ttl_s * 1000))
+    return {'claimed', lease, '', ''}
+  end
+  local flat = redis.call('HGETALL', key)
+  local t, steps = {}, {}
+  for i = 1, #flat, 2 do
+    local name, value = flat[i], flat[i + 1]
+    if string.sub(name, 1, 2) == 's:' then
+      steps[#steps + 1] = string.sub(name, 3)
+      steps[#steps + 1] = value
+    else
+      t[name] = value
+    end
+  end
+  if t.fp ~= fp then return {'reused', '', '', ''} end
+  if t.response then return {'done', '', t.response, ''} end
+  local lease_end = tonumber(t['until'])
+  if t.lease ~= '' and lease_end > now then return {'busy', '', '', fmt(lease_end - now)} end
+  redis.call('HSET', key, 'lease', lease, 'until', fmt(now + lease_s))
+  local reply = {'claimed', lease, '', ''}
+  for i = 1, #steps do reply[#reply + 1] = steps[i] end
+  return reply
+end
+
 if op == 'step' then return step() end
+if op == 'health' then return health() end
+if op == 'task_claim' then
+  return task_claim(KEYS[1], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]))
+end
+if op == 'task_save' then
+  if not task_held(KEYS[1], ARGV[3]) then return {'0'} end
+  redis.call('HSET', KEYS[1], 's:' .. ARGV[4], ARGV[5], 'until', fmt(now + tonumber(ARGV[6])))
+  return {'1'}
+end
+if op == 'task_complete' then
+  if not task_held(KEYS[1], ARGV[3]) then return {'0'} end
+  local gone = {}
+  for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.sub(name, 1, 2) == 's:' then gone[#gone + 1] = name end
+  end
+  if #gone > 0 then redis.call('HDEL', KEYS[1], unpack(gone)) end
+  redis.call('HSET', KEYS[1], 'response', ARGV[4], 'lease', '', 'until', '0')
+  return {'1'}
+end
+if op == 'task_release' then
+  if task_live(KEYS[1]) and redis.call('HGET', KEYS[1], 'lease') == ARGV[3] then
+    redis.call('HSET', KEYS[1], 'lease', '', 'until', '0')
+  end
+  return {}
+end
 if op == 'budget' then
   return charge({window = KEYS[1], day_stem = KEYS[2], per_minute = tonumber(ARGV[3]),
     per_day = tonumber(ARGV[4])}) or {}
@@ -502,6 +605,28 @@ if op == 'cooldown' then return {fmt(cooldown_left(KEYS[1]))} end
 if op == 'cool' then
   start_cooldown(KEYS[1], tonumber(ARGV[3]))
   return {}
+end
+-- A last good answer: "<stored_at> <expires_at> <value>", kept ttl seconds. Read back only
+-- while it has not expired on the store's clock and is younger than the reader's max age.
+if op == 'put_answer' then
+  local ms = math.ceil(tonumber(ARGV[4]) * 1000)
+  if ms <= 0 then
+    redis.call('DEL', KEYS[1])
+    return {}
+  end
+  local stored = fmt(now) .. ' ' .. fmt(now + tonumber(ARGV[4])) .. ' '
+  redis.call('SET', KEYS[1], stored .. ARGV[3], 'PX', string.format('%d', ms))
+  return {}
+end
+if op == 'get_answer' then
+  local raw = redis.call('GET', KEYS[1])
+  if not raw then return {} end
+  local first = string.find(raw, ' ', 1, true)
+  local second = string.find(raw, ' ', first + 1, true)
+  local stored = tonumber(string.sub(raw, 1, first - 1))
+  local expires = tonumber(string.sub(raw, first + 1, second - 1))
+  if expires <= now or now - stored >= tonumber(ARGV[3]) then return {} end
+  return {string.sub(raw, second + 1), fmt(now - stored)}
 end
 if op == 'admit' then
   local policy = read_policy(ARGV, 3)
@@ -649,6 +774,13 @@ class RedisStore:
             return  # nothing to start, and a running cooldown is never shortened
         await self._run("cool", [self._key(key) + ":cooldown"], _num(seconds))
 
+    async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
+        await self._run("put_answer", [self._key(key) + ":answer"], value, _num(ttl_s))
+
+    async def get_answer(self, key: str, *, max_age_s: float) -> StoredAnswer | None:
+        reply = await self._run("get_answer", [self._key(key) + ":answer"], _num(max_age_s))
+        return StoredAnswer(reply[0], float(reply[1])) if reply else None
+
     async def step(self, step: Step) -> Passage:
         legs, report, charge = step.legs, step.report, step.charge
         keys = [self._key(cooldown_key) + ":cooldown" for cooldown_key, _ in legs]
@@ -679,13 +811,18 @@ class RedisStore:
             args += [report.reservation or "" if settle else "", _num(report.actual)]
         # Every field is a number, a token or a hex reservation: none holds a '|'.
         reply = (await self._run("step", keys, "|".join(args)))[0].split("|")
-        admitted, refused_by, retry_after, held, recorded = reply[:5]
+        admitted, refused_by, retry_after, held, recorded, report_to, admit_to = reply[:7]
         n = len(legs)
-        waits = tuple(float(wait) for wait in reply[5 : 5 + n])
+        waits = tuple(float(wait) for wait in reply[7 : 7 + n])
         decisions = tuple(
-            _decision(reply[5 + n + 5 * i : 10 + n + 5 * i]) if reply[5 + n + 5 * i] else None
+            _decision(reply[7 + n + 5 * i : 12 + n + 5 * i]) if reply[7 + n + 5 * i] else None
             for i in range(n)
         )
+        transitions: list[tuple[str, CircuitState]] = []
+        if report_to and report is not None and report.breaker_key is not None:
+            transitions.append((report.breaker_key, CircuitState(report_to)))
+        if admit_to and admitted:
+            transitions.append((legs[int(admitted)][1], CircuitState(admit_to)))
         if admitted:
             decisions = decisions[: int(admitted) + 1]
         else:
@@ -698,7 +835,41 @@ class RedisStore:
             Admission(False, refused_by, float(retry_after)) if refused_by else None,
             held or None,
             _state(recorded.split(" ")) if recorded else None,
+            tuple(transitions),
         )
+
+    async def health(self, legs: Sequence[tuple[str, str]]) -> Health:
+        keys = [self._key(cooldown_key) + ":cooldown" for cooldown_key, _ in legs]
+        keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
+        reply = await self._run("health", keys)
+        n = len(legs)
+        breakers = tuple(_state(reply[1 + n + 7 * i : 8 + n + 7 * i]) for i in range(n))
+        return Health(float(reply[0]), breakers, tuple(float(wait) for wait in reply[1 : 1 + n]))
+
+    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
+        reply = await self._run(
+            "task_claim", [self._key(key) + ":task"], fingerprint, new_lease(), _num(lease_s), _num(ttl_s)
+        )
+        status, lease, response, retry_after = reply[:4]
+        pairs = reply[4:]
+        return TaskClaim(
+            TaskStatus(status),
+            lease or None,
+            dict(zip(pairs[::2], pairs[1::2], strict=True)),
+            response if status == TaskStatus.done else None,
+            float(retry_after) if retry_after else None,
+        )
+
+    async def task_save(self, key: str, lease: str, name: str, value: str, *, lease_s: float) -> bool:
+        reply = await self._run("task_save", [self._key(key) + ":task"], lease, name, value, _num(lease_s))
+        return reply[0] == "1"
+
+    async def task_complete(self, key: str, lease: str, response: str) -> bool:
+        reply = await self._run("task_complete", [self._key(key) + ":task"], lease, response)
+        return reply[0] == "1"
+
+    async def task_release(self, key: str, lease: str) -> None:
+        await self._run("task_release", [self._key(key) + ":task"], lease)
 
     async def aclose(self) -> None:
         """Close the clients: this loop's now, other running loops' in their own loop. Clients

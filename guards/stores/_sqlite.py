@@ -17,15 +17,21 @@ time, `NOT NULL`):
 - `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
   `policy.ttl_s` after its last change. A closed breaker with no failures keeps no row;
 - `guards_cooldown (key, expires_at)`: a cooldown, which ends (and whose row expires) at
-  `expires_at`. Starting one is one upsert that only ever moves `expires_at` later.
+  `expires_at`. Starting one is one upsert that only ever moves `expires_at` later;
+- `guards_answer (key, value, stored_at, expires_at)`: a route's last good answer (its key a
+  hash), kept `ttl_s` after it was stored. Storing one is one upsert.
+- `guards_task (key, fingerprint, lease, lease_until, response, expires_at)`: a multi-step
+  task (its lease, empty while nobody holds it, and once completed its stored response), and
+  `guards_task_step (key, name, value, expires_at)`: its saved steps; both kept to the task's
+  expiry, `ttl_s` after its creation.
 
 Atomicity: operations run inside `BEGIN IMMEDIATE` transactions (the write lock is taken before
 anything is read, so no other worker can write until COMMIT), and each check and charge is one
 conditional statement: `INSERT ... SELECT ... WHERE <the limit allows>` (with `ON CONFLICT DO
 UPDATE ... WHERE` for counters), whose row count or `RETURNING` says whether it was admitted.
-The breaker's state machine is the exception: its row is read and the result of the pure
-`admit` / `record` written back within the transaction, which is atomic because the write lock
-is held from its start. Python never decides a write from a value read outside the write lock.
+The breaker's state machine and a task's claim are the exceptions: the row is read and the
+result of the pure decision (`admit` / `record`, `_task.refusal`) written back within the
+transaction, which is atomic because the write lock is held from its start. Python never decides a write from a value read outside the write lock.
 
 Time: `clock.time()`, read inside the transaction (one machine: every worker shares the
 machine's clock). Expired rows are ignored on read, and deleted by a sweep run at most once per
@@ -79,14 +85,19 @@ from ._base import (
     MINUTE_S,
     Admission,
     Charge,
+    Health,
     Passage,
     SpendReservation,
     Step,
+    StoredAnswer,
     StoreUnavailable,
+    TaskClaim,
+    TaskStatus,
     bounded_key,
     utc_day,
 )
 from ._step import run_step
+from ._task import TaskRecord, new_lease, refusal
 
 __all__ = ["SQLiteStore"]
 
@@ -100,6 +111,9 @@ TABLES = (
     "guards_hold",
     "guards_breaker",
     "guards_cooldown",
+    "guards_answer",
+    "guards_task",
+    "guards_task_step",
 )
 
 _SCHEMA = (
@@ -117,6 +131,14 @@ _SCHEMA = (
         key TEXT PRIMARY KEY, state TEXT NOT NULL, expires_at REAL NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS guards_cooldown (
         key TEXT PRIMARY KEY, expires_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS guards_answer (
+        key TEXT PRIMARY KEY, value TEXT NOT NULL, stored_at REAL NOT NULL, expires_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS guards_task (
+        key TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, lease TEXT NOT NULL,
+        lease_until REAL NOT NULL, response TEXT, expires_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS guards_task_step (
+        key TEXT NOT NULL, name TEXT NOT NULL, value TEXT NOT NULL, expires_at REAL NOT NULL,
+        PRIMARY KEY (key, name))""",
     *(f"CREATE INDEX IF NOT EXISTS {t}_expiry ON {t} (expires_at)" for t in TABLES),
 )
 
@@ -169,6 +191,27 @@ _START_COOLDOWN = """INSERT INTO guards_cooldown (key, expires_at) VALUES (:key,
 #: The most keys one read binds (SQLite's default limit on host parameters is 32,766; 999
 #: before 3.32): a longer list is read in several statements, within the same transaction.
 _COOLDOWN_CHUNK = 500
+
+
+# --- last good answers ---------------------------------------------------------------------------
+_PUT_ANSWER = """INSERT INTO guards_answer (key, value, stored_at, expires_at) VALUES (:key, :value, :now, :expires)
+    ON CONFLICT (key) DO UPDATE SET
+        value = excluded.value, stored_at = excluded.stored_at, expires_at = excluded.expires_at"""
+_GET_ANSWER = "SELECT value, stored_at FROM guards_answer WHERE key = ? AND expires_at > ?"
+# --- tasks ---------------------------------------------------------------------------------------
+_TASK = "SELECT fingerprint, lease, lease_until, response, expires_at FROM guards_task WHERE key = ?"
+_NEW_TASK = """INSERT OR REPLACE INTO guards_task (key, fingerprint, lease, lease_until, response, expires_at)
+    VALUES (?, ?, ?, ?, NULL, ?)"""
+_TAKE_TASK = "UPDATE guards_task SET lease = ?, lease_until = ? WHERE key = ?"
+_TASK_STEPS = "SELECT name, value FROM guards_task_step WHERE key = ? AND expires_at > ?"
+_DROP_TASK_STEPS = "DELETE FROM guards_task_step WHERE key = ?"
+#: Only the lease's holder writes, and only to a live task that has not completed.
+_RENEW_TASK = """UPDATE guards_task SET lease_until = :until
+    WHERE key = :key AND lease = :lease AND response IS NULL AND expires_at > :now RETURNING expires_at"""
+_SAVE_STEP = "INSERT OR REPLACE INTO guards_task_step (key, name, value, expires_at) VALUES (?, ?, ?, ?)"
+_COMPLETE_TASK = """UPDATE guards_task SET response = :response, lease = '', lease_until = 0
+    WHERE key = :key AND lease = :lease AND response IS NULL AND expires_at > :now"""
+_RELEASE_TASK = "UPDATE guards_task SET lease = '', lease_until = 0 WHERE key = ? AND lease = ?"
 
 
 def _cooldown_read(n: int) -> str:
@@ -315,6 +358,42 @@ class _Tx:
     def spent(self, key: str, now: float) -> float:
         row = self.conn.execute(_SETTLED, (f"{bounded_key(key)}:spend:{utc_day(now)}", now)).fetchone()
         return 0.0 if row is None else float(row[0])
+
+    def task_claim(self, key: str, fingerprint: str, lease_s: float, ttl_s: float, now: float) -> TaskClaim:
+        conn, key = self.conn, bounded_key(key)
+        row = conn.execute(_TASK, (key,)).fetchone()
+        record = None if row is None else TaskRecord(row[0], float(row[4]), row[1], float(row[2]), row[3])
+        refused = refusal(record, fingerprint, now)
+        if refused is not None:
+            return refused
+        lease = new_lease()
+        if record is None or record.expires_at <= now:  # none, or expired: a new task
+            conn.execute(_DROP_TASK_STEPS, (key,))
+            conn.execute(_NEW_TASK, (key, fingerprint, lease, now + lease_s, now + ttl_s))
+            return TaskClaim(TaskStatus.claimed, lease)
+        conn.execute(_TAKE_TASK, (lease, now + lease_s, key))
+        return TaskClaim(TaskStatus.claimed, lease, dict(conn.execute(_TASK_STEPS, (key, now)).fetchall()))
+
+    def task_save(self, key: str, lease: str, name: str, value: str, lease_s: float, now: float) -> bool:
+        key = bounded_key(key)
+        row = self.conn.execute(
+            _RENEW_TASK, {"key": key, "lease": lease, "until": now + lease_s, "now": now}
+        ).fetchone()
+        if row is None:
+            return False
+        self.conn.execute(_SAVE_STEP, (key, name, value, row[0]))
+        return True
+
+    def task_complete(self, key: str, lease: str, response: str, now: float) -> bool:
+        key = bounded_key(key)
+        params = {"key": key, "lease": lease, "response": response, "now": now}
+        if self.conn.execute(_COMPLETE_TASK, params).rowcount != 1:
+            return False
+        self.conn.execute(_DROP_TASK_STEPS, (key,))
+        return True
+
+    def task_release(self, key: str, lease: str) -> None:
+        self.conn.execute(_RELEASE_TASK, (bounded_key(key), lease))
 
     def flush(self) -> None:
         for key in self._dirty:
@@ -520,6 +599,43 @@ class SQLiteStore:
 
     async def step(self, step: Step) -> Passage:
         return await self._run(lambda tx, now: run_step(tx, step, now))
+
+    async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
+        def put(tx: _Tx, now: float) -> None:
+            row = {"key": bounded_key(key), "value": value, "now": now, "expires": now + ttl_s}
+            tx.conn.execute(_PUT_ANSWER, row)
+
+        await self._run(put)
+
+    async def get_answer(self, key: str, *, max_age_s: float) -> StoredAnswer | None:
+        def get(tx: _Tx, now: float) -> StoredAnswer | None:
+            row = tx.conn.execute(_GET_ANSWER, (bounded_key(key), now)).fetchone()
+            if row is None or now - row[1] >= max_age_s:
+                return None
+            return StoredAnswer(str(row[0]), now - float(row[1]))
+
+        return await self._run(get)
+
+    async def health(self, legs: Sequence[tuple[str, str]]) -> Health:
+        legs = tuple(legs)  # as they are now: the store's thread reads them later
+
+        def read(tx: _Tx, now: float) -> Health:
+            breakers = tuple(tx.breaker(breaker_key, now) for _, breaker_key in legs)
+            return Health(now, breakers, tx.cooldowns([cooldown_key for cooldown_key, _ in legs], now))
+
+        return await self._run(read)
+
+    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
+        return await self._run(lambda tx, now: tx.task_claim(key, fingerprint, lease_s, ttl_s, now))
+
+    async def task_save(self, key: str, lease: str, name: str, value: str, *, lease_s: float) -> bool:
+        return await self._run(lambda tx, now: tx.task_save(key, lease, name, value, lease_s, now))
+
+    async def task_complete(self, key: str, lease: str, response: str) -> bool:
+        return await self._run(lambda tx, now: tx.task_complete(key, lease, response, now))
+
+    async def task_release(self, key: str, lease: str) -> None:
+        await self._run(lambda tx, now: tx.task_release(key, lease))
 
     # --- lifecycle -------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from .._breaker import Breaker, BreakerDecision, BreakerState
+from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from ._base import Admission, Charge, Passage, Step
@@ -53,6 +53,9 @@ class StepState(Protocol):
 def run_step(state: StepState, step: Step, now: float) -> Passage:
     """One step of a walk (see `guards.stores.Step`), on `state`, at the store's time `now`."""
     recorded: BreakerState | None = None
+    #: The breaker state changes this step makes (see `Passage.transitions`; rare: no list
+    #: until there is one).
+    transitions: list[tuple[str, CircuitState]] | None = None
     report = step.report
     if report is not None:
         if report.breaker_key is not None and report.breaker is not None:
@@ -60,13 +63,15 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
             recorded = breaker_record(before, report.breaker, now, report.outcome, probe=report.probe)
             if recorded is not before:  # unchanged (a stale probe, a healthy success): no write
                 state.put_breaker(report.breaker_key, recorded, report.breaker, now)
+                if recorded.state is not before.state:
+                    transitions = [(report.breaker_key, recorded.state)]
         if report.cooldown_key is not None and report.cooldown_s > 0:
             state.start_cooldown(report.cooldown_key, report.cooldown_s, now)
         if report.spend_key is not None and report.reservation is not None:
             state.settle(report.spend_key, report.reservation, report.actual, now)
     legs = step.legs
     if not legs:
-        return Passage(recorded=recorded)
+        return Passage(recorded=recorded, transitions=tuple(transitions or ()))
     waits = state.cooldowns([cooldown_key for cooldown_key, _ in legs], now)
     decisions: list[BreakerDecision | None] = []
     admitted: int | None = None
@@ -97,4 +102,14 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
     if admitted is not None and opened is not None:
         assert policy is not None
         state.put_breaker(opened[0], opened[2], policy, now)
-    return Passage(tuple(waits), tuple(decisions), admitted, refusal, reservation, recorded)
+        if opened[2].state is not opened[1].state:  # open to half_open (not a new probe generation)
+            transitions = [*(transitions or ()), (opened[0], opened[2].state)]
+    return Passage(
+        tuple(waits),
+        tuple(decisions),
+        admitted,
+        refusal,
+        reservation,
+        recorded,
+        tuple(transitions) if transitions else (),
+    )

@@ -8,7 +8,6 @@ from .._clock import Clock
 from .._errors import ConfigurationError
 from ._base import Store
 from ._memory import MemoryStore
-from ._redis import RedisStore
 from ._sqlite import SQLiteStore
 
 __all__ = ["open_store"]
@@ -35,6 +34,8 @@ def open_store(url: str, *, clock: Clock | None = None, timeout_s: float = 0.1) 
             )
         return SQLiteStore(url[len("sqlite:///") :], clock=clock, timeout_s=timeout_s)
     if scheme in ("redis", "rediss"):
+        from ._redis import RedisStore  # the Redis client, only when a Redis store is asked for
+
         return RedisStore(url, clock=clock, timeout_s=timeout_s)
     raise ConfigurationError(
         f"unknown store scheme {scheme!r}: use memory://, sqlite:///path or redis://host:port/db"
