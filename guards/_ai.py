@@ -36,6 +36,7 @@ from ._metrics import SKIPS, STORE_UNAVAILABLE, counter, flush_soon
 from ._output import OutputGuard, output_guard
 from ._relay import Opened, Relayed, no_events, open_stream, relay
 from ._retry_budget import admit_retry
+from ._route_spec import GuardedRoute, Leg
 from ._stream import StreamEnd, StreamingBinding, TextDelta
 from .stores import Charge, Report, Step, StoreUnavailable
 
@@ -43,7 +44,6 @@ if typing.TYPE_CHECKING:
     from starlette.requests import Request
 
     from ._guards import Guards
-    from ._route import GuardedRoute, Leg
     from ._tasks import TaskRun
     from ._tracing import RequestTrace
 

@@ -45,7 +45,7 @@ from ._metrics import EFFORT_DECISIONS, Tally, counter
 if typing.TYPE_CHECKING:
     from starlette.requests import Request
 
-    from ._route import GuardedRoute, Leg
+    from ._route_spec import GuardedRoute, Leg
 
 __all__ = [
     "COMPLEX_CHARS",
