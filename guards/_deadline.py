@@ -51,7 +51,7 @@ class Deadline:
     __slots__ = ("_cancelling", "_on_mark", "_state", "_task", "_timer", "timeout_s", "when")
     _task: asyncio.Task[Any] | None
 
-    def __init__(self, timeout_s: float, *, on_mark: Callable[[], None] | None = None) -> None:
+    def __init__(self, timeout_s: float, on_mark: Callable[[], None] | None = None) -> None:
         self.timeout_s = timeout_s
         self._on_mark = on_mark
         self._timer: asyncio.TimerHandle | None = None

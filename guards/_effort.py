@@ -165,7 +165,7 @@ class EffortRoutes:
                 route,
                 model=legs[0].ref.key,
                 legs=legs,
-                cooldown_keys=tuple(leg.cooldown_key for leg in legs),
+                step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
                 attempt_budget=budget,
             )
         tiers: dict[Tier, tuple[GuardedRoute, str, bool, Tally]] = {}

@@ -207,7 +207,7 @@ def guard_route(
         name=route_name,
         model=legs[0].ref.key,
         legs=legs,
-        cooldown_keys=tuple(leg.cooldown_key for leg in legs),
+        step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
         attempt_budget=attempt_budget,
         timeout_s=timeout_s,
         retry=retry,
@@ -276,15 +276,7 @@ def guard_route(
         trace_id = request_trace_id(request) if trace is None else trace.trace_id
         # Budget keys are scoped to the route (or the budget's scope): guards:{scope}:{caller}.
         budget_key = f"{budget_prefix}{budget.key(request)}" if budget is not None else None
-        ai: AI[Any] = AI(
-            guards,
-            route,
-            budget_key=budget_key,
-            trace_id=trace_id,
-            request=request,
-            started=started,
-            trace=trace,
-        )
+        ai: AI[Any] = AI(guards, route, budget_key, trace_id, request, started, trace)
         kwargs[ai_name] = ai
         try:
             if trace is not None:

@@ -107,7 +107,8 @@ class GuardedRoute:
     model: str
     #: The flattened fallback chain, first model first.
     legs: tuple[Leg, ...]
-    cooldown_keys: tuple[str, ...]
+    #: Each leg's (cooldown key, breaker key): the legs of a store step (`guards.stores.Step`).
+    step_legs: tuple[tuple[str, str], ...]
     #: Provider calls one guarded call may make, across the whole chain (stated up front).
     attempt_budget: int
     timeout_s: float

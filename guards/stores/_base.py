@@ -117,10 +117,13 @@ class SpendReservation:
 # Charge, Report, Step and Passage are built for every request: plain slotted dataclasses, not
 # frozen ones, whose `__init__` sets each field through `object.__setattr__` (about 1,200 CPU
 # instructions a field, four times a plain one's). Nothing changes them once built: treat them
-# as read-only values (`dataclasses.replace` makes a changed copy).
+# as read-only values (`dataclasses.replace` makes a changed copy). Charge and Step take their
+# fields by position too, in the order declared: the walk builds them so, as a call to a class
+# with keywords costs about twice a positional one on CPython 3.11 (about 4,000 instructions
+# for four fields: the keywords travel in a dict through `type.__call__`).
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True)
 class Charge:
     """The budget a request pays once, in the step that admits its first call.
 
@@ -159,7 +162,7 @@ class Report:
     actual: float = 0.0
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True)
 class Step:
     """One step of a request's walk along its fallback chain, done as one atomic store
     operation (see `Store.step`).
