@@ -331,6 +331,7 @@ class AI(Generic[T]):
                         inflight = (leg, probe)
                         self._leg = leg
                         call = call_for(leg)
+                        budget_left = self.attempt_budget - self.attempts  # the last leg's limit
                         if trace is not None:
                             call = trace.traced(call, self, leg, self._binding(leg))
                         try:
@@ -340,7 +341,7 @@ class AI(Generic[T]):
                                 inputs,
                                 policy=route.retry,
                                 deadline=deadline,
-                                limit=self._leg_limit(index),
+                                limit=self._leg_limit(index) if index + 1 < len(legs) else budget_left,
                                 sleep=self._guards.sleep,
                                 on_attempt=self._on_attempt,
                                 on_retry=self._before_retry,
@@ -579,18 +580,17 @@ class AI(Generic[T]):
         }
 
     def _run_call(self, leg: Leg) -> Call[AIResult]:
-        return self._binding(leg).run
+        provider = leg.ref.provider  # `_binding`, one call less: every request's path
+        return (self._guards.binding if provider is None else self._guards.providers[provider]).run
 
     def _binding(self, leg: Leg) -> Binding:
         provider = leg.ref.provider
         return self._guards.binding if provider is None else self._guards.providers[provider]
 
     def _leg_limit(self, index: int) -> int:
-        """Calls this leg may make: what the budget has left, minus one for each later leg
-        that is not cooling down (so a retry never starves the fallbacks)."""
+        """Calls a leg with later legs may make: what the budget has left, minus one for each
+        later leg that is not cooling down (so a retry never starves the fallbacks)."""
         left = self.attempt_budget - self.attempts
-        if index + 1 == len(self._route.legs):
-            return left
         waits = self._waits
         if waits is None:
             reserved = len(self._route.legs) - index - 1
