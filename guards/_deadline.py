@@ -135,7 +135,9 @@ class _MarkQueue:
         now = loop.time()
         try:
             while entries and entries[0][0] <= now:
-                entries.popleft()[1]._marked(loop)
+                deadline = entries.popleft()[1]
+                if deadline._state == _RUNNING:  # most walks ended long before their mark
+                    deadline._marked(loop)
         finally:  # even if a mark callback raised: the later entries still get theirs
             if entries:
                 self.timer = loop.call_at(max(entries[0][0], now + MARK_TICK_S), self.fire)
