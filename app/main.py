@@ -3,7 +3,8 @@
 `POST /draft-reply` is a strict route (public errors), and `POST /draft-reply/stream` the same
 streamed, shed first when a model is down; `POST /summary` a degrading one (always the
 envelope); `POST /report` a strict three-step task that resumes under an `Idempotency-Key`;
-`GET /health` the service level; `GET /metrics` the Prometheus exposition. Configured from the
+`GET /health` the service level; `GET /metrics` the Prometheus exposition; `GET /status` the
+status page (only to requests that carry `STATUS_TOKEN` when it is set). Configured from the
 environment (see `app.settings.Settings` and the README).
 """
 
@@ -295,6 +296,11 @@ def create_app(
     def metrics() -> Response:
         body, content_type = render_metrics()
         return Response(body, media_type=content_type)
+
+    # The status page, for operators: with STATUS_TOKEN set, only for requests that carry it
+    # (a browser without it is asked for it); without, open like /metrics.
+    token = settings.status_token.get_secret_value()
+    app.include_router(guards.status_router(token=token or None, refresh_s=settings.status_refresh_s))
 
     @app.post("/draft-reply")
     @guards.route(

@@ -13,6 +13,8 @@ OPENAI_BASE_URL = "https://api.openai.com/v1"
 PROVIDERS = ("fake", "workers-ai", "openai")
 #: A browser origin: scheme, host and optional port, nothing after.
 _ORIGIN = re.compile(r"https?://[^/\s,]+")
+#: An operator token: long enough not to be guessed, and what a bearer token may hold (RFC 6750).
+_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]{16,256}={0,2}")
 #: The routing hints effort routing uses, and their targets unless AI_LOCAL_MODEL,
 #: AI_CLOUD_MODEL or AI_HINTS say otherwise.
 LOCAL_HINT, CLOUD_HINT = "local", "cloud"
@@ -68,6 +70,10 @@ class Settings(BaseSettings):
     ai_cloud_model: str = ""
     #: How long /summary serves the last good summary of the same text when the model fails.
     last_good_max_age_s: float = Field(default=600.0, gt=0)
+    #: The operator token of `GET /status` (`Authorization: Bearer <token>`); empty: the page is open.
+    status_token: SecretStr = SecretStr("")
+    #: How often the status page reloads itself in a browser (seconds).
+    status_refresh_s: float = Field(default=5.0, ge=1)
 
     @property
     def fallback_models(self) -> list[str]:
@@ -83,6 +89,16 @@ class Settings(BaseSettings):
         for entry in (e.strip() for e in value.split(",")):
             if entry and entry != "*" and not _ORIGIN.fullmatch(entry):
                 raise ValueError("each entry must be an origin such as https://app.example.com, or *")
+        return value
+
+    @field_validator("status_token")
+    @classmethod
+    def _status_token(cls, value: SecretStr) -> SecretStr:
+        token = value.get_secret_value()
+        if token and not _TOKEN.fullmatch(token):
+            raise ValueError(
+                "must be 16 to 256 characters of letters, digits and -._~+/= (e.g. `openssl rand -hex 32`)"
+            )
         return value
 
     @property

@@ -26,6 +26,7 @@ from ._output import Moderation
 from ._responses import PublicError, public_error
 from ._retry_budget import RetryBudget
 from ._route import FallbackFunction
+from ._status import StatusReport, bearer_token
 from ._stream import (
     ReasoningDelta,
     StreamEnd,
@@ -83,6 +84,7 @@ __all__ = [
     "RetryBudget",
     "ServiceLevel",
     "StoreFailureMode",
+    "StatusReport",
     "StreamEnd",
     "StreamEvent",
     "StreamingBinding",
@@ -93,6 +95,7 @@ __all__ = [
     "Throttled",
     "ToolCallDelta",
     "Usage",
+    "bearer_token",
     "classify",
     "client_key",
     "estimate_effort",

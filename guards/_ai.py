@@ -742,9 +742,9 @@ class AI(Generic[T]):
         code: int | None = None,
     ) -> None:
         route = self._route
-        # Tallies counted in place (`Tally.add` is this, a call dearer): every request's path.
         leg.seconds.observe(elapsed)
-        leg.attempts[kind].count += 1
+        leg.attempts[kind].add()  # a failure kind's tally also stamps its time (the status page)
+        # Plain tallies counted in place (`Tally.add` is this, a call dearer): every request's path.
         if usage is not None:
             leg.input_tokens.count += usage.prompt_tokens
             leg.output_tokens.count += usage.completion_tokens

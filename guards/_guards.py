@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -37,6 +37,7 @@ from ._responses import PublicError, error_response
 from ._retry_budget import RetryWindows
 from ._route import guard_route, handler_entered, request_trace_id
 from ._route_spec import NO_FALLBACK, GuardedRoute, route_of
+from ._status import status_router
 from ._tasks import Task
 from ._tracing import Tracing
 from .stores import MemoryStore, Store
@@ -133,6 +134,8 @@ class Guards:
         self.credential_warnings = CredentialWarnings()
         #: The service level of this worker, and its guarded requests in flight.
         self.levels = Levels(self, max_in_flight)
+        #: Every route guarded by this instance, in the order they were declared.
+        self.routes: list[GuardedRoute] = []
 
     def service_level(self) -> ServiceLevel:
         """The service level as this worker last read it from the store (at most a second old
@@ -141,6 +144,44 @@ class Guards:
         the epoch) it may come back. For an app's health route."""
         self.levels.tick(time.perf_counter())
         return self.levels.view
+
+    def status_router(
+        self,
+        *,
+        path: str = "/status",
+        token: str | None = None,
+        dependencies: Sequence[Any] = (),
+        refresh_s: float = 5.0,
+        window_s: float = 300.0,
+        include_in_schema: bool = True,
+    ) -> APIRouter:
+        """A router with the status page, `GET {path}`, for an app to mount
+        (`app.include_router(guards.status_router(token=...))`): JSON for machines (the
+        `StatusReport` schema; also when `Accept` is absent or `*/*`) and one self-contained
+        HTML page for a browser (`text/html` preferred), reloading itself every `refresh_s`
+        seconds; 406 when `Accept` allows neither. It shows the service level and every
+        model's breaker and cooldown (read from the store per view: every worker shows the
+        same), each model's last failure kind, the requests, fallback and error rates of each
+        route over the last `window_s` seconds and the spend of the UTC day (every worker's
+        counts with `PROMETHEUS_MULTIPROC_DIR` set, else the answering worker's), and the
+        routes' spend caps. Never a budget key, a user id, a
+        prompt, an answer or a provider's message. Read-only.
+
+        `token`: the operator token; then the page answers 401 (`WWW-Authenticate: Bearer`)
+        unless the request carries `Authorization: Bearer <token>` (compared in constant time),
+        and a browser without it gets a page that asks for it. None: open to whoever reaches
+        it (keep it behind a proxy). `dependencies` run first (e.g. an auth of the app's own).
+        Raises `ConfigurationError` for a path that does not start with `/`, an empty token,
+        `refresh_s` under 1 or `window_s` under 1."""
+        return status_router(
+            self,
+            path=path,
+            token=token,
+            dependencies=dependencies,
+            refresh_s=refresh_s,
+            window_s=window_s,
+            include_in_schema=include_in_schema,
+        )
 
     def ledger_enabled(self) -> bool:
         """False when records would be dropped anyway (the default log ledger with INFO off),
@@ -238,6 +279,7 @@ class Guards:
             route = route_of(endpoint)
             assert route is not None
             self.levels.watch(route)
+            self.routes.append(route)
             return endpoint  # type: ignore[return-value]
 
         return decorate

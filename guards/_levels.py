@@ -46,7 +46,17 @@ from .stores import StoreUnavailable
 if typing.TYPE_CHECKING:
     from ._guards import Guards
 
-__all__ = ["REFRESH_S", "Level", "LevelMiddleware", "Levels", "ModelDown", "ServiceLevel"]
+__all__ = [
+    "REFRESH_S",
+    "Level",
+    "LevelMiddleware",
+    "Levels",
+    "ModelDown",
+    "ServiceLevel",
+    "WatchedModel",
+    "down_for",
+    "level_of",
+]
 
 #: A worker reads its models' health at most this often (seconds).
 REFRESH_S = 1.0
@@ -90,12 +100,22 @@ _FULL = ServiceLevel(Level.full)
 
 
 @dataclass(slots=True, eq=False)
-class _Model:
+class WatchedModel:
+    """A model the level counts: its name as attribution allows, its store keys, and the
+    breaker policies of the routes that call it."""
+
     name: str
     cooldown_key: str
     breaker_key: str
     #: The breaker policies of the routes that call it (none: only its cooldown counts).
     policies: list[Breaker]
+
+
+def level_of(down: int, models: int) -> Level:
+    """The level with `down` of `models` models down."""
+    if not down:
+        return Level.full
+    return Level.minimal if down >= models else Level.degraded
 
 
 def down_for(breaker: BreakerState, cooldown_s: float, policies: list[Breaker], now: float) -> float:
@@ -119,7 +139,7 @@ class Levels:
 
     def __init__(self, guards: Guards, max_in_flight: int | None) -> None:
         self._guards = guards
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, WatchedModel] = {}
         #: The current view, and the models down with when each comes back (perf_counter time).
         self.view = _FULL
         self._down: list[tuple[float, ModelDown]] = []
@@ -143,9 +163,14 @@ class Levels:
             if model is None:
                 detailed = self._guards.attribution == "detailed"
                 name = leg.ref.key if detailed else f"model {len(self._models) + 1}"
-                model = self._models[leg.ref.key] = _Model(name, leg.cooldown_key, leg.breaker_key, [])
+                model = self._models[leg.ref.key] = WatchedModel(name, leg.cooldown_key, leg.breaker_key, [])
             if route.breaker is not None and route.breaker not in model.policies:
                 model.policies.append(route.breaker)
+
+    @property
+    def models(self) -> dict[str, WatchedModel]:
+        """Every model the level counts, by its chain key, in the order routes first named them."""
+        return dict(self._models)
 
     def tick(self, now: float) -> None:
         """Called per request (`now`: `time.perf_counter()`): start a health read when the view
@@ -225,10 +250,7 @@ class Levels:
         self._down = down
         self._recheck_at = min((until for until, _ in down), default=math.inf)
         models = tuple(model for _, model in down)
-        if not models:
-            level = Level.full
-        else:
-            level = Level.minimal if len(models) >= len(self._models) else Level.degraded
+        level = level_of(len(models), len(self._models))
         before = self.view.level
         self.view = ServiceLevel(level, models) if models else _FULL
         if level is not before:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any
@@ -63,12 +64,18 @@ __all__ = [
     "TASK_STEPS",
     "HistogramTally",
     "RouteMetrics",
+    "StampedTally",
     "Tally",
     "counter",
+    "counts",
     "flush_metrics",
     "flush_soon",
     "histogram",
+    "multiprocess",
+    "peek",
     "render_metrics",
+    "stamped_counter",
+    "totals",
 ]
 
 #: The longest a request's counts wait in this process before prometheus-client sees them.
@@ -197,6 +204,22 @@ class Tally:
             self._flushed = count
 
 
+class StampedTally(Tally):
+    """A tally that also keeps when it was last added to (`last_at`, seconds since the epoch,
+    0.0: never): a model's failure kinds, for the status page's last failure of each model.
+    Only failures pay for the clock read; a model's successes count in a plain `Tally`."""
+
+    __slots__ = ("last_at",)
+
+    def __init__(self, child: Counter) -> None:
+        super().__init__(child)
+        self.last_at = 0.0
+
+    def add(self, amount: float = 1) -> None:
+        self.count += amount
+        self.last_at = time.time()
+
+
 class HistogramTally:
     """This process's observations of one histogram series (`histogram(metric, *labels)`):
     per bucket (the first bound >= the value, as prometheus-client counts) and their sum."""
@@ -247,6 +270,55 @@ def counter(metric: Counter, *labels: str) -> Tally:
     tally = _tally(metric, labels, Tally)
     assert isinstance(tally, Tally)
     return tally
+
+
+def stamped_counter(metric: Counter, *labels: str) -> StampedTally:
+    """The process's tally of `metric`'s series with `labels`, keeping when it last grew."""
+    tally = _tally(metric, labels, StampedTally)
+    assert isinstance(tally, StampedTally)
+    return tally
+
+
+def peek(metric: Counter, *labels: str) -> Tally | None:
+    """The process's tally of `metric`'s series with `labels` if one was made (never makes one:
+    reading must not add a series to the exposition)."""
+    tally = _tallies.get((metric, labels))
+    return tally if isinstance(tally, Tally) else None
+
+
+def counts(*metrics: Counter) -> dict[tuple[Counter, tuple[str, ...]], float]:
+    """This process's count so far of every series of `metrics` that has a tally, by
+    `(metric, labels)` (call it from the event loop that updates them)."""
+    wanted = set(metrics)
+    return {
+        (metric, labels): tally.count
+        for (metric, labels), tally in list(_tallies.items())
+        if isinstance(metric, Counter) and metric in wanted and isinstance(tally, Tally)
+    }
+
+
+def multiprocess() -> bool:
+    """True in prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR` set)."""
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ
+
+
+def totals(*metrics: Counter) -> dict[tuple[Counter, tuple[str, ...]], float]:
+    """Every worker's count so far of each series of `metrics`, by `(metric, labels)`: in
+    multiprocess mode the sums of the files all workers wrote (this process's tallies written
+    first; the others' at most `FLUSH_INTERVAL_S` old), else this process's own. Reads files:
+    call it off the event loop."""
+    if not multiprocess():
+        return counts(*metrics)
+    flush_metrics()
+    by_sample = {f"{metric._name}_total": metric for metric in metrics}
+    found: dict[tuple[Counter, tuple[str, ...]], float] = {}
+    for family in MultiProcessCollector(None).collect():  # type: ignore[no-untyped-call]
+        for sample in family.samples:
+            metric = by_sample.get(sample.name)
+            if metric is not None:
+                labels = tuple(sample.labels.get(name, "") for name in metric._labelnames)
+                found[metric, labels] = found.get((metric, labels), 0.0) + sample.value
+    return found
 
 
 def histogram(metric: Histogram, *labels: str) -> HistogramTally:
@@ -332,7 +404,7 @@ def render_metrics() -> tuple[bytes, str]:
     `FLUSH_INTERVAL_S` (see the module's docstring).
     """
     flush_metrics()
-    if "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ:
+    if multiprocess():
         registry = CollectorRegistry()
         MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return generate_latest(registry), CONTENT_TYPE_LATEST

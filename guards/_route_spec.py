@@ -29,6 +29,7 @@ from ._metrics import (
     Tally,
     counter,
     histogram,
+    stamped_counter,
 )
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 
@@ -82,7 +83,10 @@ class Leg:
             price=price,
             seconds=histogram(ATTEMPT_SECONDS, ref.key),
             breaker_state=BREAKER_STATE.labels(ref.key),
-            attempts={kind: counter(ATTEMPTS, ref.key, kind) for kind in ("ok", *Kind)},
+            attempts={
+                "ok": counter(ATTEMPTS, ref.key, "ok"),
+                **{k: stamped_counter(ATTEMPTS, ref.key, k) for k in Kind},
+            },
             last_state=[None],
             served=counter(SERVED, route, ref.key, "first" if first else "fallback"),
             input_tokens=counter(TOKENS, ref.key, "input"),

@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from app.main import create_app
 from app.settings import Settings
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
-from guards import Envelope
+from guards import Envelope, StatusReport
 
 from .conftest import LogLines, no_sleep, wait_until, workers_ai_settings
 
@@ -92,6 +92,9 @@ CHECKED = {
     ("## Effort routing", "python", 1): "test_effort_override_example_escalates_premium_users",
     ("## The last good answer", "python", 0): "test_last_good_example_serves_the_last_answer",
     ("## Metrics", "python", 0): "test_metrics_snippet_serves_the_exposition",
+    ("## Status page", "python", 0): "test_status_example_mounts_a_private_page",
+    ("## Status page", "json", 0): "test_status_sample_has_the_fields_of_a_real_answer",
+    ("## Status page", "sh", 0): "test_status_curls_run_against_a_live_server",
     ("## Traces", "python", 0): "test_tracing_snippet_traces_with_its_provider",
     ("## Testing your routes", "python", 0): "test_testing_example_passes_under_pytest",
     ("## Serving in production", "sh", 0): "test_serve_command_serves_and_stops_gracefully",
@@ -122,7 +125,7 @@ def free_port() -> int:
 
 #: Settings of the example app: none of the test machine's own may leak into a server run here.
 _SETTINGS = re.compile(
-    r"^(AI_|CLOUDFLARE_|OPENAI_|GUARDS_|CORS_|DAILY_|RATE_|BREAKER_|RETRY_|PROMETHEUS_|OTEL_)"
+    r"^(AI_|CLOUDFLARE_|OPENAI_|GUARDS_|CORS_|DAILY_|RATE_|BREAKER_|RETRY_|PROMETHEUS_|OTEL_|STATUS_)"
 )
 
 
@@ -508,6 +511,88 @@ def test_metrics_snippet_serves_the_exposition() -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     assert "guards_requests_total" in response.text
+
+
+STATUS_TOKEN = "readme-status-token-0123456789"
+
+
+def test_status_example_mounts_a_private_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STATUS_TOKEN", STATUS_TOKEN)
+    example = readme_example()
+    exec(compile(block("## Status page", "python"), str(README), "exec"), example)
+
+    async def views() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            return [
+                await client.get("/status"),
+                await client.get("/status", headers={"authorization": f"Bearer {STATUS_TOKEN}"}),
+                await client.get(
+                    "/status", headers={"authorization": f"Bearer {STATUS_TOKEN}", "accept": "text/html"}
+                ),
+            ]
+
+    refused, answered, page = anyio.run(views)
+    assert refused.status_code == 401
+    assert refused.headers["www-authenticate"] == "Bearer"
+    StatusReport.model_validate(answered.json())
+    assert page.headers["content-type"] == "text/html; charset=utf-8"
+
+
+def _keys(value: Any) -> Any:
+    """A JSON value's shape: its objects' keys, all the way down (a list: its first item's)."""
+    if isinstance(value, dict):
+        return {key: _keys(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_keys(value[0])] if value else []
+    return None
+
+
+def test_status_sample_has_the_fields_of_a_real_answer(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
+    [sample] = json_values(block("## Status page", "json"))
+    StatusReport.model_validate(sample)
+    model, fallback = sample["models"][0]["model"], sample["models"][1]["model"]
+    settings = workers_ai_settings(fake_workers_ai, ai_model=model, ai_fallback_models=fallback)
+    client = serve(create_app(settings, sleep=no_sleep))
+    fake_workers_ai.default = Reply("Thank you.")
+    fake_workers_ai.script(model, *[Fail(status=500)] * 20)
+    for _ in range(5):
+        assert client.post("/draft-reply", json={"message": "Where is my parcel?"}).status_code == 200
+    real = client.get("/status").json()
+    real["routes"] = real["routes"][:1]  # the sample shows one route of four
+    assert _keys(real) == _keys(sample)
+    # The figures the sample shows are the ones this scenario gives.
+    for field in ("level", "store", "refresh_s"):
+        assert real[field] == sample[field], field
+    for shown, got in zip(sample["models"], real["models"], strict=True):
+        for field in ("model", "down", "breaker", "cooldown_s", "calls", "failures", "last_failure"):
+            if field == "last_failure":
+                assert (got[field] or {}).get("kind") == (shown[field] or {}).get("kind")
+            else:
+                assert got[field] == shown[field], field
+    for field in ("route", "requests", "outcomes", "error_rate", "fallback_model_rate", "trips"):
+        assert real["routes"][0][field] == sample["routes"][0][field], field
+
+
+def test_status_curls_run_against_a_live_server(run_server: Callable[..., str]) -> None:
+    url = run_server(STATUS_TOKEN=STATUS_TOKEN)
+    commands = shell_commands(block("## Status page", "sh"))
+    assert len(commands) == 3
+    outputs = []
+    for command in commands:
+        done = subprocess.run(
+            ["bash", "-c", command.replace("localhost:8000", url.removeprefix("http://"))],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "STATUS_TOKEN": STATUS_TOKEN},
+        )
+        assert done.returncode == 0, (command, done.stderr)
+        outputs.append(done.stdout)
+    as_json, refused, page = outputs
+    StatusReport.model_validate(json.loads(as_json))
+    assert refused == "401\n"
+    assert page.startswith("<!doctype html>")
+    assert STATUS_TOKEN not in page
 
 
 def test_tracing_snippet_traces_with_its_provider() -> None:

@@ -1,0 +1,481 @@
+"""What the status page shows, and where each number comes from (`StatusPage.report`, the
+`StatusReport` pydantic model that is the JSON answer and its OpenAPI schema):
+
+- **the level, and each model's breaker and cooldown**: one `Store.health` read per view of the
+  page (the page's own read, never a guarded request's), so every worker and machine sharing
+  the store shows the same. When the store does not answer, the worker's last reading of the
+  level (`Guards.service_level`) instead, and no breaker or cooldown;
+- **each model's last failure**: the kind (a classifier token) and time of the newest failed
+  call this worker made to it, kept by the failure tallies themselves (`StampedTally`);
+- **recent rates**: the counts `/metrics` exports: every worker's in prometheus-client's
+  multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`: the sums of the workers' files, read in a
+  thread), else the answering worker's tallies; copied every `window_s / 30` seconds by a task
+  of the event loop (`History`, started with the app's lifespan, or by the first view); a rate
+  is the difference between the counts now and the oldest copy at most `window_s` old, over
+  the time between them;
+- **spend today**: the same counts of `guards_cost_usd_total` since the UTC day began (to
+  within one copy's interval), or since the worker started when that was later; the spend caps
+  are the routes' `Budget(spend_per_day=...)`, each applying to each budget key on its own.
+  A key's own spend lives in the store under that key: the page never reads or shows one.
+
+Nothing the page shows comes from a request or a provider's answer: route names and model
+names come from configuration (models named as `Guards(attribution=...)` allows), guards,
+reasons and kinds from closed sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import typing
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio.to_thread
+from prometheus_client import Counter
+from pydantic import BaseModel, Field
+
+from ._classify import Kind
+from ._levels import Level, down_for, level_of
+from ._log import emit_warning
+from ._metrics import (
+    ATTEMPTS,
+    COST,
+    FALLBACKS,
+    REQUESTS,
+    SERVED,
+    StampedTally,
+    counts,
+    multiprocess,
+    peek,
+    totals,
+)
+from .stores import StoreUnavailable, utc_day
+
+if typing.TYPE_CHECKING:
+    from ._guards import Guards
+    from ._route_spec import GuardedRoute
+
+__all__ = [
+    "DAY_S",
+    "History",
+    "ModelStatus",
+    "RouteStatus",
+    "StatusPage",
+    "StatusProblem",
+    "StatusReport",
+]
+
+#: Copies of the counts a window holds: a rate's window is `window_s` less at most one interval.
+COPIES = 30
+DAY_S = 86_400.0
+_FAILURES = tuple(kind for kind in Kind if kind is not Kind.cancelled)
+_OUTCOMES = ("ok", "fallback", "error", "cancelled", "invalid")
+
+Key = tuple[Counter, tuple[str, ...]]
+Counts = dict[Key, float]
+
+
+# --- the JSON answer (its schema is the OpenAPI one, and the README's) -------------------------
+
+
+class LastFailure(BaseModel):
+    kind: Kind = Field(description="The classifier's kind of the newest failed call (this worker's).")
+    at: float = Field(description="When it failed: seconds since the epoch (this worker's clock).")
+
+
+class Price(BaseModel):
+    input_usd_per_mtok: float = Field(description="US dollars per million input tokens.")
+    output_usd_per_mtok: float = Field(description="US dollars per million output tokens.")
+    call_usd: float = Field(description="US dollars per call.")
+
+
+class ModelStatus(BaseModel):
+    model: str = Field(description="The model, named as Guards(attribution=...) allows.")
+    down: bool = Field(description="True while the walk would skip it (open breaker or cooldown).")
+    down_for_s: float = Field(description="Seconds until it may be called again (0: it is up).")
+    breaker: Literal["closed", "open", "half_open"] | None = Field(
+        description="Its breaker's state as the store holds it; null when no route calls it with a "
+        "breaker, or when the store did not answer."
+    )
+    breaker_wait_s: float | None = Field(
+        description="Seconds until its breaker lets a call through (0: it does now); null as `breaker`."
+    )
+    cooldown_s: float | None = Field(
+        description="Seconds left on its cooldown (0: none); null when the store did not answer."
+    )
+    last_failure: LastFailure | None = Field(description="Its newest failed call on this worker.")
+    calls: int = Field(
+        description="Provider calls in the recent window (see recent.counts), retries included."
+    )
+    failures: int = Field(description="Those that failed (any classifier kind but cancelled).")
+    cost_usd_today: float | None = Field(
+        description="What its calls cost today (see today.counts), US dollars; null without a price."
+    )
+    price: Price | None = Field(description="Its price (Guards(prices=...)), when it has one.")
+
+
+class Outcomes(BaseModel):
+    ok: int
+    fallback: int
+    error: int
+    cancelled: int
+    invalid: int
+
+
+class Trip(BaseModel):
+    guard: str
+    reason: str
+    count: int
+
+
+class SpendCap(BaseModel):
+    usd_per_key_per_day: float = Field(description="Budget(spend_per_day=...), in US dollars.")
+    scope: str = Field(description="The budget's scope: routes of one scope share each key's spend.")
+
+
+class RouteStatus(BaseModel):
+    route: str
+    requests: int = Field(description="Requests in the recent window (see recent.counts), every outcome.")
+    per_minute: float
+    outcomes: Outcomes
+    error_rate: float | None = Field(description="error / (requests - invalid); null without such requests.")
+    fallback_rate: float | None = Field(
+        description="fallback (the envelope's) / (requests - invalid); null without such requests."
+    )
+    fallback_model_rate: float | None = Field(
+        description="Answers served by a fallback model / answers served by a model; null without any."
+    )
+    trips: list[Trip] = Field(
+        description="Guards that tripped in the window, by guard and reason, most first."
+    )
+    cost_usd_today: float
+    spend_cap: SpendCap | None
+
+
+#: Whose counts the rates and the spend are: every worker's (prometheus-client's multiprocess
+#: mode, `PROMETHEUS_MULTIPROC_DIR`), or only the answering worker's.
+CountsOf = Literal["all_workers", "this_worker"]
+
+
+class Recent(BaseModel):
+    seconds: float = Field(description="The window the rates cover, in seconds.")
+    counts: CountsOf = Field(
+        description="all_workers (PROMETHEUS_MULTIPROC_DIR set: the workers' summed counts) or "
+        "this_worker (the answering worker's own)."
+    )
+    worker: int = Field(description="The process id of the worker that answered.")
+
+
+class Today(BaseModel):
+    day: str = Field(description="The UTC day, YYYY-MM-DD.")
+    since: float = Field(
+        description="Counted since: the day's start, or the answering worker's start when later."
+    )
+    cost_usd: float = Field(description="What the priced provider calls cost since then, US dollars.")
+    counts: CountsOf = Field(description="As recent.counts.")
+    worker: int = Field(description="The process id of the worker that answered.")
+
+
+class StatusProblem(BaseModel):
+    """What `GET /status` answers as JSON when it cannot show the page (401, 406)."""
+
+    detail: str
+
+
+class StatusReport(BaseModel):
+    """What `GET /status` answers as JSON."""
+
+    level: Level
+    time: float = Field(description="The store's time of the reading, seconds since the epoch.")
+    store: Literal["ok", "unavailable"]
+    refresh_s: float = Field(description="How often the HTML page reloads itself.")
+    models: list[ModelStatus]
+    routes: list[RouteStatus]
+    recent: Recent
+    today: Today
+
+
+# --- this worker's counts over time ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    mono: float
+    wall: float
+    counts: Counts
+
+
+#: The counters the page reads.
+_COUNTED = (REQUESTS, SERVED, FALLBACKS, ATTEMPTS, COST)
+
+
+async def _copy() -> _Copy:
+    """The counts now: every worker's in multiprocess mode (files: read in a thread), else
+    this worker's."""
+    if multiprocess():
+        found = await anyio.to_thread.run_sync(totals, *_COUNTED)
+    else:
+        found = counts(*_COUNTED)
+    return _Copy(time.monotonic(), time.time(), found)
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """The counts now, and the two baselines to subtract: the window's and the day's."""
+
+    now: Counts
+    recent: Counts
+    recent_s: float
+    today: Counts
+    day: str
+    since: float
+
+
+class History:
+    """Copies of the counts, one every `window_s / COPIES` seconds, kept for `window_s`; and
+    the copy the UTC day started from. Bounded: at most `COPIES + 1` copies. The first copy is
+    taken when copying starts (the app's lifespan, else the first view)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.every_s = window_s / COPIES
+        self._copies: deque[_Copy] = deque()
+        self._day, self._day_counts, self._since = "", Counts(), 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Take the first copy, and copy every `every_s` on this event loop (already copying:
+        nothing)."""
+        if self._task is not None and not self._task.done():
+            return
+        if not self._copies:
+            self._add(await _copy())
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            self._add(await _copy())
+
+    def _add(self, copy: _Copy) -> None:
+        self._roll(copy)
+        copies = self._copies
+        copies.append(copy)
+        while len(copies) > COPIES + 1 or (len(copies) > 1 and copies[0].mono < copy.mono - self.window_s):
+            copies.popleft()
+
+    def _roll(self, copy: _Copy) -> None:
+        """A new UTC day starts from the newest copy (taken before midnight, at most one interval
+        before it: what was spent in between counts for the new day); the first copy starts
+        the first day (the page counts from then)."""
+        day = utc_day(copy.wall)
+        if not self._copies:
+            self._day, self._day_counts, self._since = day, copy.counts, copy.wall
+        elif day != self._day:
+            self._day, self._day_counts = day, self._copies[-1].counts
+            self._since = copy.wall // DAY_S * DAY_S
+
+    async def read(self) -> Reading:
+        await self.start()
+        now = await _copy()
+        self._roll(now)
+        oldest = now.mono - self.window_s
+        # The oldest copy within the window; when the timer did not run (no copy that recent),
+        # the newest one, and the window says how long it really is.
+        base = next((c for c in self._copies if c.mono >= oldest), self._copies[-1])
+        return Reading(
+            now.counts, base.counts, now.mono - base.mono, self._day_counts, self._day, self._since
+        )
+
+
+def _grown(reading: Reading, base: Counts, metric: Counter) -> dict[tuple[str, ...], float]:
+    """How much each series of `metric` grew since `base`."""
+    return {
+        labels: count - base.get((m, labels), 0.0)
+        for (m, labels), count in reading.now.items()
+        if m is metric and count != base.get((m, labels), 0.0)
+    }
+
+
+# --- the page --------------------------------------------------------------------------------------
+
+
+class StatusPage:
+    """One app's status page: its `Guards`, its counts' history, and its settings."""
+
+    def __init__(self, guards: Guards, *, refresh_s: float, window_s: float) -> None:
+        self.guards = guards
+        self.refresh_s = refresh_s
+        self.history = History(window_s)
+
+    async def report(self) -> StatusReport:
+        """Read the store once and the counts, and put them together."""
+        guards = self.guards
+        reading = await self.history.read()
+        watched = guards.levels.models
+        store = "ok"
+        health = None
+        if watched:
+            try:
+                health = await guards.store.health(
+                    [(m.cooldown_key, m.breaker_key) for m in watched.values()]
+                )
+            except StoreUnavailable:
+                store = "unavailable"
+                emit_warning("store_unavailable", guard="status", op="health")
+        recent = {m: _grown(reading, reading.recent, m) for m in (REQUESTS, SERVED, FALLBACKS, ATTEMPTS)}
+        spent = _grown(reading, reading.today, COST)
+        unit = guards.cost_unit_usd
+
+        models = []
+        wall = time.time()
+        # When the store did not answer: the level as this worker last read it.
+        seen = guards.service_level() if health is None else None
+        seen_down = {model.model: model.until for model in seen.down} if seen is not None else {}
+        for index, (key, model) in enumerate(watched.items()):
+            calls = {kind: n for (k, kind), n in recent[ATTEMPTS].items() if k == key}
+            price = guards.prices.get(key)
+            entry: dict[str, Any] = {
+                "model": model.name,
+                "last_failure": _last_failure(key),
+                "calls": round(sum(calls.values())),
+                "failures": round(sum(calls.get(kind.value, 0.0) for kind in _FAILURES)),
+                "cost_usd_today": None
+                if price is None
+                else _usd(sum(n for (_, k), n in spent.items() if k == key)),
+                "price": None
+                if price is None
+                else Price(
+                    input_usd_per_mtok=price.input_token * unit * 1e6,
+                    output_usd_per_mtok=price.output_token * unit * 1e6,
+                    call_usd=price.call * unit,
+                ),
+            }
+            if health is not None:
+                breaker, cooldown_s = health.breakers[index], health.cooldowns[index]
+                wait = down_for(breaker, cooldown_s, model.policies, health.now)
+                guarded = bool(model.policies)
+                entry.update(
+                    down=wait > 0,
+                    down_for_s=_seconds(wait),
+                    breaker=breaker.state.value if guarded else None,
+                    breaker_wait_s=_seconds(down_for(breaker, 0.0, model.policies, health.now))
+                    if guarded
+                    else None,
+                    cooldown_s=_seconds(cooldown_s),
+                )
+            else:
+                until = seen_down.get(model.name)
+                entry.update(
+                    down=until is not None,
+                    down_for_s=_seconds(max(0.0, (until or 0.0) - wall)),
+                    breaker=None,
+                    breaker_wait_s=None,
+                    cooldown_s=None,
+                )
+            models.append(ModelStatus(**entry))
+
+        if seen is None:
+            level, now = level_of(sum(m.down for m in models), len(models)), health.now if health else wall
+        else:
+            level, now = seen.level, wall
+        seconds = reading.recent_s
+        whose: CountsOf = "all_workers" if multiprocess() else "this_worker"
+        return StatusReport(
+            level=level,
+            time=now,
+            store=store,  # type: ignore[arg-type]
+            refresh_s=self.refresh_s,
+            models=models,
+            routes=[self._route(route, recent, spent, seconds) for route in _routes(guards)],
+            recent=Recent(seconds=round(seconds, 1), counts=whose, worker=os.getpid()),
+            today=Today(
+                day=reading.day,
+                since=reading.since,
+                cost_usd=_usd(sum(spent.values())),
+                counts=whose,
+                worker=os.getpid(),
+            ),
+        )
+
+    def _route(
+        self,
+        route: GuardedRoute,
+        recent: dict[Counter, dict[tuple[str, ...], float]],
+        spent: dict[tuple[str, ...], float],
+        seconds: float,
+    ) -> RouteStatus:
+        name = route.name
+        outcomes = {o: round(n) for (r, o), n in recent[REQUESTS].items() if r == name}
+        counted = Outcomes(**{o: outcomes.get(o, 0) for o in _OUTCOMES})
+        requests = sum(outcomes.values())
+        judged = requests - counted.invalid
+        served = {position: 0.0 for position in ("first", "fallback")}
+        for (r, _, position), n in recent[SERVED].items():
+            if r == name:
+                served[position] += n
+        trips = sorted(
+            (
+                Trip(guard=g, reason=why, count=round(n))
+                for (r, g, why), n in recent[FALLBACKS].items()
+                if r == name
+            ),
+            key=lambda trip: (-trip.count, trip.guard, trip.reason),
+        )
+        budget = route.budget
+        cap = None
+        if budget is not None and budget.spend_per_day is not None:
+            cap = SpendCap(
+                usd_per_key_per_day=budget.spend_per_day * self.guards.cost_unit_usd, scope=route.scope
+            )
+        return RouteStatus(
+            route=name,
+            requests=requests,
+            # Over at least a minute: a few requests in a young window are not a rate.
+            per_minute=round(requests * 60 / max(seconds, 60.0), 2),
+            outcomes=counted,
+            error_rate=_share(counted.error, judged),
+            fallback_rate=_share(counted.fallback, judged),
+            fallback_model_rate=_share(served["fallback"], sum(served.values())),
+            trips=trips,
+            cost_usd_today=_usd(sum(n for (r, _), n in spent.items() if r == name)),
+            spend_cap=cap,
+        )
+
+
+def _routes(guards: Guards) -> list[GuardedRoute]:
+    """The guarded routes, once per name, in declaration order."""
+    return list({route.name: route for route in reversed(guards.routes)}.values())[::-1]
+
+
+def _last_failure(model_key: str) -> LastFailure | None:
+    newest: tuple[float, Kind] | None = None
+    for kind in _FAILURES:
+        tally = peek(ATTEMPTS, model_key, kind.value)
+        if (
+            isinstance(tally, StampedTally)
+            and tally.last_at
+            and (newest is None or tally.last_at > newest[0])
+        ):
+            newest = (tally.last_at, kind)
+    return None if newest is None else LastFailure(kind=newest[1], at=round(newest[0], 3))
+
+
+def _share(part: float, whole: float) -> float | None:
+    return round(part / whole, 4) if whole > 0 else None
+
+
+def _seconds(value: float) -> float:
+    return round(max(0.0, value), 1)
+
+
+def _usd(value: float) -> float:
+    return round(value, 6)
