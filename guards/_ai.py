@@ -331,7 +331,6 @@ class AI(Generic[T]):
                         inflight = (leg, probe)
                         self._leg = leg
                         call = call_for(leg)
-                        budget_left = self.attempt_budget - self.attempts  # the last leg's limit
                         if trace is not None:
                             call = trace.traced(call, self, leg, self._binding(leg))
                         try:
@@ -341,7 +340,11 @@ class AI(Generic[T]):
                                 inputs,
                                 policy=route.retry,
                                 deadline=deadline,
-                                limit=self._leg_limit(index) if index + 1 < len(legs) else budget_left,
+                                limit=(
+                                    self._leg_limit(index)
+                                    if index + 1 < len(legs)
+                                    else self.attempt_budget - self.attempts  # the last leg's
+                                ),
                                 sleep=self._guards.sleep,
                                 on_attempt=self._on_attempt,
                                 on_retry=self._before_retry,
