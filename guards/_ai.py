@@ -36,6 +36,7 @@ from ._metrics import SKIPS, STORE_UNAVAILABLE, counter, flush_soon
 from ._output import OutputGuard, output_guard
 from ._relay import Opened, Relayed, no_events, open_stream, relay
 from ._retry_budget import admit_retry
+from ._route_spec import GuardedRoute, Leg
 from ._stream import StreamEnd, StreamingBinding, TextDelta
 from .stores import Charge, Report, Step, StoreUnavailable
 
@@ -43,7 +44,6 @@ if typing.TYPE_CHECKING:
     from starlette.requests import Request
 
     from ._guards import Guards
-    from ._route import GuardedRoute, Leg
     from ._tasks import TaskRun
     from ._tracing import RequestTrace
 
@@ -109,7 +109,6 @@ class AI(Generic[T]):
         self,
         guards: Guards,
         route: GuardedRoute,
-        *,
         budget_key: str | None,
         trace_id: str,
         request: Request | None = None,
@@ -303,7 +302,7 @@ class AI(Generic[T]):
         ticket, whether its success must be recorded). `call_for(leg)` is what makes one
         attempt on a leg: `call(model, inputs)`. The caller records the outcome and settles
         the spend; on failure this settles and raises `GuardTripped`."""
-        route = self._route
+        route, trace = self._route, self._trace
         self._notes.clear()
         self._waits = None
         inflight: tuple[Leg, float | None] | None = None
@@ -316,7 +315,7 @@ class AI(Generic[T]):
             # outlasts MARK_AFTER_S starts watching for the client leaving, which ends it at
             # once the same way (`_start_watch`); quick walks never pay for the watcher.
             on_mark = self._start_watch if self._request is not None else None
-            with Deadline(route.timeout_s, on_mark=on_mark) as scope:
+            with Deadline(route.timeout_s, on_mark) as scope:
                 self._scope = scope
                 deadline = self._deadline = scope.when
                 try:
@@ -336,8 +335,8 @@ class AI(Generic[T]):
                         inflight = (leg, probe)
                         self._leg = leg
                         call = call_for(leg)
-                        if self._trace is not None:
-                            call = self._trace.traced(call, self, leg, self._binding(leg))
+                        if trace is not None:
+                            call = trace.traced(call, self, leg, self._binding(leg))
                         try:
                             result, _ = await call_model(
                                 call,
@@ -345,7 +344,11 @@ class AI(Generic[T]):
                                 inputs,
                                 policy=route.retry,
                                 deadline=deadline,
-                                limit=self._leg_limit(index, self._waits),
+                                limit=(
+                                    self._leg_limit(index)
+                                    if index + 1 < len(legs)
+                                    else self.attempt_budget - self.attempts  # the last leg's
+                                ),
                                 sleep=self._guards.sleep,
                                 on_attempt=self._on_attempt,
                                 on_retry=self._before_retry,
@@ -586,18 +589,18 @@ class AI(Generic[T]):
         }
 
     def _run_call(self, leg: Leg) -> Call[AIResult]:
-        return self._binding(leg).run
+        provider = leg.ref.provider  # `_binding`, one call less: every request's path
+        return (self._guards.binding if provider is None else self._guards.providers[provider]).run
 
     def _binding(self, leg: Leg) -> Binding:
         provider = leg.ref.provider
         return self._guards.binding if provider is None else self._guards.providers[provider]
 
-    def _leg_limit(self, index: int, waits: list[float] | None) -> int:
-        """Calls this leg may make: what the budget has left, minus one for each later leg
-        that is not cooling down (so a retry never starves the fallbacks)."""
+    def _leg_limit(self, index: int) -> int:
+        """Calls a leg with later legs may make: what the budget has left, minus one for each
+        later leg that is not cooling down (so a retry never starves the fallbacks)."""
         left = self.attempt_budget - self.attempts
-        if index + 1 == len(self._route.legs):
-            return left
+        waits = self._waits
         if waits is None:
             reserved = len(self._route.legs) - index - 1
         else:
@@ -628,11 +631,25 @@ class AI(Generic[T]):
         None when no leg is admitted; raises `GuardTripped` when the budget refuses. With no
         leg left, the walk is over: the report settles the spend too."""
         route = self._route
-        legs = route.legs[start:]
-        if not legs:
+        legs = route.legs
+        if start >= len(legs):
             await self._send(self._report_end(report))
             return None
-        charge = None if self._charged else self._charge(inputs)
+        # What the request's first admission pays: rate, daily cap, and its worst-case spend.
+        budget, charge = route.budget, None
+        if budget is not None and not self._charged and self._budget_key is not None:
+            spend = None
+            if route.spend_capped:
+                self._tokens = tokens = input_tokens_bound(inputs)
+                spend = max(_worst(leg, tokens, route.max_tokens) for leg in legs) * self.attempt_budget
+            charge = Charge(
+                self._budget_key,
+                budget.per_minute,
+                budget.per_day,
+                spend,
+                budget.spend_per_day or 0.0,
+                2 * route.timeout_s + 60,  # the hold outlives the walk
+            )
         ages: list[float | None] = []
         if route.breaker is not None:
             # How long ago this process's last success on each leg's model ended (None: none
@@ -640,15 +657,11 @@ class AI(Generic[T]):
             # (a closed breaker's, admitted with no failure counted) still ends the failures
             # counted while it ran: exactly within this process, at its next step for others.
             now = self._guards.success_clock()
-            for leg in legs:
+            for leg in legs[start:] if start else legs:
                 ended = leg.last_success[0]
                 ages.append(None if ended is None else now - ended)
         step = Step(
-            report=report,
-            legs=route.leg_keys[start:],
-            breaker=route.breaker,
-            charge=charge,
-            success_ages=ages,
+            report, route.step_legs[start:] if start else route.step_legs, route.breaker, charge, ages
         )
         try:
             passage = await self._guards.store.step(step)
@@ -660,8 +673,8 @@ class AI(Generic[T]):
             STORE_UNAVAILABLE.labels(guard="cooldown", action="open").inc()
             if route.breaker is not None:
                 self._store_failed("breaker", route.breaker.on_store_failure)
-            if charge is not None and route.budget is not None:
-                self._store_failed("budget", route.budget.on_store_failure)
+            if charge is not None and budget is not None:
+                self._store_failed("budget", budget.on_store_failure)
                 self._charged = True
             return start, None, False
         if passage.recorded is not None and report is not None:
@@ -669,12 +682,14 @@ class AI(Generic[T]):
         if passage.transitions:
             self._saw_transitions(passage.transitions)
         waits, decisions = passage.waits, passage.decisions
-        if self._waits is None:
-            self._waits = [0.0] * len(route.legs)
-        self._waits[start:] = waits
-        for offset, leg in enumerate(legs):
-            if waits[offset] > 0:
-                self._skip(leg, "cooldown", waits[offset])
+        if len(legs) > 1:  # only a leg with later legs reads the waits (`_leg_limit`)
+            if self._waits is None:
+                self._waits = [0.0] * len(legs)
+            self._waits[start:] = waits
+        for offset, wait in enumerate(waits):
+            leg = legs[start + offset]
+            if wait > 0:
+                self._skip(leg, "cooldown", wait)
                 continue
             decision = decisions[offset] if offset < len(decisions) else None
             if decision is not None:
@@ -685,36 +700,18 @@ class AI(Generic[T]):
                     continue
             break  # the leg admitted, or the one whose charge was refused
         if passage.refusal is not None:
-            assert route.budget is not None
-            raise budget_refusal(route.budget, passage.refusal)
+            assert budget is not None
+            raise budget_refusal(budget, passage.refusal)
         if charge is not None:
             self._charged = True
             self._hold = passage.reservation
-        if passage.admitted is None:
+        admitted = passage.admitted
+        if admitted is None:
             return None
-        decision = decisions[passage.admitted] if passage.admitted < len(decisions) else None
+        decision = decisions[admitted] if admitted < len(decisions) else None
         if decision is None:
-            return start + passage.admitted, None, False
-        return start + passage.admitted, decision.probe, decision.record_success
-
-    def _charge(self, inputs: Mapping[str, Any]) -> Charge | None:
-        """What the request's first admission pays: rate, daily cap, and its worst-case spend."""
-        route, key = self._route, self._budget_key
-        budget = route.budget
-        if budget is None or key is None:
-            return None
-        spend = None
-        if route.spend_capped:
-            self._tokens = tokens = input_tokens_bound(inputs)
-            spend = max(_worst(leg, tokens, route.max_tokens) for leg in route.legs) * self.attempt_budget
-        return Charge(
-            key=key,
-            per_minute=budget.per_minute,
-            per_day=budget.per_day,
-            spend=spend,
-            spend_cap=budget.spend_per_day or 0.0,
-            hold_s=2 * route.timeout_s + 60,
-        )
+            return start + admitted, None, False
+        return start + admitted, decision.probe, decision.record_success
 
     async def _settle(self) -> None:
         """Replace the spend hold by what the calls cost (see `_on_attempt`)."""
@@ -767,10 +764,11 @@ class AI(Generic[T]):
     ) -> None:
         route = self._route
         leg.seconds.observe(elapsed)
-        leg.attempts[kind].add()
+        leg.attempts[kind].add()  # a failure kind's tally also stamps its time (the status page)
+        # Plain tallies counted in place (`Tally.add` is this, a call dearer): every request's path.
         if usage is not None:
-            leg.input_tokens.add(usage.prompt_tokens)
-            leg.output_tokens.add(usage.completion_tokens)
+            leg.input_tokens.count += usage.prompt_tokens
+            leg.output_tokens.count += usage.completion_tokens
         if leg.price is not None:
             # Usage when known; else (spend cap only) the worst case when the provider may
             # have billed. The cost metric counts reported usage only.
@@ -1023,10 +1021,10 @@ def finish_request(
     metrics = route.metrics
     metrics.seconds.observe(elapsed)
     if outcome == "ok":
-        metrics.ok.add()
+        metrics.ok.count += 1  # `Tally.add`, in place: every request's path
         served = ai._served_leg
         if served is not None:  # a model's answer served (not the handler's own value)
-            served.served.add()
+            served.served.count += 1
     elif outcome == "fallback":
         metrics.fallback.add()
     elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback

@@ -19,7 +19,7 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ._route import route_of
+from ._route_spec import route_of
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "BodyLimit", "BodyTooLarge"]
 

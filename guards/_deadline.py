@@ -9,11 +9,15 @@ deadline is armed in two steps:
 
 1. At the start the walk joins its event loop's *mark queue*: running walks in start order,
    with one loop timer for the oldest. Joining and leaving cost a deque append and a flag.
-2. `MARK_AFTER_S` into the walk, if it still runs, the queue's timer gives it a real timer at
-   its deadline and calls its `on_mark` (the disconnect watcher starts there).
+2. Between `MARK_AFTER_S` and `MARK_AFTER_S + MARK_TICK_S` into the walk, if it still runs,
+   the queue's timer gives it a real timer at its deadline and calls its `on_mark` (the
+   disconnect watcher starts there).
 
-A deadline closer than `MARK_AFTER_S` gets its real timer at once. `expire()` ends the walk now,
-the same way (the client left).
+The queue's timer ticks at most once per `MARK_TICK_S`: under steady load, walks start every
+few hundred microseconds, and a timer re-armed at each next mark would fire every request or
+two; each tick marks every walk that came due since the last. A deadline within `MARK_AFTER_S +
+MARK_TICK_S` gets its real timer at once, so a mark is never later than its deadline.
+`expire()` ends the walk now, the same way (the client left).
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-__all__ = ["MARK_AFTER_S", "Deadline"]
+__all__ = ["MARK_AFTER_S", "MARK_TICK_S", "Deadline"]
 
-#: How long a deadline runs on the shared mark queue before it gets its own timer.
+#: How long a deadline runs on the shared mark queue before it gets its own timer (at least).
 MARK_AFTER_S = 0.1
+#: The shared timer's tick: a mark comes at most this much after `MARK_AFTER_S`.
+MARK_TICK_S = 0.025
 
 _RUNNING, _EXPIRED, _DONE = 0, 1, 2
 
@@ -45,7 +51,7 @@ class Deadline:
     __slots__ = ("_cancelling", "_on_mark", "_state", "_task", "_timer", "timeout_s", "when")
     _task: asyncio.Task[Any] | None
 
-    def __init__(self, timeout_s: float, *, on_mark: Callable[[], None] | None = None) -> None:
+    def __init__(self, timeout_s: float, on_mark: Callable[[], None] | None = None) -> None:
         self.timeout_s = timeout_s
         self._on_mark = on_mark
         self._timer: asyncio.TimerHandle | None = None
@@ -59,7 +65,7 @@ class Deadline:
         self._task = task
         now = loop.time()
         when = self.when = now + self.timeout_s
-        if self.timeout_s <= MARK_AFTER_S:
+        if self.timeout_s <= MARK_AFTER_S + MARK_TICK_S:
             self._timer = loop.call_at(when, self.expire)
             return self
         queue = _last
@@ -108,8 +114,9 @@ class Deadline:
 
 class _MarkQueue:
     """One event loop's running deadlines in mark order (start + MARK_AFTER_S, so they join in
-    order), with one loop timer for the oldest. Entries of ended deadlines are dropped when
-    the timer passes them: the queue holds at most MARK_AFTER_S worth of walks."""
+    order), with one loop timer: at the oldest's mark, but never sooner than MARK_TICK_S after
+    the last tick. Entries of ended deadlines are dropped when the timer passes them: the queue
+    holds at most MARK_AFTER_S + MARK_TICK_S worth of walks."""
 
     __slots__ = ("entries", "loop", "timer")
 
@@ -128,10 +135,12 @@ class _MarkQueue:
         now = loop.time()
         try:
             while entries and entries[0][0] <= now:
-                entries.popleft()[1]._marked(loop)
+                deadline = entries.popleft()[1]
+                if deadline._state == _RUNNING:  # most walks ended long before their mark
+                    deadline._marked(loop)
         finally:  # even if a mark callback raised: the later entries still get theirs
             if entries:
-                self.timer = loop.call_at(entries[0][0], self.fire)
+                self.timer = loop.call_at(max(entries[0][0], now + MARK_TICK_S), self.fire)
 
 
 _queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _MarkQueue] = weakref.WeakKeyDictionary()

@@ -45,7 +45,7 @@ from ._metrics import EFFORT_DECISIONS, Tally, counter
 if typing.TYPE_CHECKING:
     from starlette.requests import Request
 
-    from ._route import GuardedRoute, Leg
+    from ._route_spec import GuardedRoute, Leg
 
 __all__ = [
     "COMPLEX_CHARS",
@@ -165,7 +165,7 @@ class EffortRoutes:
                 route,
                 model=legs[0].ref.key,
                 legs=legs,
-                leg_keys=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
+                step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
                 attempt_budget=budget,
             )
         tiers: dict[Tier, tuple[GuardedRoute, str, bool, Tally]] = {}

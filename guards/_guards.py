@@ -36,7 +36,8 @@ from ._output import Moderation
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
 from ._retry_budget import RetryWindows
-from ._route import _NO_FALLBACK, GuardedRoute, guard_route, handler_entered, request_trace_id, route_of
+from ._route import guard_route, handler_entered, request_trace_id
+from ._route_spec import NO_FALLBACK, GuardedRoute, route_of
 from ._status import status_router
 from ._tasks import Task
 from ._tracing import Tracing
@@ -203,7 +204,7 @@ class Guards:
         retry: Retry = Retry(),
         budget: Budget | None = None,
         breaker: Breaker | None = Breaker(),
-        fallback: Any = _NO_FALLBACK,
+        fallback: Any = NO_FALLBACK,
         moderation: Moderation | None = None,
         name: str | None = None,
         max_tokens: int | None = None,

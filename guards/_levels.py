@@ -40,11 +40,11 @@ from ._envelope import Reason
 from ._errors import GuardTripped
 from ._log import emit, emit_warning
 from ._metrics import SERVICE_LEVEL, STORE_UNAVAILABLE
+from ._route_spec import GuardedRoute, route_of
 from .stores import StoreUnavailable
 
 if typing.TYPE_CHECKING:
     from ._guards import Guards
-    from ._route import GuardedRoute
 
 __all__ = [
     "REFRESH_S",
@@ -268,11 +268,8 @@ class LevelMiddleware:
     stream included), however it ended."""
 
     def __init__(self, app: ASGIApp, levels: Levels) -> None:
-        from ._route import route_of  # the decorator's module imports this one
-
         self.app = app
         self.levels = levels
-        self._route_of = route_of
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -293,7 +290,7 @@ class LevelMiddleware:
                 levels.in_flight -= 1
 
     def _with_level(self, scope: Scope, send: Send) -> Send:
-        levels, route_of = self.levels, self._route_of
+        levels = self.levels
 
         async def send_with_level(message: Message) -> None:
             header = levels.header

@@ -15,11 +15,11 @@ from fastapi.routing import APIRoute
 
 from ._envelope import MAX_PROBLEMS, ErrorBody, ErrorCode, GuardName, Reason
 from ._responses import STRICT_STATUSES
+from ._route_spec import GuardedRoute, route_of
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from ._route import GuardedRoute
 
 __all__ = ["document_guarded_routes"]
 
@@ -179,8 +179,6 @@ def _possible(route: GuardedRoute, code: ErrorCode) -> bool:
 
 
 def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: str) -> None:
-    from ._route import route_of
-
     schemas = schema.setdefault("components", {}).setdefault("schemas", {})
     body_schema = ErrorBody.model_json_schema(ref_template=_REF)
     schemas.update(body_schema.pop("$defs", {}))

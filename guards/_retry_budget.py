@@ -37,7 +37,7 @@ from ._log import emit
 from ._metrics import RETRY_BUDGET_EXHAUSTED, Tally, counter
 
 if typing.TYPE_CHECKING:
-    from ._route import Leg
+    from ._route_spec import Leg
 
 __all__ = ["RetryBudget", "RetryWindows", "admit_retry"]
 

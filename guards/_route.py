@@ -19,20 +19,18 @@ import re
 import time
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from prometheus_client import Gauge
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ._ai import AI, finish_request
-from ._breaker import Breaker, CircuitState
-from ._budget import Budget, Price
+from ._breaker import Breaker
+from ._budget import Budget
 from ._call import Retry
-from ._chain import HINT_PREFIX, ModelRef, flatten_chain
+from ._chain import HINT_PREFIX, flatten_chain
 from ._classify import Kind
 from ._effort import Effort, EffortRoutes
 from ._envelope import Envelope, ErrorCode, FallbackInfo
@@ -41,31 +39,17 @@ from ._event_stream import EventStream
 from ._last_good import LastGood, LastGoodCache
 from ._levels import Level
 from ._log import emit_error, emit_warning, frames
-from ._metrics import (
-    ATTEMPT_SECONDS,
-    ATTEMPTS,
-    BREAKER_STATE,
-    BREAKER_TRANSITIONS,
-    COST,
-    SERVED,
-    STATE_VALUE,
-    TOKENS,
-    HistogramTally,
-    RouteMetrics,
-    Tally,
-    counter,
-    histogram,
-    stamped_counter,
-)
+from ._metrics import RouteMetrics
 from ._output import Moderation, OutputGuard
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response, public_error
+from ._route_spec import NO_FALLBACK, GuardedRoute, Leg
 from ._tasks import Task, key_parameter, task_endpoint
 
 if typing.TYPE_CHECKING:
     from ._guards import Guards
 
-__all__ = ["FallbackFunction", "GuardedRoute", "guard_route"]
+__all__ = ["FallbackFunction", "guard_route", "handler_entered", "request_trace_id"]
 
 T = TypeVar("T")
 
@@ -73,130 +57,11 @@ T = TypeVar("T")
 #: them, by parameter name) and the tripped guard. May be sync or async.
 FallbackFunction = Callable[[Mapping[str, Any], GuardTripped], Any]
 
-_NO_FALLBACK: Any = object()
 _REQUEST = "guards_request_"
 _RESPONSE = "guards_response_"
 _ENTERED = "guards.handler_entered"
 _TRACE_ID = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
 _UNSAFE_HEADER = re.compile(r"[^\x21-\x7e]")
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Leg:
-    """One model of a route's chain, with its keys and metric children bound at start-up."""
-
-    ref: ModelRef
-    breaker_key: str
-    cooldown_key: str
-    #: The model's price (`Guards(prices=...)`), when known.
-    price: Price | None
-    seconds: HistogramTally
-    breaker_state: Gauge
-    attempts: dict[str, Tally]
-    #: The breaker state this process last saw (the gauge is set only when it changes).
-    last_state: list[CircuitState | None]
-    #: Requests this leg's answer served (`guards_served_total`: its route and position).
-    served: Tally
-    #: Reported usage (`guards_tokens_total`), and its cost on this route when priced.
-    input_tokens: Tally
-    output_tokens: Tally
-    cost_usd: Tally | None
-    #: Breaker state changes this process's store operations made, by the state entered.
-    transitions: dict[CircuitState, Tally]
-    #: When this process's last success on the model ended (`Guards.last_success`: one cell
-    #: per model, shared by every route that calls it), None before the first.
-    last_success: list[float | None]
-
-    @classmethod
-    def of(
-        cls,
-        ref: ModelRef,
-        price: Price | None,
-        route: str,
-        first: bool,
-        successes: dict[str, list[float | None]],
-    ) -> Leg:
-        breaker_key = f"guards:breaker:{ref.key}"
-        return cls(
-            ref=ref,
-            breaker_key=breaker_key,
-            cooldown_key=f"guards:cooldown:{ref.key}",
-            price=price,
-            seconds=histogram(ATTEMPT_SECONDS, ref.key),
-            breaker_state=BREAKER_STATE.labels(ref.key),
-            attempts={
-                "ok": counter(ATTEMPTS, ref.key, "ok"),
-                **{k: stamped_counter(ATTEMPTS, ref.key, k) for k in Kind},
-            },
-            last_state=[None],
-            served=counter(SERVED, route, ref.key, "first" if first else "fallback"),
-            input_tokens=counter(TOKENS, ref.key, "input"),
-            output_tokens=counter(TOKENS, ref.key, "output"),
-            cost_usd=counter(COST, route, ref.key) if price is not None else None,
-            transitions={state: counter(BREAKER_TRANSITIONS, ref.key, state.value) for state in CircuitState},
-            last_success=successes.setdefault(breaker_key, [None]),
-        )
-
-    def saw(self, state: CircuitState) -> None:
-        """Report the breaker state a store answered, to the gauge when it changed."""
-        if self.last_state[0] is not state:
-            self.last_state[0] = state
-            self.breaker_state.set(STATE_VALUE[state])
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class GuardedRoute:
-    """What a guarded route declared. Attached to the endpoint as `__guards_route__`."""
-
-    name: str
-    #: The first model of the chain (its key: `model` or `provider:model`).
-    model: str
-    #: The flattened fallback chain, first model first.
-    legs: tuple[Leg, ...]
-    #: Each leg's (cooldown key, breaker key): what a store step names (`Step.legs`).
-    leg_keys: tuple[tuple[str, str], ...]
-    #: Provider calls one guarded call may make, across the whole chain (stated up front).
-    attempt_budget: int
-    timeout_s: float
-    retry: Retry
-    budget: Budget | None
-    breaker: Breaker | None
-    output: OutputGuard
-    data_type: Any
-    fallback: Any
-    #: Budget counters are shared by routes of the same scope.
-    scope: str
-    #: Added to the inputs to request JSON mode; None for a plain-text route.
-    response_format: dict[str, Any] | None
-    #: Added to the inputs when they do not set it; bounds the cost a spend cap holds.
-    max_tokens: int | None
-    #: True when the route has a spend cap (every leg then has a price).
-    spend_capped: bool
-    #: True when the route answers an `EventStream` (Server-Sent Events).
-    streaming: bool
-    #: The most request body the route reads (None: no limit; see `guards._body_limit`).
-    max_body_bytes: int | None
-    metrics: RouteMetrics
-    #: A streamed answer's limits: seconds since the request began, characters of output.
-    stream_max_s: float = DEFAULT_STREAM_MAX_S
-    stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS
-    #: A route that routes by effort: its chain per tier (the route itself runs the standard
-    #: tier's chain until a request's first call picks one). None: the chain is pinned.
-    effort: EffortRoutes | None = None
-    #: The service level at which the route is shed (and shed under overload); None: never.
-    shed_at: Level | None = None
-    #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).
-    task: Task | None = None
-
-    @property
-    def degrading(self) -> bool:
-        """A degrading route answers the envelope; a strict one answers public errors."""
-        return self.fallback is not _NO_FALLBACK
-
-    @property
-    def chain(self) -> tuple[str, ...]:
-        """The chain's model keys, in call order."""
-        return tuple(leg.ref.key for leg in self.legs)
 
 
 def guard_route(
@@ -305,7 +170,7 @@ def guard_route(
             f"guarded route {handler.__qualname__} must declare a parameter annotated `AI[OutputType]`"
         )
     data_type = hints.get("return", Any)
-    degrading = fallback is not _NO_FALLBACK
+    degrading = fallback is not NO_FALLBACK
     if degrading and data_type is Any:
         raise ConfigurationError(
             f"degrading route {handler.__qualname__} must annotate its return type (the envelope's data)"
@@ -342,7 +207,7 @@ def guard_route(
         name=route_name,
         model=legs[0].ref.key,
         legs=legs,
-        leg_keys=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
+        step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
         attempt_budget=attempt_budget,
         timeout_s=timeout_s,
         retry=retry,
@@ -411,15 +276,7 @@ def guard_route(
         trace_id = request_trace_id(request) if trace is None else trace.trace_id
         # Budget keys are scoped to the route (or the budget's scope): guards:{scope}:{caller}.
         budget_key = f"{budget_prefix}{budget.key(request)}" if budget is not None else None
-        ai: AI[Any] = AI(
-            guards,
-            route,
-            budget_key=budget_key,
-            trace_id=trace_id,
-            request=request,
-            started=started,
-            trace=trace,
-        )
+        ai: AI[Any] = AI(guards, route, budget_key, trace_id, request, started, trace)
         kwargs[ai_name] = ai
         try:
             if trace is not None:
@@ -496,12 +353,6 @@ def guard_route(
 def _arguments(kwargs: Mapping[str, Any], ai_name: str) -> dict[str, Any]:
     """The route's own arguments (without its `AI`), as a fallback function sees them."""
     return {name: value for name, value in kwargs.items() if name != ai_name}
-
-
-def route_of(endpoint: Any) -> GuardedRoute | None:
-    """The `GuardedRoute` of a guarded endpoint, or None."""
-    route = getattr(endpoint, "__guards_route__", None)
-    return route if isinstance(route, GuardedRoute) else None
 
 
 def handler_entered(request: Request) -> bool:

@@ -56,7 +56,7 @@ from .stores import StoreUnavailable, utc_day
 
 if typing.TYPE_CHECKING:
     from ._guards import Guards
-    from ._route import GuardedRoute
+    from ._route_spec import GuardedRoute
 
 __all__ = [
     "DAY_S",

@@ -51,7 +51,7 @@ from .stores import Store, StoreUnavailable, TaskStatus
 
 if typing.TYPE_CHECKING:
     from ._guards import Guards
-    from ._route import GuardedRoute
+    from ._route_spec import GuardedRoute
 
 __all__ = ["IDEMPOTENCY_KEY", "Task", "TaskRun", "key_parameter", "task_endpoint"]
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ._ai import AI
     from ._envelope import ErrorCode
     from ._errors import GuardTripped
-    from ._route import Leg
+    from ._route_spec import Leg
     from ._stream import StreamEnd
 
 __all__ = ["RequestTrace", "Tracing", "provider_name"]

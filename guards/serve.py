@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import multiprocessing
 import os
@@ -187,6 +188,14 @@ class _Worker(uvicorn.Server):
         await super().startup(sockets=[listener])
         if self.started:
             self._ready.send_bytes(b"ready")
+            # The app is imported and started: what exists now lives as long as the worker.
+            # Frozen, those objects are never traversed by the garbage collector again. Without
+            # it, the objects of requests in flight (suspended on a store, a provider) survive
+            # collections, and promote the worker to full collections that walk every module,
+            # class and schema of the app: about 80 ms each, a tenth of a SQLite-backed
+            # worker's CPU time under load. (No request is served before this returns.)
+            gc.collect()
+            gc.freeze()
         self._ready.close()
 
     async def on_tick(self, counter: int) -> bool:

@@ -1,9 +1,10 @@
 """A test-only ASGI app for `guards.serve`: it reports, from inside the worker that answers,
 what the server did with the connection it came on.
 
-- `GET /probe`: `{"pid", "nodelay"}`: the worker's process id, and whether the accepted socket
-  this request came on has `TCP_NODELAY` set (read with `getsockopt` on the worker's own
-  descriptor, found by its peer address);
+- `GET /probe`: `{"pid", "nodelay", "frozen"}`: the worker's process id, whether the accepted
+  socket this request came on has `TCP_NODELAY` set (read with `getsockopt` on the worker's own
+  descriptor, found by its peer address), and how many objects the garbage collector leaves
+  out for good (`gc.get_freeze_count()`);
 - `GET /hold?s=...`: answers after `s` seconds, writing `held-<pid>-<n>` into `$PROBE_DIR`
   first;
 - the lifespan shutdown writes `shutdown-<pid>` into `$PROBE_DIR`.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -60,7 +62,11 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
                 return
     body: dict[str, Any]
     if scope["path"] == "/probe":
-        body = {"pid": os.getpid(), "nodelay": accepted_socket_nodelay(scope["client"])}
+        body = {
+            "pid": os.getpid(),
+            "nodelay": accepted_socket_nodelay(scope["client"]),
+            "frozen": gc.get_freeze_count(),
+        }
     elif scope["path"] == "/hold":
         _mark("held", f"-{next(_held)}")
         await asyncio.sleep(float(scope["query_string"].decode().removeprefix("s=") or 1))

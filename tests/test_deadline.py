@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -135,3 +136,37 @@ def test_a_deadline_fires_on_time_behind_many_finished_walks(fake: FakeBinding) 
     assert 0.3 <= elapsed < 2.0
     assert set(quick_statuses) == {200}
     assert fake.calls[1_000].disconnected
+
+
+class TimerCountingLoop(asyncio.SelectorEventLoop):
+    """An event loop that counts the timers scheduled on it (`call_later` goes through `call_at`)."""
+
+    timers = 0
+
+    def call_at(self, when: float, callback: Any, *args: Any, context: Any = None) -> asyncio.TimerHandle:
+        self.timers += 1
+        return super().call_at(when, callback, *args, context=context)
+
+
+def test_steady_quick_walks_share_a_coarse_timer(fake: FakeBinding) -> None:
+    """Under steady load, every walk ending long before its mark (0.1 s in), the walks' shared
+    timer ticks at most every 25 ms: the event loop schedules a few dozen timers in 0.6 s
+    (and the metrics' flush one per second), not one every request or two."""
+    app = make_app(fake, timeout_s=5)
+
+    async def scenario() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, TimerCountingLoop)
+        async with client_for(app) as client:
+            assert (await client.post("/label", json={"text": "hi"})).status_code == 200
+            requests, timers, end = 0, loop.timers, time.monotonic() + 0.6
+            while time.monotonic() < end:
+                assert (await client.post("/label", json={"text": "hi"})).status_code == 200
+                requests += 1
+                await asyncio.sleep(0)  # a turn of the loop between requests, as a server has
+            return requests, loop.timers - timers
+
+    with asyncio.Runner(loop_factory=TimerCountingLoop) as runner:
+        requests, timers = runner.run(scenario())
+    assert requests >= 100, "too few requests for a steady load: the test proves nothing"
+    assert timers <= 0.6 / 0.025 + 6, f"{timers} timers for {requests} requests"

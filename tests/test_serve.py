@@ -98,6 +98,19 @@ def test_every_accepted_connection_has_tcp_nodelay(tmp_path: Path, clients: Clie
     assert [body["nodelay"] for _, body in probes] == [True] * CLIENTS
 
 
+def test_workers_freeze_what_start_up_made_out_of_the_garbage_collector(
+    tmp_path: Path, clients: Clients
+) -> None:
+    """Each worker freezes the objects its start-up made (the app's modules, classes, schemas)
+    once the app has started, so a full collection does not walk them again (see README)."""
+    with ServedApp(tmp_path / "log", PROBE, "--workers", "2") as served:
+        served.wait_started(2)
+        probes = [get(sock, "/probe") for sock in clients.connect(served.port, CLIENTS)]
+    frozen = {body["pid"]: body["frozen"] for _, body in probes}
+    assert len(frozen) == 2
+    assert all(isinstance(count, int) and count > 10_000 for count in frozen.values()), frozen
+
+
 def test_keep_alive_connections_are_spread_across_workers(tmp_path: Path, clients: Clients) -> None:
     """The kernel hashes each connection to one worker's socket: of 40 connections opened at
     once, each of two workers serves at least 8 (by chance fewer: probability 4e-5). uvicorn's

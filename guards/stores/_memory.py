@@ -252,7 +252,8 @@ class _State:
         per_minute, per_day = charge.per_minute, charge.per_day
         stamps: deque[float] | None = None
         if per_minute is not None:
-            item = data.get(key + ":rate")
+            rate_key = key + ":rate"
+            item = data.get(rate_key)
             stamps = item[0] if item is not None and item[1] > now else deque()
             horizon = now - MINUTE_S
             while stamps and stamps[0] <= horizon:  # each stamp leaves once: amortized O(1)
@@ -264,7 +265,8 @@ class _State:
         day: tuple[str, int, float] | None = None
         if per_day is not None:
             day_key = f"{key}:day:{utc_day(now)}"
-            count, expires = store._get(day_key, now, (0, now + DAILY_TTL_S))
+            item = data.get(day_key)
+            count, expires = item if item is not None and item[1] > now else (0, now + DAILY_TTL_S)
             day = (day_key, count, expires)
             # Both spent: name the limit that frees up last, so Retry-After is honest.
             if count >= per_day and (refusal is None or next_day > (refusal.retry_after_s or 0.0)):
@@ -284,7 +286,7 @@ class _State:
             data[day[0]] = (day[1] + 1, day[2])
         if stamps is not None:
             stamps.append(now)
-            data[key + ":rate"] = (stamps, now + MINUTE_S)
+            data[rate_key] = (stamps, now + MINUTE_S)
         reservation = None
         if spend is not None:
             assert charge.spend is not None

@@ -52,6 +52,7 @@ running loop, created on first use there and closed when that loop shuts down (o
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import inspect
 import os
@@ -324,14 +325,14 @@ local function save_changed(key, before, after, ttl_s)
   end
 end
 
--- A policy from ARGV[i..i+5]: failure_threshold, window_s or '', reset_timeout_s,
--- half_open_probes, success_threshold, ttl_s. nil when ARGV[i] is '' (no breaker).
-local function read_policy(i)
-  if ARGV[i] == '' then return nil end
+-- A policy from args[i..i+5]: failure_threshold, window_s or '', reset_timeout_s,
+-- half_open_probes, success_threshold, ttl_s. nil when args[i] is '' (no breaker).
+local function read_policy(args, i)
+  if args[i] == '' then return nil end
   return {
-    failure_threshold = tonumber(ARGV[i]), window_s = tonumber(ARGV[i + 1]),
-    reset_timeout_s = tonumber(ARGV[i + 2]), half_open_probes = tonumber(ARGV[i + 3]),
-    success_threshold = tonumber(ARGV[i + 4]), ttl_s = tonumber(ARGV[i + 5]),
+    failure_threshold = tonumber(args[i]), window_s = tonumber(args[i + 1]),
+    reset_timeout_s = tonumber(args[i + 2]), half_open_probes = tonumber(args[i + 3]),
+    success_threshold = tonumber(args[i + 4]), ttl_s = tonumber(args[i + 5]),
   }
 end
 
@@ -442,34 +443,41 @@ end
 
 -- One step of a walk (see guards.stores.Step). KEYS: the legs' cooldown keys (L), their breaker
 -- keys (L), then the charge's window key, day stem and spend stem, then the report's breaker
--- key, cooldown key and spend stem ('' where unused). ARGV[3] L; ARGV[4..9] the step's breaker
--- policy; ARGV[10] '1' to charge: ARGV[11..16] per_minute, per_day, spend, cap, hold_s,
--- reservation; ARGV[17..22] the report's breaker policy, ARGV[23] outcome, ARGV[24] probe;
--- ARGV[25] cooldown seconds; ARGV[26] the reservation to settle, ARGV[27] its actual cost;
--- ARGV[28] the report's success age, ARGV[29..28+L] the legs' ('' for none: see Step).
--- Returns {admitted index (0-based) or '', refused_by or '', retry_after, reservation or '',
+-- key, cooldown key and spend stem ('' where unused). ARGV[3]: the step's fields joined by '|'
+-- (each packed command argument costs the client more than the script's split), numbered
+-- from 3 in `a`: a[3] L; a[4..9] the step's breaker policy; a[10] '1' to charge: a[11..16]
+-- per_minute, per_day, spend, cap, hold_s, reservation; a[17..22] the report's breaker policy,
+-- a[23] outcome, a[24] probe; a[25] cooldown seconds; a[26] the reservation to settle, a[27]
+-- its actual cost; a[28] the report's success age, a[29..28+L] the legs' ('' for none: see Step).
+-- Returns one string, its fields joined by '|' (one reply to parse, not a
+-- dozen): admitted index (0-based) or '', refused_by or '', retry_after, reservation or '',
 -- recorded state or '', the state the report moved its breaker to or '', the state the
--- admission moved its breaker to or '', the L waits, then L decisions of 5 fields ('' for none)}.
+-- admission moved its breaker to or '', the L waits, then L decisions of 5 fields ('' for none).
 local function step()
-  local n = tonumber(ARGV[3])
+  local a, i = {}, 3
+  for field in string.gmatch(ARGV[3] .. '|', '([^|]*)|') do
+    a[i] = field
+    i = i + 1
+  end
+  local n = tonumber(a[3])
   local base = 2 * n
   local recorded, report_to, admit_to = '', '', ''
-  local report_policy = read_policy(17)
+  local report_policy = read_policy(a, 17)
   if report_policy then
     local key = KEYS[base + 4]
     local before = load_breaker(key)
-    local age = tonumber(ARGV[28])
+    local age = tonumber(a[28])
     local known = before
     if age then known = forget_before(before, report_policy, now - age) end
-    local after = record(known, report_policy, ARGV[23], tonumber(ARGV[24]))
+    local after = record(known, report_policy, a[23], tonumber(a[24]))
     save_changed(key, before, after, report_policy.ttl_s)
     recorded = table.concat(state_fields(after), ' ')
     if after.state ~= before.state then report_to = after.state end
   end
-  local cool_s = tonumber(ARGV[25])
+  local cool_s = tonumber(a[25])
   if cool_s and cool_s > 0 then start_cooldown(KEYS[base + 5], cool_s) end
-  if ARGV[26] ~= '' then settle(KEYS[base + 6], ARGV[26], tonumber(ARGV[27])) end
-  local policy = read_policy(4)
+  if a[26] ~= '' then settle(KEYS[base + 6], a[26], tonumber(a[27])) end
+  local policy = read_policy(a, 4)
   local waits, decisions = {}, {}
   for i = 1, n do waits[i] = cooldown_left(KEYS[i]) end
   local admitted, opened = nil, nil
@@ -480,7 +488,7 @@ local function step()
         break
       end
       local before = load_breaker(KEYS[n + i])
-      local age = tonumber(ARGV[28 + i])
+      local age = tonumber(a[28 + i])
       if age and #before.failures > 0 then
         -- an earlier success the caller did not report: written whatever the admission becomes
         local forgotten = forget_before(before, policy, now - age)
@@ -497,10 +505,10 @@ local function step()
     end
   end
   local refused_by, retry, reservation = '', '', ''
-  if admitted and ARGV[10] == '1' then
+  if admitted and a[10] == '1' then
     local c = {window = KEYS[base + 1], day_stem = KEYS[base + 2], spend_stem = KEYS[base + 3],
-      per_minute = tonumber(ARGV[11]), per_day = tonumber(ARGV[12]), spend = tonumber(ARGV[13]),
-      cap = tonumber(ARGV[14]), hold_s = tonumber(ARGV[15]), reservation = ARGV[16]}
+      per_minute = tonumber(a[11]), per_day = tonumber(a[12]), spend = tonumber(a[13]),
+      cap = tonumber(a[14]), hold_s = tonumber(a[15]), reservation = a[16]}
     local refusal = charge(c)
     if refusal then
       refused_by, retry = refusal[1], refusal[2]
@@ -520,7 +528,7 @@ local function step()
     local d = decisions[i] or {'', '', '', '', ''}
     for j = 1, 5 do reply[#reply + 1] = d[j] end
   end
-  return reply
+  return {table.concat(reply, '|')}
 end
 
 -- The health of models, read only: KEYS are L cooldown keys, then the L breaker keys. Returns
@@ -648,14 +656,14 @@ if op == 'get_answer' then
   return {string.sub(raw, second + 1), fmt(now - stored)}
 end
 if op == 'admit' then
-  local policy = read_policy(3)
+  local policy = read_policy(ARGV, 3)
   local before = load_breaker(KEYS[1])
   local after, decision = admit(before, policy)
   save_changed(KEYS[1], before, after, policy.ttl_s)
   return decision
 end
 if op == 'record' then
-  local policy = read_policy(3)
+  local policy = read_policy(ARGV, 3)
   local before = load_breaker(KEYS[1])
   local after = record(before, policy, ARGV[9], tonumber(ARGV[10]))
   save_changed(KEYS[1], before, after, policy.ttl_s)
@@ -665,6 +673,7 @@ return redis.error_reply('guards: unknown operation')
 """
 
 _SHA = hashlib.sha1(_SCRIPT.encode()).hexdigest()
+_SHA_BYTES = _SHA.encode()
 
 
 def _num(x: float | None) -> str:
@@ -837,7 +846,8 @@ class RedisStore:
         ages = step.success_ages
         if ages:
             args += [_num(age) for age in ages[: len(legs)]]
-        reply = await self._run("step", keys, *args)
+        # Every field is a number, a token or a hex reservation: none holds a '|'.
+        reply = (await self._run("step", keys, "|".join(args)))[0].split("|")
         admitted, refused_by, retry_after, held, recorded, report_to, admit_to = reply[:7]
         n = len(legs)
         waits = tuple(float(wait) for wait in reply[7 : 7 + n])
@@ -921,7 +931,16 @@ class RedisStore:
 
     @staticmethod
     def _command(op: str, keys: Sequence[str], now: str, *args: str) -> tuple[Any, ...]:
-        return ("EVALSHA", _SHA, len(keys), *keys, op, now, *args)
+        # Bytes: redis-py's packer takes them as they are (a str costs it a dozen more steps).
+        return (
+            b"EVALSHA",
+            _SHA_BYTES,
+            b"%d" % len(keys),
+            *[key.encode() for key in keys],
+            op.encode(),
+            now.encode(),
+            *[arg.encode() for arg in args],
+        )
 
     async def _run(self, op: str, keys: Sequence[str], *args: str) -> list[str]:
         """One operation: one EVALSHA (see `_run_all`)."""
@@ -1102,6 +1121,7 @@ def _state(fields: Sequence[str]) -> BreakerState:
     )
 
 
+@functools.lru_cache(maxsize=64)  # a route's policy, formatted for each of its requests once
 def _policy_args(policy: Breaker | None) -> tuple[str, ...]:
     if policy is None:
         return ("", "", "", "", "", "")

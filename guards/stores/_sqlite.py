@@ -38,9 +38,12 @@ machine's clock). Expired rows are ignored on read, and deleted by a sweep run a
 `sweep_interval_s` of store time per store, at most `_SWEEP_BATCH` rows per table at a time.
 
 Threads: each store has one dedicated thread owning one connection. The `async` methods queue
-their work for it; it runs what is queued (up to `_BATCH` operations) in one transaction, one
-operation after the other, so a burst costs one lock acquisition and one commit rather than one
-per operation (and far fewer GIL hand-overs between the event loop and the thread).
+their work for it: the operations an event loop starts in one turn are handed over together,
+at the end of that turn, and the thread runs what is waiting (up to `_BATCH` operations) in one
+transaction, one operation after the other, so a burst costs one lock acquisition and one
+commit rather than one per operation (a commit writes its pages to the WAL: most of an
+operation's cost when alone). The answers of a batch wake each caller's loop once, not once per
+operation. Fewer hand-overs also mean fewer GIL hand-overs between the loop and the thread.
 
 Timeouts: waiting for the file's write lock (the busy timeout) is bounded by `timeout_s` per
 operation; past it the operation raises `StoreUnavailable`, as when the file cannot be opened.
@@ -56,6 +59,7 @@ process forked after using it starts a thread and a connection of its own.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -437,9 +441,6 @@ class _Job(Generic[_T]):
             return self.committing
 
     # Called by the store's thread; the future is settled on its own loop.
-    def succeed(self, result: _T) -> None:
-        self._call(self._succeed, result)
-
     def fail(self, error: Exception) -> None:
         self._call(self._fail, error)
 
@@ -454,6 +455,22 @@ class _Job(Generic[_T]):
     def _fail(self, error: Exception) -> None:
         if not self.future.done():
             self.future.set_exception(error)
+
+
+def _answer_all(done: list[tuple[_Job[Any], Any]]) -> None:
+    """From the store's thread: the results of a committed batch, to their callers, each
+    caller's loop woken once."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Job[Any], Any]]] = {}
+    for job, result in done:
+        by_loop.setdefault(job.loop, []).append((job, result))
+    for loop, answers in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+            loop.call_soon_threadsafe(_answer, answers)
+
+
+def _answer(answers: list[tuple[_Job[Any], Any]]) -> None:
+    for job, result in answers:
+        job._succeed(result)
 
 
 class _Redo(Exception):
@@ -481,7 +498,10 @@ class SQLiteStore:
         self._clock = clock or SystemClock()
         self._timeout_s = timeout_s
         self._sweep_interval_s = sweep_interval_s
-        self._jobs: queue.SimpleQueue[_Job[Any] | None] = queue.SimpleQueue()
+        #: Operations handed over to the thread, a loop turn's at a time (None: stop).
+        self._jobs: queue.SimpleQueue[list[_Job[Any]] | None] = queue.SimpleQueue()
+        #: Per event loop, the operations started in its current turn, not yet handed over.
+        self._outbox: dict[asyncio.AbstractEventLoop, list[_Job[Any]]] = {}
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._closed = False
@@ -505,7 +525,7 @@ class SQLiteStore:
         (nor closed) here; the next operation starts a thread and a connection of the child's."""
         if self._conn is not None:
             _INHERITED.append(self._conn)
-        self._conn, self._thread, self._jobs = None, None, queue.SimpleQueue()
+        self._conn, self._thread, self._jobs, self._outbox = None, None, queue.SimpleQueue(), {}
         self._start_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -639,21 +659,35 @@ class SQLiteStore:
 
     async def _run(self, work: _Work[_T]) -> _T:
         """Run `work` in a write transaction on the store's thread, within `timeout_s`."""
+        if self._closed:
+            raise StoreUnavailable(f"SQLite store {self._path}: closed")
         loop = asyncio.get_running_loop()
         job = _Job(loop, work, time.monotonic() + self._timeout_s)
-        with self._start_lock:
-            if self._closed:
-                raise StoreUnavailable(f"SQLite store {self._path}: closed")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="guards-sqlite", daemon=True)
-                self._thread.start()
-            self._jobs.put(job)
+        started = self._outbox.get(loop)
+        if started is None:  # the turn's first operation: hand them over when the turn ends
+            started = self._outbox[loop] = []
+            loop.call_soon(self._hand_over, loop)
+        started.append(job)
         job.timer = loop.call_later(self._timeout_s, self._expire, job)
         try:
             return await job.future
         finally:
             job.timer.cancel()
             job.abandon()  # no effect once answered; otherwise (cancelled) the thread rolls back
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The operations `loop` started in this turn, to the store's thread (on `loop`)."""
+        jobs = self._outbox.pop(loop)
+        with self._start_lock:
+            if not self._closed:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._serve, name="guards-sqlite", daemon=True)
+                    self._thread.start()
+                self._jobs.put(jobs)
+                return
+        closed = StoreUnavailable(f"SQLite store {self._path}: closed")
+        for job in jobs:
+            job._fail(closed)
 
     def _expire(self, job: _Job[Any]) -> None:
         """The operation's time is up (on the caller's loop). If the store's thread is waiting
@@ -677,21 +711,24 @@ class SQLiteStore:
         `_BATCH`) in each transaction, on its own connection. One transaction per batch rather
         than per operation: under a burst the thread keeps up with the event loop (each SQLite
         call hands the GIL over), and one commit writes the batch."""
+        waiting: collections.deque[_Job[Any]] = collections.deque()  # handed over, not yet run
         closing = False
-        while not closing:
-            job = self._jobs.get()
-            if job is None:
-                break
-            batch = [job]
-            while len(batch) < _BATCH:
+        while waiting or not closing:
+            if not waiting:
+                jobs = self._jobs.get()
+                if jobs is None:
+                    break
+                waiting.extend(jobs)
+            while not closing:  # and whatever else was handed over meanwhile
                 try:
-                    job = self._jobs.get_nowait()
+                    jobs = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-                if job is None:
-                    closing = True
-                    break
-                batch.append(job)
+                if jobs is None:
+                    closing = True  # once the operations handed over before it have run
+                else:
+                    waiting.extend(jobs)
+            batch = [waiting.popleft() for _ in range(min(_BATCH, len(waiting)))]
             try:
                 self._run_batch(batch)
             except Exception as exc:  # a bug: answer every caller, and keep serving
@@ -765,8 +802,7 @@ class SQLiteStore:
             raise
         if next_sweep is not None:
             self._next_sweep = next_sweep
-        for job, result in done:
-            job.succeed(result)
+        _answer_all(done)
         return []
 
     def _connect(self, deadline: float) -> sqlite3.Connection:

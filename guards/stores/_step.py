@@ -116,7 +116,7 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
         if opened[2].state is not opened[1].state:  # open to half_open (not a new probe generation)
             transitions = [*(transitions or ()), (opened[0], opened[2].state)]
     return Passage(
-        tuple(waits),
+        waits,  # a tuple already (`StepState.cooldowns`)
         tuple(decisions),
         admitted,
         refusal,

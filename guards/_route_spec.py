@@ -1,0 +1,175 @@
+"""What a guarded route declared: `GuardedRoute` and its `Leg`s, built once at start-up by the
+route decorator (`guards._route`) and read by everything that serves a request (the walk in
+`guards._ai`, the OpenAPI document, service levels, tasks, tracing).
+
+This module is the description only: it imports none of the modules that read it, so the walk
+depends on what a route is, not on the decorator that builds it (and no import circle runs
+through the request path).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from ._breaker import CircuitState
+from ._classify import Kind
+from ._metrics import (
+    ATTEMPT_SECONDS,
+    ATTEMPTS,
+    BREAKER_STATE,
+    BREAKER_TRANSITIONS,
+    COST,
+    SERVED,
+    STATE_VALUE,
+    TOKENS,
+    HistogramTally,
+    RouteMetrics,
+    Tally,
+    counter,
+    histogram,
+    stamped_counter,
+)
+from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
+
+if typing.TYPE_CHECKING:
+    from prometheus_client import Gauge
+
+    from ._breaker import Breaker
+    from ._budget import Budget, Price
+    from ._call import Retry
+    from ._chain import ModelRef
+    from ._effort import EffortRoutes
+    from ._levels import Level
+    from ._output import OutputGuard
+    from ._tasks import Task
+
+__all__ = ["NO_FALLBACK", "GuardedRoute", "Leg", "route_of"]
+
+#: A route declared without `fallback=`: a strict route.
+NO_FALLBACK: Any = object()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Leg:
+    """One model of a route's chain, with its keys and metric children bound at start-up."""
+
+    ref: ModelRef
+    breaker_key: str
+    cooldown_key: str
+    #: The model's price (`Guards(prices=...)`), when known.
+    price: Price | None
+    seconds: HistogramTally
+    breaker_state: Gauge
+    attempts: dict[str, Tally]
+    #: The breaker state this process last saw (the gauge is set only when it changes).
+    last_state: list[CircuitState | None]
+    #: Requests this leg's answer served (`guards_served_total`: its route and position).
+    served: Tally
+    #: Reported usage (`guards_tokens_total`), and its cost on this route when priced.
+    input_tokens: Tally
+    output_tokens: Tally
+    cost_usd: Tally | None
+    #: Breaker state changes this process's store operations made, by the state entered.
+    transitions: dict[CircuitState, Tally]
+    #: When this process's last success on the model ended (`Guards.last_success`: one cell
+    #: per model, shared by every route that calls it), None before the first.
+    last_success: list[float | None]
+
+    @classmethod
+    def of(
+        cls,
+        ref: ModelRef,
+        price: Price | None,
+        route: str,
+        first: bool,
+        successes: dict[str, list[float | None]],
+    ) -> Leg:
+        breaker_key = f"guards:breaker:{ref.key}"
+        return cls(
+            ref=ref,
+            breaker_key=breaker_key,
+            cooldown_key=f"guards:cooldown:{ref.key}",
+            price=price,
+            seconds=histogram(ATTEMPT_SECONDS, ref.key),
+            breaker_state=BREAKER_STATE.labels(ref.key),
+            attempts={
+                "ok": counter(ATTEMPTS, ref.key, "ok"),
+                **{k: stamped_counter(ATTEMPTS, ref.key, k) for k in Kind},
+            },
+            last_state=[None],
+            served=counter(SERVED, route, ref.key, "first" if first else "fallback"),
+            input_tokens=counter(TOKENS, ref.key, "input"),
+            output_tokens=counter(TOKENS, ref.key, "output"),
+            cost_usd=counter(COST, route, ref.key) if price is not None else None,
+            transitions={state: counter(BREAKER_TRANSITIONS, ref.key, state.value) for state in CircuitState},
+            last_success=successes.setdefault(breaker_key, [None]),
+        )
+
+    def saw(self, state: CircuitState) -> None:
+        """Report the breaker state a store answered, to the gauge when it changed."""
+        if self.last_state[0] is not state:
+            self.last_state[0] = state
+            self.breaker_state.set(STATE_VALUE[state])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GuardedRoute:
+    """What a guarded route declared. Attached to the endpoint as `__guards_route__`."""
+
+    name: str
+    #: The first model of the chain (its key: `model` or `provider:model`).
+    model: str
+    #: The flattened fallback chain, first model first.
+    legs: tuple[Leg, ...]
+    #: Each leg's (cooldown key, breaker key): the legs of a store step (`guards.stores.Step`).
+    step_legs: tuple[tuple[str, str], ...]
+    #: Provider calls one guarded call may make, across the whole chain (stated up front).
+    attempt_budget: int
+    timeout_s: float
+    retry: Retry
+    budget: Budget | None
+    breaker: Breaker | None
+    output: OutputGuard
+    data_type: Any
+    fallback: Any
+    #: Budget counters are shared by routes of the same scope.
+    scope: str
+    #: Added to the inputs to request JSON mode; None for a plain-text route.
+    response_format: dict[str, Any] | None
+    #: Added to the inputs when they do not set it; bounds the cost a spend cap holds.
+    max_tokens: int | None
+    #: True when the route has a spend cap (every leg then has a price).
+    spend_capped: bool
+    #: True when the route answers an `EventStream` (Server-Sent Events).
+    streaming: bool
+    #: The most request body the route reads (None: no limit; see `guards._body_limit`).
+    max_body_bytes: int | None
+    metrics: RouteMetrics
+    #: A streamed answer's limits: seconds since the request began, characters of output.
+    stream_max_s: float = DEFAULT_STREAM_MAX_S
+    stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS
+    #: A route that routes by effort: its chain per tier (the route itself runs the standard
+    #: tier's chain until a request's first call picks one). None: the chain is pinned.
+    effort: EffortRoutes | None = None
+    #: The service level at which the route is shed (and shed under overload); None: never.
+    shed_at: Level | None = None
+    #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).
+    task: Task | None = None
+
+    @property
+    def degrading(self) -> bool:
+        """A degrading route answers the envelope; a strict one answers public errors."""
+        return self.fallback is not NO_FALLBACK
+
+    @property
+    def chain(self) -> tuple[str, ...]:
+        """The chain's model keys, in call order."""
+        return tuple(leg.ref.key for leg in self.legs)
+
+
+def route_of(endpoint: Any) -> GuardedRoute | None:
+    """The `GuardedRoute` of a guarded endpoint, or None."""
+    route = getattr(endpoint, "__guards_route__", None)
+    return route if isinstance(route, GuardedRoute) else None
