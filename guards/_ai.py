@@ -193,7 +193,7 @@ class AI(Generic[T]):
         leg, result, probe, record_success = await self._walk(inputs, self._run_call)
         if record_success or probe is not None or self._hold is not None:
             await self._finish_leg(leg, Outcome.success, probe, record_success)
-        else:  # not reported: the next step about the model tells the store (_success_ages)
+        else:  # not reported: the next step about the model tells the store (`_admit`)
             leg.last_success[0] = self._guards.success_clock()
         self._served(leg, result.model)
         output = route.output
@@ -245,7 +245,7 @@ class AI(Generic[T]):
         leg, result, probe, record_success = await self._walk(inputs, self._run_call)
         if record_success or probe is not None or self._hold is not None:
             await self._finish_leg(leg, Outcome.success, probe, record_success)
-        else:  # not reported: the next step about the model tells the store (_success_ages)
+        else:  # not reported: the next step about the model tells the store (`_admit`)
             leg.last_success[0] = self._guards.success_clock()
         self._served(leg, result.model)
         return await output.check(result)
