@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -98,16 +98,23 @@ class LogLines(logging.Handler):
         return [p for p in parsed if event is None or p["event"] == event]
 
 
-@pytest.fixture
-def guards_log() -> Iterator[LogLines]:
+_Lines = TypeVar("_Lines", bound=LogLines)
+
+
+def capture_guards_log(handler: _Lines) -> Iterator[_Lines]:
+    """`handler` on the `guards` logger at INFO for the test's duration (a fixture's body)."""
     logger = logging.getLogger("guards")
-    handler = LogLines()
     previous = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(previous)
+
+
+@pytest.fixture
+def guards_log() -> Iterator[LogLines]:
+    yield from capture_guards_log(LogLines())
 
 
 def workers_ai_settings(server: FakeWorkersAI, **overrides: Any) -> Settings:

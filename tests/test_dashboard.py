@@ -16,7 +16,14 @@ from app.main import create_app
 from fixtures import FakeWorkersAI
 
 from .conftest import no_sleep, workers_ai_settings
-from .test_metrics import exported_series, label_names, label_values, scrape, with_pending
+from .test_metrics import (
+    assert_labels_exported,
+    exported_series,
+    label_names,
+    label_values,
+    scrape,
+    with_pending,
+)
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "guards.json"
 PANEL_TYPES = {"row", "timeseries", "stat", "state-timeline", "bargauge", "table"}
@@ -107,23 +114,7 @@ def test_every_query_names_only_what_guards_exports(
         assert used, expr
         assert used <= set(labels_of), (expr, used - set(labels_of))
         used_anywhere |= used
-        for metric, matchers in re.findall(r"(guards_\w+)\{([^}]*)\}", expr):
-            for label, op, value in re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', matchers):
-                assert label in labels_of[metric], (expr, metric, label)
-                if value.startswith("$"):
-                    continue  # a dashboard variable (its values come from label_values)
-                values = value.split("|") if op in ("=~", "!~") else [value]
-                assert set(values) <= values_of[label], (expr, label, value)
-        grouping = {
-            label.strip()
-            for group in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr)
-            for label in group.split(",")
-            if label.strip()
-        }
-        for metric in used:  # grouping by a label a metric lacks silently merges everything
-            assert grouping <= labels_of[metric], (expr, metric, grouping)
-        for metric, label in re.findall(r"label_values\((guards_\w+),\s*(\w+)\)", expr):
-            assert label in labels_of[metric], expr
+        assert_labels_exported(expr, labels_of, values_of)
     assert used_anywhere >= SHOWN, SHOWN - used_anywhere
 
 

@@ -22,7 +22,7 @@ from app.main import create_app
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, ManualClock, Reply
 from guards import AI, Guards
 
-from .conftest import LogLines, assert_error, no_sleep, wait_until, workers_ai_settings
+from .conftest import LogLines, assert_error, capture_guards_log, no_sleep, wait_until, workers_ai_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,14 +55,7 @@ class Records(LogLines):
 
 @pytest.fixture
 def records() -> Iterator[Records]:
-    logger = logging.getLogger("guards")
-    handler = Records()
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(previous)
+    yield from capture_guards_log(Records())
 
 
 def draft(client: httpx.Client) -> httpx.Response:

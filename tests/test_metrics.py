@@ -503,6 +503,33 @@ def label_values(text: str) -> dict[str, set[str]]:
     return {**LABEL_VALUES, "outcome": outcomes, "le": bounds}
 
 
+def assert_labels_exported(
+    expr: str, labels_of: dict[str, set[str]], values_of: dict[str, set[str]]
+) -> set[str]:
+    """Every label a PromQL expression matches or groups by is one its metric has, and every
+    value it matches is one guards exports (a `$` value is a dashboard variable, left to
+    `label_values`). Returns the labels it groups by."""
+    used = set(re.findall(r"\bguards_\w+", expr))
+    for metric, matchers in re.findall(r"(guards_\w+)\{([^}]*)\}", expr):
+        for label, op, value in re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', matchers):
+            assert label in labels_of[metric], (expr, metric, label)
+            if value.startswith("$"):
+                continue  # a dashboard variable (its values come from label_values)
+            values = value.split("|") if op in ("=~", "!~") else [value]
+            assert set(values) <= values_of[label], (expr, label, value)
+    grouping = {
+        label.strip()
+        for group in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr)
+        for label in group.split(",")
+        if label.strip()
+    }
+    for metric in used:  # grouping by a label a metric lacks silently merges everything
+        assert grouping <= labels_of[metric], (expr, metric, grouping)
+    for metric, label in re.findall(r"label_values\((guards_\w+),\s*(\w+)\)", expr):
+        assert label in labels_of[metric], expr
+    return grouping
+
+
 def test_alert_rules_use_only_what_guards_exports(
     fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
 ) -> None:
@@ -533,19 +560,7 @@ def test_alert_rules_use_only_what_guards_exports(
         assert used <= exported, (name, used - exported)
         # Rates over a window, never single events.
         assert "rate(" in expr or "_over_time(" in expr, name
-        for metric, matchers in re.findall(r"(guards_\w+)\{([^}]*)\}", expr):
-            for label, op, value in re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', matchers):
-                assert label in labels_of[metric], (name, metric, label)
-                values = value.split("|") if op in ("=~", "!~") else [value]
-                assert set(values) <= values_of[label], (name, label, value)
-        grouping = {
-            label.strip()
-            for group in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr)
-            for label in group.split(",")
-            if label.strip()
-        }
-        for metric in used:  # grouping by a label a metric lacks silently merges everything
-            assert grouping <= labels_of[metric], (name, metric, grouping)
+        grouping = assert_labels_exported(expr, labels_of, values_of)
         for text in rule["annotations"].values():
             assert set(re.findall(r"\$labels\.(\w+)", text)) <= grouping, name
 
