@@ -303,7 +303,8 @@ class AI(Generic[T]):
         attempt on a leg: `call(model, inputs)`. The caller records the outcome and settles
         the spend; on failure this settles and raises `GuardTripped`."""
         route, trace = self._route, self._trace
-        self._notes.clear()
+        if self._notes:
+            self._notes.clear()
         self._waits = None
         inflight: tuple[Leg, float | None] | None = None
         last: GuardTripped | None = None
@@ -320,12 +321,13 @@ class AI(Generic[T]):
                 deadline = self._deadline = scope.when
                 try:
                     legs, start, report = route.legs, 0, None
+                    count = len(legs)
                     while True:
                         # One store operation: the last call's report, then the next admission.
-                        if start < len(legs) and self.attempts >= self.attempt_budget:
-                            spent, start = True, len(legs)  # no further call: report only
-                        gone = start < len(legs) and self.attempts > 0 and await self._client_gone()
-                        admitted = await self._admit(len(legs) if gone else start, report, inputs)
+                        if start < count and self.attempts >= self.attempt_budget:
+                            spent, start = True, count  # no further call: report only
+                        gone = start < count and self.attempts > 0 and await self._client_gone()
+                        admitted = await self._admit(count if gone else start, report, inputs)
                         if gone:
                             raise self._gone_tripped(legs[start])
                         if admitted is None:
@@ -346,7 +348,7 @@ class AI(Generic[T]):
                                 deadline=deadline,
                                 limit=(
                                     self._leg_limit(index)
-                                    if index + 1 < len(legs)
+                                    if index + 1 < count
                                     else self.attempt_budget - self.attempts  # the last leg's
                                 ),
                                 sleep=self._guards.sleep,
@@ -721,11 +723,22 @@ class AI(Generic[T]):
         """Count one provider call: attempts, metrics, the usage ledger and its cost. A stream
         that reached its first output is accounted for when it ends (see `_relayed`). A call
         cancelled while waiting for a connection never left: it is not one."""
+        elapsed = time.perf_counter() - started
+        leg = self._leg
+        if type(outcome) is AIResult and leg.price is None and not self._guards.ledger_enabled():
+            # The usual success, counted in place (what `_account` does with no price and no
+            # ledger record): every request's path.
+            self.attempts += 1
+            leg.seconds.observe(elapsed)
+            leg.attempts["ok"].count += 1
+            usage = outcome.usage
+            if usage is not None:
+                leg.input_tokens.count += usage.prompt_tokens
+                leg.output_tokens.count += usage.completion_tokens
+            return
         if isinstance(outcome, BaseException) and never_admitted(outcome):
             return
         self.attempts += 1
-        leg = self._leg
-        elapsed = time.perf_counter() - started
         if isinstance(outcome, AIResult):
             self._account(leg, "ok", outcome.usage, outcome.model or leg.ref.model, elapsed, billed=True)
         elif isinstance(outcome, Opened):
@@ -1017,7 +1030,8 @@ def finish_request(
 ) -> None:
     """Count a request's outcome and latency, and write its one log line (skipped cheaply
     when INFO is off)."""
-    elapsed = time.perf_counter() - started
+    now = time.perf_counter()
+    elapsed = now - started
     metrics = route.metrics
     metrics.seconds.observe(elapsed)
     if outcome == "ok":
@@ -1033,7 +1047,7 @@ def finish_request(
         metrics.error.add()
     if tripped is not None and outcome != "cancelled":
         metrics.tripped(tripped.guard.value, tripped.reason.value)
-    flush_soon()
+    flush_soon(now)
     if ai._trace is not None:
         # The one place the request span learns its outcome, and the level it was served at.
         level = ai._guards.levels.view.level.value

@@ -23,6 +23,8 @@ MARK_TICK_S` gets its real timer at once, so a mark is never later than its dead
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -59,18 +61,18 @@ class Deadline:
 
     def __enter__(self) -> Deadline:
         loop = asyncio.get_running_loop()
-        task = asyncio.current_task(loop)
+        queue = _last
+        if queue is None or queue.loop() is not loop:
+            queue = _queue(loop)
+        task = _current_task(loop)
         if task is None:
             raise RuntimeError("a Deadline must be used inside a task")
         self._task = task
-        now = loop.time()
+        now = queue.time()
         when = self.when = now + self.timeout_s
         if self.timeout_s <= MARK_AFTER_S + MARK_TICK_S:
             self._timer = loop.call_at(when, self.expire)
             return self
-        queue = _last
-        if queue is None or queue.loop() is not loop:
-            queue = _queue(loop)
         queue.entries.append((now + MARK_AFTER_S, self))
         if queue.timer is None:
             queue.timer = loop.call_at(now + MARK_AFTER_S, queue.fire)
@@ -118,11 +120,16 @@ class _MarkQueue:
     the last tick. Entries of ended deadlines are dropped when the timer passes them: the queue
     holds at most MARK_AFTER_S + MARK_TICK_S worth of walks."""
 
-    __slots__ = ("entries", "loop", "timer")
+    __slots__ = ("entries", "loop", "time", "timer")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         #: A weak reference: the queue lives as long as its loop, not the other way round.
         self.loop = weakref.ref(loop)
+        #: `loop.time`; for asyncio's own loops, what it returns (`time.monotonic`) without
+        #: the method's Python frame.
+        self.time: Callable[[], float] = (
+            time.monotonic if getattr(type(loop), "time", None) is asyncio.BaseEventLoop.time else loop.time
+        )
         self.entries: deque[tuple[float, Deadline]] = deque()
         self.timer: asyncio.TimerHandle | None = None
 
@@ -142,6 +149,13 @@ class _MarkQueue:
             if entries:
                 self.timer = loop.call_at(max(entries[0][0], now + MARK_TICK_S), self.fire)
 
+
+#: `asyncio.current_task(loop)`: on CPython 3.11 a Python function around this dict's `get`,
+#: called directly (one frame less on every walk); elsewhere the public function.
+_tasks = getattr(asyncio.tasks, "_current_tasks", None)
+_current_task: Callable[[asyncio.AbstractEventLoop], asyncio.Task[Any] | None] = (
+    _tasks.get if sys.version_info[:2] == (3, 11) and isinstance(_tasks, dict) else asyncio.current_task
+)
 
 _queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _MarkQueue] = weakref.WeakKeyDictionary()
 #: The queue of the last loop asked for: one loop per process or thread is the usual case.

@@ -387,7 +387,7 @@ def _invalid_request(
         trace_id = trace.trace_id
     found = _problems(exc)
     route.metrics.invalid.add()
-    flush_soon()
+    flush_soon(time.perf_counter())
     emit(
         "request",
         route=route.name,

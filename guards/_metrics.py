@@ -261,8 +261,8 @@ class HistogramTally:
 
 _tallies: dict[tuple[Counter | Histogram, tuple[str, ...]], Tally | HistogramTally] = {}
 _flush_lock = threading.Lock()
-#: The event loop a flush is pending on (None: none pending).
-_pending_on: asyncio.AbstractEventLoop | None = None
+#: When the scheduled flush is overdue (`time.perf_counter()`); 0.0: none scheduled.
+_flush_due = 0.0
 
 
 def counter(metric: Counter, *labels: str) -> Tally:
@@ -342,18 +342,20 @@ def flush_metrics() -> None:
             tally._flush()
 
 
-def flush_soon() -> None:
-    """Make sure a flush runs within FLUSH_INTERVAL_S (called once per request, in a loop)."""
-    global _pending_on
-    loop = asyncio.get_running_loop()
-    if _pending_on is not loop:
-        _pending_on = loop
-        loop.call_later(FLUSH_INTERVAL_S, _timed_flush)
+def flush_soon(now: float) -> None:
+    """Make sure a flush runs within FLUSH_INTERVAL_S (called once per request, in a loop;
+    `now` is `time.perf_counter()`). While one is scheduled, this reads no event loop: only
+    when the scheduled flush is overdue (its loop stopped before it ran, or lags) is another
+    scheduled, on the running loop."""
+    global _flush_due
+    if now >= _flush_due:
+        _flush_due = now + 2 * FLUSH_INTERVAL_S
+        asyncio.get_running_loop().call_later(FLUSH_INTERVAL_S, _timed_flush)
 
 
 def _timed_flush() -> None:
-    global _pending_on
-    _pending_on = None
+    global _flush_due
+    _flush_due = 0.0
     flush_metrics()
 
 

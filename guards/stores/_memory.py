@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome
+from .._breaker import ADMIT_CLOSED, CLOSED, Breaker, BreakerDecision, BreakerState, Outcome
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._clock import Clock, SystemClock
@@ -25,6 +25,7 @@ from ._base import (
     ADMITTED,
     DAILY_TTL_S,
     DAY_S,
+    MAX_KEY_CHARS,
     MINUTE_S,
     Admission,
     Charge,
@@ -61,6 +62,9 @@ class MemoryStore:
         #: Last good answers: key -> (value, stored at, expires at), oldest stored first.
         self._answers: dict[str, tuple[str, float, float]] = {}
         self._max_answers = max_answers
+        #: The shared answer of a step admitting its first leg with nothing else to tell, by
+        #: (number of legs, breaker or not): see `_admit_first`.
+        self._admitted: dict[tuple[int, bool], Passage] = {}
 
     def __len__(self) -> int:
         """Live keys (expired ones may linger until the next sweep; they are not counted)."""
@@ -123,7 +127,35 @@ class MemoryStore:
         self._state.start_cooldown(key, seconds, self._tick())
 
     async def step(self, step: Step) -> Passage:
-        return run_step(self._state, step, self._tick())
+        now = self._time()  # `_tick`, inline: every request's path
+        if now >= self._next_sweep:
+            self._sweep(now)
+        legs = step.legs
+        if step.report is None and legs:
+            # The usual admission, decided without `run_step`'s general walk: no leg cooling
+            # down and the first leg's breaker closed with no failure counted (no key at all),
+            # so it is admitted at once, as `run_step` would (a closed breaker's admission
+            # writes nothing). Anything else takes the general walk.
+            data = self._data
+            for cooldown_key, _ in legs:
+                item = data.get(cooldown_key)
+                if (item is not None and item[1] > now) or len(cooldown_key) > MAX_KEY_CHARS:
+                    break
+            else:
+                breaker_key = legs[0][1]
+                item = data.get(breaker_key)
+                if (item is None or item[1] <= now) and len(breaker_key) <= MAX_KEY_CHARS:
+                    # Only the charge remains to decide. The common answer is one shared,
+                    # read-only `Passage` per shape (number of legs, breaker or not).
+                    charge, shape = step.charge, (len(legs), step.breaker is not None)
+                    refusal, reservation = (None, None) if charge is None else self._state.charge(charge, now)
+                    if refusal is None and reservation is None:
+                        passage = self._admitted.get(shape)
+                        if passage is None:
+                            passage = self._admitted[shape] = _first_admitted(shape, None, None)
+                        return passage
+                    return _first_admitted(shape, refusal, reservation)
+        return run_step(self._state, step, now)
 
     async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
         now = self._tick()
@@ -204,20 +236,35 @@ class MemoryStore:
         """The store's time now, after sweeping out expired keys when a sweep is due."""
         now = self._time()
         if now >= self._next_sweep:
-            self._data = {k: v for k, v in self._data.items() if v[1] > now}
-            self._answers = {k: v for k, v in self._answers.items() if v[2] > now}
-            self._next_sweep = now + self._sweep_interval_s
+            self._sweep(now)
         return now
+
+    def _sweep(self, now: float) -> None:
+        self._data = {k: v for k, v in self._data.items() if v[1] > now}
+        self._answers = {k: v for k, v in self._answers.items() if v[2] > now}
+        self._next_sweep = now + self._sweep_interval_s
+
+
+def _first_admitted(shape: tuple[int, bool], refusal: Admission | None, reservation: str | None) -> Passage:
+    """What `run_step` answers when the first of `shape[0]` legs, none cooling down, is admitted
+    by a closed breaker counting no failure (`shape[1]`: the step has a breaker) or has none,
+    and the charge is refused (`refusal`) or passes (with `reservation` when it held spend)."""
+    legs, breaker = shape
+    decisions = (ADMIT_CLOSED if breaker else None,)
+    return Passage((0.0,) * legs, decisions, None if refusal else 0, refusal, reservation, None, ())
 
 
 class _State:
     """The primitives of a step (see `guards.stores._step`) on a memory store's data. Each
     runs synchronously: no other task interleaves."""
 
-    __slots__ = ("_store",)
+    __slots__ = ("_day_name", "_day_number", "_store")
 
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
+        #: The UTC day of the last charge (`utc_day`, kept: every charge's daily key names it).
+        self._day_number = -1
+        self._day_name = ""
 
     def cooldowns(self, keys: Sequence[str], now: float) -> tuple[float, ...]:
         data = self._store._data
@@ -246,7 +293,9 @@ class _State:
             self._store._data[key] = (state, now + policy.ttl_s)
 
     def charge(self, charge: Charge, now: float) -> tuple[Admission | None, str | None]:
-        store, key = self._store, bounded_key(charge.key)
+        store, key = self._store, charge.key
+        if len(key) > MAX_KEY_CHARS:
+            key = bounded_key(key)
         data = store._data
         refusal: Admission | None = None
         per_minute, per_day = charge.per_minute, charge.per_day
@@ -264,7 +313,9 @@ class _State:
         next_day = DAY_S - now % DAY_S  # until the next UTC midnight
         day: tuple[str, int, float] | None = None
         if per_day is not None:
-            day_key = f"{key}:day:{utc_day(now)}"
+            if int(now // DAY_S) != self._day_number:  # `utc_day(now)`, named once a day
+                self._day_number, self._day_name = int(now // DAY_S), utc_day(now)
+            day_key = f"{key}:day:{self._day_name}"
             item = data.get(day_key)
             count, expires = item if item is not None and item[1] > now else (0, now + DAILY_TTL_S)
             day = (day_key, count, expires)
