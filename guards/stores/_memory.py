@@ -310,18 +310,22 @@ class _State:
             if len(stamps) >= per_minute:
                 # Room comes back when the `per_minute`-th most recent admission leaves the window.
                 refusal = Admission(False, "per_minute", stamps[-per_minute] + MINUTE_S - now)
-        next_day = DAY_S - now % DAY_S  # until the next UTC midnight
-        day: tuple[str, int, float] | None = None
+        day_key: str | None = None
+        count, expires = 0, 0.0
         if per_day is not None:
             if int(now // DAY_S) != self._day_number:  # `utc_day(now)`, named once a day
                 self._day_number, self._day_name = int(now // DAY_S), utc_day(now)
             day_key = f"{key}:day:{self._day_name}"
             item = data.get(day_key)
-            count, expires = item if item is not None and item[1] > now else (0, now + DAILY_TTL_S)
-            day = (day_key, count, expires)
-            # Both spent: name the limit that frees up last, so Retry-After is honest.
-            if count >= per_day and (refusal is None or next_day > (refusal.retry_after_s or 0.0)):
-                refusal = Admission(False, "per_day", next_day)
+            if item is not None and item[1] > now:
+                count, expires = item
+            else:
+                expires = now + DAILY_TTL_S
+            if count >= per_day:
+                next_day = DAY_S - now % DAY_S  # until the next UTC midnight
+                # Both spent: name the limit that frees up last, so Retry-After is honest.
+                if refusal is None or next_day > (refusal.retry_after_s or 0.0):
+                    refusal = Admission(False, "per_day", next_day)
         spend: tuple[str, float, dict[str, tuple[float, float]]] | None = None
         if charge.spend is not None:
             spend_key = f"{key}:spend:{utc_day(now)}"
@@ -329,12 +333,13 @@ class _State:
             live = {rid: hold for rid, hold in holds.items() if hold[1] > now}
             spend = (spend_key, settled, live)
             over = settled + sum(amount for amount, _ in live.values()) + charge.spend > charge.spend_cap
+            next_day = DAY_S - now % DAY_S
             if over and (refusal is None or next_day > (refusal.retry_after_s or 0.0)):
                 refusal = Admission(False, "spend_per_day", next_day)
         if refusal is not None:
             return refusal, None
-        if day is not None:
-            data[day[0]] = (day[1] + 1, day[2])
+        if day_key is not None:
+            data[day_key] = (count + 1, expires)
         if stamps is not None:
             stamps.append(now)
             data[rate_key] = (stamps, now + MINUTE_S)
