@@ -7,8 +7,12 @@ walks end within milliseconds, and an event-loop timer per walk (a `TimerHandle`
 then the cancelled handle's removal) costs more than every guard of the walk together. So a
 deadline is armed in two steps:
 
-1. At the start the walk joins its event loop's *mark queue*: running walks in start order,
-   with one loop timer for the oldest. Joining and leaving cost a deque append and a flag.
+1. At the start the walk joins its event loop's *mark queue*: running walks in start order
+   (a dict, which keeps insertion order), with one loop timer for the oldest. Joining and
+   leaving cost a dict insertion and removal. A walk leaves the queue when it ends: the
+   queue holds only walks in flight, so nothing of a finished walk outlives it (walks kept
+   for `MARK_AFTER_S` after their end would survive into the garbage collector's older
+   generations, and its collections would cost more than the rest of the deadline).
 2. Between `MARK_AFTER_S` and `MARK_AFTER_S + MARK_TICK_S` into the walk, if it still runs,
    the queue's timer gives it a real timer at its deadline and calls its `on_mark` (the
    disconnect watcher starts there).
@@ -26,7 +30,6 @@ import asyncio
 import sys
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -50,7 +53,7 @@ class Deadline:
     `asyncio.timeout`.
     """
 
-    __slots__ = ("_cancelling", "_on_mark", "_state", "_task", "_timer", "timeout_s", "when")
+    __slots__ = ("_cancelling", "_on_mark", "_queue", "_state", "_task", "_timer", "timeout_s", "when")
     _task: asyncio.Task[Any] | None
 
     def __init__(self, timeout_s: float, on_mark: Callable[[], None] | None = None) -> None:
@@ -58,6 +61,8 @@ class Deadline:
         self._on_mark = on_mark
         self._timer: asyncio.TimerHandle | None = None
         self._state = _RUNNING
+        #: The mark queue the deadline waits in (None: it has its own timer).
+        self._queue: _MarkQueue | None = None
 
     def __enter__(self) -> Deadline:
         loop = asyncio.get_running_loop()
@@ -73,7 +78,8 @@ class Deadline:
         if self.timeout_s <= MARK_AFTER_S + MARK_TICK_S:
             self._timer = loop.call_at(when, self.expire)
             return self
-        queue.entries.append((now + MARK_AFTER_S, self))
+        queue.running[self] = now + MARK_AFTER_S
+        self._queue = queue
         if queue.timer is None:
             queue.timer = loop.call_at(now + MARK_AFTER_S, queue.fire)
         return self
@@ -84,8 +90,11 @@ class Deadline:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        elif self._queue is not None:
+            self._queue.running.pop(self, None)  # leave the mark queue
+            self._queue = None
         task, expired = self._task, self._state == _EXPIRED
-        # Leave the mark queue (it drops done entries) and let go of the task and callback.
+        # Let go of the task and callback.
         self._state, self._task, self._on_mark = _DONE, None, None
         # `uncancel` first, whatever the exception: the expiry's cancel request is spent.
         if (
@@ -115,12 +124,12 @@ class Deadline:
 
 
 class _MarkQueue:
-    """One event loop's running deadlines in mark order (start + MARK_AFTER_S, so they join in
-    order), with one loop timer: at the oldest's mark, but never sooner than MARK_TICK_S after
-    the last tick. Entries of ended deadlines are dropped when the timer passes them: the queue
-    holds at most MARK_AFTER_S + MARK_TICK_S worth of walks."""
+    """One event loop's running deadlines without a timer of their own, by mark (start +
+    MARK_AFTER_S, so they join in mark order), with one loop timer: at the oldest's mark, but
+    never sooner than MARK_TICK_S after the last tick. A deadline leaves when its block ends,
+    or when it is marked (it then has its own timer)."""
 
-    __slots__ = ("entries", "loop", "time", "timer")
+    __slots__ = ("loop", "running", "time", "timer")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         #: A weak reference: the queue lives as long as its loop, not the other way round.
@@ -130,7 +139,7 @@ class _MarkQueue:
         self.time: Callable[[], float] = (
             time.monotonic if getattr(type(loop), "time", None) is asyncio.BaseEventLoop.time else loop.time
         )
-        self.entries: deque[tuple[float, Deadline]] = deque()
+        self.running: dict[Deadline, float] = {}
         self.timer: asyncio.TimerHandle | None = None
 
     def fire(self) -> None:
@@ -138,16 +147,21 @@ class _MarkQueue:
         loop = self.loop()
         if loop is None:
             return
-        entries = self.entries
+        running = self.running
         now = loop.time()
+        due = []
+        for deadline, mark in running.items():  # in mark order: up to the first not due
+            if mark > now:
+                break
+            due.append(deadline)
         try:
-            while entries and entries[0][0] <= now:
-                deadline = entries.popleft()[1]
-                if deadline._state == _RUNNING:  # most walks ended long before their mark
+            for deadline in due:
+                del running[deadline]
+                if deadline._state == _RUNNING:
                     deadline._marked(loop)
-        finally:  # even if a mark callback raised: the later entries still get theirs
-            if entries:
-                self.timer = loop.call_at(max(entries[0][0], now + MARK_TICK_S), self.fire)
+        finally:  # even if a mark callback raised: the later deadlines still get theirs
+            if running:
+                self.timer = loop.call_at(max(next(iter(running.values())), now + MARK_TICK_S), self.fire)
 
 
 #: `asyncio.current_task(loop)`: on CPython 3.11 a Python function around this dict's `get`,
