@@ -312,7 +312,7 @@ def totals(*metrics: Counter) -> dict[tuple[Counter, tuple[str, ...]], float]:
     flush_metrics()
     by_sample = {f"{metric._name}_total": metric for metric in metrics}
     found: dict[tuple[Counter, tuple[str, ...]], float] = {}
-    for family in MultiProcessCollector(None).collect():  # type: ignore[no-untyped-call]
+    for family in _worker_files().collect():
         for sample in family.samples:
             metric = by_sample.get(sample.name)
             if metric is not None:
@@ -408,6 +408,35 @@ def render_metrics() -> tuple[bytes, str]:
     flush_metrics()
     if multiprocess():
         registry = CollectorRegistry()
-        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        registry.register(_worker_files())
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+class _WorkerFiles:
+    """prometheus-client's `MultiProcessCollector`, minus the files no worker has written yet.
+
+    A worker creates its file, then sizes it: for a moment it is empty, and prometheus-client
+    fails the whole merge on it (`struct.error`, every worker's metrics lost with it). A worker
+    killed in that moment leaves the empty file for good, and every scrape and status page
+    after it would fail (prometheus/client_python issue 1199). An empty file holds no count:
+    it is left out."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def collect(self) -> Any:
+        with os.scandir(self.directory) as entries:
+            files = [
+                entry.path
+                for entry in entries
+                if entry.name.endswith(".db") and entry.is_file() and entry.stat().st_size > 0
+            ]
+        return MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+
+
+def _worker_files() -> _WorkerFiles:
+    """The collector of every worker's file in the multiprocess directory."""
+    # The lower-case name is the deprecated one prometheus-client still reads.
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ["prometheus_multiproc_dir"]  # noqa: SIM112
+    return _WorkerFiles(directory)

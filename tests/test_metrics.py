@@ -296,6 +296,8 @@ def requests_per_worker(directory: Path) -> dict[str, float]:
     """Guarded requests each worker process counted, from its own counter file."""
     counted = {}
     for path in directory.glob("counter_*.db"):
+        if not path.stat().st_size:
+            continue  # a worker creating its file: nothing in it yet
         metrics = MultiProcessCollector.merge([str(path)])
         counted[path.stem.split("_", 1)[1]] = sum(
             sample.value
@@ -406,6 +408,38 @@ def test_a_breaker_opened_under_two_workers_is_counted_once(
             if key[0] == "guards_breaker_transitions_total" and value
         }
         assert transitions == {series("guards_breaker_transitions_total", model=MODEL, to="open"): 1}
+
+
+def test_an_empty_file_left_by_a_killed_worker_does_not_fail_the_scrape(
+    tmp_path: Path, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """A worker creates its metrics file, then sizes it: one killed in between leaves an empty
+    file, on which prometheus-client fails every later merge (its issue 1199). `/metrics` and
+    `/status` leave the empty file out and answer with the counts of the files that hold some."""
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    fake_workers_ai.default = SUMMARY
+    token = "status-token-0123456789abcdef"
+    env = app_process_env(
+        fake_workers_ai, "memory://", PROMETHEUS_MULTIPROC_DIR=str(directory), STATUS_TOKEN=token
+    )
+    app = AppProcess(env, workers=1)
+    try:
+        app.wait_ready()
+        with httpx.Client(base_url=app.url, timeout=30) as client:
+            assert client.post("/summary", json={"text": "refund"}).json()["fallback"] is None
+            for kind in ("counter", "histogram", "gauge_mostrecent"):
+                (directory / f"{kind}_4194000.db").touch()  # the killed worker's files
+            samples = parse(scrape(client))
+            status = client.get(
+                "/status", headers={"authorization": f"Bearer {token}", "accept": "application/json"}
+            )
+    finally:
+        app.stop()
+    assert samples[series("guards_requests_total", route="summary", outcome="ok")] == 1
+    assert status.status_code == 200, status.text
+    [summary] = [route for route in status.json()["routes"] if route["route"] == "summary"]
+    assert summary["requests"] == 1
 
 
 def nonzero(samples: Mapping[Series, float]) -> dict[Series, float]:
