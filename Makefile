@@ -35,8 +35,14 @@ run: install ## serve the example app on $(HOST):$(PORT) (offline fake provider 
 	PROMETHEUS_MULTIPROC_DIR=$(abspath $(METRICS_DIR)) \
 		exec $(BIN)/python -m guards.serve app.main:app --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
+# Two passes: most tests spread over two processes (pytest-xdist, one file per process at a
+# time), then, one at a time, the tests that load the whole machine or must have it to
+# themselves (marked stress, slow or serial; see pyproject.toml).
+ALONE := stress or slow or serial
+
 test: install ## run the test suite
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not ($(ALONE))"
+	$(BIN)/python -m pytest -m "$(ALONE)"
 
 lint: install ## ruff (lint and format check) and mypy (strict on guards/)
 	$(BIN)/ruff check .
