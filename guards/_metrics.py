@@ -427,12 +427,15 @@ class _WorkerFiles:
 
     def collect(self) -> Any:
         with os.scandir(self.directory) as entries:
-            files = [
-                entry.path
-                for entry in entries
-                if entry.name.endswith(".db") and entry.is_file() and entry.stat().st_size > 0
-            ]
+            files = [entry.path for entry in entries if entry.name.endswith(".db") and _holds_counts(entry)]
         return MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+
+
+def _holds_counts(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_file() and entry.stat().st_size > 0
+    except OSError:  # removed meanwhile (`mark_process_dead`)
+        return False
 
 
 def _worker_files() -> _WorkerFiles:

@@ -29,8 +29,9 @@ from guards.stores import RedisStore, Store
 
 from .conftest import no_sleep, workers_ai_settings
 
-# Bursts of 200 requests across processes, counted exactly: on a machine another test is
-# loading, deadlines pass and the breaker opens, which is not what these tests are about.
+# Bursts of 200 requests across processes, counted exactly. On a machine another test loads,
+# a store round trip can outlast its bound (Redis: 100 ms; the worker's own busy event loop
+# counts) and the budget, failing closed, answers `circuit_open`: not what these tests check.
 pytestmark = pytest.mark.serial
 
 MODEL = "@cf/test/model"
