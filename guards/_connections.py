@@ -134,6 +134,10 @@ class BoundedH11Protocol(H11Protocol):
         if started and timed_out:
             self.transport.write(_REQUEST_TIMEOUT)
         self.transport.close()
+        # Closed now, not when asyncio reports it lost (a later turn of the loop): a request
+        # read before then must not count it against `limit_concurrency` (uvicorn would answer
+        # 503 with room made). uvicorn's own `connection_lost` discards it again, harmlessly.
+        self.connections.discard(self)
 
     def _wait_for_head(self, *, timed: bool) -> None:
         waiting = self._bounds.waiting
