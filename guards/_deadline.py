@@ -148,7 +148,7 @@ class _MarkQueue:
         if loop is None:
             return
         running = self.running
-        now = loop.time()
+        now = self.time()
         due = []
         for deadline, mark in running.items():  # in mark order: up to the first not due
             if mark > now:

@@ -63,7 +63,7 @@ class MemoryStore:
         self._answers: dict[str, tuple[str, float, float]] = {}
         self._max_answers = max_answers
         #: The shared answer of a step admitting its first leg with nothing else to tell, by
-        #: (number of legs, breaker or not): see `_admit_first`.
+        #: (number of legs, breaker or not): see `_first_admitted`.
         self._admitted: dict[tuple[int, bool], Passage] = {}
 
     def __len__(self) -> int:
@@ -258,13 +258,10 @@ class _State:
     """The primitives of a step (see `guards.stores._step`) on a memory store's data. Each
     runs synchronously: no other task interleaves."""
 
-    __slots__ = ("_day_name", "_day_number", "_store")
+    __slots__ = ("_store",)
 
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
-        #: The UTC day of the last charge (`utc_day`, kept: every charge's daily key names it).
-        self._day_number = -1
-        self._day_name = ""
 
     def cooldowns(self, keys: Sequence[str], now: float) -> tuple[float, ...]:
         data = self._store._data
@@ -313,9 +310,7 @@ class _State:
         day_key: str | None = None
         count, expires = 0, 0.0
         if per_day is not None:
-            if int(now // DAY_S) != self._day_number:  # `utc_day(now)`, named once a day
-                self._day_number, self._day_name = int(now // DAY_S), utc_day(now)
-            day_key = f"{key}:day:{self._day_name}"
+            day_key = f"{key}:day:{utc_day(now)}"
             item = data.get(day_key)
             if item is not None and item[1] > now:
                 count, expires = item
