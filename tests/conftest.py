@@ -26,9 +26,9 @@ from fixtures import FakeWorkersAI, ManualClock
 from guards import AIResult, Binding
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
-#: The Redis store timeout of tests about state, not timeouts: on a loaded machine a round
-#: trip can take longer than the default 0.1 s.
-REDIS_TIMEOUT_S = 5.0
+#: The SQLite and Redis store timeout of tests about state, not timeouts: on a loaded machine
+#: an operation can take longer than the default 0.1 s.
+STORE_TIMEOUT_S = 5.0
 
 
 class LiveServer:
@@ -231,10 +231,10 @@ def make_store(
         if store_kind == "memory":
             store = MemoryStore(clock=clock)
         elif store_kind == "sqlite":
-            store = SQLiteStore(tmp_path / "guards.db", clock=clock)
+            store = SQLiteStore(tmp_path / "guards.db", clock=clock, timeout_s=STORE_TIMEOUT_S)
         else:
             store = RedisStore(
-                request.getfixturevalue("redis_url"), clock=clock, prefix=prefix, timeout_s=REDIS_TIMEOUT_S
+                request.getfixturevalue("redis_url"), clock=clock, prefix=prefix, timeout_s=STORE_TIMEOUT_S
             )
         made.append(store)
         return store

@@ -31,7 +31,7 @@ from fixtures.redis_server import RedisServer, free_port
 from guards import Breaker, CircuitState, Outcome
 from guards.stores import DAILY_TTL_S, MemoryStore, RedisStore, Store, StoreUnavailable, utc_day
 
-from .conftest import REDIS_TIMEOUT_S, count_writes, wait_until
+from .conftest import STORE_TIMEOUT_S, count_writes, wait_until
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600
@@ -196,7 +196,7 @@ def test_a_lost_script_is_loaded_again(counted: RedisServer) -> None:
 @pytest.mark.parametrize("with_clock", [False, True], ids=["redis-time", "clock"])
 def test_every_key_has_a_ttl(redis_url: str, admin: redis.Redis, prefix: str, with_clock: bool) -> None:
     clock = ManualClock(T0) if with_clock else None
-    store = RedisStore(redis_url, clock=clock, prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
+    store = RedisStore(redis_url, clock=clock, prefix=prefix, timeout_s=STORE_TIMEOUT_S)
     consecutive = Breaker(failure_threshold=2, reset_timeout_s=30)
     windowed = Breaker(failure_threshold=3, window_s=10, reset_timeout_s=30)
 
@@ -263,7 +263,7 @@ def test_every_key_has_a_ttl(redis_url: str, admin: redis.Redis, prefix: str, wi
 def test_keys_of_one_operation_share_a_hash_tag(redis_url: str, admin: redis.Redis, prefix: str) -> None:
     """Every key of one budget, spend or breaker key carries the same `{...}` tag (one cluster
     slot), including keys with braces in them; distinct keys keep distinct names and tags."""
-    store = RedisStore(redis_url, clock=ManualClock(T0), prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
+    store = RedisStore(redis_url, clock=ManualClock(T0), prefix=prefix, timeout_s=STORE_TIMEOUT_S)
     keys = ["user:42", "a{b}c", "}x{", "", "{", "%7B", "model:@cf/meta/llama"]
     policy = Breaker(failure_threshold=1)
 
@@ -298,7 +298,7 @@ def test_without_a_clock_the_day_is_redis_day(
     redis_url: str, admin: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """This process's clock says 2001; the store must not care: days and times are Redis'."""
-    store = RedisStore(redis_url, prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
+    store = RedisStore(redis_url, prefix=prefix, timeout_s=STORE_TIMEOUT_S)
     monkeypatch.setattr(time, "time", lambda: 1_000_000_000.0)
 
     async def scenario() -> tuple[float, float | None]:
@@ -331,7 +331,7 @@ def test_day_names_computed_by_the_script_match_utc_day(
     special += [MIDNIGHT - 1e-6, MIDNIGHT, MIDNIGHT + 86_400 - 0.25, 1_709_164_800.0, 1_767_225_599.75]
     times = special + [rng.uniform(0, 13_000_000_000) for _ in range(300)]
     clock = ManualClock()
-    store = RedisStore(redis_url, clock=clock, prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
+    store = RedisStore(redis_url, clock=clock, prefix=prefix, timeout_s=STORE_TIMEOUT_S)
 
     async def scenario() -> None:
         for i, t in enumerate(times):
@@ -449,7 +449,7 @@ def test_a_key_spoiled_by_someone_else_fails_only_its_own_operations(
     """A script error (here WRONGTYPE: another program wrote our key) is `StoreUnavailable` for
     that operation only, alone or within a pipelined burst; its neighbours are answered."""
     admin.set(f"{prefix}{{spoiled}}:window", "not a hash", ex=600)  # no immortal keys, even here
-    store = RedisStore(redis_url, clock=ManualClock(T0), prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
+    store = RedisStore(redis_url, clock=ManualClock(T0), prefix=prefix, timeout_s=STORE_TIMEOUT_S)
 
     async def scenario() -> None:
         with pytest.raises(StoreUnavailable, match="ResponseError"):
@@ -564,7 +564,7 @@ def test_two_workers_on_a_half_open_breaker_let_exactly_one_probe_through(
 
 def side_by_side(redis_url: str, prefix: str, clock: ManualClock) -> tuple[MemoryStore, RedisStore]:
     return MemoryStore(clock=clock), RedisStore(
-        redis_url, clock=clock, prefix=prefix, timeout_s=REDIS_TIMEOUT_S
+        redis_url, clock=clock, prefix=prefix, timeout_s=STORE_TIMEOUT_S
     )
 
 

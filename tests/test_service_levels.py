@@ -25,7 +25,7 @@ from fixtures import Fail, FakeBinding, FakeWorkersAI, Hang, ManualClock, Reply,
 from guards import AI, Breaker, Guards, Level, ModelDown, ServiceLevel
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
-from .conftest import REDIS_TIMEOUT_S, LogLines, no_sleep, wait_until, workers_ai_settings
+from .conftest import STORE_TIMEOUT_S, LogLines, no_sleep, wait_until, workers_ai_settings
 from .test_metrics import parse, series
 from .test_shared_state import AppProcess, _flush, app_process_env
 
@@ -44,7 +44,7 @@ def stores_for(kind: str, clock: ManualClock, tmp_path: Path, request: pytest.Fi
     if kind == "sqlite":
         return [SQLiteStore(tmp_path / "guards.db", clock=clock) for _ in range(2)]
     url, prefix = request.getfixturevalue("redis_url"), f"levels-{uuid.uuid4().hex[:8]}:"
-    return [RedisStore(url, clock=clock, prefix=prefix, timeout_s=REDIS_TIMEOUT_S) for _ in range(2)]
+    return [RedisStore(url, clock=clock, prefix=prefix, timeout_s=STORE_TIMEOUT_S) for _ in range(2)]
 
 
 def health(client: httpx.Client) -> dict[str, Any]:

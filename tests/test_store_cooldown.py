@@ -25,7 +25,7 @@ from fixtures import ManualClock
 from fixtures.redis_server import RedisServer
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store, StoreUnavailable
 
-from .conftest import REDIS_TIMEOUT_S, count_writes, wait_until
+from .conftest import STORE_TIMEOUT_S, count_writes, wait_until
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600  # 01:00 UTC
@@ -360,7 +360,7 @@ def test_redis_a_cooldown_key_has_a_ttl_ending_with_it(
     redis_url: str, admin: redis.Redis, prefix: str, with_clock: bool
 ) -> None:
     clock = ManualClock(T0) if with_clock else None
-    store = RedisStore(redis_url, clock=clock, prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
+    store = RedisStore(redis_url, clock=clock, prefix=prefix, timeout_s=STORE_TIMEOUT_S)
 
     async def scenario() -> None:
         await store.start_cooldown("short", 30)
@@ -386,7 +386,7 @@ def test_redis_a_cooldown_key_has_a_ttl_ending_with_it(
 
 def test_redis_a_cooldown_key_is_gone_when_it_ends(redis_url: str, admin: redis.Redis, prefix: str) -> None:
     """On Redis' own clock the key expires by itself when the cooldown ends."""
-    store = RedisStore(redis_url, prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
+    store = RedisStore(redis_url, prefix=prefix, timeout_s=STORE_TIMEOUT_S)
     name = f"{prefix}{{brief}}:cooldown"
     asyncio.run(store.start_cooldown("brief", 0.05))
     wait_until(lambda: not admin.exists(name))  # on Redis' clock: nothing to advance
@@ -398,7 +398,7 @@ def test_redis_cooldown_keys_carry_their_own_hash_tag(
     redis_url: str, admin: redis.Redis, prefix: str
 ) -> None:
     """Escaped like every key: braces in a model name neither break the tag nor merge keys."""
-    store = RedisStore(redis_url, clock=ManualClock(T0), prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
+    store = RedisStore(redis_url, clock=ManualClock(T0), prefix=prefix, timeout_s=STORE_TIMEOUT_S)
     keys = ["openai:gpt-4o-mini", "a{b}c", "}x{", "", "{", "%7B"]
 
     async def scenario() -> None:
@@ -470,7 +470,7 @@ def test_redis_a_spoiled_key_fails_the_read_of_its_chain_only(
     reading it `StoreUnavailable`; chains without it are answered, even in the same pipeline."""
     admin.hset(f"{prefix}{{spoiled}}:cooldown", "x", "1")
     admin.expire(f"{prefix}{{spoiled}}:cooldown", 600)  # no immortal keys, even here
-    store = RedisStore(redis_url, clock=ManualClock(T0), prefix=prefix, timeout_s=REDIS_TIMEOUT_S)
+    store = RedisStore(redis_url, clock=ManualClock(T0), prefix=prefix, timeout_s=STORE_TIMEOUT_S)
 
     async def scenario() -> None:
         await store.start_cooldown("fine", 60)

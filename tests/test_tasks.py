@@ -27,7 +27,7 @@ from fixtures.redis_server import free_port
 from guards import AI, Budget, Guards, Task, header_key
 from guards.stores import RedisStore, SQLiteStore
 
-from .conftest import REDIS_TIMEOUT_S, LogLines, no_sleep, workers_ai_settings
+from .conftest import STORE_TIMEOUT_S, LogLines, no_sleep, workers_ai_settings
 from .test_metrics import parse, series
 from .test_shared_state import MODEL, AppProcess, _flush, app_process_env
 
@@ -308,7 +308,7 @@ def test_a_worker_killed_between_steps_leaves_a_task_the_next_request_resumes(
     if shared_store.startswith("sqlite"):
         store: Any = SQLiteStore(shared_store.removeprefix("sqlite:///"), clock=clock)
     else:
-        store = RedisStore(shared_store, clock=clock, timeout_s=REDIS_TIMEOUT_S)
+        store = RedisStore(shared_store, clock=clock, timeout_s=STORE_TIMEOUT_S)
     settings = workers_ai_settings(
         fake_workers_ai, daily_call_limit=CAP, breaker_failure_threshold=1000, ai_timeout_s=TIMEOUT_S
     )
