@@ -24,7 +24,7 @@ from ._admission import never_admitted, waited_for_admission
 from ._binding import AIResult, Binding, Usage
 from ._breaker import CircuitState, Outcome
 from ._budget import budget_refusal, input_tokens_bound
-from ._call import CallFailed, call_model
+from ._call import CallFailed, call_model, retry_failed
 from ._classify import Classification, Kind, classify
 from ._deadline import Deadline
 from ._envelope import ErrorCode, Reason
@@ -38,7 +38,7 @@ from ._relay import Opened, Relayed, no_events, open_stream, relay
 from ._retry_budget import admit_retry
 from ._route_spec import GuardedRoute, Leg
 from ._stream import StreamEnd, StreamingBinding, TextDelta
-from .stores import Charge, Report, Step, StoreUnavailable
+from .stores import Charge, Passage, Report, Step, StoreUnavailable
 
 if typing.TYPE_CHECKING:
     from starlette.requests import Request
@@ -47,7 +47,7 @@ if typing.TYPE_CHECKING:
     from ._tasks import TaskRun
     from ._tracing import RequestTrace
 
-__all__ = ["AI", "TASK_SCOPE", "finish_request"]
+__all__ = ["AI", "TASK_SCOPE", "finish_request", "walk_step"]
 
 T = TypeVar("T")
 S = TypeVar("S")
@@ -80,10 +80,9 @@ class AI(Generic[T]):
     """
 
     __slots__ = (
-        "_budget_key",
         "_charged",
         "_cost",
-        "_deadline",
+        "_first",
         "_gone",
         "_guards",
         "_hold",
@@ -109,7 +108,7 @@ class AI(Generic[T]):
         self,
         guards: Guards,
         route: GuardedRoute,
-        budget_key: str | None,
+        first: Step | None,
         trace_id: str,
         request: Request | None = None,
         started: float | None = None,
@@ -117,9 +116,11 @@ class AI(Generic[T]):
     ) -> None:
         self._guards = guards
         self._started = time.perf_counter() if started is None else started
-        self._deadline = 0.0
         self._route = route
-        self._budget_key = budget_key
+        #: The walk's first store step, prepared by the route (`walk_step`), with what the
+        #: request's budget charges (None outside a route); the charge's spend, when the route
+        #: has a spend cap, is set at the first admission (`_step`).
+        self._first = first
         #: The client's request (None outside a route), watched for a disconnect during calls.
         self._request = request
         self._watch: asyncio.Task[None] | None = None
@@ -190,12 +191,16 @@ class AI(Generic[T]):
             inputs = {**inputs, "response_format": route.response_format}
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
-        leg, result, probe, record_success = await self._walk(inputs, self._run_call)
+        leg, result, probe, record_success = await self._walk(inputs)
         if record_success or probe is not None or self._hold is not None:
             await self._finish_leg(leg, Outcome.success, probe, record_success)
-        else:  # not reported: the next step about the model tells the store (`_admit`)
+        else:  # not reported: the next step about the model tells the store (`_step`)
             leg.last_success[0] = self._guards.success_clock()
-        self._served(leg, result.model)
+        # `_served`, inline: every request's path.
+        self._served_leg = leg
+        self.model = result.model or leg.ref.model
+        if leg is not route.legs[0]:
+            self.fallback_model = leg.ref.entry
         output = route.output
         value: T = output.check_shape(result) if output.moderation is None else await output.check(result)
         return value
@@ -242,10 +247,10 @@ class AI(Generic[T]):
             inputs = {**inputs, "response_format": output.response_format}
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
-        leg, result, probe, record_success = await self._walk(inputs, self._run_call)
+        leg, result, probe, record_success = await self._walk(inputs)
         if record_success or probe is not None or self._hold is not None:
             await self._finish_leg(leg, Outcome.success, probe, record_success)
-        else:  # not reported: the next step about the model tells the store (`_admit`)
+        else:  # not reported: the next step about the model tells the store (`_step`)
             leg.last_success[0] = self._guards.success_clock()
         self._served(leg, result.model)
         return await output.check(result)
@@ -295,18 +300,28 @@ class AI(Generic[T]):
         )
         return self._relayed(leg, recovered, None, False, recorded=True)
 
+    @overload
+    async def _walk(self, inputs: Mapping[str, Any]) -> tuple[Leg, AIResult, float | None, bool]: ...
+
+    @overload
     async def _walk(
         self, inputs: Mapping[str, Any], call_for: Callable[[Leg], Call[R]]
-    ) -> tuple[Leg, R, float | None, bool]:
+    ) -> tuple[Leg, R, float | None, bool]: ...
+
+    async def _walk(
+        self, inputs: Mapping[str, Any], call_for: Callable[[Leg], Call[Any]] | None = None
+    ) -> tuple[Leg, Any, float | None, bool]:
         """Walk the chain until a call succeeds: (its leg, its result, the leg's breaker probe
         ticket, whether its success must be recorded). `call_for(leg)` is what makes one
-        attempt on a leg: `call(model, inputs)`. The caller records the outcome and settles
-        the spend; on failure this settles and raises `GuardTripped`."""
+        attempt on a leg: `call(model, inputs)` (default: the leg's binding's `run`). The
+        caller records the outcome and settles the spend; on failure this settles and raises
+        `GuardTripped`."""
         route, trace = self._route, self._trace
         if self._notes:
             self._notes.clear()
         self._waits = None
-        inflight: tuple[Leg, float | None] | None = None
+        inflight: Leg | None = None  # the leg being called (its probe ticket: `probe`)
+        probe: float | None = None
         last: GuardTripped | None = None
         spent = False  # the request's attempt budget ran out before a leg
         try:
@@ -318,7 +333,7 @@ class AI(Generic[T]):
             on_mark = self._start_watch if self._request is not None else None
             with Deadline(route.timeout_s, on_mark) as scope:
                 self._scope = scope
-                deadline = self._deadline = scope.when
+                deadline = scope.when
                 try:
                     legs, start, report = route.legs, 0, None
                     count = len(legs)
@@ -327,73 +342,90 @@ class AI(Generic[T]):
                         if start < count and self.attempts >= self.attempt_budget:
                             spent, start = True, count  # no further call: report only
                         gone = start < count and self.attempts > 0 and await self._client_gone()
-                        admitted = await self._admit(count if gone else start, report, inputs)
-                        if gone:
-                            raise self._gone_tripped(legs[start])
+                        if gone or start >= count:
+                            # The walk is over: the report settles the spend too.
+                            await self._send(self._report_end(report))
+                            if gone:
+                                raise self._gone_tripped(legs[start])
+                            break
+                        step = self._step(start, report, inputs)
+                        try:
+                            passage: Passage | None = await self._guards.store.step(step)
+                        except StoreUnavailable:
+                            passage = None
+                        admitted = self._admitted(start, step, passage)
                         if admitted is None:
                             break
                         index, probe, record_success = admitted
                         leg = legs[index]
-                        inflight = (leg, probe)
+                        inflight = leg
                         self._leg = leg
-                        call = call_for(leg)
+                        call: Call[Any]
+                        if call_for is None:  # the leg's binding's `run` (`_binding`, inline)
+                            provider = leg.ref.provider
+                            guards = self._guards
+                            call = (guards.binding if provider is None else guards.providers[provider]).run
+                        else:
+                            call = call_for(leg)
                         if trace is not None:
                             call = trace.traced(call, self, leg, self._binding(leg))
+                        made = self.attempts  # the request's calls before this leg's
+                        started = time.perf_counter()
                         try:
-                            result, _ = await call_model(
-                                call,
-                                leg.ref.model,
-                                inputs,
-                                policy=route.retry,
-                                deadline=deadline,
-                                limit=(
-                                    self._leg_limit(index)
-                                    if index + 1 < count
-                                    else self.attempt_budget - self.attempts  # the last leg's
-                                ),
-                                sleep=self._guards.sleep,
-                                on_attempt=self._on_attempt,
-                                on_retry=self._before_retry,
-                            )
-                        except CallFailed as failed:
-                            inflight = None
-                            last = self._leg_failed(leg, failed)
-                            await self._guards.credential_warnings.failed(
-                                self._guards.store, leg.ref.key, failed.error
-                            )
-                            # JSON mode not met: the model answered, just not in shape.
-                            json_mode = getattr(failed.error, "json_mode_failed", False)
-                            outcome = Outcome.success if json_mode else Outcome.failure
-                            cool_s = (
-                                self._guards.cooldown.seconds(failed.error)
-                                if failed.verdict.kind in _COOLDOWN_KINDS
-                                else 0.0
-                            )
-                            report = self._report(leg, outcome, probe, cool_s, settle=False)
-                            start = index + 1
-                            continue
+                            # The leg's first call, made here: `call_model` is this, then
+                            # `retry_failed` (one frame less on every request's path).
+                            result = await call(leg.ref.model, inputs)
+                        except Exception as error:
+                            self._on_attempt(1, error, started)
+                            try:
+                                result, _ = await retry_failed(
+                                    error,
+                                    call,
+                                    leg.ref.model,
+                                    inputs,
+                                    policy=route.retry,
+                                    deadline=deadline,
+                                    limit=(
+                                        self._leg_limit(index, made)
+                                        if index + 1 < count
+                                        else self.attempt_budget - made  # the last leg's
+                                    ),
+                                    sleep=self._guards.sleep,
+                                    on_attempt=self._on_attempt,
+                                    on_retry=self._before_retry,
+                                )
+                            except CallFailed as failed:
+                                inflight = None
+                                report, last = await self._leg_down(leg, failed, probe)
+                                start = index + 1
+                                continue
+                        except BaseException as stopped:  # cancelled: it may still be billed
+                            self._on_attempt(1, stopped, started)
+                            raise
+                        else:
+                            self._on_attempt(1, result, started)
                         return leg, result, probe, record_success
                 finally:
                     if self._watch is not None:
                         self._watch.cancel()
                         self._watch = None
         except TimeoutError as expired:
-            leg = inflight[0] if inflight is not None else self._leg
+            leg = inflight if inflight is not None else self._leg
             if self._gone:  # the watcher ended the walk: no verdict on the model
                 if inflight is not None:
-                    await self._record(leg, Outcome.released, inflight[1])
+                    await self._record(leg, Outcome.released, probe)
                 await self._settle()
                 raise self._gone_tripped(leg) from None
             # A call that spent its deadline waiting for a connection: no verdict on the model.
             queued = waited_for_admission(expired)
             if inflight is not None:
-                await self._record(leg, Outcome.released if queued else Outcome.failure, inflight[1])
+                await self._record(leg, Outcome.released if queued else Outcome.failure, probe)
             await self._settle()
             raise self._timed_out(leg, never_admitted(expired)) from None
         except GuardTripped:
             # A budget refusal (before any call) or the client gone: no verdict on the model.
             if inflight is not None:
-                await self._record(inflight[0], Outcome.released, inflight[1])
+                await self._record(inflight, Outcome.released, probe)
             await self._settle()
             raise
         except BaseException:
@@ -401,7 +433,7 @@ class AI(Generic[T]):
             # slot must be freed and the spend settled, shielded from the cancellation.
             with anyio.CancelScope(shield=True):
                 if inflight is not None:
-                    await self._record(inflight[0], Outcome.released, inflight[1])
+                    await self._record(inflight, Outcome.released, probe)
                 await self._settle()
             raise
         await self._settle()
@@ -487,14 +519,16 @@ class AI(Generic[T]):
         call: Call[AIResult] = self._binding(leg).run
         if self._trace is not None:
             call = self._trace.traced(call, self, leg, self._binding(leg), retry=True)
+        assert self._scope is not None  # the walk's
+        deadline = self._scope.when
         try:
-            async with asyncio.timeout_at(self._deadline):
+            async with asyncio.timeout_at(deadline):
                 result, _ = await call_model(
                     call,
                     leg.ref.model,
                     inputs,
                     policy=self._route.retry,
-                    deadline=self._deadline,
+                    deadline=deadline,
                     limit=1,
                     on_attempt=self._on_attempt,
                 )
@@ -590,18 +624,15 @@ class AI(Generic[T]):
             "trace_id": self.trace_id,
         }
 
-    def _run_call(self, leg: Leg) -> Call[AIResult]:
-        provider = leg.ref.provider  # `_binding`, one call less: every request's path
-        return (self._guards.binding if provider is None else self._guards.providers[provider]).run
-
     def _binding(self, leg: Leg) -> Binding:
         provider = leg.ref.provider
         return self._guards.binding if provider is None else self._guards.providers[provider]
 
-    def _leg_limit(self, index: int) -> int:
-        """Calls a leg with later legs may make: what the budget has left, minus one for each
-        later leg that is not cooling down (so a retry never starves the fallbacks)."""
-        left = self.attempt_budget - self.attempts
+    def _leg_limit(self, index: int, made: int) -> int:
+        """Calls a leg with later legs may make, when the request made `made` before it: what
+        the budget has left, minus one for each later leg that is not cooling down (so a retry
+        never starves the fallbacks)."""
+        left = self.attempt_budget - made
         waits = self._waits
         if waits is None:
             reserved = len(self._route.legs) - index - 1
@@ -623,51 +654,35 @@ class AI(Generic[T]):
             retry_after_s=round(wait_s, 3) if wait_s is not None else None,
         )
 
-    async def _admit(
-        self, start: int, report: Report | None, inputs: Mapping[str, Any]
+    def _step(self, start: int, report: Report | None, inputs: Mapping[str, Any]) -> Step:
+        """The walk's next store operation (`Store.step`): apply `report` (the last call's
+        outcome), then admit the first leg from `start` that is not cooling down and whose
+        breaker lets it through, charging the request's budget on its first admission."""
+        route, first = self._route, self._first
+        charge = None
+        if first is not None and not self._charged:
+            if not start and report is None and first.legs is route.step_legs and not route.spend_capped:
+                return first  # the route's own, the same every request (of this caller)
+            # What the request's first admission pays: rate, daily cap, and its worst-case spend.
+            charge = first.charge
+            if charge is not None and route.spend_capped:
+                self._tokens = tokens = input_tokens_bound(inputs)
+                legs = route.legs
+                spend = max(_worst(leg, tokens, route.max_tokens) for leg in legs) * self.attempt_budget
+                charge = dataclasses.replace(charge, spend=spend, hold_s=2 * route.timeout_s + 60)
+        return walk_step(route, start, report, charge)
+
+    def _admitted(
+        self, start: int, step: Step, passage: Passage | None
     ) -> tuple[int, float | None, bool] | None:
-        """One store operation (`Store.step`): apply `report` (the last call's outcome), then
-        admit the first leg from `start` that is not cooling down and whose breaker lets it
-        through, charging the request's budget on its first admission. Logs each leg skipped.
-        Returns (the leg's index, its probe ticket, whether its success must be recorded), or
-        None when no leg is admitted; raises `GuardTripped` when the budget refuses. With no
-        leg left, the walk is over: the report settles the spend too."""
+        """What the store answered to `step` (`_step`; None: the store was unavailable). Logs
+        each leg skipped. Returns (the admitted leg's index, its probe ticket, whether its
+        success must be recorded), or None when no leg is admitted; raises `GuardTripped`
+        when the budget refuses."""
         route = self._route
         legs = route.legs
-        if start >= len(legs):
-            await self._send(self._report_end(report))
-            return None
-        # What the request's first admission pays: rate, daily cap, and its worst-case spend.
-        budget, charge = route.budget, None
-        if budget is not None and not self._charged and self._budget_key is not None:
-            spend = None
-            if route.spend_capped:
-                self._tokens = tokens = input_tokens_bound(inputs)
-                spend = max(_worst(leg, tokens, route.max_tokens) for leg in legs) * self.attempt_budget
-            charge = Charge(
-                self._budget_key,
-                budget.per_minute,
-                budget.per_day,
-                spend,
-                budget.spend_per_day or 0.0,
-                2 * route.timeout_s + 60,  # the hold outlives the walk
-            )
-        ages: list[float | None] = []
-        if route.breaker is not None:
-            # How long ago this process's last success on each leg's model ended (None: none
-            # yet). Every step about a model carries it, so a success that was not reported
-            # (a closed breaker's, admitted with no failure counted) still ends the failures
-            # counted while it ran: exactly within this process, at its next step for others.
-            now = self._guards.success_clock()
-            for leg in legs[start:] if start else legs:
-                ended = leg.last_success[0]
-                ages.append(None if ended is None else now - ended)
-        step = Step(
-            report, route.step_legs[start:] if start else route.step_legs, route.breaker, charge, ages
-        )
-        try:
-            passage = await self._guards.store.step(step)
-        except StoreUnavailable:
+        report, charge = step.report, step.charge
+        if passage is None:
             self._report_lost(report)
             # Each guard its own failure mode: cooldowns only spare a provider that asked for a
             # pause (try the models); the breaker and the budget as configured (raises if closed).
@@ -675,10 +690,18 @@ class AI(Generic[T]):
             STORE_UNAVAILABLE.labels(guard="cooldown", action="open").inc()
             if route.breaker is not None:
                 self._store_failed("breaker", route.breaker.on_store_failure)
-            if charge is not None and budget is not None:
-                self._store_failed("budget", budget.on_store_failure)
+            if charge is not None and route.budget is not None:
+                self._store_failed("budget", route.budget.on_store_failure)
                 self._charged = True
             return start, None, False
+        if passage.plain:  # the usual answer (`Passage.plain`): the first leg from `start`
+            if charge is not None:
+                self._charged = True
+            if self._waits is not None:
+                self._waits[start:] = passage.waits
+            if route.breaker is not None and legs[start].last_state[0] is not CircuitState.closed:
+                legs[start].saw(CircuitState.closed)
+            return (start, None, False) if start else _FIRST_ADMITTED
         if passage.recorded is not None and report is not None:
             self._saw_report(report, passage.recorded.state)
         if passage.transitions:
@@ -702,8 +725,8 @@ class AI(Generic[T]):
                     continue
             break  # the leg admitted, or the one whose charge was refused
         if passage.refusal is not None:
-            assert budget is not None
-            raise budget_refusal(budget, passage.refusal)
+            assert route.budget is not None
+            raise budget_refusal(route.budget, passage.refusal)
         if charge is not None:
             self._charged = True
             self._hold = passage.reservation
@@ -812,6 +835,20 @@ class AI(Generic[T]):
                 )
             )
 
+    async def _leg_down(
+        self, leg: Leg, failed: CallFailed, probe: float | None
+    ) -> tuple[Report | None, GuardTripped]:
+        """A leg gave up: what the next store step reports of it, and its failure."""
+        tripped = self._leg_failed(leg, failed)
+        await self._guards.credential_warnings.failed(self._guards.store, leg.ref.key, failed.error)
+        # JSON mode not met: the model answered, just not in shape.
+        json_mode = getattr(failed.error, "json_mode_failed", False)
+        outcome = Outcome.success if json_mode else Outcome.failure
+        cool_s = (
+            self._guards.cooldown.seconds(failed.error) if failed.verdict.kind in _COOLDOWN_KINDS else 0.0
+        )
+        return self._report(leg, outcome, probe, cool_s, settle=False), tripped
+
     def _leg_failed(self, leg: Leg, failed: CallFailed) -> GuardTripped:
         error = failed.error
         what = error.describe() if isinstance(error, ProviderError) else type(error).__name__
@@ -907,14 +944,14 @@ class AI(Generic[T]):
 
     def _report_end(self, report: Report | None) -> Report | None:
         """`report` with the spend settled too (the walk is over), if the request holds spend."""
-        if self._hold is None or self._budget_key is None:
+        charge = self._first.charge if self._first is not None else None
+        if self._hold is None or charge is None:
             return report
         reservation, self._hold = self._hold, None
+        key = charge.key
         if report is None:
-            return Report(spend_key=self._budget_key, reservation=reservation, actual=self._cost)
-        return dataclasses.replace(
-            report, spend_key=self._budget_key, reservation=reservation, actual=self._cost
-        )
+            return Report(spend_key=key, reservation=reservation, actual=self._cost)
+        return dataclasses.replace(report, spend_key=key, reservation=reservation, actual=self._cost)
 
     async def _record(self, leg: Leg, outcome: Outcome, probe: float | None) -> None:
         """Report the end of a call to `leg` (and settle the spend) in one store operation."""
@@ -1010,6 +1047,23 @@ class AI(Generic[T]):
             delay_ms=round(delay_s * 1000, 1),
         )
         return True
+
+
+def walk_step(route: GuardedRoute, start: int, report: Report | None, charge: Charge | None) -> Step:
+    """A store step of `route`'s walk (see `Store.step`): `report` first, then the admission of
+    the first leg from `start` that may be called, paying `charge` if any. Each step about a
+    model carries how long ago this process's last success on it ended (`SuccessAges`), so a
+    success that was not reported (a closed breaker's, admitted with no failure counted) still
+    ends the failures counted while it ran: exactly within this process, at its next step for
+    others."""
+    ages = route.success_ages if route.breaker is not None else ()
+    if start:
+        return Step(report, route.step_legs[start:], route.breaker, charge, ages[start:])
+    return Step(report, route.step_legs, route.breaker, charge, ages)
+
+
+#: `_admitted`'s usual answer: the first leg, no probe, no success to record.
+_FIRST_ADMITTED: tuple[int, float | None, bool] = (0, None, False)
 
 
 def _worst(leg: Leg, input_tokens: int, max_tokens: int | None) -> float:

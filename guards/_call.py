@@ -19,7 +19,7 @@ import anyio
 from ._classify import Classification, classify
 from ._retry_budget import RetryBudget
 
-__all__ = ["CallFailed", "Retry", "call_model", "retry_delay", "should_retry"]
+__all__ = ["CallFailed", "Retry", "call_model", "retry_delay", "retry_failed", "should_retry"]
 
 R = TypeVar("R")
 
@@ -105,25 +105,70 @@ async def call_model(
     enforces it. A retry the policy allows is made unless `on_retry` returns False (the retry
     budget). Raises `CallFailed` when it gives up; cancellation passes through untouched.
     """
+    started = time.perf_counter()
+    try:
+        result = await call(model, inputs)
+    except Exception as error:  # a binding raises ProviderError; any other bug is "unavailable"
+        if on_attempt is not None:
+            on_attempt(1, error, started)
+        return await retry_failed(
+            error,
+            call,
+            model,
+            inputs,
+            policy=policy,
+            deadline=deadline,
+            limit=limit,
+            sleep=sleep,
+            on_attempt=on_attempt,
+            on_retry=on_retry,
+        )
+    except BaseException as stopped:  # cancelled: the attempt may still have been billed
+        if on_attempt is not None:
+            on_attempt(1, stopped, started)
+        raise
+    if on_attempt is not None:
+        on_attempt(1, result, started)
+    return result, 1
+
+
+async def retry_failed(
+    error: Exception,
+    call: Callable[[str, Mapping[str, Any]], Awaitable[R]],
+    model: str,
+    inputs: Mapping[str, Any],
+    *,
+    policy: Retry,
+    deadline: float,
+    limit: int | None = None,
+    sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+    on_attempt: OnAttempt | None = None,
+    on_retry: OnRetry | None = None,
+) -> tuple[R, int]:
+    """`call_model` after its first call failed with `error` (already passed to `on_attempt`):
+    retry as the policy allows. A caller that makes the first call itself (the walk: one frame
+    less on every request's path) hands its failure here."""
     limit = policy.attempts if limit is None else min(limit, policy.attempts)
-    attempt = 0
+    attempt = 1
     while True:
+        verdict = classify(error)
+        if getattr(error, "json_mode_failed", False):
+            raise CallFailed(error, verdict, attempt) from None
+        delay = retry_delay(policy, error)
+        remaining = deadline - asyncio.get_running_loop().time()
+        if not should_retry(verdict, attempt, limit, policy, remaining, delay) or (
+            on_retry is not None and on_retry(attempt, verdict, delay) is False
+        ):
+            raise CallFailed(error, verdict, attempt) from None
+        await sleep(delay)
         attempt += 1
         started = time.perf_counter()
         try:
             result = await call(model, inputs)
-        except Exception as error:  # a binding raises ProviderError; any other bug is "unavailable"
+        except Exception as failed:
             if on_attempt is not None:
-                on_attempt(attempt, error, started)
-            verdict = classify(error)
-            if getattr(error, "json_mode_failed", False):
-                raise CallFailed(error, verdict, attempt) from None
-            delay = retry_delay(policy, error)
-            remaining = deadline - asyncio.get_running_loop().time()
-            if not should_retry(verdict, attempt, limit, policy, remaining, delay) or (
-                on_retry is not None and on_retry(attempt, verdict, delay) is False
-            ):
-                raise CallFailed(error, verdict, attempt) from None
+                on_attempt(attempt, failed, started)
+            error = failed
         except BaseException as stopped:  # cancelled: the attempt may still have been billed
             if on_attempt is not None:
                 on_attempt(attempt, stopped, started)
@@ -132,4 +177,3 @@ async def call_model(
             if on_attempt is not None:
                 on_attempt(attempt, result, started)
             return result, attempt
-        await sleep(delay)

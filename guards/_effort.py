@@ -167,6 +167,7 @@ class EffortRoutes:
                 legs=legs,
                 step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
                 attempt_budget=budget,
+                success_ages=route.success_ages.over(legs),
             )
         tiers: dict[Tier, tuple[GuardedRoute, str, bool, Tally]] = {}
         for tier in TIERS:

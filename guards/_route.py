@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ._ai import AI, finish_request
+from ._ai import AI, finish_request, walk_step
 from ._breaker import Breaker
 from ._budget import Budget
 from ._call import Retry
@@ -43,8 +43,9 @@ from ._metrics import RouteMetrics
 from ._output import Moderation, OutputGuard
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response, public_error
-from ._route_spec import NO_FALLBACK, GuardedRoute, Leg
+from ._route_spec import NO_FALLBACK, GuardedRoute, Leg, SuccessAges
 from ._tasks import Task, key_parameter, task_endpoint
+from .stores import Charge, Step
 
 if typing.TYPE_CHECKING:
     from ._guards import Guards
@@ -227,6 +228,7 @@ def guard_route(
         streaming=streaming,
         max_body_bytes=max_body_bytes,
         metrics=RouteMetrics(route_name),
+        success_ages=SuccessAges(legs, guards.success_clock),
         stream_max_s=stream_max_s,
         stream_max_chars=stream_max_chars,
         shed_at=Level(shed_at) if shed_at is not None else None,
@@ -254,6 +256,11 @@ def guard_route(
         return data_adapter.validate_python(value), tripped.detail
 
     budget_prefix = f"guards:{route.scope}:"
+    # The walk's first store step: the route's own without a budget; else one per caller, with
+    # their budget's charge (a spend cap's amount is set per request, in the walk), each built
+    # once and kept, bounded (`_first_step`).
+    unbudgeted = walk_step(route, 0, None, None)
+    first_steps: dict[str, Step] = {}
     # An instance of exactly the route's model class needs no second validation.
     data_class = data_type if isinstance(data_type, type) and issubclass(data_type, BaseModel) else None
     levels = guards.levels
@@ -274,9 +281,12 @@ def guard_route(
             else guards.tracing.start(route.name, request, lambda: request_trace_id(request))
         )
         trace_id = request_trace_id(request) if trace is None else trace.trace_id
-        # Budget keys are scoped to the route (or the budget's scope): guards:{scope}:{caller}.
-        budget_key = f"{budget_prefix}{budget.key(request)}" if budget is not None else None
-        ai: AI[Any] = AI(guards, route, budget_key, trace_id, request, started, trace)
+        if budget is None:
+            first = unbudgeted
+        else:
+            caller = budget.key(request)
+            first = first_steps.get(caller) or _first_step(first_steps, caller, route, budget_prefix)
+        ai: AI[Any] = AI(guards, route, first, trace_id, request, started, trace)
         kwargs[ai_name] = ai
         try:
             if trace is not None:
@@ -295,7 +305,7 @@ def guard_route(
                 error = public_error(tripped, guards.retry_after_s)
                 finish_request(route, ai, started, outcome, error.status, tripped=tripped, error=error.error)
                 answer = error_response(error, trace_id)
-                answer.raw_headers.extend(_attribution(ai, guards.attribution))
+                _attribution(answer.raw_headers, ai, guards.attribution)
                 return answer
             try:
                 data, detail = await compute_fallback(kwargs, tripped, trace_id)
@@ -305,7 +315,7 @@ def guard_route(
                 route, ai, started, "fallback" if outcome == "error" else outcome, 200, tripped=tripped
             )
             # A model that answered is named even when its answer was rejected.
-            response.raw_headers.extend(_attribution(ai, guards.attribution))
+            _attribution(response.raw_headers, ai, guards.attribution)
             response.raw_headers.append((b"x-trace-id", trace_id.encode()))
             info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=detail)
             return envelope_type(ok=True, data=data, fallback=info)
@@ -319,13 +329,12 @@ def guard_route(
         finally:
             if trace is not None:
                 trace.leave()
-        headers = _attribution(ai, guards.attribution)
+        headers = (value if isinstance(value, Response) else response).raw_headers
+        _attribution(headers, ai, guards.attribution)
         headers.append((b"x-trace-id", trace_id.encode()))
-        if isinstance(value, Response):
-            value.raw_headers.extend(headers)
-            return value
-        response.raw_headers.extend(headers)
-        return envelope_type(ok=True, data=value, fallback=None) if degrading else value
+        if degrading and not isinstance(value, Response):
+            return envelope_type(ok=True, data=value, fallback=None)
+        return value
 
     params += [
         inspect.Parameter(_REQUEST, inspect.Parameter.KEYWORD_ONLY, annotation=Request),
@@ -350,6 +359,34 @@ def guard_route(
     return guarded
 
 
+#: The most first steps a route keeps (`first_steps` in `guard_route`), and the longest caller
+#: key kept.
+_MAX_FIRST_STEPS = 4096
+_MAX_KEPT_CALLER = 128
+
+
+def _first_step(steps: dict[str, Step], caller: str, route: GuardedRoute, prefix: str) -> Step:
+    """The walk's first store step for `caller`, with their budget's charge, built and kept in
+    `steps` (emptied when full; a long caller key is not kept). Budget keys are scoped to the
+    route (or the budget's scope): `guards:{scope}:{caller}`."""
+    budget = route.budget
+    assert budget is not None
+    charge = Charge(
+        f"{prefix}{caller}",
+        budget.per_minute,
+        budget.per_day,
+        None,
+        budget.spend_per_day or 0.0,
+        2 * route.timeout_s + 60,  # a spend hold outlives the walk
+    )
+    step = walk_step(route, 0, None, charge)
+    if len(caller) <= _MAX_KEPT_CALLER:
+        if len(steps) >= _MAX_FIRST_STEPS:
+            steps.clear()
+        steps[caller] = step
+    return step
+
+
 def _arguments(kwargs: Mapping[str, Any], ai_name: str) -> dict[str, Any]:
     """The route's own arguments (without its `AI`), as a fallback function sees them."""
     return {name: value for name, value in kwargs.items() if name != ai_name}
@@ -370,24 +407,26 @@ def request_trace_id(request: Request) -> str:
                 return given
             break
     # 128 random bits from the process's Mersenne Twister (reseeded in every forked worker):
-    # a trace id must be unique, not secret, and this is half the cost of `os.urandom`.
-    return f"{getrandbits(128):032x}"
+    # a trace id must be unique, not secret. As bytes to hex: a third of `os.urandom`'s cost,
+    # and half of formatting the number with `:032x`.
+    return getrandbits(128).to_bytes(16, "big").hex()
 
 
-def _attribution(ai: AI[Any], mode: str) -> list[tuple[bytes, bytes]]:
-    """Which model answered, as response headers: `x-ai-model` (the model the provider says
-    served) and `x-ai-fallback` (the chain entry that served, when not the first) in
+def _attribution(headers: list[tuple[bytes, bytes]], ai: AI[Any], mode: str) -> None:
+    """Add which model answered to response `headers`: `x-ai-model` (the model the provider
+    says served) and `x-ai-fallback` (the chain entry that served, when not the first) in
     `detailed` mode; only `x-ai-fallback: true` in `redacted` mode; nothing when `off`, or
     when no model answered. A model whose answer the output guard rejected answered too."""
-    if mode == "off" or ai.model is None:
-        return []
-    if mode == "redacted":
-        return [(b"x-ai-fallback", b"true")] if ai.fallback_model is not None else []
     model = ai.model
-    headers = [(b"x-ai-model", _header_values.get(model) or _header_value(model))]
+    if mode == "off" or model is None:
+        return
+    if mode == "redacted":
+        if ai.fallback_model is not None:
+            headers.append((b"x-ai-fallback", b"true"))
+        return
+    headers.append((b"x-ai-model", _header_values.get(model) or _header_value(model)))
     if ai.fallback_model is not None:
         headers.append((b"x-ai-fallback", _header_value(ai.fallback_model)))
-    return headers
 
 
 def _header_value(text: str) -> bytes:
@@ -426,5 +465,5 @@ def _application_failure(
         frames_omitted=omitted or None,
     )
     answer = error_response(PublicError(500, error, False), ai.trace_id)
-    answer.raw_headers.extend(_attribution(ai, attribution))
+    _attribution(answer.raw_headers, ai, attribution)
     return answer

@@ -10,8 +10,9 @@ through the request path).
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from ._breaker import CircuitState
 from ._classify import Kind
@@ -45,7 +46,7 @@ if typing.TYPE_CHECKING:
     from ._output import OutputGuard
     from ._tasks import Task
 
-__all__ = ["NO_FALLBACK", "GuardedRoute", "Leg", "route_of"]
+__all__ = ["NO_FALLBACK", "GuardedRoute", "Leg", "SuccessAges", "route_of"]
 
 #: A route declared without `fallback=`: a strict route.
 NO_FALLBACK: Any = object()
@@ -114,6 +115,46 @@ class Leg:
             self.breaker_state.set(STATE_VALUE[state])
 
 
+class SuccessAges(Sequence[float | None]):
+    """How many seconds ago, by `clock`, this process's last success on each leg's model ended
+    (None: none yet), read when the store reads it: a route's steps carry this one view
+    (`guards.stores.Step.success_ages`) rather than a list built on every request, and a
+    store that never reads it (a breaker counting no failure) costs nothing."""
+
+    __slots__ = ("_cells", "clock")
+
+    def __init__(self, legs: Sequence[Leg], clock: Callable[[], float]) -> None:
+        self._cells: tuple[list[float | None], ...] = tuple(leg.last_success for leg in legs)
+        self.clock = clock
+
+    def over(self, legs: Sequence[Leg]) -> SuccessAges:
+        """The same clock's view of other legs (another chain of the route)."""
+        return SuccessAges(legs, self.clock)
+
+    def __len__(self) -> int:
+        return len(self._cells)
+
+    @overload
+    def __getitem__(self, index: int) -> float | None: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> SuccessAges: ...
+
+    def __getitem__(self, index: int | slice) -> float | SuccessAges | None:
+        if isinstance(index, slice):
+            view = SuccessAges((), self.clock)
+            view._cells = self._cells[index]
+            return view
+        ended = self._cells[index][0]
+        return None if ended is None else self.clock() - ended
+
+    def __iter__(self) -> Iterator[float | None]:
+        now = self.clock()
+        for cell in self._cells:
+            ended = cell[0]
+            yield None if ended is None else now - ended
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class GuardedRoute:
     """What a guarded route declared. Attached to the endpoint as `__guards_route__`."""
@@ -147,6 +188,8 @@ class GuardedRoute:
     #: The most request body the route reads (None: no limit; see `guards._body_limit`).
     max_body_bytes: int | None
     metrics: RouteMetrics
+    #: The legs' success ages (see `SuccessAges`), for the walk's store steps.
+    success_ages: SuccessAges
     #: A streamed answer's limits: seconds since the request began, characters of output.
     stream_max_s: float = DEFAULT_STREAM_MAX_S
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS

@@ -220,7 +220,7 @@ def task_endpoint(
             replayed.add()
             trace_id = trace_id_of(request)
             answer = _response(claim.response, trace_id, replayed=True)
-            ai: AI[Any] = AI(guards, route, budget_key=None, trace_id=trace_id)
+            ai: AI[Any] = AI(guards, route, first=None, trace_id=trace_id)
             finish_request(route, ai, started, "ok", answer.status_code, replayed=True)
             return answer
         assert claim.lease is not None
@@ -310,6 +310,6 @@ def _answer(
 ) -> Response:
     """A task refused before its handler ran (409, 422): logged and counted like any request."""
     trace_id = trace_id_of(request)
-    ai: AI[Any] = AI(guards, route, budget_key=None, trace_id=trace_id)
+    ai: AI[Any] = AI(guards, route, first=None, trace_id=trace_id)
     finish_request(route, ai, started, "error", error.status, error=error.error)
     return error_response(error, trace_id)

@@ -182,6 +182,9 @@ class Step:
     consecutive failures forgets those counted before `now - age` (store time) when the step
     reads it, whether or not the leg is then admitted. The age is a difference, so the
     caller's clock need not agree with the store's; it is exact to within the step's transit.
+    The walk's ages are computed as they are read (so a store reads them only when it needs
+    them), and its first step is shared by the requests of a caller: a store treats a step
+    as read-only.
     """
 
     report: Report | None = None
@@ -207,7 +210,11 @@ class Passage:
     - `transitions`: each breaker state change this step made, as (breaker key, the state
       entered): the report's (to open, or to closed), then the admission's (open to half_open).
       The store makes a change once, so exactly one caller, among every worker sharing the
-      store, is told of it: what `guards_breaker_transitions_total` counts.
+      store, is told of it: what `guards_breaker_transitions_total` counts;
+    - `plain`: True when the step did only the usual, which the rest then says: no report, no
+      leg cooling down, the first leg admitted with no probe and no success to record (a closed
+      breaker counting no failure, or no breaker), the charge (if any) passed without a spend
+      hold. A caller may then skip reading the rest; a store may always leave it False.
     """
 
     waits: tuple[float, ...] = ()
@@ -217,6 +224,7 @@ class Passage:
     reservation: str | None = None
     recorded: BreakerState | None = None
     transitions: tuple[tuple[str, CircuitState], ...] = ()
+    plain: bool = False
 
 
 @dataclass(frozen=True, slots=True)

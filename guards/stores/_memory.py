@@ -56,6 +56,8 @@ class MemoryStore:
         # The system clock's `time` is `time.time` itself: one Python call less per operation.
         self._time = time.time if type(self._clock) is SystemClock else self._clock.time
         self._data: dict[str, tuple[Any, float]] = {}
+        #: Each budget key's rate and daily count, in one record (see `_Budget`).
+        self._budgets: dict[str, _Budget] = {}
         self._sweep_interval_s = sweep_interval_s
         self._next_sweep = 0.0
         self._state = _State(self)
@@ -67,9 +69,11 @@ class MemoryStore:
         self._admitted: dict[tuple[int, bool], Passage] = {}
 
     def __len__(self) -> int:
-        """Live keys (expired ones may linger until the next sweep; they are not counted)."""
+        """Live keys (expired ones may linger until the next sweep; they are not counted). A
+        budget's rate and daily count are two keys, as a shared store keeps them."""
         now = self._clock.time()
         live = sum(1 for _, expires in self._data.values() if expires > now)
+        live += sum((b.rate_until > now) + (b.day_until > now) for b in self._budgets.values())
         return live + sum(1 for _, _, expires in self._answers.values() if expires > now)
 
     @property
@@ -216,6 +220,7 @@ class MemoryStore:
 
     async def aclose(self) -> None:
         self._data.clear()
+        self._budgets.clear()
         self._answers.clear()
 
     def _task(self, key: str, now: float) -> tuple[TaskRecord, dict[str, str]] | None:
@@ -241,8 +246,30 @@ class MemoryStore:
 
     def _sweep(self, now: float) -> None:
         self._data = {k: v for k, v in self._data.items() if v[1] > now}
+        self._budgets = {k: b for k, b in self._budgets.items() if b.rate_until > now or b.day_until > now}
         self._answers = {k: v for k, v in self._answers.items() if v[2] > now}
         self._next_sweep = now + self._sweep_interval_s
+
+
+#: What `_State.charge` answers when a charge passes without holding spend.
+_PASSED: tuple[None, None] = (None, None)
+
+
+class _Budget:
+    """A budget key's rate window and daily count, kept as one record: a charge finds both with
+    one lookup of the key itself, and updates them in place (no key names to build per charge).
+    The rate part lives until a minute after its last admission (`rate_until`); the daily count
+    counts the UTC day number `day` and lives `DAILY_TTL_S` from that day's first unit."""
+
+    __slots__ = ("count", "day", "day_until", "rate_until", "stamps")
+
+    def __init__(self) -> None:
+        #: Admissions in the last minute, oldest first.
+        self.stamps: deque[float] = deque()
+        self.rate_until = 0.0
+        self.day = -1.0
+        self.count = 0
+        self.day_until = 0.0
 
 
 def _first_admitted(shape: tuple[int, bool], refusal: Admission | None, reservation: str | None) -> Passage:
@@ -251,7 +278,8 @@ def _first_admitted(shape: tuple[int, bool], refusal: Admission | None, reservat
     and the charge is refused (`refusal`) or passes (with `reservation` when it held spend)."""
     legs, breaker = shape
     decisions = (ADMIT_CLOSED if breaker else None,)
-    return Passage((0.0,) * legs, decisions, None if refusal else 0, refusal, reservation, None, ())
+    plain = refusal is None and reservation is None
+    return Passage((0.0,) * legs, decisions, None if refusal else 0, refusal, reservation, None, (), plain)
 
 
 class _State:
@@ -293,30 +321,21 @@ class _State:
         store, key = self._store, charge.key
         if len(key) > MAX_KEY_CHARS:
             key = bounded_key(key)
-        data = store._data
+        budget = store._budgets.get(key)
         refusal: Admission | None = None
         per_minute, per_day = charge.per_minute, charge.per_day
-        stamps: deque[float] | None = None
-        if per_minute is not None:
-            rate_key = key + ":rate"
-            item = data.get(rate_key)
-            stamps = item[0] if item is not None and item[1] > now else deque()
+        if per_minute is not None and budget is not None:
+            stamps = budget.stamps
             horizon = now - MINUTE_S
             while stamps and stamps[0] <= horizon:  # each stamp leaves once: amortized O(1)
                 stamps.popleft()
             if len(stamps) >= per_minute:
                 # Room comes back when the `per_minute`-th most recent admission leaves the window.
                 refusal = Admission(False, "per_minute", stamps[-per_minute] + MINUTE_S - now)
-        day_key: str | None = None
-        count, expires = 0, 0.0
+        day = now // DAY_S
         if per_day is not None:
-            day_key = f"{key}:day:{utc_day(now)}"
-            item = data.get(day_key)
-            if item is not None and item[1] > now:
-                count, expires = item
-            else:
-                expires = now + DAILY_TTL_S
-            if count >= per_day:
+            live = budget is not None and budget.day == day and budget.day_until > now
+            if (budget.count if budget is not None and live else 0) >= per_day:
                 next_day = DAY_S - now % DAY_S  # until the next UTC midnight
                 # Both spent: name the limit that frees up last, so Retry-After is honest.
                 if refusal is None or next_day > (refusal.retry_after_s or 0.0):
@@ -325,25 +344,32 @@ class _State:
         if charge.spend is not None:
             spend_key = f"{key}:spend:{utc_day(now)}"
             settled, holds = store._get(spend_key, now, ((0.0, {}), 0.0))[0]
-            live = {rid: hold for rid, hold in holds.items() if hold[1] > now}
-            spend = (spend_key, settled, live)
-            over = settled + sum(amount for amount, _ in live.values()) + charge.spend > charge.spend_cap
+            live_holds = {rid: hold for rid, hold in holds.items() if hold[1] > now}
+            spend = (spend_key, settled, live_holds)
+            over = (
+                settled + sum(amount for amount, _ in live_holds.values()) + charge.spend > charge.spend_cap
+            )
             next_day = DAY_S - now % DAY_S
             if over and (refusal is None or next_day > (refusal.retry_after_s or 0.0)):
                 refusal = Admission(False, "spend_per_day", next_day)
         if refusal is not None:
             return refusal, None
-        if day_key is not None:
-            data[day_key] = (count + 1, expires)
-        if stamps is not None:
-            stamps.append(now)
-            data[rate_key] = (stamps, now + MINUTE_S)
-        reservation = None
-        if spend is not None:
-            assert charge.spend is not None
-            reservation = os.urandom(8).hex()
-            spend[2][reservation] = (charge.spend, now + charge.hold_s)
-            data[spend[0]] = ((spend[1], spend[2]), now + DAILY_TTL_S)
+        if per_day is not None or per_minute is not None:
+            if budget is None:
+                budget = store._budgets[key] = _Budget()
+            if per_day is not None:
+                if budget.day != day or budget.day_until <= now:  # a new day's count
+                    budget.day, budget.count, budget.day_until = day, 0, now + DAILY_TTL_S
+                budget.count += 1
+            if per_minute is not None:
+                budget.stamps.append(now)
+                budget.rate_until = now + MINUTE_S
+        if spend is None:
+            return _PASSED
+        assert charge.spend is not None
+        reservation = os.urandom(8).hex()
+        spend[2][reservation] = (charge.spend, now + charge.hold_s)
+        store._data[spend[0]] = ((spend[1], spend[2]), now + DAILY_TTL_S)
         return None, reservation
 
     def settle(self, key: str, reservation: str, actual: float, now: float) -> None:
