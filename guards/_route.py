@@ -361,7 +361,7 @@ def guard_route(
 
 #: The most first steps a route keeps (`first_steps` in `guard_route`), and the longest caller
 #: key kept.
-_MAX_FIRST_STEPS = 4096
+_MAX_FIRST_STEPS = 1024
 _MAX_KEPT_CALLER = 128
 
 
