@@ -40,10 +40,8 @@ Every key gets its TTL in the script that writes it. Time comes from Redis (`TIM
 `clock` is given (tests): then the client passes `clock.time()`. Either way the script derives the
 UTC day from it, so workers with skewed clocks agree on days.
 
-Failures: every round trip is bounded by `timeout_s` (connect, send, read, and waiting for a
-pooled connection, under one limit: `_Bound`, which also keeps a reply that came while the
-worker's event loop was held up by other work from counting as a timeout), with no
-client-side retries; any Redis or socket error raises `StoreUnavailable`,
+Failures: every round trip is bounded by `timeout_s` (connect, read, and waiting for a pooled
+connection), with no client-side retries; any Redis or socket error raises `StoreUnavailable`,
 whose message names the error class only (never the URL, host, port or password). The client
 reconnects by itself on the next operation once Redis is back.
 
@@ -960,21 +958,20 @@ class RedisStore:
                 # One SCRIPT LOAD for every caller waiting on it: if it fails, they all fail
                 # together, within one timeout, instead of trying again one after the other.
                 if link.loading is None or link.loading.done():
-                    link.loading = asyncio.create_task(self._load(link.client, bounded=True))
+                    link.loading = asyncio.create_task(self._load(link.client))
                     link.loading.add_done_callback(_retrieve)
                 await asyncio.shield(link.loading)
             if link.in_flight == 0:
                 link.in_flight += 1
                 try:
-                    with _Bound(self._timeout_s):
-                        replies = await self._send(link.client, commands)
+                    replies = await self._send(link.client, commands)
                 finally:
                     link.in_flight -= 1
                 for reply in replies:
                     if isinstance(reply, Exception):
                         raise reply
                 return [[str(x) for x in reply] for reply in replies]
-        except (RedisError, OSError) as exc:  # TimeoutError is an OSError
+        except (RedisError, OSError) as exc:
             raise _unavailable(exc) from None
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in commands]
@@ -995,8 +992,7 @@ class RedisStore:
         link.in_flight += 1
         try:
             if batch:
-                with _Bound(self._timeout_s):
-                    replies = await self._send(link.client, [command for command, _ in batch])
+                replies = await self._send(link.client, [command for command, _ in batch])
                 for (_, future), reply in zip(batch, replies, strict=True):
                     if future.done():
                         continue
@@ -1033,13 +1029,8 @@ class RedisStore:
                 replies[i] = reply
         return replies
 
-    async def _load(self, client: Redis, *, bounded: bool = False) -> None:
-        """Load the script (`bounded`: within the store's timeout; else the caller bounds it)."""
-        if bounded:
-            with _Bound(self._timeout_s):
-                await _execute(client, "SCRIPT LOAD", _SCRIPT)
-        else:
-            await _execute(client, "SCRIPT LOAD", _SCRIPT)
+    async def _load(self, client: Redis) -> None:
+        await _execute(client, "SCRIPT LOAD", _SCRIPT)
         self._loaded = True
 
     async def _link(self) -> _Link:
@@ -1052,9 +1043,8 @@ class RedisStore:
                 BlockingConnectionPool.from_url(
                     self._url,
                     max_connections=_MAX_CONNECTIONS,
-                    # Every round trip is bounded by `_Bound`: redis-py's own limit on each
-                    # send and read (a task per send) is not set.
                     timeout=self._timeout_s,
+                    socket_timeout=self._timeout_s,
                     socket_connect_timeout=self._timeout_s,
                     retry=Retry(NoBackoff(), 0),
                     decode_responses=True,
@@ -1096,58 +1086,6 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     """Mark a load's failure as seen even if every caller waiting on it was cancelled."""
     if not task.cancelled():
         task.exception()
-
-
-#: How late (seconds past its time) a `_Bound` must fire to have found the loop held up.
-_LATE_S = 0.01
-
-
-class _Bound:
-    """`with _Bound(timeout_s):` in a task: the store's limit on one round trip to Redis. When
-    it expires, the task is cancelled where it waits (redis-py then drops the connection, whose
-    reply is unknown) and the block raises `TimeoutError`.
-
-    A limit timed on the event loop also expires when the loop itself was held up past it by
-    other work of the worker, though Redis answered in time: the reply is then waiting in the
-    socket, or already read and waiting for the task to run. So a limit that fires late (by
-    `_LATE_S` or more) waits once more, `timeout_s`, in which the loop hands over a reply that
-    came; one that fires on time expires. The longest wait is twice the timeout, plus the
-    loop's own hold-up."""
-
-    __slots__ = ("_cancelling", "_expired", "_extended", "_handle", "_loop", "_task", "_timeout_s", "_when")
-
-    def __init__(self, timeout_s: float) -> None:
-        self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("a Redis round trip must run in a task")
-        self._task = task
-        self._timeout_s = timeout_s
-        self._when = self._loop.time() + timeout_s
-        self._expired = self._extended = False
-        self._cancelling = 0
-        self._handle = self._loop.call_at(self._when, self._fire)
-
-    def __enter__(self) -> _Bound:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        self._handle.cancel()
-        # `uncancel` whatever the exception: the expiry's cancel request is spent. A cancellation
-        # also requested from elsewhere goes on as `CancelledError`.
-        if self._expired and self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
-            raise TimeoutError from exc
-
-    def _fire(self) -> None:
-        now = self._loop.time()
-        if not self._extended and now - self._when >= _LATE_S:
-            self._extended = True  # the loop was held up: a reply may be waiting
-            self._when = now + self._timeout_s
-            self._handle = self._loop.call_at(self._when, self._fire)
-            return
-        self._expired = True
-        self._cancelling = self._task.cancelling()
-        self._task.cancel()
 
 
 def _unavailable(exc: BaseException) -> StoreUnavailable:
