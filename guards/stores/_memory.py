@@ -264,8 +264,9 @@ class _Budget:
     __slots__ = ("count", "day", "day_until", "rate_until", "stamps")
 
     def __init__(self) -> None:
-        #: Admissions in the last minute, oldest first.
-        self.stamps: deque[float] = deque()
+        #: Admissions in the last minute, oldest first (None until the first: a daily count
+        #: alone needs no deque, which is most of a record's memory).
+        self.stamps: deque[float] | None = None
         self.rate_until = 0.0
         self.day = -1.0
         self.count = 0
@@ -324,8 +325,7 @@ class _State:
         budget = store._budgets.get(key)
         refusal: Admission | None = None
         per_minute, per_day = charge.per_minute, charge.per_day
-        if per_minute is not None and budget is not None:
-            stamps = budget.stamps
+        if per_minute is not None and budget is not None and (stamps := budget.stamps) is not None:
             horizon = now - MINUTE_S
             while stamps and stamps[0] <= horizon:  # each stamp leaves once: amortized O(1)
                 stamps.popleft()
@@ -334,8 +334,8 @@ class _State:
                 refusal = Admission(False, "per_minute", stamps[-per_minute] + MINUTE_S - now)
         day = now // DAY_S
         if per_day is not None:
-            live = budget is not None and budget.day == day and budget.day_until > now
-            if (budget.count if budget is not None and live else 0) >= per_day:
+            count = budget.count if budget is not None and budget.day == day and budget.day_until > now else 0
+            if count >= per_day:
                 next_day = DAY_S - now % DAY_S  # until the next UTC midnight
                 # Both spent: name the limit that frees up last, so Retry-After is honest.
                 if refusal is None or next_day > (refusal.retry_after_s or 0.0):
@@ -362,6 +362,8 @@ class _State:
                     budget.day, budget.count, budget.day_until = day, 0, now + DAILY_TTL_S
                 budget.count += 1
             if per_minute is not None:
+                if budget.stamps is None:
+                    budget.stamps = deque()
                 budget.stamps.append(now)
                 budget.rate_until = now + MINUTE_S
         if spend is None:
