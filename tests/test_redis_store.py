@@ -22,13 +22,15 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 import redis
+from fastapi import FastAPI
 from redis.crc import key_slot
 
-from fixtures import ManualClock
+from fixtures import FakeBinding, ManualClock, Reply
 from fixtures.redis_server import RedisServer, free_port
-from guards import Breaker, CircuitState, Outcome
+from guards import AI, Breaker, Budget, CircuitState, Guards, Outcome, header_key
 from guards.stores import DAILY_TTL_S, MemoryStore, RedisStore, Store, StoreUnavailable, utc_day
 
 from .conftest import STORE_TIMEOUT_S, count_writes, wait_until
@@ -664,3 +666,58 @@ def test_breaker_answers_equal_memory_stores(redis_url: str, prefix: str, policy
 
     asyncio.run(scenario())
     asyncio.run(store.aclose())
+
+
+# --- a busy worker -------------------------------------------------------------------------------
+
+
+#: A script that keeps Redis busy for 50 ms: what a slow command of another client does.
+STALL = (
+    "local t = redis.call('TIME') local start = t[1] * 1e6 + t[2] "
+    "repeat local n = redis.call('TIME') until n[1] * 1e6 + n[2] - start >= 50000 return 1"
+)
+
+
+def resp(*parts: str) -> bytes:
+    """A command in Redis' wire format."""
+    return f"*{len(parts)}\r\n".encode() + b"".join(
+        f"${len(part.encode())}\r\n{part}\r\n".encode() for part in parts
+    )
+
+
+def test_a_reply_that_came_while_the_worker_was_busy_is_not_a_timeout(
+    redis_url: str, serve: Callable[[FastAPI], httpx.Client]
+) -> None:
+    """Redis answers a request's operation 50 ms late (another client's slow script) while the
+    worker's event loop is held up by other work for 300 ms: when the loop comes back, the
+    reply is there and the store's timeout (0.1 s) is due. The reply is taken and the request
+    served, not refused as if the store were down (taken as a timeout, the budget, failing
+    closed, answered 503 circuit_open)."""
+    store = RedisStore(redis_url, prefix=f"busy-{uuid.uuid4().hex[:8]}:", timeout_s=0.1)
+    guards = Guards(FakeBinding(Reply("ok")), store=store)
+    app = FastAPI()
+    guards.install(app)
+    host, port = redis_url.removeprefix("redis://").split("/")[0].split(":")
+    stall = socket.create_connection((host, int(port)), timeout=5)
+    busy = {"on": False}
+
+    @app.post("/label")
+    @guards.route(model="@cf/test/model", budget=Budget(per_minute=100, key=header_key("x-user-id")))
+    async def label(ai: AI[str]) -> str:
+        if busy["on"]:
+            stall.sendall(resp("EVAL", STALL, "0"))  # Redis is busy before this request's step
+            # Other work of the worker blocks its loop while the step waits for its reply.
+            asyncio.get_running_loop().call_later(0.02, time.sleep, 0.3)
+        return await ai.run({"prompt": "label"})
+
+    client = serve(app)
+    try:
+        assert client.post("/label", headers={"x-user-id": "u"}).status_code == 200  # connected
+        busy["on"] = True
+        answers = [client.post("/label", headers={"x-user-id": "u"}) for _ in range(3)]
+        assert [answer.status_code for answer in answers] == [200, 200, 200], answers[0].text
+        replies = b""
+        while replies.count(b":1\r\n") < 3:  # the stalls ran (each answers 1)
+            replies += stall.recv(100)
+    finally:
+        stall.close()

@@ -40,8 +40,9 @@ Every key gets its TTL in the script that writes it. Time comes from Redis (`TIM
 `clock` is given (tests): then the client passes `clock.time()`. Either way the script derives the
 UTC day from it, so workers with skewed clocks agree on days.
 
-Failures: every round trip is bounded by `timeout_s` (connect, read, and waiting for a pooled
-connection), with no client-side retries; any Redis or socket error raises `StoreUnavailable`,
+Failures: every round trip is bounded by `timeout_s` (connect, send, each reply, and waiting for
+a pooled connection; a reply's limit, `_Bound`, is not tripped by the worker's own event loop
+being held up by other work while Redis answered in time), with no client-side retries; any Redis or socket error raises `StoreUnavailable`,
 whose message names the error class only (never the URL, host, port or password). The client
 reconnects by itself on the next operation once Redis is back.
 
@@ -55,6 +56,7 @@ import asyncio
 import functools
 import hashlib
 import inspect
+import math
 import os
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import suppress
@@ -62,7 +64,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.connection import AbstractConnection, parse_url
+from redis.asyncio.connection import (
+    AbstractConnection,
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
@@ -1039,19 +1047,20 @@ class RedisStore:
         if link is None:
             for other in [other for other in self._links if other.is_closed()]:
                 del self._links[other]  # shut down without running its async generators' cleanup
-            client = Redis.from_pool(
-                BlockingConnectionPool.from_url(
-                    self._url,
-                    max_connections=_MAX_CONNECTIONS,
-                    timeout=self._timeout_s,
-                    socket_timeout=self._timeout_s,
-                    socket_connect_timeout=self._timeout_s,
-                    retry=Retry(NoBackoff(), 0),
-                    decode_responses=True,
-                    protocol=2,  # RESP3 would cost a HELLO round trip per connection
-                    **_NO_CLIENT_INFO,
-                )
+            pool = BlockingConnectionPool.from_url(
+                self._url,
+                max_connections=_MAX_CONNECTIONS,
+                timeout=self._timeout_s,
+                socket_timeout=self._timeout_s,
+                socket_connect_timeout=self._timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                decode_responses=True,
+                protocol=2,  # RESP3 would cost a HELLO round trip per connection
+                **_NO_CLIENT_INFO,
             )
+            # Replies waited for with a limit that a busy worker does not trip (`_Bound`).
+            pool.connection_class = _LAG_AWARE.get(pool.connection_class, pool.connection_class)
+            client = Redis.from_pool(pool)
             link = _Link(client, self._keep(loop, client))
             self._links[loop] = link  # before awaiting: concurrent first calls share it
             await anext(link.keeper)  # its first iteration registers it with the loop
@@ -1086,6 +1095,123 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     """Mark a load's failure as seen even if every caller waiting on it was cancelled."""
     if not task.cancelled():
         task.exception()
+
+
+#: How late (seconds past its time) a `_Bound` must fire to have found the loop held up.
+_LATE_S = 0.01
+#: The longest a `_Bound` waits in all, in timeouts, however held up the loop is.
+_MAX_TIMEOUTS = 10
+
+
+class _Bound:
+    """`with _Bound(timeout_s):` in a task: the store's limit on one wait for Redis (a reply).
+    When it expires, the task is cancelled where it waits (redis-py then drops the connection,
+    whose reply is unknown) and the block raises `TimeoutError`.
+
+    A limit timed on the event loop also passes when the loop itself is held up by other work
+    of the worker (a burst of requests, a blocking call), though Redis answered in time: the
+    reply is then waiting in the socket, or read and waiting for the task to run. So a limit
+    that comes due is checked first: when it fires late (by `_LATE_S` or more), or the loop
+    then takes `_LATE_S` or more to come round once more (which also hands over a reply it
+    already has), the worker, not Redis, was slow, and the limit waits another `timeout_s`.
+    It expires when the loop keeps up and no reply came, or after `_MAX_TIMEOUTS` timeouts."""
+
+    __slots__ = (
+        "_cancelling",
+        "_end",
+        "_expired",
+        "_handle",
+        "_loop",
+        "_probing",
+        "_task",
+        "_timeout_s",
+        "_when",
+    )
+
+    def __init__(self, timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a Redis round trip must run in a task")
+        self._task = task
+        self._timeout_s = timeout_s
+        now = self._loop.time()
+        self._when = now + timeout_s
+        self._end = now + _MAX_TIMEOUTS * timeout_s
+        self._expired = self._probing = False
+        self._cancelling = 0
+        self._handle: asyncio.Handle = self._loop.call_at(self._when, self._fire)
+
+    def __enter__(self) -> _Bound:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self._handle.cancel()
+        # `uncancel` whatever the exception: the expiry's cancel request is spent. A cancellation
+        # also requested from elsewhere goes on as `CancelledError`.
+        if self._expired and self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc
+
+    def _fire(self) -> None:
+        now = self._loop.time()
+        if now < self._end:
+            if now - self._when >= _LATE_S:  # the loop was held up: wait another timeout
+                self._probing = False
+                self._when = min(now + self._timeout_s, self._end)
+                self._handle = self._loop.call_at(self._when, self._fire)
+                return
+            if not self._probing:  # due on time: see how the loop's next turn goes
+                self._probing = True
+                self._when = now
+                self._handle = self._loop.call_soon(self._fire)
+                return
+        self._expired = True
+        self._cancelling = self._task.cancelling()
+        self._task.cancel()
+
+
+class _LagAwareReads(AbstractConnection):
+    """A connection whose wait for each reply is bounded by `_Bound` rather than redis-py's own
+    limit (`socket_timeout`): a reply that came while the worker's event loop was held up by
+    other work is taken, not counted as a timeout."""
+
+    async def read_response(
+        self,
+        disable_decoding: bool = False,
+        timeout: float | None = None,  # noqa: ASYNC109 (redis-py's signature)
+        *,
+        disconnect_on_error: bool = True,
+        push_request: bool | None = False,
+    ) -> Any:
+        limit = self.socket_timeout
+        if timeout is not None or not limit:  # a limit of the caller's own: as redis-py does
+            return await super().read_response(
+                disable_decoding, timeout, disconnect_on_error=disconnect_on_error, push_request=push_request
+            )
+        with _Bound(limit):
+            return await super().read_response(
+                disable_decoding, math.inf, disconnect_on_error=disconnect_on_error, push_request=push_request
+            )
+
+
+class _TCPConnection(_LagAwareReads, Connection):
+    pass
+
+
+class _TLSConnection(_LagAwareReads, SSLConnection):
+    pass
+
+
+class _UnixConnection(_LagAwareReads, UnixDomainSocketConnection):
+    pass
+
+
+#: redis-py's connection classes (by URL scheme), and the store's.
+_LAG_AWARE: dict[type[AbstractConnection], type[AbstractConnection]] = {
+    Connection: _TCPConnection,
+    SSLConnection: _TLSConnection,
+    UnixDomainSocketConnection: _UnixConnection,
+}
 
 
 def _unavailable(exc: BaseException) -> StoreUnavailable:
