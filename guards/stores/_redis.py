@@ -42,9 +42,10 @@ UTC day from it, so workers with skewed clocks agree on days.
 
 Failures: every round trip is bounded by `timeout_s` (connect, send, each reply, and waiting for
 a pooled connection; a reply's limit, `_Bound`, is not tripped by the worker's own event loop
-being held up by other work while Redis answered in time), with no client-side retries; any Redis or socket error raises `StoreUnavailable`,
-whose message names the error class only (never the URL, host, port or password). The client
-reconnects by itself on the next operation once Redis is back.
+being held up by other work while Redis answered in time), with no client-side retries; any
+Redis or socket error raises `StoreUnavailable`, whose message names the error class only
+(never the URL, host, port or password). The client reconnects by itself on the next operation
+once Redis is back.
 
 Event loops: a Redis asyncio client belongs to one event loop, so the store keeps one client per
 running loop, created on first use there and closed when that loop shuts down (or by `aclose`).
