@@ -24,7 +24,7 @@ from ._admission import never_admitted, waited_for_admission
 from ._binding import AIResult, Binding, Usage
 from ._breaker import CircuitState, Outcome
 from ._budget import budget_refusal, input_tokens_bound
-from ._call import CallFailed, call_model, retry_failed
+from ._call import CallFailed, call_model
 from ._classify import Classification, Kind, classify
 from ._deadline import Deadline
 from ._envelope import ErrorCode, Reason
@@ -372,14 +372,13 @@ class AI(Generic[T]):
                         made = self.attempts  # the request's calls before this leg's
                         started = time.perf_counter()
                         try:
-                            # The leg's first call, made here: `call_model` is this, then
-                            # `retry_failed` (one frame less on every request's path).
+                            # The leg's first call, made here; `call_model` only retries a
+                            # failure (one coroutine less on every request's path).
                             result = await call(leg.ref.model, inputs)
                         except Exception as error:
                             self._on_attempt(1, error, started)
                             try:
-                                result, _ = await retry_failed(
-                                    error,
+                                result, _ = await call_model(
                                     call,
                                     leg.ref.model,
                                     inputs,
@@ -393,6 +392,7 @@ class AI(Generic[T]):
                                     sleep=self._guards.sleep,
                                     on_attempt=self._on_attempt,
                                     on_retry=self._before_retry,
+                                    failed=error,
                                 )
                             except CallFailed as failed:
                                 inflight = None

@@ -19,7 +19,7 @@ import anyio
 from ._classify import Classification, classify
 from ._retry_budget import RetryBudget
 
-__all__ = ["CallFailed", "Retry", "call_model", "retry_delay", "retry_failed", "should_retry"]
+__all__ = ["CallFailed", "Retry", "call_model", "retry_delay", "should_retry"]
 
 R = TypeVar("R")
 
@@ -96,6 +96,7 @@ async def call_model(
     sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     on_attempt: OnAttempt | None = None,
     on_retry: OnRetry | None = None,
+    failed: Exception | None = None,
 ) -> tuple[R, int]:
     """Make one provider call (`await call(model, inputs)`) with bounded retry. Returns its
     result and the number of attempts.
@@ -104,71 +105,31 @@ async def call_model(
     time (`loop.time()`) and only informs the retry decision; the caller's timeout scope
     enforces it. A retry the policy allows is made unless `on_retry` returns False (the retry
     budget). Raises `CallFailed` when it gives up; cancellation passes through untouched.
+    `failed`: the first call's failure, when the caller made that call itself (and passed it
+    to `on_attempt`): the walk does, one coroutine less on every request's path.
     """
-    started = time.perf_counter()
-    try:
-        result = await call(model, inputs)
-    except Exception as error:  # a binding raises ProviderError; any other bug is "unavailable"
-        if on_attempt is not None:
-            on_attempt(1, error, started)
-        return await retry_failed(
-            error,
-            call,
-            model,
-            inputs,
-            policy=policy,
-            deadline=deadline,
-            limit=limit,
-            sleep=sleep,
-            on_attempt=on_attempt,
-            on_retry=on_retry,
-        )
-    except BaseException as stopped:  # cancelled: the attempt may still have been billed
-        if on_attempt is not None:
-            on_attempt(1, stopped, started)
-        raise
-    if on_attempt is not None:
-        on_attempt(1, result, started)
-    return result, 1
-
-
-async def retry_failed(
-    error: Exception,
-    call: Callable[[str, Mapping[str, Any]], Awaitable[R]],
-    model: str,
-    inputs: Mapping[str, Any],
-    *,
-    policy: Retry,
-    deadline: float,
-    limit: int | None = None,
-    sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
-    on_attempt: OnAttempt | None = None,
-    on_retry: OnRetry | None = None,
-) -> tuple[R, int]:
-    """`call_model` after its first call failed with `error` (already passed to `on_attempt`):
-    retry as the policy allows. A caller that makes the first call itself (the walk: one frame
-    less on every request's path) hands its failure here."""
     limit = policy.attempts if limit is None else min(limit, policy.attempts)
-    attempt = 1
+    attempt, error = (0, None) if failed is None else (1, failed)
     while True:
-        verdict = classify(error)
-        if getattr(error, "json_mode_failed", False):
-            raise CallFailed(error, verdict, attempt) from None
-        delay = retry_delay(policy, error)
-        remaining = deadline - asyncio.get_running_loop().time()
-        if not should_retry(verdict, attempt, limit, policy, remaining, delay) or (
-            on_retry is not None and on_retry(attempt, verdict, delay) is False
-        ):
-            raise CallFailed(error, verdict, attempt) from None
-        await sleep(delay)
+        if error is not None:
+            verdict = classify(error)
+            if getattr(error, "json_mode_failed", False):
+                raise CallFailed(error, verdict, attempt) from None
+            delay = retry_delay(policy, error)
+            remaining = deadline - asyncio.get_running_loop().time()
+            if not should_retry(verdict, attempt, limit, policy, remaining, delay) or (
+                on_retry is not None and on_retry(attempt, verdict, delay) is False
+            ):
+                raise CallFailed(error, verdict, attempt) from None
+            await sleep(delay)
         attempt += 1
         started = time.perf_counter()
         try:
             result = await call(model, inputs)
-        except Exception as failed:
+        except Exception as failure:  # a binding raises ProviderError; any other bug is "unavailable"
             if on_attempt is not None:
-                on_attempt(attempt, failed, started)
-            error = failed
+                on_attempt(attempt, failure, started)
+            error = failure
         except BaseException as stopped:  # cancelled: the attempt may still have been billed
             if on_attempt is not None:
                 on_attempt(attempt, stopped, started)

@@ -4,11 +4,13 @@ assertions on the two public answer shapes, bounded polling, and the store fixtu
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import socket
 import threading
 import time
+import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -21,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio.connection import AbstractConnection
 
+import guards
 from app.settings import Settings
 from fixtures import FakeWorkersAI, ManualClock
 from guards import AIResult, Binding
@@ -268,3 +271,13 @@ def admin(redis_url: str) -> Iterator[redis.Redis]:
     """A plain client to look at the Redis the stores use."""
     with redis.Redis.from_url(redis_url, decode_responses=True) as client:
         yield client
+
+
+GUARDS_DIR = str(Path(guards.__file__).parent)
+
+
+def guards_memory() -> int:
+    """Bytes currently allocated by code in the `guards` package (as `tracemalloc` traced them)."""
+    gc.collect()
+    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, f"{GUARDS_DIR}/*")])
+    return sum(stat.size for stat in snapshot.statistics("filename"))

@@ -3,7 +3,6 @@ example app refuses a malformed or oversized `x-user-id` before any budget is ch
 
 from __future__ import annotations
 
-import gc
 import sqlite3
 import tracemalloc
 from collections.abc import Callable
@@ -13,13 +12,12 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-import guards as guards_package
 from app.main import create_app
 from fixtures import FakeBinding, FakeWorkersAI, Reply
 from guards import AI, Budget, Guards, header_key
 from guards.stores import SQLiteStore
 
-from .conftest import no_sleep, workers_ai_settings
+from .conftest import guards_memory, no_sleep, workers_ai_settings
 
 
 @pytest.mark.parametrize("user", ["u" * 129, "bad\x01id", "tab\tinside", "x" * 15_000])
@@ -46,13 +44,8 @@ def test_the_openapi_document_states_the_user_id_constraint(fake_workers_ai: Fak
     assert "pattern" in schema
 
 
-def test_long_client_keys_do_not_grow_the_store_without_bound(
-    tmp_path: Path, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
-    """400 requests with distinct 15 KB ids: the SQLite file stays small (each key is stored
-    hashed, at most 201 characters), where it grew by 15 KB a request before."""
-    path = tmp_path / "guards.db"
-    guards = Guards(FakeBinding(Reply("ok")), store=SQLiteStore(path, timeout_s=2))
+def label_app(guards: Guards) -> FastAPI:
+    """A degrading route whose budget is keyed by `x-user-id`."""
     app = FastAPI()
     guards.install(app)
 
@@ -65,21 +58,23 @@ def test_long_client_keys_do_not_grow_the_store_without_bound(
     async def label(ai: AI[str]) -> str:
         return await ai.run({"prompt": "label"})
 
-    client = serve(app)
+    return app
+
+
+def test_long_client_keys_do_not_grow_the_store_without_bound(
+    tmp_path: Path, serve: Callable[[FastAPI], httpx.Client]
+) -> None:
+    """400 requests with distinct 15 KB ids: the SQLite file stays small (each key is stored
+    hashed, at most 201 characters), where it grew by 15 KB a request before."""
+    path = tmp_path / "guards.db"
+    guards = Guards(FakeBinding(Reply("ok")), store=SQLiteStore(path, timeout_s=2))
+    client = serve(label_app(guards))
     for i in range(400):
         user = f"{i:05d}" + "k" * 15_000
         assert client.post("/label", headers={"x-user-id": user}).json()["fallback"] is None
     with sqlite3.connect(path) as conn:  # the WAL's pages into the file, to measure the file alone
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     assert path.stat().st_size < 3 * 1024 * 1024  # unbounded, 15 KB ids made over 12 MB
-
-
-def guards_memory() -> int:
-    """Bytes currently allocated by code in the `guards` package (as `tracemalloc` traced them)."""
-    gc.collect()
-    where = tracemalloc.Filter(True, f"{Path(guards_package.__file__).parent}/*")
-    snapshot = tracemalloc.take_snapshot().filter_traces([where])
-    return sum(stat.size for stat in snapshot.statistics("filename"))
 
 
 def test_long_client_keys_do_not_grow_a_routes_memory_without_bound(
@@ -89,19 +84,7 @@ def test_long_client_keys_do_not_grow_a_routes_memory_without_bound(
     far less than the ids (a route keeps each caller's prepared store step for short keys
     only; the store keeps long keys hashed). Kept, they would hold 6 MB."""
     guards = Guards(FakeBinding(Reply("ok")))
-    app = FastAPI()
-    guards.install(app)
-
-    @app.post("/label")
-    @guards.route(
-        model="@cf/test/model",
-        fallback="fallback",
-        budget=Budget(per_minute=10, per_day=10, key=header_key("x-user-id")),
-    )
-    async def label(ai: AI[str]) -> str:
-        return await ai.run({"prompt": "label"})
-
-    client = serve(app)
+    client = serve(label_app(guards))
     assert client.post("/label", headers={"x-user-id": "warm-up"}).json()["fallback"] is None
     tracemalloc.start()
     try:

@@ -9,14 +9,14 @@ import gc
 import random
 import tracemalloc
 import weakref
-from pathlib import Path
 
 import pytest
 
-import guards
 from fixtures import ManualClock
 from guards import Breaker, Outcome
 from guards.stores import DAILY_TTL_S, Admission, MemoryStore, Store
+
+from .conftest import guards_memory
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600  # 01:00 UTC: every test starts here
@@ -438,16 +438,6 @@ def test_daily_key_expires_daily_ttl_after_its_first_unit(memory_store: Store, c
 
 class Key(str):
     """A key the test can hold a weak reference to, to see whether the store still keeps it."""
-
-
-GUARDS_DIR = str(Path(guards.__file__).parent)
-
-
-def guards_memory() -> int:
-    """Bytes currently allocated by code in the `guards` package (as `tracemalloc` traced them)."""
-    gc.collect()
-    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, f"{GUARDS_DIR}/*")])
-    return sum(stat.size for stat in snapshot.statistics("filename"))
 
 
 async def fill(memory_store: Store, breaker: Breaker, n: int) -> list[weakref.ref[Key]]:
