@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from app.main import create_app
 from fixtures import FakeBinding, FakeWorkersAI, Reply
 from guards import AI, Budget, Guards, header_key
-from guards.stores import SQLiteStore
+from guards.stores import MemoryStore, RedisStore, SQLiteStore
 
 from .conftest import guards_memory, no_sleep, workers_ai_settings
 
@@ -77,13 +77,18 @@ def test_long_client_keys_do_not_grow_the_store_without_bound(
     assert path.stat().st_size < 3 * 1024 * 1024  # unbounded, 15 KB ids made over 12 MB
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
 def test_long_client_keys_do_not_grow_a_routes_memory_without_bound(
-    serve: Callable[[FastAPI], httpx.Client],
+    kind: str, serve: Callable[[FastAPI], httpx.Client], request: pytest.FixtureRequest
 ) -> None:
-    """200 requests with distinct 15 KB ids on the memory store: what guards holds grows by
-    far less than the ids (a route keeps each caller's prepared store step for short keys
-    only; the store keeps long keys hashed). Kept, they would hold 6 MB."""
-    guards = Guards(FakeBinding(Reply("ok")))
+    """200 requests with distinct 15 KB ids: what guards holds grows by far less than the ids
+    (a route keeps each caller's prepared store step for short keys only; the memory store
+    keeps long keys hashed; the Redis store keeps the arguments of short keys' steps only).
+    Kept, they would hold 6 MB."""
+    store = (
+        MemoryStore() if kind == "memory" else RedisStore(request.getfixturevalue("redis_url"), timeout_s=2)
+    )
+    guards = Guards(FakeBinding(Reply("ok")), store=store)
     client = serve(label_app(guards))
     assert client.post("/label", headers={"x-user-id": "warm-up"}).json()["fallback"] is None
     tracemalloc.start()

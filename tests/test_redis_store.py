@@ -557,6 +557,44 @@ def test_a_url_the_store_cannot_use_is_refused_saying_why(url: str, problem: str
     assert secret not in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [b"?what\r\n", b"+OK\r\n+OK\r\n" * 3, b"$1000000000\r\n" + b"x" * 65536],
+    ids=["not-resp", "replies-nobody-asked-for", "a-reply-that-never-ends"],
+)
+def test_a_server_that_speaks_nonsense_is_unavailable_not_a_crash(answer: bytes) -> None:
+    """Whatever comes back that is not Redis' protocol (or not an answer to what was asked, or
+    an endless reply): `StoreUnavailable` within the timeout, and the next operation dials
+    again."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(5)
+        store = RedisStore(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", timeout_s=0.2)
+        accepted: list[socket.socket] = []
+
+        def serve() -> None:
+            with suppress(OSError):
+                while True:
+                    conn, _ = listener.accept()
+                    accepted.append(conn)
+                    conn.recv(65536)
+                    conn.sendall(answer)
+
+        threading.Thread(target=serve, daemon=True).start()
+
+        async def scenario() -> None:
+            for _ in range(2):
+                started = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    await store.charge_budget("k", per_minute=None, per_day=5)
+                assert time.monotonic() - started < 2.5  # the timeout's limits, at most
+
+        asyncio.run(scenario())
+        asyncio.run(store.aclose())
+        assert len(accepted) == 2  # dialled again after the first failure
+        for conn in accepted:
+            conn.close()
+
+
 def test_errors_carry_neither_url_nor_password() -> None:
     secret = "CANARY-REDIS-PASSWORD-5150"
     port = free_port()  # nothing listens there

@@ -816,8 +816,10 @@ class RedisStore:
         return StoredAnswer(reply[0], float(reply[1])) if reply else None
 
     async def step(self, step: Step) -> Passage:
-        legs, report = step.legs, step.report
-        if report is None and (step.charge is None or step.charge.spend is None):
+        legs, report, charge = step.legs, step.report, step.charge
+        if report is None and (
+            charge is None or (charge.spend is None and len(charge.key) <= _MAX_FIXED_KEY)
+        ):
             # Nothing of its own in it (a request's first step, which the route keeps per
             # caller): its keys and fixed arguments are made once.
             fixed = self._fixed.get(id(step))
@@ -1042,8 +1044,10 @@ def _packed(*command: str | int) -> bytes:
 
 _LOAD_SCRIPT = _packed("SCRIPT", "LOAD", _SCRIPT)
 
-#: The most steps a store keeps the fixed arguments of (a route keeps one per caller).
+#: The most steps a store keeps the fixed arguments of (a route keeps one per caller), and
+#: the longest budget key of a step kept: what they hold stays within a few megabytes.
 _MAX_FIXED = 4096
+_MAX_FIXED_KEY = 128
 
 
 @functools.lru_cache(maxsize=64)
@@ -1218,7 +1222,7 @@ class _Wire(asyncio.Protocol):
                     if isinstance(reply, hiredis.ReplyError):  # AUTH or SELECT refused
                         self.fail(StoreUnavailable(f"Redis store unavailable ({_code(reply)})"))
                         return
-        except (hiredis.ProtocolError, IndexError):
+        except (hiredis.ProtocolError, IndexError, ValueError):  # ValueError: not UTF-8
             self.fail(StoreUnavailable("Redis store unavailable (ProtocolError)"))
 
     def eof_received(self) -> bool:
