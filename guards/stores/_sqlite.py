@@ -37,13 +37,26 @@ Time: `clock.time()`, read inside the transaction (one machine: every worker sha
 machine's clock). Expired rows are ignored on read, and deleted by a sweep run at most once per
 `sweep_interval_s` of store time per store, at most `_SWEEP_BATCH` rows per table at a time.
 
-Threads: each store has one dedicated thread owning one connection. The `async` methods queue
-their work for it: the operations an event loop starts in one turn are handed over together,
-at the end of that turn, and the thread runs what is waiting (up to `_BATCH` operations) in one
-transaction, one operation after the other, so a burst costs one lock acquisition and one
-commit rather than one per operation (a commit writes its pages to the WAL: most of an
-operation's cost when alone). The answers of a batch wake each caller's loop once, not once per
-operation. Fewer hand-overs also mean fewer GIL hand-overs between the loop and the thread.
+Threads: each store has one connection, and one thread that waits for the file's lock when it
+must. The operations an event loop starts in one turn are taken together, at the end of that
+turn, and run in one transaction, one operation after the other, so a burst costs one lock
+acquisition and one commit rather than one per operation (a commit writes its pages to the
+WAL: most of an operation's cost when alone). When the connection is idle and the file's write
+lock free at once (`BEGIN IMMEDIATE` answered without waiting: no busy handler), that
+transaction runs right there, on the caller's loop ("inline"): handing it to a thread and
+back (a wake-up each way, the GIL handed over at each SQLite call) cost more than the
+statements. Otherwise (the lock held by another worker or by the store's thread, a sweep or a
+WAL checkpoint due) the operations go to the store's thread, which waits for the lock, runs
+what is waiting (up to `_BATCH` operations) per transaction, and answers each caller's loop
+once per batch.
+
+An inline transaction never waits for a lock (it takes it at once or leaves the work to the
+thread), never sweeps, and never checkpoints the WAL (a checkpoint syncs files). In WAL mode with
+`synchronous = NORMAL` a commit only writes the WAL; the syncs come with checkpoints, and
+SQLite's automatic checkpoint (run by a commit) is off: the store's thread checkpoints as
+often instead, and runs the transaction right after it, the first write after a complete
+checkpoint, which restarts the WAL and syncs its header. (Another worker's checkpoint can
+leave that first write, and its one small sync, to an inline transaction of this one.)
 
 Timeouts: waiting for the file's write lock (the busy timeout) is bounded by `timeout_s` per
 operation; past it the operation raises `StoreUnavailable`, as when the file cannot be opened.
@@ -241,6 +254,11 @@ def _load_breaker(text: str) -> BreakerState:
 
 #: The most operations one transaction of the store's thread carries.
 _BATCH = 100
+#: A store's thread checkpoints the WAL (`SQLiteStore._checkpoint`) every `_WAL_PAGES` pages of
+#: WAL, as SQLite's automatic checkpoint does, counted in commits: `_CHECKPOINT_EVERY` until
+#: the first checkpoint tells how many pages a commit writes.
+_WAL_PAGES = 1000
+_CHECKPOINT_EVERY = 100
 #: How often (at most) a store checks that its file is still the one at its path.
 _CHECK_EVERY_S = 1.0
 #: Connections dropped after their file was deleted or replaced: never closed (see
@@ -518,6 +536,13 @@ class SQLiteStore:
             (0, 0, 0),
         )
         self._next_check = 0.0
+        #: Held by whoever uses the connection: the thread, or a caller's loop (`_run_inline`).
+        self._conn_lock = threading.Lock()
+        #: Commits since the last WAL checkpoint, and how many call for the next one.
+        self._commits = 0
+        self._checkpoint_every = _CHECKPOINT_EVERY
+        #: Results of the thread's batch, for `_serve` to answer once the connection is free.
+        self._answers: list[tuple[_Job[Any], Any]] = []
         _STORES.add(self)
 
     def _after_fork(self) -> None:
@@ -526,7 +551,8 @@ class SQLiteStore:
         if self._conn is not None:
             _INHERITED.append(self._conn)
         self._conn, self._thread, self._jobs, self._outbox = None, None, queue.SimpleQueue(), {}
-        self._start_lock = threading.Lock()
+        self._start_lock, self._conn_lock = threading.Lock(), threading.Lock()
+        self._commits, self._answers = 0, []
 
     def __repr__(self) -> str:
         return f"SQLiteStore({self._path!r})"
@@ -668,16 +694,30 @@ class SQLiteStore:
             started = self._outbox[loop] = []
             loop.call_soon(self._hand_over, loop)
         started.append(job)
-        job.timer = loop.call_later(self._timeout_s, self._expire, job)
         try:
             return await job.future
         finally:
-            job.timer.cancel()
+            if job.timer is not None:
+                job.timer.cancel()
             job.abandon()  # no effect once answered; otherwise (cancelled) the thread rolls back
 
     def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The operations `loop` started in this turn, to the store's thread (on `loop`)."""
+        """The operations `loop` started in this turn (on `loop`): run here and now when the
+        file's write lock is free (`_run_inline`), else handed to the store's thread, each
+        with its timer."""
         jobs = self._outbox.pop(loop)
+        if self._conn is not None:
+            try:
+                jobs = self._run_inline(jobs)
+            except Exception as exc:  # a bug: answer every caller
+                for job in jobs:
+                    job._fail(exc)
+                return
+            if not jobs:
+                return
+        now = time.monotonic()
+        for job in jobs:
+            job.timer = loop.call_later(max(0.0, job.deadline - now), self._expire, job)
         with self._start_lock:
             if not self._closed:
                 if self._thread is None:
@@ -729,14 +769,63 @@ class SQLiteStore:
                 else:
                     waiting.extend(jobs)
             batch = [waiting.popleft() for _ in range(min(_BATCH, len(waiting)))]
-            try:
-                self._run_batch(batch)
-            except Exception as exc:  # a bug: answer every caller, and keep serving
-                for job in batch:
-                    job.fail(exc)
-        self._disconnect()
+            with self._conn_lock:
+                if self._commits >= self._checkpoint_every:
+                    self._checkpoint()  # then this batch: the first write after it, here too
+                try:
+                    self._run_batch(batch, inline=False)
+                except Exception as exc:  # a bug: answer every caller, and keep serving
+                    for job in batch:
+                        job.fail(exc)
+                answers, self._answers = self._answers, []
+            # Once the connection is free: woken, the callers' next operations may run inline.
+            _answer_all(answers)
+        with self._conn_lock:
+            self._disconnect()
 
-    def _run_batch(self, batch: list[_Job[Any]]) -> None:
+    def _run_inline(self, jobs: list[_Job[Any]]) -> list[_Job[Any]]:
+        """On the caller's loop: run `jobs` in one transaction here, if this process's
+        connection is idle and the file's write lock free at once (`BEGIN IMMEDIATE`, no
+        waiting). Returns the operations left for the store's thread: all of them when the
+        lock is taken (by the thread, another connection), a sweep or a checkpoint is due
+        (they run on the thread); else none."""
+        if not self._conn_lock.acquire(blocking=False):
+            return jobs
+        try:
+            if (
+                self._closed
+                or self._conn is None
+                or self._commits >= self._checkpoint_every
+                or self._clock.time() >= self._next_sweep
+            ):
+                return jobs
+            return self._run_batch(jobs, inline=True)
+        finally:
+            self._conn_lock.release()
+
+    def _checkpoint(self) -> None:
+        """On the store's thread, before a batch: copy the WAL into the database file (a
+        passive checkpoint, which waits for nobody), as SQLite's automatic checkpoint would
+        after a commit every `_WAL_PAGES` pages of WAL. It is off: it syncs the files, which
+        an inline commit must not do. So does the first commit after a complete checkpoint
+        (it restarts the WAL and syncs its header): the batch that follows, on this thread.
+        The next checkpoint comes after as many commits as wrote `_WAL_PAGES` pages of WAL
+        this time (SQLite says how many pages the WAL holds)."""
+        commits, self._commits = self._commits, 0
+        if self._conn is None:
+            return
+        try:
+            row = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error:  # another connection's checkpoint is running: next time
+            return
+        pages = row[1] if row is not None and isinstance(row[1], int) else -1
+        if pages > 0:
+            self._checkpoint_every = max(1, min(_WAL_PAGES, commits * _WAL_PAGES // pages))
+
+    def _run_batch(self, batch: list[_Job[Any]], *, inline: bool) -> list[_Job[Any]]:
+        """Run `batch`, in one transaction unless some operations must run again without the
+        others. Inline (on the caller's loop), returns the operations left for the thread:
+        the file's lock was taken; on the thread, waits for it (to each one's deadline)."""
         while batch:
             live = []
             for job in batch:
@@ -745,17 +834,19 @@ class SQLiteStore:
                 else:
                     live.append(job)
             if not live:
-                return
+                return []
             try:
-                batch = self._transact(live)
+                batch = self._transact(live, inline)
             except sqlite3.Error as exc:
+                if inline and (_is_busy(exc) or self._conn is not None):
+                    return live  # the lock is taken, or an error the thread deals with (closing)
                 if not _is_busy(exc):  # cannot open, I/O error, file replaced: start afresh next time
                     self._disconnect()
                     reason = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
                     unavailable = StoreUnavailable(f"SQLite store {self._path}: {reason}")
                     for job in live:
                         job.fail(unavailable)
-                    return
+                    return []
                 # Locked past the earliest deadline: those operations fail, the others wait on.
                 locked = StoreUnavailable(f"SQLite store {self._path}: database is locked")
                 now, batch = time.monotonic(), []
@@ -765,17 +856,24 @@ class SQLiteStore:
                         job.fail(locked)
                     else:
                         batch.append(job)
+        return []
 
-    def _transact(self, jobs: list[_Job[Any]]) -> list[_Job[Any]]:
+    def _transact(self, jobs: list[_Job[Any]], inline: bool) -> list[_Job[Any]]:
         """Run `jobs` in one write transaction and commit it; returns the operations to run
-        again (in a new transaction) when the batch had to be rolled back, else nothing."""
+        again (in a new transaction) when the batch had to be rolled back, else nothing.
+        Inline: on the connection already open, the write lock taken at once or not at all
+        (SQLITE_BUSY), no sweep; answers set on the spot (this is the callers' loop)."""
         deadline = min(job.deadline for job in jobs)
-        conn = self._connect(deadline)
+        conn = self._conn if inline else self._connect(deadline)
+        assert conn is not None
         self._check_files()
-        self._when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))  # the write lock, first
+        if inline:
+            conn.execute("BEGIN IMMEDIATE")
+        else:
+            self._when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))  # the write lock, first
         try:
             now = self._clock.time()
-            next_sweep = self._sweep(conn, now) if now >= self._next_sweep else None
+            next_sweep = self._sweep(conn, now) if not inline and now >= self._next_sweep else None
             tx = _Tx(conn)
             done: list[tuple[_Job[Any], Any]] = []
             for job in jobs:
@@ -800,9 +898,14 @@ class SQLiteStore:
         except BaseException:
             self._rollback(conn)
             raise
+        self._commits += 1
         if next_sweep is not None:
             self._next_sweep = next_sweep
-        _answer_all(done)
+        if inline:
+            for job, result in done:
+                job._succeed(result)
+        else:
+            self._answers.extend(done)  # answered once the connection is free (`_serve`)
         return []
 
     def _connect(self, deadline: float) -> sqlite3.Connection:
@@ -819,12 +922,14 @@ class SQLiteStore:
                 found = os.stat(self._path)
                 if (found.st_dev, found.st_ino) in _ABANDONED_FILES:
                     raise _file_problem("the database file is one this process abandoned")
-        conn = sqlite3.connect(target, timeout=0, isolation_level=None, uri=uri)
+        # Used by the thread and, under `_conn_lock`, inline on a caller's loop.
+        conn = sqlite3.connect(target, timeout=0, isolation_level=None, uri=uri, check_same_thread=False)
         try:
             # Switching to WAL (a no-op once the file is) needs the file to itself: SQLite answers
             # SQLITE_BUSY while another worker opens it at the same moment.
             self._when_free(deadline, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchall())
             conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable across crashes of workers
+            conn.execute("PRAGMA wal_autocheckpoint = 0")  # the thread checkpoints (`_checkpoint`)
             self._when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))
             try:
                 for statement in _SCHEMA:
