@@ -228,8 +228,9 @@ _RELEASE_TASK = "UPDATE guards_task SET lease = '', lease_until = 0 WHERE key = 
 
 
 def _cooldown_read(n: int) -> str:
+    """The rows of `n` keys, expired or not (a transaction keeps them: `_Tx.cooldowns`)."""
     marks = ", ".join("?" * n)
-    return f"SELECT key, expires_at FROM guards_cooldown WHERE expires_at > ? AND key IN ({marks})"
+    return f"SELECT key, expires_at FROM guards_cooldown WHERE key IN ({marks})"
 
 
 def _dump_breaker(s: BreakerState) -> str:
@@ -272,33 +273,39 @@ _ABANDONED_FILES: set[tuple[int, int]] = set()
 
 
 class _Tx:
-    """The write transaction the store's thread runs a batch of operations in: its connection,
-    and the breaker rows it read or wrote (written back once, before COMMIT). The write lock is
-    held from BEGIN IMMEDIATE to COMMIT, so what this cache holds is what the file holds."""
+    """The write transaction a batch of operations runs in: its connection, the breaker rows
+    it read or wrote (written back once, before COMMIT), and the cooldowns it read (the
+    requests of a route read the same few). The write lock is held from BEGIN IMMEDIATE to
+    COMMIT, so what these caches hold is what the file holds."""
 
-    __slots__ = ("_breakers", "_dirty", "conn")
+    __slots__ = ("_breakers", "_cooldowns", "_dirty", "conn")
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         #: key: (state, expires_at), or (CLOSED, None) when the key has no row.
         self._breakers: dict[str, tuple[BreakerState, float | None]] = {}
         self._dirty: set[str] = set()
+        #: key: the cooldown's end (`expires_at`, maybe past), or 0.0 when the key has no row.
+        self._cooldowns: dict[str, float] = {}
 
     # The primitives of a step (see `guards.stores._step`), each on the caller's key as the
     # store writes it (`bounded_key`).
 
     def cooldowns(self, keys: Sequence[str], now: float) -> tuple[float, ...]:
+        ends = self._cooldowns
         bounded = [bounded_key(key) for key in keys]
-        unique = list(dict.fromkeys(bounded))
-        ends: dict[str, float] = {}
-        for i in range(0, len(unique), _COOLDOWN_CHUNK):
-            chunk = unique[i : i + _COOLDOWN_CHUNK]
-            ends.update(self.conn.execute(_cooldown_read(len(chunk)), (now, *chunk)).fetchall())
-        return tuple(max(0.0, ends[key] - now) if key in ends else 0.0 for key in bounded)
+        unread = [key for key in dict.fromkeys(bounded) if key not in ends]
+        for i in range(0, len(unread), _COOLDOWN_CHUNK):
+            chunk = unread[i : i + _COOLDOWN_CHUNK]
+            ends.update(dict.fromkeys(chunk, 0.0))
+            ends.update(self.conn.execute(_cooldown_read(len(chunk)), chunk).fetchall())
+        return tuple(max(0.0, ends[key] - now) for key in bounded)
 
     def start_cooldown(self, key: str, seconds: float, now: float) -> None:
         if now + seconds > now:  # not lost in rounding
-            self.conn.execute(_START_COOLDOWN, {"key": bounded_key(key), "until": now + seconds})
+            key = bounded_key(key)
+            self.conn.execute(_START_COOLDOWN, {"key": key, "until": now + seconds})
+            self._cooldowns.pop(key, None)  # read again if needed
 
     def breaker(self, key: str, now: float) -> BreakerState:
         """The breaker's state; a missing or expired row is a closed, healthy breaker."""
