@@ -173,11 +173,13 @@ _WINDOW_ADD = "INSERT OR REPLACE INTO guards_window (key, seq, ts, expires_at) V
 _WINDOW_PRUNE = """DELETE FROM guards_window WHERE rowid IN (
     SELECT rowid FROM guards_window WHERE key = ? ORDER BY seq LIMIT 2) AND ts <= ?"""
 _DAY_COUNT = "SELECT n FROM guards_counter WHERE key = ? AND expires_at > ?"
-#: A live row is incremented; an expired one starts over.
-_COUNT_DAY = """INSERT INTO guards_counter (key, n, expires_at) VALUES (:key, 1, :expires)
-    ON CONFLICT (key) DO UPDATE SET
-        n = CASE WHEN expires_at > :now THEN n + 1 ELSE 1 END,
-        expires_at = CASE WHEN expires_at > :now THEN expires_at ELSE excluded.expires_at END"""
+#: Both reads of a charge with both limits, in one statement.
+_WINDOW_LAST_AND_DAY_COUNT = """SELECT (SELECT max(seq) FROM guards_window WHERE key = ?),
+    (SELECT n FROM guards_counter WHERE key = ? AND expires_at > ?)"""
+#: The charge read the day's count: a live row is incremented (its `expires_at`, and so its
+#: index entry, untouched); none, or an expired one, starts over.
+_COUNT_DAY = "UPDATE guards_counter SET n = n + 1 WHERE key = ?"
+_START_DAY = "INSERT OR REPLACE INTO guards_counter (key, n, expires_at) VALUES (?, 1, ?)"
 
 # --- spend ---------------------------------------------------------------------------------------
 _SETTLED = "SELECT settled FROM guards_spend WHERE key = ? AND expires_at > ?"
@@ -336,23 +338,28 @@ class _Tx:
         refusal: Admission | None = None
         per_minute, per_day = charge.per_minute, charge.per_day
         seq = 0
+        day = utc_day(now)
+        day_key = f"{key}:day:{day}"
+        counted: int | None = None  # the day's count, None when no live row
         if per_minute is not None:
-            last = conn.execute(_WINDOW_LAST, (key,)).fetchone()[0]
+            if per_day is not None:
+                last, counted = conn.execute(_WINDOW_LAST_AND_DAY_COUNT, (key, day_key, now)).fetchone()
+            else:
+                last = conn.execute(_WINDOW_LAST, (key,)).fetchone()[0]
             seq = 0 if last is None else last + 1
             if seq >= per_minute:
                 row = conn.execute(_WINDOW_AT, (key, seq - per_minute)).fetchone()
                 if row is not None and row[0] > now - MINUTE_S:  # still in the window: full
                     refusal = Admission(False, "per_minute", row[0] + MINUTE_S - now)
         next_day = DAY_S - now % DAY_S  # until the next UTC midnight
-        day_key = f"{key}:day:{utc_day(now)}"
         if per_day is not None:
-            row = conn.execute(_DAY_COUNT, (day_key, now)).fetchone()
+            if per_minute is None:
+                row = conn.execute(_DAY_COUNT, (day_key, now)).fetchone()
+                counted = None if row is None else row[0]
             # Both spent: name the limit that frees up last, like MemoryStore.
-            if (0 if row is None else row[0]) >= per_day and (
-                refusal is None or next_day > (refusal.retry_after_s or 0.0)
-            ):
+            if (counted or 0) >= per_day and (refusal is None or next_day > (refusal.retry_after_s or 0.0)):
                 refusal = Admission(False, "per_day", next_day)
-        spend_key = f"{key}:spend:{utc_day(now)}"
+        spend_key = f"{key}:spend:{day}"
         if charge.spend is not None:
             settled = conn.execute(_SETTLED, (spend_key, now)).fetchone()
             held = conn.execute(_HELD, (spend_key, now)).fetchone()[0]
@@ -366,7 +373,10 @@ class _Tx:
             conn.execute(_WINDOW_ADD, (key, seq, now, now + MINUTE_S))
             conn.execute(_WINDOW_PRUNE, (key, now - MINUTE_S))
         if per_day is not None:
-            conn.execute(_COUNT_DAY, {"key": day_key, "expires": now + DAILY_TTL_S, "now": now})
+            if counted is None:
+                conn.execute(_START_DAY, (day_key, now + DAILY_TTL_S))
+            else:
+                conn.execute(_COUNT_DAY, (day_key,))
         if charge.spend is None:
             return None, None
         reservation = os.urandom(8).hex()
