@@ -170,8 +170,10 @@ _SWEEP = {
 _WINDOW_LAST = "SELECT max(seq) FROM guards_window WHERE key = ?"
 _WINDOW_AT = "SELECT ts FROM guards_window WHERE key = ? AND seq = ?"
 _WINDOW_ADD = "INSERT OR REPLACE INTO guards_window (key, seq, ts, expires_at) VALUES (?, ?, ?, ?)"
-_WINDOW_PRUNE = """DELETE FROM guards_window WHERE rowid IN (
-    SELECT rowid FROM guards_window WHERE key = ? ORDER BY seq LIMIT 2) AND ts <= ?"""
+#: The key's two oldest rows (those below its third oldest, if any), if expired: a range of
+#: the (key, seq) index below one looked-up bound (cheaper than `rowid IN (... LIMIT 2)`).
+_WINDOW_PRUNE = """DELETE FROM guards_window WHERE key = ?1 AND ts <= ?2 AND seq < coalesce(
+    (SELECT seq FROM guards_window WHERE key = ?1 ORDER BY seq LIMIT 1 OFFSET 2), 9223372036854775807)"""
 _DAY_COUNT = "SELECT n FROM guards_counter WHERE key = ? AND expires_at > ?"
 #: Both reads of a charge with both limits, in one statement.
 _WINDOW_LAST_AND_DAY_COUNT = """SELECT (SELECT max(seq) FROM guards_window WHERE key = ?),
