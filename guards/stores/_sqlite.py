@@ -87,7 +87,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
-from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
+from .._breaker import ADMIT_CLOSED, CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._clock import Clock, SystemClock
@@ -237,6 +237,20 @@ def _cooldown_read(n: int) -> str:
     return f"SELECT key, expires_at FROM guards_cooldown WHERE key IN ({marks})"
 
 
+def _first_admitted(shape: tuple[int, bool], refusal: Admission | None, reservation: str | None) -> Passage:
+    """What `run_step` answers when the first of `shape[0]` legs, none cooling down, is admitted
+    by a closed breaker counting no failure (`shape[1]`: the step has a breaker) or has none,
+    and the charge is refused (`refusal`) or passes (with `reservation` when it held spend)."""
+    legs, breaker = shape
+    decisions = (ADMIT_CLOSED if breaker else None,)
+    plain = refusal is None and reservation is None
+    return Passage((0.0,) * legs, decisions, None if refusal else 0, refusal, reservation, None, (), plain)
+
+
+#: `_first_admitted(shape, None, None)` per shape: read-only, shared by the steps of a process.
+_ADMITTED: dict[tuple[int, bool], Passage] = {}
+
+
 def _dump_breaker(s: BreakerState) -> str:
     # JSON floats round-trip exactly (repr), so probe tickets compare equal after a round trip.
     return json.dumps(
@@ -291,6 +305,29 @@ class _Tx:
         self._dirty: set[str] = set()
         #: key: the cooldown's end (`expires_at`, maybe past), or 0.0 when the key has no row.
         self._cooldowns: dict[str, float] = {}
+
+    def step(self, step: Step, now: float) -> Passage:
+        """`Store.step`. The usual step is decided without `run_step`'s general walk, as
+        `MemoryStore.step` does: no report, no leg cooling down, and the first leg's breaker
+        closed with no row (no failure counted), so it is admitted at once (a closed breaker's
+        admission writes nothing) and only the charge remains; its answer is `plain`, one
+        shared `Passage` per shape. Anything else takes the general walk."""
+        legs = step.legs
+        if (
+            step.report is None
+            and legs
+            and not any(self.cooldowns([cooldown_key for cooldown_key, _ in legs], now))
+            and (step.breaker is None or self.breaker(legs[0][1], now) is CLOSED)
+        ):
+            charge, shape = step.charge, (len(legs), step.breaker is not None)
+            refusal, reservation = (None, None) if charge is None else self.charge(charge, now)
+            if refusal is None and reservation is None:
+                passage = _ADMITTED.get(shape)
+                if passage is None:
+                    passage = _ADMITTED[shape] = _first_admitted(shape, None, None)
+                return passage
+            return _first_admitted(shape, refusal, reservation)
+        return run_step(self, step, now)
 
     # The primitives of a step (see `guards.stores._step`), each on the caller's key as the
     # store writes it (`bounded_key`).
@@ -648,7 +685,7 @@ class SQLiteStore:
         await self._run(lambda tx, now: tx.start_cooldown(key, seconds, now))
 
     async def step(self, step: Step) -> Passage:
-        return await self._run(lambda tx, now: run_step(tx, step, now))
+        return await self._run(lambda tx, now: tx.step(step, now))
 
     async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
         def put(tx: _Tx, now: float) -> None:
