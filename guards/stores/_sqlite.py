@@ -65,8 +65,10 @@ collection pause: they stall the store's thread too) gets one more `timeout_s` b
 up, so a worker's own pause does not read as a store outage; no operation waits longer than
 `2 * timeout_s`. An operation whose caller gave up is skipped, or its transaction rolled back
 rather than committed, so `StoreUnavailable` means the operation had no effect (unless the
-commit itself outlasted the second `timeout_s`). A store is not tied to an event loop, and a
-process forked after using it starts a thread and a connection of its own.
+commit itself outlasted the second `timeout_s`). An inline operation is answered within the
+loop turn that runs it, so only operations handed to the thread have a timer. A store is not
+tied to an event loop, and a process forked after using it starts a thread and a connection of
+its own.
 """
 
 from __future__ import annotations
