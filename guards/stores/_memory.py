@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from .._breaker import ADMIT_CLOSED, CLOSED, Breaker, BreakerDecision, BreakerState, Outcome
+from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._clock import Clock, SystemClock
@@ -39,7 +39,7 @@ from ._base import (
     bounded_key,
     utc_day,
 )
-from ._step import run_step
+from ._step import first_admitted, plainly_admitted, run_step
 from ._task import TaskRecord, new_lease, refusal
 
 __all__ = ["MemoryStore"]
@@ -65,8 +65,6 @@ class MemoryStore:
         self._answers: dict[str, tuple[str, float, float]] = {}
         self._max_answers = max_answers
         #: The shared answer of a step admitting its first leg with nothing else to tell, by
-        #: (number of legs, breaker or not): see `_first_admitted`.
-        self._admitted: dict[tuple[int, bool], Passage] = {}
 
     def __len__(self) -> int:
         """Live keys (expired ones may linger until the next sweep; they are not counted). A
@@ -149,16 +147,12 @@ class MemoryStore:
                 breaker_key = legs[0][1]
                 item = data.get(breaker_key)
                 if (item is None or item[1] <= now) and len(breaker_key) <= MAX_KEY_CHARS:
-                    # Only the charge remains to decide. The common answer is one shared,
-                    # read-only `Passage` per shape (number of legs, breaker or not).
-                    charge, shape = step.charge, (len(legs), step.breaker is not None)
+                    # Only the charge remains to decide (the common answer is shared).
+                    charge = step.charge
                     refusal, reservation = (None, None) if charge is None else self._state.charge(charge, now)
-                    if refusal is None and reservation is None:
-                        passage = self._admitted.get(shape)
-                        if passage is None:
-                            passage = self._admitted[shape] = _first_admitted(shape, None, None)
-                        return passage
-                    return _first_admitted(shape, refusal, reservation)
+                    if refusal is None and reservation is None:  # (one call less: every request)
+                        return plainly_admitted(len(legs), step.breaker is not None)
+                    return first_admitted(len(legs), step.breaker is not None, refusal, reservation)
         return run_step(self._state, step, now)
 
     async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:
@@ -271,16 +265,6 @@ class _Budget:
         self.day = -1.0
         self.count = 0
         self.day_until = 0.0
-
-
-def _first_admitted(shape: tuple[int, bool], refusal: Admission | None, reservation: str | None) -> Passage:
-    """What `run_step` answers when the first of `shape[0]` legs, none cooling down, is admitted
-    by a closed breaker counting no failure (`shape[1]`: the step has a breaker) or has none,
-    and the charge is refused (`refusal`) or passes (with `reservation` when it held spend)."""
-    legs, breaker = shape
-    decisions = (ADMIT_CLOSED if breaker else None,)
-    plain = refusal is None and reservation is None
-    return Passage((0.0,) * legs, decisions, None if refusal else 0, refusal, reservation, None, (), plain)
 
 
 class _State:

@@ -75,7 +75,7 @@ from typing import Any, cast
 
 import hiredis
 
-from .._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
+from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._clock import Clock
 from ._base import (
     ADMITTED,
@@ -90,6 +90,7 @@ from ._base import (
     TaskStatus,
     bounded_key,
 )
+from ._step import plainly_admitted
 from ._task import new_lease
 
 __all__ = ["RedisStore"]
@@ -833,7 +834,7 @@ class RedisStore:
             args = "|".join([args, *[_num(age) for age in ages[: len(legs)]]])
         reply = (await self._call(_pack("step", keys, self._now_arg(), (args,))))[0]
         if reply == "P":  # the usual answer (see the script's `step`)
-            return _plain(len(legs), step.breaker is not None)
+            return plainly_admitted(len(legs), step.breaker is not None)
         return self._passage(step, reply.split("|"))
 
     def _fix(self, step: Step) -> tuple[Step, list[str], str]:
@@ -1048,12 +1049,6 @@ _LOAD_SCRIPT = _packed("SCRIPT", "LOAD", _SCRIPT)
 #: the longest budget key of a step kept: what they hold stays within a few megabytes.
 _MAX_FIXED = 4096
 _MAX_FIXED_KEY = 128
-
-
-@functools.lru_cache(maxsize=64)
-def _plain(legs: int, breaker: bool) -> Passage:
-    """The usual answer (see `Passage.plain`), one per shape, shared: read-only."""
-    return Passage((0.0,) * legs, (ADMIT_CLOSED if breaker else None,), 0, plain=True)
 
 
 #: The most commands one connection may have unanswered: past it, operations fail at once

@@ -89,7 +89,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
-from .._breaker import ADMIT_CLOSED, CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
+from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._clock import Clock, SystemClock
@@ -111,7 +111,7 @@ from ._base import (
     bounded_key,
     utc_day,
 )
-from ._step import run_step
+from ._step import first_admitted, run_step
 from ._task import TaskRecord, new_lease, refusal
 
 __all__ = ["SQLiteStore"]
@@ -239,20 +239,6 @@ def _cooldown_read(n: int) -> str:
     return f"SELECT key, expires_at FROM guards_cooldown WHERE key IN ({marks})"
 
 
-def _first_admitted(shape: tuple[int, bool], refusal: Admission | None, reservation: str | None) -> Passage:
-    """What `run_step` answers when the first of `shape[0]` legs, none cooling down, is admitted
-    by a closed breaker counting no failure (`shape[1]`: the step has a breaker) or has none,
-    and the charge is refused (`refusal`) or passes (with `reservation` when it held spend)."""
-    legs, breaker = shape
-    decisions = (ADMIT_CLOSED if breaker else None,)
-    plain = refusal is None and reservation is None
-    return Passage((0.0,) * legs, decisions, None if refusal else 0, refusal, reservation, None, (), plain)
-
-
-#: `_first_admitted(shape, None, None)` per shape: read-only, shared by the steps of a process.
-_ADMITTED: dict[tuple[int, bool], Passage] = {}
-
-
 def _dump_breaker(s: BreakerState) -> str:
     # JSON floats round-trip exactly (repr), so probe tickets compare equal after a round trip.
     return json.dumps(
@@ -321,14 +307,9 @@ class _Tx:
             and not any(self.cooldowns([cooldown_key for cooldown_key, _ in legs], now))
             and (step.breaker is None or self.breaker(legs[0][1], now) is CLOSED)
         ):
-            charge, shape = step.charge, (len(legs), step.breaker is not None)
+            charge = step.charge
             refusal, reservation = (None, None) if charge is None else self.charge(charge, now)
-            if refusal is None and reservation is None:
-                passage = _ADMITTED.get(shape)
-                if passage is None:
-                    passage = _ADMITTED[shape] = _first_admitted(shape, None, None)
-                return passage
-            return _first_admitted(shape, refusal, reservation)
+            return first_admitted(len(legs), step.breaker is not None, refusal, reservation)
         return run_step(self, step, now)
 
     # The primitives of a step (see `guards.stores._step`), each on the caller's key as the

@@ -11,15 +11,16 @@ the step reports, its `report` and its `success_ages`, is written either way).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
-from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, forget_before
+from .._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, forget_before
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from ._base import Admission, Charge, Passage, Step
 
-__all__ = ["StepState", "run_step"]
+__all__ = ["StepState", "first_admitted", "plainly_admitted", "run_step"]
 
 
 class StepState(Protocol):
@@ -124,3 +125,21 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
         recorded,
         tuple(transitions) if transitions else (),
     )
+
+
+def first_admitted(legs: int, breaker: bool, refusal: Admission | None, reservation: str | None) -> Passage:
+    """What `run_step` answers when the first of `legs` legs, none cooling down, is admitted by
+    a closed breaker counting no failure (`breaker`: the step has one) or has none, and the
+    charge is refused (`refusal`) or passes (with `reservation` when it held spend). The stores
+    that decide this usual step without `run_step`'s general walk answer with it."""
+    if refusal is None and reservation is None:
+        return plainly_admitted(legs, breaker)
+    decisions = (ADMIT_CLOSED if breaker else None,)
+    return Passage((0.0,) * legs, decisions, None if refusal else 0, refusal, reservation)
+
+
+@functools.lru_cache(maxsize=64)
+def plainly_admitted(legs: int, breaker: bool) -> Passage:
+    """`first_admitted` with the charge passed and no hold: the usual answer (`Passage.plain`),
+    one per shape, shared by every step of the process: read-only."""
+    return Passage((0.0,) * legs, (ADMIT_CLOSED if breaker else None,), 0, plain=True)
