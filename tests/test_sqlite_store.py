@@ -1,25 +1,30 @@
 """`SQLiteStore` specifics: WAL, exact limits across OS processes sharing one file, a locked or
 unreachable file answered by `StoreUnavailable` within the store's timeout, and rows that all
 expire and are swept. The behaviour it shares with every store is in test_store_*.py and
-test_breaker.py. Time moves only through `ManualClock`; nothing sleeps."""
+test_breaker.py. Time moves only through `ManualClock`; nothing sleeps (the test of a worker
+serving while another program holds the lock uses short real deadlines)."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import queue
 import sqlite3
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from fastapi import FastAPI
 
-from fixtures import ManualClock
-from guards import Breaker, CircuitState, Outcome
+from fixtures import FakeBinding, ManualClock, Reply
+from guards import AI, Breaker, Budget, CircuitState, Guards, Outcome, header_key
 from guards.stores import DAILY_TTL_S, Admission, SQLiteStore, Store, StoreUnavailable
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
@@ -579,3 +584,62 @@ def test_a_closed_store_raises_store_unavailable(path: Path, clock: ManualClock)
 def test_a_store_never_used_closes(path: Path) -> None:
     asyncio.run(SQLiteStore(path).aclose())
     assert not path.exists()  # nothing was opened
+
+
+# --- the event loop and the WAL ---------------------------------------------------------------
+
+
+def test_a_worker_waiting_for_the_files_lock_keeps_serving(
+    path: Path, serve: Callable[[FastAPI], httpx.Client]
+) -> None:
+    """The store runs a transaction on the worker's event loop only when the file's lock is free
+    at once. While another program holds it, a guarded request waits for it on the store's
+    thread (and is served once it is released, within the store's timeout), and the worker
+    answers its other requests meanwhile."""
+    guards = Guards(FakeBinding(Reply("ok")), store=SQLiteStore(path, timeout_s=2.0))
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/label")
+    @guards.route(model="@cf/test/model", budget=Budget(per_day=100, key=header_key("x-user-id")))
+    async def label(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "label"})
+
+    @app.get("/ping")
+    async def ping() -> str:
+        return "pong"
+
+    client = serve(app)
+    assert client.post("/label", headers={"x-user-id": "u"}).status_code == 200  # connected
+    with peek(path) as locker, ThreadPoolExecutor(1) as pool:
+        locker.execute("BEGIN IMMEDIATE")  # another program holds the write lock
+        submitted = time.monotonic()
+        waiting = pool.submit(client.post, "/label", headers={"x-user-id": "u"})
+        pings = 0
+        while time.monotonic() - submitted < 0.5 or pings < 5:  # while the request waits
+            started = time.monotonic()
+            assert client.get("/ping").text == '"pong"'
+            assert time.monotonic() - started < 0.25  # not held up behind the lock
+            pings += 1
+        assert not waiting.done()  # still waiting for the lock (up to its 2 s timeout)
+        locker.execute("ROLLBACK")
+        assert waiting.result(timeout=10).status_code == 200
+    with peek(path) as conn:
+        assert conn.execute("SELECT n FROM guards_counter").fetchall() == [(2,)]
+
+
+def test_the_wal_stays_bounded_with_sqlites_own_checkpoints_off(path: Path, clock: ManualClock) -> None:
+    """The store turns SQLite's automatic checkpoint off (it syncs files, which a transaction
+    run on the event loop must not do) and its thread checkpoints as often instead: thousands
+    of commits leave a WAL of a few megabytes, as SQLite's own 1,000-page checkpoint would."""
+    store = SQLiteStore(path, clock=clock)
+
+    async def commits(n: int) -> int:
+        for i in range(n):  # one at a time: a transaction each
+            assert (await store.charge_budget(f"user-{i % 500}", per_minute=10**6, per_day=None)).allowed
+            clock.advance(0.001)
+        return os.stat(f"{path}-wal").st_size  # (closing the store removes it)
+
+    wal = asyncio.run(commits(6_000))
+    asyncio.run(store.aclose())
+    assert wal < 8 * 1024 * 1024, f"WAL of {wal} bytes"  # unbounded, 6,000 commits wrote 80 MB
