@@ -1178,19 +1178,16 @@ class _Wire(asyncio.Protocol):
         if now < self._due:
             self._timer = self.loop.call_at(self._due, self._check)
             return
-        end = oldest[1] + _MAX_TIMEOUTS * self._timeout_s
-        if now < end:
-            if now - self._due >= _LATE_S:  # the loop was held up: wait another timeout
-                self._probing = False
-                self._due = min(now + self._timeout_s, end)
-                self._timer = self.loop.call_at(self._due, self._check)
-                return
-            if not self._probing:  # due on time: see how the loop's next turn goes
-                self._probing = True
-                self._due = now
-                self._timer = self.loop.call_soon(self._check)
-                return
-        self.fail(StoreUnavailable("Redis store unavailable (TimeoutError)"))
+        later = _patience(
+            now, self._due, oldest[1] + _MAX_TIMEOUTS * self._timeout_s, self._probing, self._timeout_s
+        )
+        if later is None:
+            self.fail(StoreUnavailable("Redis store unavailable (TimeoutError)"))
+            return
+        self._due, self._probing = later
+        self._timer = (
+            self.loop.call_soon(self._check) if self._probing else self.loop.call_at(self._due, self._check)
+        )
 
     # --- asyncio's side ------------------------------------------------------------------------
 
@@ -1383,21 +1380,30 @@ class _Bound:
             raise TimeoutError from exc
 
     def _fire(self) -> None:
-        now = self._loop.time()
-        if now < self._end:
-            if now - self._when >= _LATE_S:  # the loop was held up: wait another timeout
-                self._probing = False
-                self._when = min(now + self._timeout_s, self._end)
-                self._handle = self._loop.call_at(self._when, self._fire)
-                return
-            if not self._probing:  # due on time: see how the loop's next turn goes
-                self._probing = True
-                self._when = now
-                self._handle = self._loop.call_soon(self._fire)
-                return
-        self._expired = True
-        self._cancelling = self._task.cancelling()
-        self._task.cancel()
+        later = _patience(self._loop.time(), self._when, self._end, self._probing, self._timeout_s)
+        if later is None:
+            self._expired = True
+            self._cancelling = self._task.cancelling()
+            self._task.cancel()
+            return
+        self._when, self._probing = later
+        self._handle = (
+            self._loop.call_soon(self._fire) if self._probing else self._loop.call_at(self._when, self._fire)
+        )
+
+
+def _patience(
+    now: float, due: float, end: float, probing: bool, timeout_s: float
+) -> tuple[float, bool] | None:
+    """A lag-aware limit's rule (see `_Wire`), when the limit due at `due` (at most `end`) comes
+    round at `now`: when to look again and whether that look is the probe of the loop's next
+    turn; None when the limit has expired."""
+    if now < end:
+        if now - due >= _LATE_S:  # the loop was held up: wait another timeout
+            return min(now + timeout_s, end), False
+        if not probing:  # due on time: see how the loop's next turn goes
+            return now, True
+    return None
 
 
 def _unavailable(exc: BaseException) -> StoreUnavailable:
