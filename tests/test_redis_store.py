@@ -538,23 +538,25 @@ def test_a_unix_socket_and_its_database(tmp_path: Path) -> None:
         assert len(list(admin.scan_iter("t:*"))) == 1
 
 
+SECRET = "CANARY-URL-SECRET"
+
+
 @pytest.mark.parametrize(
     ("url", "problem"),
     [
-        ("redis://h:6379/zero", "database must be a number"),
-        ("redis://h:6379/0?socket_timeout=1", "unknown option 'socket_timeout'"),
-        ("redis://h:6379/0?ssl_ca_certs=/ca.pem", "need rediss://"),
-        ("rediss://h:6379/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be"),
-        ("rediss://h:6379/0?ssl_ca_certs=/no/such/ca.pem", "TLS files cannot be loaded"),
+        (f"redis://:{SECRET}@h:6379/zero", "database must be a number"),
+        (f"redis://:{SECRET}@h:6379/0?socket_timeout=1", "unknown option 'socket_timeout'"),
+        (f"redis://:{SECRET}@h:6379/0?ssl_ca_certs=/ca.pem", "need rediss://"),
+        (f"rediss://:{SECRET}@h:6379/0?ssl_cert_reqs=maybe", "ssl_cert_reqs must be"),
+        (f"rediss://:{SECRET}@h:6379/0?ssl_ca_certs=/no/such/ca.pem", "TLS files cannot be loaded"),
         ("unix://", "needs the socket's path"),
-        ("redis://h:99999/0", "invalid Redis URL"),
+        (f"redis://:{SECRET}@h:99999/0", "invalid Redis URL"),
     ],
 )
 def test_a_url_the_store_cannot_use_is_refused_saying_why(url: str, problem: str) -> None:
-    secret = "CANARY-URL-SECRET"
     with pytest.raises(ValueError, match=re.escape(problem)) as raised:
-        RedisStore(url.replace("//", f"//:{secret}@", 1) if "@" not in url and url != "unix://" else url)
-    assert secret not in str(raised.value)
+        RedisStore(url)
+    assert SECRET not in str(raised.value)
 
 
 @pytest.mark.parametrize(

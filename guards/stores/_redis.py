@@ -710,7 +710,8 @@ class _Link:
 class RedisStore:
     """A `Store` in Redis: exact across every worker and machine sharing the server.
 
-    `url`: `redis://[:password@]host:port/db` (or `rediss://`, `unix://`). `clock`: tests only
+    `url`: `redis://[[user]:password@]host:port/db`, `rediss://...` (TLS) or
+    `unix:///path/to/socket?db=n`, with the options `_Address` lists. `clock`: tests only
     (by default the time is Redis'). `timeout_s` bounds every round trip. `prefix` starts every
     key (no `{` or `}` in it: hash tags are the store's).
     """
@@ -823,9 +824,8 @@ class RedisStore:
         ):
             # Nothing of its own in it (a request's first step, which the route keeps per
             # caller): its keys and fixed arguments are made once.
-            fixed = self._fixed.get(id(step))
-            if fixed is None or fixed[0] is not step:
-                fixed = self._fix(step)
+            # (The entry holds the step: no other object can have its id while it is kept.)
+            fixed = self._fixed.get(id(step)) or self._fix(step)
             keys, args = fixed[1], fixed[2]
         else:
             keys, args = self._step_arguments(step)
