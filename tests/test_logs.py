@@ -254,8 +254,23 @@ def test_an_app_with_its_own_handler_gets_each_line_once(
     async def hello(ai: AI[str]) -> str:
         return await ai.run({"prompt": "hello"})
 
+    # Records come from the app's record factory (apps add fields there), at INFO, by `guards`.
+    factory = logging.getLogRecordFactory()
+
+    def tagged(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = factory(*args, **kwargs)
+        record.tag = "app"
+        return record
+
     caplog.set_level(logging.INFO, logger="guards")
-    assert serve(app).post("/hello").status_code == 200
+    logging.setLogRecordFactory(tagged)
+    try:
+        assert serve(app).post("/hello").status_code == 200
+    finally:
+        logging.setLogRecordFactory(factory)
     assert [json.loads(r.getMessage())["event"] for r in caplog.records] == ["attempt", "request"]
+    assert {(r.name, r.levelno, getattr(r, "tag", None)) for r in caplog.records} == {
+        ("guards", logging.INFO, "app")
+    }
     # The app's handler (here pytest's, on the root logger) has them: guards' own is quiet.
     assert '"event"' not in capfd.readouterr().err
