@@ -7,8 +7,10 @@ a free loopback port). `wrk` loads each in turn with keep-alive connections, in 
 rounds, and every figure is the median over rounds of its ratio to bare in the same round, so
 a slow moment on the shared machine hits both sides of a ratio alike. Each round loads servers
 of its own (`ROUNDS` processes of each kind are started): processes of the same code differ by
-about 5 % here (hash seeds, memory layout), and a figure must not be one process's luck. The binding answers at
-once and the budgets never bind: what is measured is the request path itself.
+about 5 % here (hash seeds, memory layout), and a figure must not be one process's luck. Each
+measured run follows a warm-up run on the same server (`WARM_UP_S`, not counted): the figures
+are those of a worker in steady state. The binding answers at once and the budgets never bind:
+what is measured is the request path itself.
 
 Then serving: the bare app under `guards.serve --workers 2` against `--workers 1` (what
 `make run WORKERS=2` and `WORKERS=1` do), and, for comparison, `uvicorn --workers 2` (a shared
@@ -45,6 +47,10 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 ROUNDS = 5
 SERVING_ROUNDS = 5
 DURATION_S = 3
+#: Each measured run follows a run of this length on the same server, not counted: a figure is
+#: a long-running worker's (its caches filled: SQLite's pages of the file, the route's per-caller
+#: steps, the allocator's arenas), not a new process's first seconds.
+WARM_UP_S = 1
 CONNECTIONS = 32
 #: Rotates `x-user-id` over 1,000 users, as many clients would.
 WRK_SCRIPT = """
@@ -132,13 +138,13 @@ class Load:
 
 
 def wrk(server: Server, script: Path | None, connections: int = CONNECTIONS, threads: int = 1) -> Load:
-    """One `wrk` run (keep-alive connections); every answer must be a 200."""
+    """One `wrk` run (keep-alive connections), after a warm-up run; every answer must be a 200."""
     url = server.url
+    command = ["wrk", f"-t{threads}", f"-c{connections}", url] + (["-s", str(script)] if script else [])
+    if WARM_UP_S:
+        subprocess.run([*command, f"-d{WARM_UP_S}s"], capture_output=True, check=True)
     cpu_before, wrk_before = server.cpu_s(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    command = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{DURATION_S}s", url]
-    out = subprocess.run(
-        command + (["-s", str(script)] if script else []), capture_output=True, text=True, check=True
-    ).stdout
+    out = subprocess.run([*command, f"-d{DURATION_S}s"], capture_output=True, text=True, check=True).stdout
     wrk_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     wrk_cpu = (wrk_after.ru_utime + wrk_after.ru_stime) - (wrk_before.ru_utime + wrk_before.ru_stime)
     if "Non-2xx" in out or "Socket errors" in out:
