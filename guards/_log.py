@@ -46,8 +46,8 @@ def emit_error(event: str, /, **fields: Any) -> None:
 
 
 def _emit_at(level: int, event: str, fields: dict[str, Any]) -> None:
-    """The line as `logger.log` would make it, without `findCaller`'s walk up the stack (a
-    third of a line's cost), which would find this function every time: the record names it."""
+    """The line as `logger.log` would make it, without `findCaller`'s walk up the stack, which
+    would find this function every time: the record names it."""
     line = {"event": event}
     for name, value in fields.items():
         if value is not None:
