@@ -10,12 +10,14 @@ METRICS_DIR ?= .run/prometheus
 # `make soak`: requests in all (split between its SQLite and Redis phases), and further options.
 SOAK_REQUESTS ?= 1000000
 SOAK_ARGS ?=
+# `make bench-http`: interleaved rounds (each figure is the median over them).
+HTTP_ROUNDS ?= 5
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test lint format bench bench-http bench-instructions soak clean
 
 # Variables a help text may name as $(NAME): `make help` prints their values.
-HELP_VARS := HOST PORT WORKERS METRICS_DIR SOAK_REQUESTS VENV PYTHON
+HELP_VARS := HOST PORT WORKERS METRICS_DIR SOAK_REQUESTS HTTP_ROUNDS VENV PYTHON
 
 help: ## list the targets
 	@grep -hE '^[A-Za-z0-9][A-Za-z0-9_.-]*:.*## ' $(MAKEFILE_LIST) \
@@ -56,10 +58,10 @@ format: install ## apply ruff's fixes and formatting
 bench: install ## print the performance figures (name = value unit)
 	$(BIN)/python bench/bench.py
 
-bench-http: install ## requests per second over HTTP (uvicorn, wrk): guarded vs bare, 2 workers vs 1
+bench-http: install ## requests per second over HTTP (uvicorn, wrk, $(HTTP_ROUNDS) rounds): guarded vs bare, 2 workers vs 1
 	@command -v wrk >/dev/null || { echo "bench-http: wrk is missing; installing it: apt-get update && apt-get install -y wrk"; \
 		apt-get update && apt-get install -y wrk; }
-	$(BIN)/python bench/http_bench.py
+	$(BIN)/python bench/http_bench.py --rounds $(HTTP_ROUNDS)
 
 bench-instructions: install ## the guard pipeline's cost in CPU instructions (valgrind: deterministic)
 	$(BIN)/python bench/instructions.py

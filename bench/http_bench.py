@@ -6,7 +6,7 @@ file in a temporary folder) and on Redis (a throwaway `redis-server` from the re
 a free loopback port). `wrk` loads each in turn with keep-alive connections, in interleaved
 rounds, and every figure is the median over rounds of its ratio to bare in the same round, so
 a slow moment on the shared machine hits both sides of a ratio alike. Each round loads servers
-of its own (`ROUNDS` processes of each kind are started): processes of the same code differ by
+of its own (up to `PROCESSES` of each kind are started, then reused): processes of the same code differ by
 about 5 % here (hash seeds, memory layout), and a figure must not be one process's luck. Each
 measured run follows a warm-up run on the same server (`WARM_UP_S`, not counted): the figures
 are those of a worker in steady state. The binding answers at once and the budgets never bind:
@@ -24,6 +24,7 @@ the CPU time). Each figure is printed on its own line as `name = value unit`.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import os
@@ -44,8 +45,11 @@ from fixtures.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+#: Rounds by default (`--rounds`, `make bench-http HTTP_ROUNDS=n`): a 5-round median moves by
+#: about 0.1 between runs on the shared development machine; more rounds narrow it.
 ROUNDS = 5
-SERVING_ROUNDS = 5
+#: Server processes of each kind at most (more rounds cycle through them).
+PROCESSES = 5
 DURATION_S = 3
 #: Each measured run follows a run of this length on the same server, not counted: a figure is
 #: a long-running worker's (its caches filled: SQLite's pages of the file, the route's per-caller
@@ -188,6 +192,11 @@ def load_average() -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
+    rounds_n = parser.parse_args().rounds
+    if rounds_n < 1:
+        parser.error("--rounds must be at least 1")
     if shutil.which("wrk") is None:
         sys.exit("bench-http needs wrk: apt-get install -y wrk (`make bench-http` does it)")
     with tempfile.TemporaryDirectory() as folder:
@@ -197,7 +206,7 @@ def main() -> None:
             guarded = guards_serve("bench.http_apps:guarded")
             servers = [
                 server
-                for _ in range(ROUNDS)  # a process of each kind per round
+                for _ in range(min(rounds_n, PROCESSES))  # a process of each kind per round
                 for server in (
                     Server("bare", guards_serve("bench.http_apps:bare")),
                     Server("memory", guarded, {"BENCH_STORE": "memory://"}),
@@ -207,7 +216,8 @@ def main() -> None:
                 )
             ]
             with serving(servers) as running:
-                loads = rounds(running, script, ROUNDS)
+                loads = rounds(running, script, rounds_n)
+        print(f"http_rounds = {rounds_n} rounds (each figure: the median over them)")
         print(f"http_load_average_1m = {load_average()} (2 cores; other tenants count)")
         print(f"http_bare_rps = {median(loads['bare'], 'rps'):.0f} req/s")
         print(f"http_bare_cpu_per_request_us = {median(loads['bare'], 'cpu_us'):.0f} us")
@@ -228,7 +238,7 @@ def main() -> None:
         with serving(servers) as running:
             # Two wrk threads, 64 connections, no script (the bare app reads no header): the
             # client takes as little as it can of the two cores the workers share with it.
-            loads = rounds(running, None, SERVING_ROUNDS, connections=64, threads=2)
+            loads = rounds(running, None, rounds_n, connections=64, threads=2)
         print(f"http_load_average_1m = {load_average()} (2 cores; other tenants count)")
         for name in ("workers1", "workers2", "uvicorn2"):
             print(f"http_serve_{name}_rps = {median(loads[name], 'rps'):.0f} req/s")
