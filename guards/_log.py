@@ -52,12 +52,12 @@ def _emit_at(level: int, event: str, fields: dict[str, Any]) -> None:
     for name, value in fields.items():
         if value is not None:
             line[name] = value
-    code = _emit_at.__code__
-    logger.handle(
-        logger.makeRecord(
-            logger.name, level, code.co_filename, code.co_firstlineno, _encode(line), (), None, code.co_name
-        )
-    )
+    logger.handle(logger.makeRecord(logger.name, level, *_SOURCE, _encode(line), (), None, _SOURCE_FUNCTION))
+
+
+#: Where `_emit_at`'s records say they come from (file, line; function), as `findCaller` would.
+_SOURCE = (_emit_at.__code__.co_filename, _emit_at.__code__.co_firstlineno)
+_SOURCE_FUNCTION = _emit_at.__code__.co_name
 
 
 def frames(tb: TracebackType | None) -> tuple[list[dict[str, Any]], int]:

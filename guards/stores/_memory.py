@@ -64,7 +64,6 @@ class MemoryStore:
         #: Last good answers: key -> (value, stored at, expires at), oldest stored first.
         self._answers: dict[str, tuple[str, float, float]] = {}
         self._max_answers = max_answers
-        #: The shared answer of a step admitting its first leg with nothing else to tell, by
 
     def __len__(self) -> int:
         """Live keys (expired ones may linger until the next sweep; they are not counted). A

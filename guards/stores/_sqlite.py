@@ -902,13 +902,15 @@ class SQLiteStore:
         again (in a new transaction) when the batch had to be rolled back, else nothing.
         Inline: on the connection already open, the write lock taken at once or not at all
         (SQLITE_BUSY), no sweep; answers set on the spot (this is the callers' loop)."""
-        deadline = min(job.deadline for job in jobs)
-        conn = self._conn if inline else self._connect(deadline)
-        assert conn is not None
-        self._check_files()
         if inline:
+            conn = self._conn
+            assert conn is not None
+            self._check_files()
             conn.execute("BEGIN IMMEDIATE")
         else:
+            deadline = min(job.deadline for job in jobs)
+            conn = self._connect(deadline)
+            self._check_files()
             self._when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))  # the write lock, first
         try:
             now = self._clock.time()
