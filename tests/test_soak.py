@@ -83,8 +83,8 @@ def test_every_failure_the_provider_plays_gets_an_answer_the_checks_accept(
         fake_workers_ai,
         ai_model=MODEL,
         ai_timeout_s=TIMEOUT_S,
-        ai_stream_idle_timeout_s=0.3,
-        ai_stream_max_s=1.5,
+        ai_stream_idle_timeout_s=0.6,
+        ai_stream_max_s=2.0,
         daily_call_limit=1000,
         breaker_failure_threshold=1000,
     )
