@@ -1,7 +1,14 @@
-"""Every example of the README runs as written: each fenced block is executed (code), run against
-a live server (curls, commands) or checked against what the code really produces (sample
-answers, log lines, the layout). `test_every_block_is_checked` fails for a block no test covers,
-so the next drift fails a test."""
+"""Every example of the README and of the docs (`docs/**/*.md`) runs as written: each fenced
+block is executed (code), run against a live server (curls, commands) or checked against what
+the code really produces (sample answers, log lines, the layout). `test_every_block_is_checked`
+fails for a block no test covers, so the next drift fails a test.
+
+A block that cannot run here (a `pip install`, a command that needs a real account) is preceded
+by a marker that says so and why, on the line just above its fence:
+
+    <!-- not run: installs from the package index -->
+
+A marked block must give its reason, and no test may claim it."""
 
 from __future__ import annotations
 
@@ -31,25 +38,43 @@ from .conftest import LogLines, no_sleep, wait_until, workers_ai_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 Serve = Callable[[FastAPI], httpx.Client]
+
+#: The marker of a block that is not run, with its reason.
+NOT_RUN = re.compile(r"^\s*<!-- not run: (?P<reason>.*\S.*?) -->\s*$")
+
+
+def pages() -> list[str]:
+    """Every page whose blocks are checked: `README.md`, and each page of the docs by its path
+    under `docs/` (`streaming.md`, `operating/logs.md`)."""
+    return ["README.md", *sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))]
+
+
+def page_path(page: str) -> Path:
+    return README if page == "README.md" else DOCS / page
+
+
+def page_text(page: str) -> str:
+    return page_path(page).read_text()
 
 
 @dataclass(frozen=True)
 class Block:
-    section: str  # the heading above it, as written (`## Quick start`)
+    page: str  # `README.md`, or a path under docs/
     lang: str  # the fence's info string (`sh`, `python`, `json`, or empty)
-    index: int  # its place among the blocks of its section in the same language
+    index: int  # its place among the page's blocks in the same language
     code: str
+    not_run: str | None  # the reason of its `<!-- not run: ... -->` marker, if it has one
 
 
-def readme_blocks() -> list[Block]:
+def page_blocks(page: str) -> list[Block]:
     found: list[Block] = []
-    section, counts = "", dict[tuple[str, str], int]()
-    lines = iter(README.read_text().splitlines())
+    counts = dict[str, int]()
+    previous = ""
+    lines = iter(page_text(page).splitlines())
     for line in lines:
-        if line.startswith("#"):
-            section = line.strip()
-        elif line.lstrip().startswith("```"):  # a fence, also indented in a list item
+        if line.lstrip().startswith("```"):  # a fence, also indented in a list item
             indent = len(line) - len(line.lstrip())
             body = []
             for inner in lines:
@@ -57,60 +82,95 @@ def readme_blocks() -> list[Block]:
                     break
                 body.append(inner[indent:])
             lang = line.strip()[3:].strip()
-            index = counts.get((section, lang), 0)
-            counts[section, lang] = index + 1
-            found.append(Block(section, lang, index, "\n".join(body) + "\n"))
+            index = counts.get(lang, 0)
+            counts[lang] = index + 1
+            marker = NOT_RUN.match(previous)
+            reason = marker["reason"] if marker else None
+            found.append(Block(page, lang, index, "\n".join(body) + "\n", reason))
+        previous = line
     return found
 
 
-def block(section: str, lang: str, index: int = 0) -> str:
-    [code] = [b.code for b in readme_blocks() if (b.section, b.lang, b.index) == (section, lang, index)]
+def all_blocks() -> list[Block]:
+    return [b for page in pages() for b in page_blocks(page)]
+
+
+def block(page: str, lang: str, index: int = 0) -> str:
+    [code] = [b.code for b in page_blocks(page) if (b.lang, b.index) == (lang, index)]
     return code
 
 
-def readme_example(heading: str = "## Guard a route of your own") -> dict[str, Any]:
-    """The namespace of a README section's (first) Python block, executed."""
-    namespace: dict[str, Any] = {"__name__": "readme_example"}
-    exec(compile(block(heading, "python"), str(README), "exec"), namespace)
+def run_block(namespace: dict[str, Any], page: str, index: int = 0) -> dict[str, Any]:
+    """Executes a page's Python block in `namespace` (what earlier blocks defined)."""
+    exec(compile(block(page, "python", index), str(page_path(page)), "exec"), namespace)
     return namespace
 
 
-#: Every block of the README and the test that checks it.
+def page_example(page: str, index: int = 0) -> dict[str, Any]:
+    """The namespace of a page's Python block, executed on its own."""
+    return run_block({"__name__": "readme_example"}, page, index)
+
+
+def readme_example() -> dict[str, Any]:
+    """The README's route (`service.py` in its test), executed."""
+    return page_example("README.md")
+
+
+#: Every block of the README and the docs, by page, language and place, and the test that
+#: checks it.
 CHECKED = {
-    ("## Quick start", "sh", 0): "test_quick_start_commands_are_make_targets",
-    ("## Quick start", "sh", 1): "test_curls_run_against_a_live_server",
-    ("## Quick start", "sh", 2): "test_workers_ai_with_an_openai_fallback_as_written",
-    ("## Guard a route of your own", "python", 0): "test_readme_example_degrades_as_documented",
-    ("### The envelope (degrading routes)", "json", 0): "test_envelope_samples_are_real_answers",
-    ("## Fallback chains", "python", 0): "test_readme_chain_example_falls_back_as_documented",
-    ("## Streaming routes", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
-    ("## Streaming routes", "sh", 0): "test_curls_run_against_a_live_server",
-    ("## Streaming routes", "", 0): "test_stream_sample_has_the_documented_events",
-    ("## Logs", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
-    ("## How the guards count", "python", 0): "test_budget_keys_example_keys_by_the_principal",
-    ("## Effort routing", "python", 0): "test_effort_example_routes_by_effort",
-    ("## Effort routing", "python", 1): "test_effort_override_example_escalates_premium_users",
-    ("## The last good answer", "python", 0): "test_last_good_example_serves_the_last_answer",
-    ("## Metrics", "python", 0): "test_metrics_snippet_serves_the_exposition",
-    ("## Status page", "python", 0): "test_status_example_mounts_a_private_page",
-    ("## Status page", "json", 0): "test_status_sample_has_the_fields_of_a_real_answer",
-    ("## Status page", "sh", 0): "test_status_curls_run_against_a_live_server",
-    ("## Traces", "python", 0): "test_tracing_snippet_traces_with_its_provider",
-    ("## Testing your routes", "python", 0): "test_testing_example_passes_under_pytest",
-    ("## Serving in production", "sh", 0): "test_serve_command_serves_and_stops_gracefully",
-    ("## Serving in production", "nginx", 0): "test_nginx_sketch_agrees_with_the_app",
-    ("## Service levels and shedding", "python", 0): "test_health_example_answers_the_level",
-    ("## Multi-step tasks", "python", 0): "test_readme_task_example_resumes_and_replays",
-    ("## Layout", "", 0): "test_layout_names_files_that_exist",
+    ("README.md", "sh", 1): "test_quick_start_commands_are_make_targets",
+    **{("README.md", "sh", i): "test_quick_start_curls_answer_what_the_readme_shows" for i in range(2, 9)},
+    **{("README.md", "json", i): "test_quick_start_curls_answer_what_the_readme_shows" for i in range(5)},
+    **{("README.md", "text", i): "test_quick_start_curls_answer_what_the_readme_shows" for i in range(2)},
+    ("README.md", "python", 0): "test_readme_example_degrades_as_documented",
+    ("README.md", "python", 1): "test_testing_example_passes_under_pytest",
+    ("concepts.md", "python", 0): "test_concepts_route_is_the_readmes",
+    ("getting-started.md", "sh", 1): "test_workers_ai_with_an_openai_fallback_as_written",
+    ("contracts.md", "json", 0): "test_envelope_samples_are_real_answers",
+    ("fallback-chains.md", "python", 0): "test_readme_chain_example_falls_back_as_documented",
+    ("streaming.md", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
+    ("streaming.md", "sh", 0): "test_streaming_curl_streams",
+    ("streaming.md", "", 0): "test_stream_sample_has_the_documented_events",
+    ("operating/logs.md", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
+    ("counting.md", "python", 0): "test_budget_keys_example_keys_by_the_principal",
+    ("effort-routing.md", "python", 0): "test_effort_example_routes_by_effort",
+    ("effort-routing.md", "python", 1): "test_effort_override_example_escalates_premium_users",
+    ("last-good.md", "python", 0): "test_last_good_example_serves_the_last_answer",
+    ("operating/metrics.md", "python", 0): "test_metrics_snippet_serves_the_exposition",
+    ("operating/status-page.md", "python", 0): "test_status_example_mounts_a_private_page",
+    ("operating/status-page.md", "json", 0): "test_status_sample_has_the_fields_of_a_real_answer",
+    ("operating/status-page.md", "sh", 0): "test_status_curls_run_against_a_live_server",
+    ("operating/traces.md", "python", 0): "test_tracing_snippet_traces_with_its_provider",
+    ("testing.md", "python", 0): "test_testing_page_tests_pass_in_either_order",
+    ("operating/serving.md", "sh", 0): "test_serve_command_serves_and_stops_gracefully",
+    ("operating/serving.md", "nginx", 0): "test_nginx_sketch_agrees_with_the_app",
+    ("service-levels.md", "python", 0): "test_health_example_answers_the_level",
+    ("tasks.md", "python", 0): "test_readme_task_example_resumes_and_replays",
+    ("development.md", "", 0): "test_layout_names_files_that_exist",
+    ("benchmarks.md", "sh", 0): "test_benchmark_commands_are_make_targets",
 }
 
 
 def test_every_block_is_checked() -> None:
-    found = {(b.section, b.lang, b.index) for b in readme_blocks()}
-    assert found - set(CHECKED) == set(), "a README block no test checks: add it to CHECKED"
-    assert set(CHECKED) - found == set(), "CHECKED names a block the README no longer has"
+    blocks = all_blocks()
+    found = {(b.page, b.lang, b.index) for b in blocks if b.not_run is None}
+    not_run = {(b.page, b.lang, b.index) for b in blocks if b.not_run is not None}
+    assert found - set(CHECKED) == set(), "a block no test checks: add it to CHECKED"
+    assert set(CHECKED) - found - not_run == set(), "CHECKED names a block the pages no longer have"
+    assert set(CHECKED) & not_run == set(), "a block marked `not run` that a test claims to check"
     for test in CHECKED.values():
         assert callable(globals().get(test)), test
+
+
+def test_not_run_marker_needs_a_reason() -> None:
+    """`<!-- not run: -->` with nothing after the colon is no marker: its block must be checked."""
+    assert NOT_RUN.match("<!-- not run:  -->") is None
+    assert NOT_RUN.match("<!-- not run: installs from the package index -->")["reason"] == (  # type: ignore[index]
+        "installs from the package index"
+    )
+    markers = [line for p in pages() for line in page_text(p).splitlines() if "not run:" in line]
+    assert all(NOT_RUN.match(line) for line in markers), "a `not run` marker without its reason"
 
 
 # --- a live server, as `make run` starts it -----------------------------------------------------
@@ -174,7 +234,7 @@ def shell_commands(code: str) -> list[str]:
 
 
 def test_quick_start_commands_are_make_targets() -> None:
-    for command in shell_commands(block("## Quick start", "sh", 0)):
+    for command in shell_commands(block("README.md", "sh", 1)):
         words = shlex.split(command, comments=True)
         assert words[0] == "make"
         # `make -n`: the target exists and would run (without running it).
@@ -182,7 +242,7 @@ def test_quick_start_commands_are_make_targets() -> None:
 
 
 def test_serve_command_serves_and_stops_gracefully() -> None:
-    [command] = shell_commands(block("## Serving in production", "sh"))
+    [command] = shell_commands(block("operating/serving.md", "sh"))
     words = shlex.split(command)
     assert words[:3] == ["python", "-m", "guards.serve"]
     # As written, on a free port and with two workers (this machine has two cores).
@@ -213,7 +273,7 @@ def test_nginx_sketch_agrees_with_the_app() -> None:
     from guards.providers import WorkersAI
 
     idle_timeout_s = inspect.signature(WorkersAI).parameters["idle_timeout_s"].default
-    config = block("## Serving in production", "nginx")
+    config = block("operating/serving.md", "nginx")
     lines = [line.split("#", 1)[0].strip() for line in config.splitlines()]
     assert config.count("{") == config.count("}")
     for line in filter(None, lines):
@@ -226,62 +286,89 @@ def test_nginx_sketch_agrees_with_the_app() -> None:
     assert directives["proxy_buffering"] == "off"  # Server-Sent Events leave as they come
 
 
-def check_curl(command: str, out: str) -> None:
-    """What each README curl must print, by the route it calls."""
-    if "/health" in command:
-        assert json.loads(out) == {"ok": True, "level": "full", "down": []}
-    elif "/draft-reply/stream" in command:
-        assert out.startswith("event: delta\n")
-        assert out.rstrip().splitlines()[-2] == "event: done"
-    elif '"message": ""' in command:  # the 400
-        body = json.loads(out)
-        assert (body["error"], body["problems"]) == (
-            "invalid_request",
-            [{"field": "body.message", "problem": "string_too_short"}],
-        )
-    elif "/draft-reply" in command:
-        assert set(json.loads(out)) == {"model", "reply", "attempts", "trace_id"}
-    elif "/report" in command:
-        assert set(json.loads(out)) == {"summary", "label", "reply", "resumed_steps", "trace_id"}
-    elif "/summary" in command:
-        body = json.loads(out)
-        assert body["ok"] is True
-        assert set(body["data"]) == {"label", "confidence"}
-    elif "/metrics" in command:
-        assert "guards_requests_total" in out
-    else:  # pragma: no cover - a new curl: say what it must answer above
-        raise AssertionError(f"no check for {command!r}")
+#: Fields of an answer that differ from one request to the next.
+VARYING = {"trace_id"}
 
 
-def test_curls_run_against_a_live_server(run_server: Callable[..., str]) -> None:
+def same_answer(real: Any, shown: Any) -> None:
+    """`shown`, a sample answer, is `real` but for the fields that vary per request."""
+    if isinstance(shown, dict):
+        assert isinstance(real, dict) and set(real) == set(shown), (real, shown)
+        for key, value in shown.items():
+            if key not in VARYING:
+                same_answer(real[key], value)
+    elif isinstance(shown, list):
+        assert isinstance(real, list) and len(real) == len(shown), (real, shown)
+        for got, want in zip(real, shown, strict=True):
+            same_answer(got, want)
+    else:
+        assert real == shown, (real, shown)
+
+
+def sse_events(text: str) -> list[tuple[str, Any]]:
+    return [(name, json.loads(data)) for name, data in re.findall(r"^event: (\w+)\ndata: (.*)$", text, re.MULTILINE)]
+
+
+def check_shown(out: str, lang: str, shown: str) -> None:
+    """What a command printed against what the page shows it prints (`...`: lines left out)."""
+    if lang == "json":
+        same_answer(json.loads(out), json.loads(shown))
+    elif shown.startswith("event: "):  # a stream: the events shown first and last, in order
+        head, _, tail = shown.partition("\n...\n")
+        events, first, last = sse_events(out), sse_events(head), sse_events(tail)
+        assert len(events) >= len(first) + len(last)
+        for (name, data), (shown_name, shown_data) in zip(events[: len(first)] + events[-len(last) :], first + last):
+            assert name == shown_name
+            same_answer(data, shown_data)
+    else:  # lines of the output, in order, with `...` for those left out
+        lines = out.splitlines()
+        at = 0
+        for line in shown.strip().splitlines():
+            if line != "...":
+                assert line in lines[at:], line
+                at = lines.index(line, at) + 1
+
+
+def run_curl(url: str, command: str) -> str:
+    assert command.startswith("curl ")
+    done = subprocess.run(
+        ["bash", "-c", command.replace("localhost:8000", url.removeprefix("http://"))],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, (command, done.stderr)
+    return done.stdout
+
+
+def test_quick_start_curls_answer_what_the_readme_shows(run_server: Callable[..., str]) -> None:
+    """Each Quick start command, against a fresh `make run`, in the README's order, prints what
+    the block after it shows (but for trace ids); the task's, sent again, is replayed."""
+    blocks = [b for b in page_blocks("README.md") if b.not_run is None]
+    at = blocks.index(next(b for b in blocks if b.code.startswith("curl ")))
+    pairs = list(zip(blocks[at::2], blocks[at + 1 :: 2], strict=True))
+    assert len(pairs) == 7
     url = run_server()
-    curls = [
-        command
-        for section, index in (("## Quick start", 1), ("## Streaming routes", 0))
-        for command in shell_commands(block(section, "sh", index))
-    ]
-    assert len(curls) == 8
-    for command in curls:
-        assert command.startswith("curl ")
-        outputs = []
-        # "again: replayed": the same request a second time gets the same answer.
-        for _ in range(2 if "again: replayed" in command else 1):
-            done = subprocess.run(
-                ["bash", "-c", command.replace("localhost:8000", url.removeprefix("http://"))],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-            assert done.returncode == 0, (command, done.stderr)
-            check_curl(command, done.stdout)
-            outputs.append(done.stdout)
-        assert len(set(outputs)) == 1
+    for command_block, shown in pairs:
+        [command] = shell_commands(command_block.code)
+        assert command_block.lang == "sh" and shown.lang in ("json", "text"), command
+        out = run_curl(url, command)
+        check_shown(out, shown.lang, shown.code)
+        if "Idempotency-Key" in command:  # sent again: the same answer
+            assert run_curl(url, command) == out
+
+
+def test_streaming_curl_streams(run_server: Callable[..., str]) -> None:
+    [command] = shell_commands(block("streaming.md", "sh"))
+    out = run_curl(run_server(), command)
+    events = [name for name, _ in sse_events(out)]
+    assert events[0] == "delta" and events[-1] == "done" and set(events) == {"delta", "done"}
 
 
 def test_workers_ai_with_an_openai_fallback_as_written(run_server: Callable[..., str]) -> None:
     """The block's settings, with its `...` filled in, and the providers' base URLs pointed at
     the fake servers: the chain it describes answers."""
-    words = shlex.split(block("## Quick start", "sh", 2).replace("\\\n", " "))
+    words = shlex.split(block("getting-started.md", "sh", 1).replace("\\\n", " "))
     assert words[-2:] == ["make", "run"]
     env = dict(word.split("=", 1) for word in words[:-2])
     with FakeWorkersAI() as workers_ai, FakeOpenAI() as openai:
@@ -342,7 +429,7 @@ def test_budget_keys_example_keys_by_the_principal(use_fake_ai: Any) -> None:
         return User(token) if token else None
 
     example["authenticate"] = authenticate
-    exec(compile(block("## How the guards count", "python"), str(README), "exec"), example)
+    run_block(example, "counting.md")
     fake = use_fake_ai(example["app"])
     fake.default = Reply({"label": "billing", "urgent": False})
 
@@ -375,7 +462,7 @@ def test_budget_keys_example_keys_by_the_principal(use_fake_ai: Any) -> None:
 
 def effort_example() -> tuple[dict[str, Any], FakeBinding, FakeBinding]:
     """The "Effort routing" example, its main binding and its `openai` provider faked."""
-    example = readme_example("## Effort routing")
+    example = page_example("effort-routing.md")
     guards = example["guards"]
     main, openai = FakeBinding(Reply("from the main binding")), FakeBinding(Reply("from openai"))
     guards.binding, guards.providers["openai"] = main, openai
@@ -411,7 +498,7 @@ def test_effort_override_example_escalates_premium_users() -> None:
         return User(plan) if plan else None
 
     example["authenticate"] = authenticate
-    exec(compile(block("## Effort routing", "python", 1), str(README), "exec"), example)
+    run_block(example, "effort-routing.md", 1)
 
     async def scenario() -> list[httpx.Response]:
         async with asgi_client(example["app"]) as client:
@@ -429,7 +516,7 @@ def test_effort_override_example_escalates_premium_users() -> None:
 
 def test_last_good_example_serves_the_last_answer(use_fake_ai: Any) -> None:
     example = readme_example()
-    exec(compile(block("## The last good answer", "python"), str(README), "exec"), example)
+    run_block(example, "last-good.md")
     fake = use_fake_ai(example["app"])
     fake.script("*", Reply({"label": "billing", "urgent": False}), Fail(code=3036, status=429))
 
@@ -451,7 +538,7 @@ def test_last_good_example_serves_the_last_answer(use_fake_ai: Any) -> None:
 
 
 def test_readme_chain_example_falls_back_as_documented() -> None:
-    example = readme_example("## Fallback chains")
+    example = page_example("fallback-chains.md")
     guards = example["guards"]
     main, openai = FakeBinding(), FakeBinding()
     guards.binding, guards.providers["openai"] = main, openai
@@ -476,8 +563,8 @@ def test_readme_chain_example_falls_back_as_documented() -> None:
 
 
 def test_readme_streaming_example_streams_through_the_chain() -> None:
-    example = readme_example("## Fallback chains")
-    exec(compile(block("## Streaming routes", "python"), str(README), "exec"), example)
+    example = page_example("fallback-chains.md")
+    run_block(example, "streaming.md")
     guards = example["guards"]
     main, openai = FakeBinding(), FakeBinding()
     guards.binding, guards.providers["openai"] = main, openai
@@ -501,7 +588,7 @@ def test_readme_streaming_example_streams_through_the_chain() -> None:
 
 def test_metrics_snippet_serves_the_exposition() -> None:
     namespace: dict[str, Any] = {"__name__": "readme_metrics", "app": FastAPI()}
-    exec(compile(block("## Metrics", "python"), str(README), "exec"), namespace)
+    run_block(namespace, "operating/metrics.md")
 
     async def scrape() -> httpx.Response:
         async with asgi_client(namespace["app"]) as client:
@@ -519,7 +606,7 @@ STATUS_TOKEN = "readme-status-token-0123456789"
 def test_status_example_mounts_a_private_page(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STATUS_TOKEN", STATUS_TOKEN)
     example = readme_example()
-    exec(compile(block("## Status page", "python"), str(README), "exec"), example)
+    run_block(example, "operating/status-page.md")
 
     async def views() -> list[httpx.Response]:
         async with asgi_client(example["app"]) as client:
@@ -548,7 +635,7 @@ def _keys(value: Any) -> Any:
 
 
 def test_status_sample_has_the_fields_of_a_real_answer(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
-    [sample] = json_values(block("## Status page", "json"))
+    [sample] = json_values(block("operating/status-page.md", "json"))
     StatusReport.model_validate(sample)
     model, fallback = sample["models"][0]["model"], sample["models"][1]["model"]
     settings = workers_ai_settings(fake_workers_ai, ai_model=model, ai_fallback_models=fallback)
@@ -575,7 +662,7 @@ def test_status_sample_has_the_fields_of_a_real_answer(fake_workers_ai: FakeWork
 
 def test_status_curls_run_against_a_live_server(run_server: Callable[..., str]) -> None:
     url = run_server(STATUS_TOKEN=STATUS_TOKEN)
-    commands = shell_commands(block("## Status page", "sh"))
+    commands = shell_commands(block("operating/status-page.md", "sh"))
     assert len(commands) == 3
     outputs = []
     for command in commands:
@@ -597,36 +684,87 @@ def test_status_curls_run_against_a_live_server(run_server: Callable[..., str]) 
 
 def test_tracing_snippet_traces_with_its_provider() -> None:
     namespace: dict[str, Any] = {"__name__": "readme_traces"}
-    exec(compile(block("## Traces", "python"), str(README), "exec"), namespace)
+    run_block(namespace, "operating/traces.md")
     assert namespace["guards"].tracing is not None
     namespace["provider"].shutdown()
 
 
-def test_testing_example_passes_under_pytest(tmp_path: Path) -> None:
-    """The README's test of the README's route, run by pytest as a user runs it."""
-    (tmp_path / "service.py").write_text(block("## Guard a route of your own", "python"))
-    (tmp_path / "test_service.py").write_text(block("## Testing your routes", "python"))
+def plugin_options() -> list[str]:
+    """How a user's `pytest` gets `guards.testing`'s plugin: installed, the package registers it
+    (the `pytest11` entry point), so no option. This checkout's own environment may have been
+    installed before the entry point was declared: then the plugin is named as the entry point
+    names it, as the installed package would load it."""
+    import importlib.metadata
+    import importlib.util
+    import tomllib
+
+    if importlib.util.find_spec("guards.testing") is None:
+        pytest.skip("guards.testing is not in this checkout yet: the testing docs are written against it")
+    installed = [ep for ep in importlib.metadata.entry_points(group="pytest11") if ep.value.startswith("guards.")]
+    if installed:
+        return []
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("entry-points", {})
+    plugins = [value for value in declared.get("pytest11", {}).values() if value.startswith("guards.")]
+    assert plugins, "guards.testing's pytest plugin is not registered (pyproject: [project.entry-points.pytest11])"
+    return ["-p", plugins[0]]
+
+
+def run_pytest(folder: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
+    """pytest, run from `folder` as a user runs it (warnings as errors, the repository on the
+    path as an installed `guards` would be)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "fixtures.pytest_plugin",
-            "-q",
-            "-W",
-            "error",
-            "test_service.py",
-        ],
-        cwd=tmp_path,
-        env={**environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])},
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", *plugin_options(), "-q", "-p", "no:cacheprovider", "-W", "error", *arguments],
+        cwd=folder,
+        env={**environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])},
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_testing_example_passes_under_pytest(tmp_path: Path) -> None:
+    """The README's test of the README's route, run by pytest as a user runs it."""
+    (tmp_path / "service.py").write_text(block("README.md", "python"))
+    (tmp_path / "test_service.py").write_text(block("README.md", "python", 1))
+    done = run_pytest(tmp_path, "test_service.py")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
+
+
+def test_testing_page_tests_pass_in_either_order(tmp_path: Path) -> None:
+    """The testing page's two tests, in the page's order and reversed: the first leaves a
+    10-minute cooldown behind, which the second never sees."""
+    (tmp_path / "service.py").write_text(block("README.md", "python"))
+    (tmp_path / "test_service.py").write_text(block("testing.md", "python"))
+    first, second = re.findall(r"^async def (test_\w+)", block("testing.md", "python"), re.MULTILINE)
+    for order in ((first, second), (second, first)):
+        done = run_pytest(tmp_path, *(f"test_service.py::{name}" for name in order), "-v")
+        assert done.returncode == 0, done.stdout + done.stderr
+        ran = re.findall(r"::(test_\w+)\S* PASSED", done.stdout)
+        assert ran == list(order), done.stdout
+
+
+def test_concepts_route_is_the_readmes() -> None:
+    """The request path's page shows the README's route, as written (the README's tests run it)."""
+    assert block("concepts.md", "python") == block("README.md", "python")
+
+
+def test_benchmark_commands_are_make_targets() -> None:
+    commands = shell_commands(block("benchmarks.md", "sh"))
+    assert len(commands) == 4
+    for command in commands:
+        words = shlex.split(command, comments=True)
+        assert words[0] == "make"
+        subprocess.run(["make", "-n", "-C", str(ROOT), *words[1:]], check=True, capture_output=True)
+    # Each row of the table names the command that reproduces it, one of the block's.
+    table = page_text("benchmarks.md").split("| figure | today | command |", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) > 20
+    made = {shlex.split(c, comments=True)[1] for c in commands}
+    for row in rows:
+        command = row.rstrip(" |").rsplit("| `", 1)[1].rstrip("`")
+        assert command.split()[0] == "make" and command.split()[1] in made, row
 
 
 # --- samples, checked against what the code produces ------------------------------------------------
@@ -646,7 +784,7 @@ def json_values(text: str) -> list[Any]:
 
 
 def test_envelope_samples_are_real_answers(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
-    samples = json_values(block("### The envelope (degrading routes)", "json"))
+    samples = json_values(block("contracts.md", "json"))
     assert len(samples) == 2
     for sample in samples:
         Envelope[dict[str, Any]].model_validate(sample)
@@ -658,7 +796,7 @@ def test_envelope_samples_are_real_answers(fake_workers_ai: FakeWorkersAI, serve
 
 
 def test_stream_sample_has_the_documented_events() -> None:
-    sample = block("## Streaming routes", "")
+    sample = block("streaming.md", "")
     events = re.findall(r"^event: (\w+)\ndata: (\{.*\})$", sample, re.MULTILINE)
     assert [name for name, _ in events] == ["delta", "delta", "done"]
     schema = create_app(Settings()).openapi()["paths"]["/draft-reply/stream"]["post"]["responses"]["200"]
@@ -669,7 +807,7 @@ def test_stream_sample_has_the_documented_events() -> None:
     for name, data in events:
         assert list(json.loads(data)) == documented[name]["required"], name
     # The table below it names the same events, with the same fields.
-    section = README.read_text().split("## Streaming routes", 1)[1]
+    section = page_text("streaming.md")
     rows = re.findall(r"^\| `(\w+)` \| `\{([^}]*)\}` \|", section, re.MULTILINE)
     assert {name: re.findall(r'"(\w+)"', fields) for name, fields in rows} == {
         name: data["required"] for name, data in documented.items()
@@ -691,14 +829,14 @@ def test_log_samples_have_the_fields_of_real_lines(
     real: dict[str, list[set[str]]] = {}
     for line in guards_log.events():
         real.setdefault(line["event"], []).append(set(line))
-    samples = json_values(block("## Logs", "json"))
+    samples = json_values(block("operating/logs.md", "json"))
     assert [s["event"] for s in samples] == ["effort", "attempt", "retry", "retry", "request"]
     for sample in samples:
         assert set(sample) in real[sample["event"]], sample["event"]
 
 
 def test_layout_names_files_that_exist() -> None:
-    layout = block("## Layout", "")
+    layout = block("development.md", "")
     for name in re.findall(r"(?<![\w/.])([\w.]+\.py)\b", layout):
         if "/" in name:
             assert (ROOT / name).exists(), name
@@ -708,15 +846,15 @@ def test_layout_names_files_that_exist() -> None:
         assert (ROOT / folder).is_dir(), folder
 
 
-# --- what the README says of behaviour ----------------------------------------------------------
+# --- what the pages say of behaviour ----------------------------------------------------------
 
 
-def section(heading: str) -> str:
-    return README.read_text().split(heading + "\n", 1)[1].split("\n## ", 1)[0]
+def section(page: str) -> str:
+    return page_text(page)
 
 
 def test_budget_section_says_what_a_missing_key_does(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
-    text = section("## How the guards count")
+    text = section("counting.md")
     assert "without it" in text
     assert "IP address" in text
     # And so it is: two callers without the header, from one address, share one daily cap.
@@ -733,7 +871,7 @@ def test_budget_section_says_what_a_missing_key_does(fake_workers_ai: FakeWorker
 def test_reason_tables_say_a_cooldown_answers_circuit_open(
     fake_workers_ai: FakeWorkersAI, serve: Serve
 ) -> None:
-    rows = [line for line in README.read_text().splitlines() if "| circuit_open |" in line]
+    rows = [line for line in page_text("contracts.md").splitlines() if "| circuit_open |" in line]
     assert len(rows) == 2
     assert all("cooling down" in row for row in rows)
     assert "3036" in rows[0]
@@ -753,7 +891,7 @@ def test_reason_tables_say_a_cooldown_answers_circuit_open(
 def test_health_example_answers_the_level() -> None:
     example = readme_example()
     example["app"] = FastAPI()  # the block's own route, on an app of its own
-    exec(compile(block("## Service levels and shedding", "python"), str(README), "exec"), example)
+    run_block(example, "service-levels.md")
 
     async def health() -> httpx.Response:
         async with asgi_client(example["app"]) as client:
@@ -763,7 +901,7 @@ def test_health_example_answers_the_level() -> None:
 
 
 def test_readme_task_example_resumes_and_replays(use_fake_ai: Any) -> None:
-    example = readme_example("## Multi-step tasks")
+    example = page_example("tasks.md")
     fake = use_fake_ai(example["app"])
     fake.script(
         "*", Reply("A summary."), Reply({"label": "billing", "confidence": 0.9}), Fail(code=5035, status=403)
