@@ -10,14 +10,16 @@ METRICS_DIR ?= .run/prometheus
 # `make soak`: requests in all (split between its SQLite and Redis phases), and further options.
 SOAK_REQUESTS ?= 1000000
 SOAK_ARGS ?=
+# `make docs`: the port the docs site is served on.
+DOCS_PORT ?= 8001
 # `make bench-http`: interleaved rounds (each figure is the median over them).
 HTTP_ROUNDS ?= 5
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test lint format bench bench-http bench-instructions soak clean
+.PHONY: help install run test lint format docs docs-build bench bench-http bench-instructions soak clean
 
 # Variables a help text may name as $(NAME): `make help` prints their values.
-HELP_VARS := HOST PORT WORKERS METRICS_DIR SOAK_REQUESTS HTTP_ROUNDS VENV PYTHON
+HELP_VARS := HOST PORT WORKERS DOCS_PORT METRICS_DIR SOAK_REQUESTS HTTP_ROUNDS VENV PYTHON
 
 help: ## list the targets
 	@grep -hE '^[A-Za-z0-9][A-Za-z0-9_.-]*:.*## ' $(MAKEFILE_LIST) \
@@ -54,6 +56,12 @@ lint: install ## ruff (lint and format check) and mypy (strict on guards/)
 format: install ## apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+docs: install ## serve the docs site on http://$(HOST):$(DOCS_PORT), rebuilt on every change (mkdocs serve)
+	$(BIN)/mkdocs serve --dev-addr $(HOST):$(DOCS_PORT)
+
+docs-build: install ## build the docs site into site/, every warning an error (mkdocs build --strict)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 bench: install ## print the performance figures (name = value unit)
 	$(BIN)/python bench/bench.py
