@@ -293,12 +293,14 @@ VARYING = {"trace_id"}
 def same_answer(real: Any, shown: Any) -> None:
     """`shown`, a sample answer, is `real` but for the fields that vary per request."""
     if isinstance(shown, dict):
-        assert isinstance(real, dict) and set(real) == set(shown), (real, shown)
+        assert isinstance(real, dict), (real, shown)
+        assert set(real) == set(shown), (real, shown)
         for key, value in shown.items():
             if key not in VARYING:
                 same_answer(real[key], value)
     elif isinstance(shown, list):
-        assert isinstance(real, list) and len(real) == len(shown), (real, shown)
+        assert isinstance(real, list), (real, shown)
+        assert len(real) == len(shown), (real, shown)
         for got, want in zip(real, shown, strict=True):
             same_answer(got, want)
     else:
@@ -306,7 +308,10 @@ def same_answer(real: Any, shown: Any) -> None:
 
 
 def sse_events(text: str) -> list[tuple[str, Any]]:
-    return [(name, json.loads(data)) for name, data in re.findall(r"^event: (\w+)\ndata: (.*)$", text, re.MULTILINE)]
+    return [
+        (name, json.loads(data))
+        for name, data in re.findall(r"^event: (\w+)\ndata: (.*)$", text, re.MULTILINE)
+    ]
 
 
 def check_shown(out: str, lang: str, shown: str) -> None:
@@ -317,7 +322,8 @@ def check_shown(out: str, lang: str, shown: str) -> None:
         head, _, tail = shown.partition("\n...\n")
         events, first, last = sse_events(out), sse_events(head), sse_events(tail)
         assert len(events) >= len(first) + len(last)
-        for (name, data), (shown_name, shown_data) in zip(events[: len(first)] + events[-len(last) :], first + last):
+        ends = events[: len(first)] + events[len(events) - len(last) :]
+        for (name, data), (shown_name, shown_data) in zip(ends, first + last, strict=True):
             assert name == shown_name
             same_answer(data, shown_data)
     else:  # lines of the output, in order, with `...` for those left out
@@ -351,7 +357,8 @@ def test_quick_start_curls_answer_what_the_readme_shows(run_server: Callable[...
     url = run_server()
     for command_block, shown in pairs:
         [command] = shell_commands(command_block.code)
-        assert command_block.lang == "sh" and shown.lang in ("json", "text"), command
+        assert command_block.lang == "sh", command
+        assert shown.lang in ("json", "text"), command
         out = run_curl(url, command)
         check_shown(out, shown.lang, shown.code)
         if "Idempotency-Key" in command:  # sent again: the same answer
@@ -362,7 +369,9 @@ def test_streaming_curl_streams(run_server: Callable[..., str]) -> None:
     [command] = shell_commands(block("streaming.md", "sh"))
     out = run_curl(run_server(), command)
     events = [name for name, _ in sse_events(out)]
-    assert events[0] == "delta" and events[-1] == "done" and set(events) == {"delta", "done"}
+    assert events[0] == "delta"
+    assert events[-1] == "done"
+    assert set(events) == {"delta", "done"}
 
 
 def test_workers_ai_with_an_openai_fallback_as_written(run_server: Callable[..., str]) -> None:
@@ -700,12 +709,16 @@ def plugin_options() -> list[str]:
 
     if importlib.util.find_spec("guards.testing") is None:
         pytest.skip("guards.testing is not in this checkout yet: the testing docs are written against it")
-    installed = [ep for ep in importlib.metadata.entry_points(group="pytest11") if ep.value.startswith("guards.")]
+    installed = [
+        ep for ep in importlib.metadata.entry_points(group="pytest11") if ep.value.startswith("guards.")
+    ]
     if installed:
         return []
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("entry-points", {})
     plugins = [value for value in declared.get("pytest11", {}).values() if value.startswith("guards.")]
-    assert plugins, "guards.testing's pytest plugin is not registered (pyproject: [project.entry-points.pytest11])"
+    assert plugins, (
+        "guards.testing's pytest plugin is not registered (pyproject: [project.entry-points.pytest11])"
+    )
     return ["-p", plugins[0]]
 
 
@@ -714,7 +727,18 @@ def run_pytest(folder: Path, *arguments: str) -> subprocess.CompletedProcess[str
     path as an installed `guards` would be)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", *plugin_options(), "-q", "-p", "no:cacheprovider", "-W", "error", *arguments],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *plugin_options(),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-W",
+            "error",
+            *arguments,
+        ],
         cwd=folder,
         env={**environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])},
         capture_output=True,
@@ -764,7 +788,8 @@ def test_benchmark_commands_are_make_targets() -> None:
     made = {shlex.split(c, comments=True)[1] for c in commands}
     for row in rows:
         command = row.rstrip(" |").rsplit("| `", 1)[1].rstrip("`")
-        assert command.split()[0] == "make" and command.split()[1] in made, row
+        assert command.split()[0] == "make", row
+        assert command.split()[1] in made, row
 
 
 # --- samples, checked against what the code produces ------------------------------------------------
