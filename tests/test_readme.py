@@ -958,3 +958,19 @@ def test_readme_task_example_resumes_and_replays(use_fake_ai: Any) -> None:
     assert replayed.content == resumed.content
     assert replayed.headers["idempotent-replayed"] == "true"
     assert len(fake.calls) == 4
+
+
+def test_readme_is_a_landing_page() -> None:
+    """At most 200 lines, and every link of it into the repository names a file that exists
+    (the docs' own links are checked by `mkdocs build --strict`)."""
+    text = page_text("README.md")
+    assert len(text.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert len(local) > 20
+    for link in local:
+        assert (ROOT / link).is_file(), link
+    # Each page of the docs is one the README links to, or in the site's navigation.
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in pages()[1:]:
+        assert f"docs/{page}" in local or f": {page}" in nav, page
