@@ -58,10 +58,10 @@ format: install ## apply ruff's fixes and formatting
 	$(BIN)/ruff format .
 
 docs: install ## serve the docs site on http://$(HOST):$(DOCS_PORT), rebuilt on every change (mkdocs serve)
-	$(BIN)/mkdocs serve --dev-addr $(HOST):$(DOCS_PORT)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr $(HOST):$(DOCS_PORT)
 
 docs-build: install ## build the docs site into site/, every warning an error (mkdocs build --strict)
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: install ## print the performance figures (name = value unit)
 	$(BIN)/python bench/bench.py
