@@ -32,6 +32,7 @@ from .._errors import ConfigurationError, ProviderError
 from .._stream import StreamEvent
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
+    IDENTITY,
     bounded_wait,
     error_objects,
     json_mode_not_met,
@@ -87,7 +88,9 @@ class OpenAICompatible:
     `cf-aig-authorization` for Cloudflare AI Gateway). `provider` names the provider in
     `ProviderError`s and logs. Pass an `httpx.AsyncClient` to share one across bindings;
     otherwise the binding makes its own and closes it in `aclose`. Bodies are read up to
-    `max_body_bytes` (while streaming: each event, and each line).
+    `max_body_bytes` (while streaming: each event, and each line), as sent: every request asks
+    for `Accept-Encoding: identity`, and an answer with another `Content-Encoding` fails unread
+    (`ProviderError`, `model_unavailable`).
 
     `run` translates Workers-AI-shaped inputs: `messages` pass through, a `prompt` becomes one
     user message, `response_format` `{"type": "json_schema", "json_schema": <JSON Schema>}`
@@ -136,6 +139,9 @@ class OpenAICompatible:
         base = base_url.rstrip("/")
         self._url = f"{base}/chat/completions"
         self._headers = httpx.Headers(headers or {})
+        # Identity per request (over any `headers` given): a client of the caller's own making
+        # asks for it too.
+        self._headers.update(IDENTITY)
         if api_key is not None:
             self._headers["authorization"] = f"Bearer {api_key}"
         self._stream_headers = httpx.Headers(self._headers)

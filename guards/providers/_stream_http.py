@@ -23,7 +23,7 @@ from .._alarm import Alarm
 from .._binding import AIResult, Usage
 from .._errors import ProviderError
 from .._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
-from ._http import parse_usage, read_capped, transport_error
+from ._http import parse_usage, read_capped, refuse_encoded, transport_error
 from ._identifiers import identifier
 from ._sse import EventTooLarge, SSEEvent, SSEParser
 
@@ -247,8 +247,9 @@ async def stream_sse(
 ) -> AsyncGenerator[StreamEvent, None]:
     """POST `body` to `url` and yield its stream events, then exactly one `StreamEnd`.
 
-    Raises `ProviderError`: an error status before the body (parsed by `parse_whole`, like
-    `run`); an in-band error (from `decoder`); `note="stream stalled"` when no complete event
+    Raises `ProviderError`: an answer (the resume's too) whose `Content-Encoding` is not
+    `identity`, unread (`note="content-encoding refused"`: the body is read as sent, never
+    inflated); an error status before the body (parsed by `parse_whole`, like `run`); an in-band error (from `decoder`); `note="stream stalled"` when no complete event
     came for `idle_timeout_s` while waiting on the provider (status None: comments, blank
     lines and parts of a line do not count, nor time the consumer holds the stream); `note="stream truncated"` when the body ends, or the
     connection breaks, before the completion signal (status None); a transport failure before
@@ -287,6 +288,7 @@ async def stream_sse(
                     method, target, json=payload, headers=headers, timeout=timeout, follow_redirects=False
                 ) as response:
                     status = response.status_code
+                    refuse_encoded(response, provider)  # before any byte of the body
                     if resuming and status == 404:
                         raise ProviderError(provider, status=404, note="stream resume expired")
                     if not 200 <= status < 300 or (not resuming and _is_json(response)):
@@ -302,7 +304,7 @@ async def stream_sse(
                             resume_url = f"{resume_base}/run/{run_id}/resume"
                     parser = SSEParser(max_event_bytes=max_event_bytes)
                     reading = True
-                    chunks = response.aiter_bytes()
+                    chunks = response.aiter_raw()  # as sent: never inflated
                     next_chunk = chunks.__anext__
                     try:
                         while True:

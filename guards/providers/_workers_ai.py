@@ -22,6 +22,7 @@ from .._errors import ConfigurationError, ProviderError
 from .._stream import StreamEvent
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
+    IDENTITY,
     error_objects,
     json_mode_not_met,
     new_client,
@@ -44,7 +45,8 @@ class WorkersAI:
 
     Pass an `httpx.AsyncClient` to share one across bindings; otherwise the binding makes its own
     and closes it in `aclose`. Bodies are read up to `max_body_bytes` (while streaming: each
-    event, and each line).
+    event, and each line), as sent: every request asks for `Accept-Encoding: identity`, and an
+    answer with another `Content-Encoding` fails unread (`ProviderError`, `model_unavailable`).
 
     Streaming (`stream`): a stream with no complete event for `idle_timeout_s` fails as stalled
     (comments, blank lines and part of a line do not count). With
@@ -78,7 +80,8 @@ class WorkersAI:
         if max_reconnects < 0:
             raise ConfigurationError("WorkersAI needs max_reconnects >= 0")
         self._url = f"{base_url.rstrip('/')}/accounts/{account_id}/ai/run/"
-        self._headers = {"authorization": f"Bearer {api_token}"}
+        # Identity per request: a client of the caller's own making asks for it too.
+        self._headers = {"authorization": f"Bearer {api_token}", **IDENTITY}
         self._stream_headers = {**self._headers, "accept": "text/event-stream"}
         self._owns_client = client is None
         self._client = client or new_client()
