@@ -38,7 +38,10 @@ class ProviderError(GuardsError):
     which the output guard reports as `schema_invalid`. `quota_exhausted` marks an account
     quota failure a provider signals without a numeric code (OpenAI's `insufficient_quota`).
     `encoding_refused` marks an answer refused unread for its `Content-Encoding` (adapters ask
-    for the body as sent): `model_unavailable` whatever its status.
+    for the body as sent): `model_unavailable` whatever its status. `retry_after_s` is the
+    provider's wait in seconds as this process read it; `retry_at`, when the wait came as an
+    HTTP date, is that date (seconds since the epoch), so a cooldown can end by it on the
+    store's clock rather than this process's.
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class ProviderError(GuardsError):
         json_mode_failed: bool = False,
         quota_exhausted: bool = False,
         encoding_refused: bool = False,
+        retry_at: float | None = None,
         note: str = "",
     ) -> None:
         self.provider = provider
@@ -60,6 +64,7 @@ class ProviderError(GuardsError):
         self.json_mode_failed = json_mode_failed
         self.quota_exhausted = quota_exhausted
         self.encoding_refused = encoding_refused
+        self.retry_at = retry_at
         self.note = note
         super().__init__(self.describe())
 

@@ -37,6 +37,7 @@ __all__ = [
     "numeric_code",
     "parse_retry_after",
     "parse_usage",
+    "retry_date",
     "read_capped",
     "refuse_encoded",
     "transport_error",
@@ -48,6 +49,8 @@ IDENTITY = {"accept-encoding": "identity"}
 #: The `ProviderError.note` of an answer refused for its `Content-Encoding`.
 ENCODING_REFUSED = "content-encoding refused"
 #: The longest wait a provider's `Retry-After` is read as (a daily quota resets within a day).
+#: What becomes of it is the walk's to decide: a cooldown, and the wait a client is told, are
+#: at most the model's `Cooldown.max_s` (10 minutes by default).
 MAX_RETRY_AFTER_S = 86_400.0
 #: Provider numbers outside these ranges are not numbers anyone sends: token counts past 2**53
 #: would overflow a cost computation in floats, codes past 32 bits are no known code.
@@ -189,6 +192,25 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     except (TypeError, ValueError, OverflowError):
         return None
     return bounded_wait(when.timestamp() - (time.time() if now is None else now))
+
+
+def retry_date(value: str | None) -> float | None:
+    """`Retry-After` as the time it names (seconds since the epoch), when it is an HTTP date;
+    None for delta-seconds, an unreadable value or none."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        float(value)
+    except ValueError:
+        pass
+    else:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return when if math.isfinite(when) else None
 
 
 def bounded_wait(seconds: float) -> float | None:

@@ -30,6 +30,7 @@ from ._http import (
     parse_retry_after,
     parse_usage,
     read_capped,
+    retry_date,
     transport_error,
 )
 from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_RECONNECTS, ChunkDecoder, stream_sse
@@ -162,13 +163,15 @@ def parse_workers_ai_response(
     status: int, body: bytes, *, model: str, retry_after: str | None = None
 ) -> AIResult:
     """Turn one Workers AI HTTP answer into a result, or raise `ProviderError`."""
-    wait = parse_retry_after(retry_after)
+    wait, at = parse_retry_after(retry_after), retry_date(retry_after)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-        raise ProviderError(PROVIDER, status=status, retry_after_s=wait, note="non-JSON body") from None
+        raise ProviderError(
+            PROVIDER, status=status, retry_after_s=wait, retry_at=at, note="non-JSON body"
+        ) from None
     if not isinstance(data, dict):
-        raise ProviderError(PROVIDER, status=status, retry_after_s=wait, note="unexpected body")
+        raise ProviderError(PROVIDER, status=status, retry_after_s=wait, retry_at=at, note="unexpected body")
     errors = _errors(data)
     result = data.get("result")
     # Only a 2xx is an answer: a redirect is never followed, so its body is never the result.
@@ -184,6 +187,7 @@ def parse_workers_ai_response(
         code=numeric_code(errors),
         status=status,
         retry_after_s=wait,
+        retry_at=at,
         json_mode_failed=json_mode_not_met(errors),
     )
 
