@@ -26,7 +26,7 @@ from fastapi import FastAPI
 
 from app.main import create_app
 from app.settings import Settings
-from fixtures import FakeOpenAI, FakeWorkersAI, Raw, Reply
+from fixtures import FakeOpenAI, FakeWorkersAI, Raw, Reply, Stream, Text
 from guards import ProviderError, classify
 from guards.providers import OpenAICompatible, WorkersAI
 
@@ -221,3 +221,48 @@ def test_identity_is_read_as_usual(provider: Provider, stream: bool) -> None:
     )
     provider.default = Raw(200, body, "application/json", headers={"content-encoding": "identity"})
     assert outcome(provider, stream) == "plain"
+
+
+@pytest.mark.parametrize("wire", ["workers-ai", "gateway"])
+def test_a_compressed_resume_is_refused_unread(request: pytest.FixtureRequest, wire: str) -> None:
+    """AI Gateway's resume (`GET .../run/{id}/resume`) asks for identity too, and its answer is
+    refused like any other when compressed: the events before the cut, then the failure."""
+    server: Provider
+    if wire == "workers-ai":
+        server = request.getfixturevalue("fake_workers_ai")
+    else:
+        server = request.getfixturevalue("fake_gateway")
+    server.default = Stream(
+        (Text("Hello"), Text(" there")),
+        resumable=True,
+        cut_after=1,
+        resume_headers={"content-encoding": "gzip"},
+    )
+    texts: list[str] = []
+
+    async def call() -> ProviderError | None:
+        if isinstance(server, FakeWorkersAI):
+            binding: WorkersAI | OpenAICompatible = WorkersAI(
+                account_id=server.account_id,
+                api_token=server.api_token,
+                base_url=server.base_url,
+                resume_base=server.base_url,
+            )
+        else:
+            binding = OpenAICompatible(api_key=server.api_key, base_url=server.base_url)
+        try:
+            async for event in binding.stream(MODEL, {"prompt": "Hi"}):
+                texts.append(getattr(event, "text", ""))
+        except ProviderError as error:
+            return error
+        finally:
+            await binding.aclose()
+        return None
+
+    error = asyncio.run(call())
+    assert texts == ["Hello"]
+    assert error is not None
+    assert error.note == "content-encoding refused"
+    assert classify(error).kind.value == "model_unavailable"
+    [resume] = server.resume_request_headers
+    assert resume["accept-encoding"] == "identity"
