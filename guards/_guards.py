@@ -74,8 +74,8 @@ class Guards:
     prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
     model is skipped, and the longest wait a provider may ask for (`Cooldown.max_s`, 10
     minutes by default); `cooldowns` says it per model key (`model` or `provider:model`),
-    for the models that differ; `attribution` how responses name the model that served (`x-ai-model`,
-    `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
+    for the models that differ; `attribution` how responses name the model that served
+    (`x-ai-model`, `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
     `tracing` turns on OpenTelemetry traces (GenAI semantic conventions; needs `guards[otel]`):
     True traces with OpenTelemetry's global tracer provider, a `TracerProvider` with that one;
     False (default) imports nothing of OpenTelemetry and costs nothing.

@@ -37,9 +37,9 @@ __all__ = [
     "numeric_code",
     "parse_retry_after",
     "parse_usage",
-    "retry_date",
     "read_capped",
     "refuse_encoded",
+    "retry_date",
     "transport_error",
 ]
 
