@@ -147,6 +147,9 @@ class Report:
     - `breaker_key` (with `breaker`, `outcome`, `probe`): record the call's outcome, as
       `Store.breaker_record` does; None: nothing to record;
     - `cooldown_key`, `cooldown_s`: start a cooldown, as `Store.start_cooldown` (0: none);
+      `cooldown_until` (the provider's HTTP date, seconds since the epoch), when set, ends it
+      no later than that on the store's clock: it lasts `min(cooldown_s, cooldown_until -
+      now)`, and a date already past starts none;
     - `spend_key`, `reservation`, `actual`: settle the request's spend hold, as
       `Store.settle_spend` (None: no hold);
     - `success_age`: how many seconds ago the caller's last success on the breaker's model
@@ -160,6 +163,7 @@ class Report:
     success_age: float | None = None
     cooldown_key: str | None = None
     cooldown_s: float = 0.0
+    cooldown_until: float | None = None
     spend_key: str | None = None
     reservation: str | None = None
     actual: float = 0.0

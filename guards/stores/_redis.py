@@ -445,7 +445,8 @@ end
 -- (each packed command argument costs the client more than the script's split), numbered
 -- from 3 in `a`: a[3] L; a[4..9] the step's breaker policy; a[10] '1' to charge: a[11..16]
 -- per_minute, per_day, spend, cap, hold_s, reservation; a[17..22] the report's breaker policy,
--- a[23] outcome, a[24] probe; a[25] cooldown seconds; a[26] the reservation to settle, a[27]
+-- a[23] outcome, a[24] probe; a[25] cooldown seconds (then, after a space, the latest it may
+-- end, store time: a provider's date); a[26] the reservation to settle, a[27]
 -- its actual cost; a[28] the report's success age, a[29..28+L] the legs' ('' for none: see Step).
 -- Returns one string, its fields joined by '|' (one reply to parse, not a
 -- dozen): admitted index (0-based) or '', refused_by or '', retry_after, reservation or '',
@@ -472,7 +473,9 @@ local function step()
     recorded = table.concat(state_fields(after), ' ')
     if after.state ~= before.state then report_to = after.state end
   end
-  local cool_s = tonumber(a[25])
+  local cool, cool_end = string.match(a[25], '^(%S*) ?(%S*)$')
+  local cool_s, ends_by = tonumber(cool), tonumber(cool_end)
+  if cool_s and ends_by then cool_s = math.min(cool_s, ends_by - now) end
   if cool_s and cool_s > 0 then start_cooldown(KEYS[base + 5], cool_s) end
   if a[26] ~= '' then settle(KEYS[base + 6], a[26], tonumber(a[27])) end
   local policy = read_policy(a, 4)
@@ -870,7 +873,11 @@ class RedisStore:
                 self._key(report.spend_key) + ":spend:" if report.spend_key else "",
             ]
             args += [*_policy_args(report.breaker if record else None), report.outcome.value]
-            args += [_num(report.probe), _num(report.cooldown_s if report.cooldown_key else None)]
+            cooling = report.cooldown_key is not None
+            cooldown = _num(report.cooldown_s if cooling else None)
+            if cooling and report.cooldown_until is not None:
+                cooldown += " " + _num(report.cooldown_until)
+            args += [_num(report.probe), cooldown]
             settle = report.spend_key is not None and report.reservation is not None
             args += [report.reservation or "" if settle else "", _num(report.actual)]
         args.append(_num(report.success_age if record and report is not None else None))
