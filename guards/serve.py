@@ -16,7 +16,10 @@ open connections, with 503 past it. The open file limit is checked, and raised u
 limit, before any worker starts.
 
 The parent process supervises: SIGINT or SIGTERM stops the workers gracefully (uvicorn finishes
-the requests in flight, for at most `timeout_graceful_shutdown_s`; a second signal forces them),
+the requests in flight, for at most `timeout_graceful_shutdown_s`: then every stream still
+relayed ends with an `error` event, `call`/`timeout`, its spend settled and its request logged
+with `"cut": "shutdown"`, and a second later what is left is cancelled; a second signal forces
+them),
 a worker that dies is replaced, and a worker that fails while starting stops the server (exit
 status 3). Linux: other systems do not balance `SO_REUSEPORT` sockets.
 """
@@ -24,6 +27,7 @@ status 3). Linux: other systems do not balance `SO_REUSEPORT` sockets.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import gc
 import logging
@@ -41,6 +45,7 @@ from multiprocessing.process import BaseProcess
 import uvicorn
 
 from ._connections import BoundedConfig
+from ._relay import stop_streams
 
 __all__ = [
     "DEFAULT_LIMIT_CONCURRENCY",
@@ -64,6 +69,9 @@ RESERVED_FILES = 256
 #: The least `limit_concurrency` the default is lowered to when the open file limit is small.
 _MIN_LIMIT_CONCURRENCY = 64
 _STARTUP_FAILURE = 3
+#: Seconds the streams told to stop at the end of the graceful period have to send their
+#: `error` event and settle, before uvicorn cancels the requests still in flight.
+_STREAMS_STOP_S = 1
 
 
 class ServeError(Exception):
@@ -208,6 +216,15 @@ class _Worker(uvicorn.Server):
             gc.freeze()
         self._ready.close()
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # At the end of the graceful period, the streams still relayed end with an `error`
+        # event (`stop_streams`); uvicorn cancels what is left `_STREAMS_STOP_S` later.
+        timer = asyncio.get_running_loop().call_later(self._options.timeout_graceful_shutdown_s, stop_streams)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
     async def on_tick(self, counter: int) -> bool:
         if counter % 10 == 0 and os.getppid() != self._parent:
             self.should_exit = True  # orphaned: the supervisor died without stopping us
@@ -222,7 +239,7 @@ def _run_worker(options: _Options, ready: Connection) -> None:
         port=options.port,
         limit_concurrency=options.limit_concurrency,
         timeout_keep_alive=options.timeout_keep_alive_s,
-        timeout_graceful_shutdown=options.timeout_graceful_shutdown_s,
+        timeout_graceful_shutdown=options.timeout_graceful_shutdown_s + _STREAMS_STOP_S,
         backlog=options.backlog,
         log_level=options.log_level,
         access_log=options.access_log,
@@ -314,7 +331,7 @@ class _Supervisor:
         killing what is left after the graceful timeout."""
         logger.info("Stopping %d worker(s).", len(self.slots))
         self._signal_workers(signal.SIGTERM)
-        deadline = time.monotonic() + self.options.timeout_graceful_shutdown_s + 5
+        deadline = time.monotonic() + self.options.timeout_graceful_shutdown_s + _STREAMS_STOP_S + 5
         give_up = False
         while (alive := [s.process.sentinel for s in self.slots if s.process.is_alive()]) and not give_up:
             remaining = deadline - time.monotonic()
