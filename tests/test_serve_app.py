@@ -16,14 +16,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 
 from fixtures import FakeWorkersAI, Stream, Text
+from guards.stores import open_store
 
 from .served import ServedApp
 
 #: Streams in flight when the server is told to stop.
 STREAMS = 20
+#: `tests/serve_spend.py`'s price of a call, and the spend key of its caller `ada`.
+CALL_PRICE = 1.0
+ADA = "guards:stream:ada"
 MESSAGE = {"message": "Where is my order?"}
 #: A control character in a log line (the newline and the tab aside).
 CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -80,14 +85,16 @@ def test_a_stream_cut_by_a_shutdown_ends_with_an_error_event_and_no_traceback(
 ) -> None:
     """Twenty streams from a slow provider, then SIGTERM with a one-second graceful period:
     past it, every stream ends with one `error` event (`call`/`timeout`, the server stopping),
-    the request log says each was cut by the shutdown (not that its client left), and the
-    server writes no traceback; the supervisor exits 0 (no worker had to be killed)."""
+    each request's spend is settled (a cut stream costs its call: 1 unit, not its 2-unit
+    hold), the request log says each was cut by the shutdown (not that its client left), and
+    the server writes no traceback; the supervisor exits 0 (no worker had to be killed)."""
     fake_workers_ai.default = Stream(parts=[Text("word ")] * 200, interval_s=0.1)
     started = threading.Barrier(STREAMS + 1, timeout=20)
 
     def stream(client: httpx.Client) -> list[str]:
         lines: list[str] = []
-        with client.stream("POST", "/draft-reply/stream", json=MESSAGE) as answer:
+        ask = {"message": "Where is my order?"}
+        with client.stream("POST", "/stream", json=ask, headers={"x-user-id": "ada"}) as answer:
             assert answer.status_code == 200
             for line in answer.iter_lines():
                 lines.append(line)
@@ -95,8 +102,15 @@ def test_a_stream_cut_by_a_shutdown_ends_with_an_error_event_and_no_traceback(
                     started.wait()  # the first delta is here: the stream is committed
         return lines
 
-    env = app_env(fake_workers_ai)
-    with ServedApp(tmp_path / "log", "app.main:app", "--timeout-graceful-shutdown", "1", env=env) as served:
+    database = tmp_path / "guards.db"
+    env = {
+        "FAKE_ACCOUNT_ID": fake_workers_ai.account_id,
+        "FAKE_API_TOKEN": fake_workers_ai.api_token,
+        "FAKE_BASE_URL": fake_workers_ai.base_url,
+        "SPEND_DB": str(database),
+    }
+    args = ("--timeout-graceful-shutdown", "1")
+    with ServedApp(tmp_path / "log", "tests.serve_spend:app", *args, env=env) as served:
         served.wait_started(1)
         limits = httpx.Limits(max_connections=STREAMS)
         with (
@@ -123,6 +137,15 @@ def test_a_stream_cut_by_a_shutdown_ends_with_an_error_event_and_no_traceback(
     assert "Traceback" not in log
     assert "Exception in ASGI application" not in log
     assert "CancelledError" not in log
+
+    async def spent() -> float:
+        store = open_store(f"sqlite:///{database}")
+        try:
+            return await store.spent(ADA)
+        finally:
+            await store.aclose()
+
+    assert anyio.run(spent) == STREAMS * CALL_PRICE
 
 
 def test_forwarded_headers_are_not_trusted_and_the_log_is_escaped(
