@@ -34,7 +34,7 @@ from ._ledger import Attempt
 from ._log import emit, emit_warning, logger
 from ._metrics import SKIPS, STORE_UNAVAILABLE, counter, flush_soon
 from ._output import OutputGuard, output_guard
-from ._relay import SHUTDOWN_DETAIL, Opened, Relayed, no_events, open_stream, relay
+from ._relay import Opened, Relayed, no_events, open_stream, relay
 from ._retry_budget import admit_retry
 from ._route_spec import GuardedRoute, Leg
 from ._stream import StreamEnd, StreamingBinding, TextDelta
@@ -556,7 +556,7 @@ class AI(Generic[T]):
             self._stream_done(leg, opened, relayed.kind, relayed.end, relayed.delivered, recorded)
             await self._finish_leg(leg, relayed.outcome, probe, record_success)
             failure = relayed.failure
-            if failure is not None and failure.detail is SHUTDOWN_DETAIL:
+            if relayed.stopped:
                 # Cut by the server stopping (`stop_streams`), not by its client leaving.
                 finish_request(
                     self._route, self, self._started, "error", 200, tripped=failure, cut="shutdown"

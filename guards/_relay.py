@@ -124,13 +124,15 @@ class Relayed:
     cut it, or `"cancelled"` (the client left, or the server is stopping); `outcome` the
     breaker's verdict on the model (`released`: none); `end` the completion signal, if it
     came; `delivered` the characters of output sent; `failure` what the `error` event said
-    (None after `done`, and when the client left or the server cancelled the request)."""
+    (None after `done`, and when the client left or the server cancelled the request);
+    `stopped` whether the server cut it (`stop_streams`)."""
 
     kind: str
     outcome: Outcome
     end: StreamEnd | None
     delivered: int
     failure: GuardTripped | None
+    stopped: bool = False
 
 
 async def relay(
@@ -151,7 +153,8 @@ async def relay(
     names the chain entry in failures; `provider` in a truncation.
 
     Limits: the stream ends with `error` at `deadline` (event-loop time; the route's `max_s`
-    after the request began: `call`/`timeout`) and before an event would take its output past
+    after the request began: `call`/`timeout`), when the server stops (`stop_streams`: also
+    `call`/`timeout`, `SHUTDOWN_DETAIL`) and before an event would take its output past
     `max_chars` characters (`call`/`provider_error`). Either way the provider's stream is
     closed at once. One timer for the whole stream (`Alarm`), and no clock read per event.
     """
@@ -201,8 +204,8 @@ async def relay(
         alarm.waiting = None
         _live.discard(alarm)
         rang = alarm.interrupted(task) or isinstance(exc, _TimeUp)
-        if rang and _stopping:
-            # Not the model's doing: no verdict on it, and the attempt counts as cancelled.
+        stopped = rang and _stopping
+        if stopped:
             failure = GuardTripped(Reason.timeout, SHUTDOWN_DETAIL, model=model)
         elif rang:
             failure = GuardTripped(
@@ -234,8 +237,9 @@ async def relay(
         # The provider's stream is closed before the client hears of the end.
         alarm.close()
         await aclose(upstream)
-        if failure.detail is SHUTDOWN_DETAIL:
-            relayed = Relayed(Kind.cancelled.value, Outcome.released, end, delivered, failure)
+        if stopped:
+            # Not the model's doing: no verdict on it, and the attempt counts as cancelled.
+            relayed = Relayed(Kind.cancelled.value, Outcome.released, end, delivered, failure, stopped=True)
         else:
             relayed = Relayed(
                 failure.kind.value if failure.kind else "ok", Outcome.failure, end, delivered, failure

@@ -367,11 +367,15 @@ _CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
 _CONTROLS_BUT_NEWLINE = {c: text for c, text in _CONTROLS.items() if c != 0x0A}
 
 
+_TRACEBACK = logging.Formatter()
+
+
 class _EscapeControls(logging.Filter):
     """What a client sends cannot move a terminal's cursor, clear it, color it or start a log
     line of its own. Escapes a record's arguments (a client's address, path, header: every control
     character) and its message (all but the newlines of the code's own text) in place, before
-    any formatter sees them; uvicorn's access formatter reads the arguments as they are."""
+    any formatter sees them (a traceback too); uvicorn's access formatter reads the arguments
+    as they are."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.msg, str):
@@ -379,6 +383,9 @@ class _EscapeControls(logging.Filter):
         args = record.args
         if isinstance(args, tuple) and any(isinstance(arg, str) for arg in args):
             record.args = tuple(arg.translate(_CONTROLS) if isinstance(arg, str) else arg for arg in args)
+        if record.exc_info and not record.exc_text:
+            # A traceback's last line repeats its exception's message, which may quote a client.
+            record.exc_text = _TRACEBACK.formatException(record.exc_info).translate(_CONTROLS_BUT_NEWLINE)
         return True
 
 
