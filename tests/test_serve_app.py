@@ -183,3 +183,17 @@ def test_forwarded_headers_of_a_trusted_proxy_name_the_client(
         log = served.log
     assert '6.6.6.6:0 - "GET /health HTTP/1.1" 200' in log
     assert not re.search(CONTROLS, log), repr(log[-400:])
+
+
+def test_a_traceback_quoting_a_client_is_escaped(tmp_path: Path) -> None:
+    """An app that crashes with a client's header in its exception: uvicorn logs the
+    traceback, its last line escaped."""
+    with ServedApp(tmp_path / "log", "tests.serve_probe:app") as served:
+        served.wait_started(1)
+        answer = raw_get(served.port, "/raise", {"x-say": "hello\x1b[2J\x1b[31m"})
+        assert answer.startswith(b"HTTP/1.1 500")
+        assert served.stop() == 0
+        log = served.log
+    assert "Exception in ASGI application" in log
+    assert "RuntimeError: the client said hello\\x1b[2J\\x1b[31m" in log
+    assert not re.search(CONTROLS, log), repr(log[-400:])
