@@ -555,11 +555,17 @@ class AI(Generic[T]):
         async def ended(relayed: Relayed) -> None:
             self._stream_done(leg, opened, relayed.kind, relayed.end, relayed.delivered, recorded)
             await self._finish_leg(leg, relayed.outcome, probe, record_success)
-            if relayed.outcome is Outcome.released:
+            failure = relayed.failure
+            if relayed.stopped:
+                # Cut by the server stopping (`stop_streams`), not by its client leaving.
+                finish_request(
+                    self._route, self, self._started, "error", 200, tripped=failure, cut="shutdown"
+                )
+            elif relayed.outcome is Outcome.released:
                 finish_request(self._route, self, self._started, "cancelled", 200)
             else:
-                outcome = "error" if relayed.failure is not None else "ok"
-                finish_request(self._route, self, self._started, outcome, 200, tripped=relayed.failure)
+                outcome = "error" if failure is not None else "ok"
+                finish_request(self._route, self, self._started, outcome, 200, tripped=failure)
 
         route = self._route
         if self._trace is not None:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import Drop, Fail, FakeWorkersAI, Hang, Raw, Reply
 from guards import AI, Guards
 
