@@ -24,7 +24,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from app.settings import Settings
 from fixtures import FakeOpenAI, FakeWorkersAI, Raw, Reply, Stream, Text
 from guards import ProviderError, classify
