@@ -552,6 +552,7 @@ class SQLiteStore:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         self._path = os.fspath(path)
+        self._shm = self._path + "-shm"
         self._clock = clock or SystemClock()
         self._timeout_s = timeout_s
         self._sweep_interval_s = sweep_interval_s
@@ -851,7 +852,7 @@ class SQLiteStore:
         The next checkpoint comes after as many commits as wrote `_WAL_PAGES` pages of WAL
         this time (SQLite says how many pages the WAL holds)."""
         commits, self._commits = self._commits, 0
-        if self._conn is None:
+        if self._conn is None or not os.access(self._shm, os.W_OK):  # (see `_check_files`)
             return
         try:
             row = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
@@ -880,7 +881,8 @@ class SQLiteStore:
                 if inline and (_is_busy(exc) or self._conn is not None):
                     return live  # the lock is taken, or an error the thread deals with (closing)
                 if not _is_busy(exc):  # cannot open, I/O error, file replaced: start afresh next time
-                    self._disconnect()
+                    if not _is_unwritable(exc):  # (an unwritable -shm: the connection waits)
+                        self._disconnect()
                     reason = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
                     unavailable = StoreUnavailable(f"SQLite store {self._path}: {reason}")
                     for job in live:
@@ -956,6 +958,8 @@ class SQLiteStore:
         # No SQLite busy handler (timeout 0): `_when_free` is the busy timeout. Once this store
         # has had its file, it never creates one again (`mode=rw`): a file deleted under running
         # workers must not come back empty behind their backs (every limit would start over).
+        if not os.access(self._shm, os.W_OK) and os.path.exists(self._shm):  # (see `_check_files`)
+            raise _file_problem(_UNWRITABLE)
         target, uri = self._path, False
         if self._opened:
             target, uri = f"file:{quote(os.path.abspath(self._path))}?mode=rw", True
@@ -998,7 +1002,13 @@ class SQLiteStore:
         """Before each transaction: is the file this connection has open still the one at the
         path? The -shm (the WAL index, which SQLite maps into memory) is checked every time:
         a mapped file that shrank under the process kills it with SIGBUS at the next access,
-        so a -shm replaced, deleted or truncated makes the store unavailable instead. The
+        so a -shm replaced, deleted or truncated makes the store unavailable instead. So does
+        a -shm this process may no longer write (immutable, on a file system remounted
+        read-only, or its write permission taken away): every transaction writes to the
+        mapping, and the kernel answers the write fault on a page of an immutable file with
+        SIGBUS too. That connection is kept as it is, untouched (closing it would write to the
+        mapping), and used again once the file is writable. (A change between this check and
+        the transaction, microseconds later, is not caught.) The
         database file and its -wal (deleted, or replaced by another file) are checked at most
         once per `_CHECK_EVERY_S`: a worker notices within that, never writes to a file other
         workers no longer share, and answers `StoreUnavailable` until a database is at the
@@ -1011,6 +1021,8 @@ class SQLiteStore:
                 problem = "WAL index (-shm) replaced or truncated"
             elif shm.st_size > size:
                 self._files = (db, wal, (dev, ino, shm.st_size))
+            if problem is None and not os.access(self._shm, os.W_OK):
+                raise _file_problem(_UNWRITABLE)
             if problem is None and time.monotonic() >= self._next_check:
                 self._next_check = time.monotonic() + _CHECK_EVERY_S
                 now = (os.stat(self._path), os.stat(self._path + "-wal"))
@@ -1072,12 +1084,17 @@ class SQLiteStore:
 
     def _disconnect(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
+        if conn is None:
+            return
+        if not os.access(self._shm, os.W_OK) and os.path.exists(self._shm):
+            _INHERITED.append(conn)  # closing it would write to its unwritable mapping: kept
+            return
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
 
 
-#: Stores of this process, and connections inherited from a parent process (kept, never used).
+#: Stores of this process, and connections kept rather than closed: inherited from a parent
+#: process, or dropped while their -shm was unwritable (never used again).
 _STORES: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
 _INHERITED: list[sqlite3.Connection] = []
 
@@ -1093,6 +1110,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def _is_busy(exc: sqlite3.Error) -> bool:
     name = getattr(exc, "sqlite_errorname", "")
     return name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in str(exc)
+
+
+#: Why a store is unavailable while its -shm cannot be written (see `SQLiteStore._check_files`).
+_UNWRITABLE = "WAL index (-shm) not writable"
+
+
+def _is_unwritable(exc: sqlite3.Error) -> bool:
+    return getattr(exc, "sqlite_errorname", None) == _UNWRITABLE
 
 
 def _file_problem(problem: str) -> sqlite3.OperationalError:
