@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome
+from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome, keep_s
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._clock import Clock, SystemClock
@@ -299,7 +299,7 @@ class _State:
         if state is CLOSED or state == CLOSED:
             self._store._data.pop(key, None)  # a healthy breaker needs no key at all
         else:
-            self._store._data[key] = (state, now + policy.ttl_s)
+            self._store._data[key] = (state, now + keep_s(state, policy))
 
     def charge(self, charge: Charge, now: float) -> tuple[Admission | None, str | None]:
         store, key = self._store, charge.key

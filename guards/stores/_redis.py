@@ -267,18 +267,19 @@ local function start_cooldown(key, seconds)
 end
 
 -- Breakers: guards._breaker.admit / record, ported line for line. The state is one string:
--- "state opened_at probes last_probe_at successes probe_since expires_at failures", failures
--- comma-separated or '-'. expires_at (now + ttl_s at the last write) makes a key read after
+-- "state opened_at probes last_probe_at successes probe_since expires_at failures open_s", failures
+-- comma-separated or '-' (open_s, the open period the opener's policy set, missing in a state
+-- written before it was kept: 0, the reader's policy decides). expires_at (now + ttl_s at the last write) makes a key read after
 -- its TTL on the store's clock count as gone, exactly like MemoryStore, whatever the clock.
 
 local function closed()
   return {state = 'closed', failures = {}, opened_at = 0, probes = 0, last_probe_at = 0,
-    successes = 0, probe_since = 0}
+    successes = 0, probe_since = 0, open_s = 0}
 end
 
 local function is_closed(s)
   return s.state == 'closed' and #s.failures == 0 and s.opened_at == 0 and s.probes == 0
-    and s.last_probe_at == 0 and s.successes == 0 and s.probe_since == 0
+    and s.last_probe_at == 0 and s.successes == 0 and s.probe_since == 0 and s.open_s == 0
 end
 
 local function load_breaker(key)
@@ -293,7 +294,7 @@ local function load_breaker(key)
   end
   return {state = f[1], opened_at = tonumber(f[2]), probes = tonumber(f[3]),
     last_probe_at = tonumber(f[4]), successes = tonumber(f[5]), probe_since = tonumber(f[6]),
-    failures = failures}
+    failures = failures, open_s = tonumber(f[9] or '0')}
 end
 
 local function state_fields(s)
@@ -302,7 +303,7 @@ local function state_fields(s)
   local joined = '-'
   if #failures > 0 then joined = table.concat(failures, ',') end
   return {s.state, fmt(s.opened_at), fmt(s.probes), fmt(s.last_probe_at), fmt(s.successes),
-    fmt(s.probe_since), joined}
+    fmt(s.probe_since), joined, fmt(s.open_s)}
 end
 
 local function save_breaker(key, s, ttl_s)
@@ -310,8 +311,9 @@ local function save_breaker(key, s, ttl_s)
     redis.call('DEL', key) -- a healthy breaker needs no key at all
     return
   end
+  ttl_s = math.max(ttl_s, 2 * s.open_s + 600) -- guards._breaker.keep_s
   local f = state_fields(s)
-  local raw = table.concat({f[1], f[2], f[3], f[4], f[5], f[6], fmt(now + ttl_s), f[7]}, ' ')
+  local raw = table.concat({f[1], f[2], f[3], f[4], f[5], f[6], fmt(now + ttl_s), f[7], f[8]}, ' ')
   redis.call('SET', key, raw, 'PX', string.format('%d', math.ceil(ttl_s * 1000)))
 end
 
@@ -340,6 +342,12 @@ local function copy(s)
   return c
 end
 
+-- guards._breaker.open_period: the period stored when the breaker opened, else the policy's.
+local function open_period(s, policy)
+  if s.open_s > 0 then return s.open_s end
+  return policy.reset_timeout_s
+end
+
 -- Returns the new state and the decision {allowed, probe, state, retry_after, record_success}.
 local function admit(s, policy)
   s = copy(s)
@@ -349,14 +357,15 @@ local function admit(s, policy)
     return s, {'1', '', 'closed', '', record_success}
   end
   if s.state == 'open' then
-    local reopen_at = s.opened_at + policy.reset_timeout_s
+    local reopen_at = s.opened_at + open_period(s, policy)
     if now < reopen_at then
       return s, {'0', '', s.state, fmt(reopen_at - now), '1'}
     end
-    local opened_at = s.opened_at
+    local opened_at, open_s = s.opened_at, s.open_s
     s = closed()
     s.state = 'half_open'
     s.opened_at = opened_at
+    s.open_s = open_s
     s.probe_since = now
   end
   if s.probes < policy.half_open_probes then
@@ -366,7 +375,7 @@ local function admit(s, policy)
   end
   -- Every slot is taken: slots held longer than the reset timeout belong to calls that never
   -- reported; start a new generation of probes (the lost probes' tickets go stale).
-  local reclaim_at = s.last_probe_at + policy.reset_timeout_s
+  local reclaim_at = s.last_probe_at + open_period(s, policy)
   if now < reclaim_at then
     return s, {'0', '', s.state, fmt(reclaim_at - now), '1'}
   end
@@ -401,6 +410,7 @@ local function record(s, policy, outcome, probe)
       local opened = closed()
       opened.state = 'open'
       opened.opened_at = now
+      opened.open_s = policy.reset_timeout_s
       return opened
     end
     if outcome == 'success' then
@@ -432,6 +442,7 @@ local function record(s, policy, outcome, probe)
     local opened = closed()
     opened.state = 'open'
     opened.opened_at = now
+    opened.open_s = policy.reset_timeout_s
     return opened
   end
   local s2 = closed()
@@ -543,14 +554,14 @@ local function step()
 end
 
 -- The health of models, read only: KEYS are L cooldown keys, then the L breaker keys. Returns
--- {now, the L waits, then L breaker states of 7 fields}.
+-- {now, the L waits, then L breaker states of 8 fields}.
 local function health()
   local n = #KEYS / 2
   local reply = {fmt(now)}
   for i = 1, n do reply[#reply + 1] = fmt(cooldown_left(KEYS[i])) end
   for i = 1, n do
     local f = state_fields(load_breaker(KEYS[n + i]))
-    for j = 1, 7 do reply[#reply + 1] = f[j] end
+    for j = 1, 8 do reply[#reply + 1] = f[j] end
   end
   return reply
 end
@@ -713,17 +724,21 @@ class RedisStore:
     `url`: `redis://[[user]:password@]host:port/db`, `rediss://...` (TLS) or
     `unix:///path/to/socket?db=n`, with the options `_Address` lists. `clock`: tests only
     (by default the time is Redis'). `timeout_s` bounds every round trip. `prefix` starts every
-    key (no `{` or `}` in it: hash tags are the store's).
+    key (no `{` or `}` in it: hash tags are the store's): by default the URL's `prefix` option
+    (`redis://host:6379/0?prefix=billing:`), else `guards:`. Apps that share one Redis share
+    the state of what they name alike (a model's breaker and cooldown, a budget of the same
+    scope and caller); a prefix of their own keeps them apart.
     """
 
     def __init__(
-        self, url: str, *, clock: Clock | None = None, timeout_s: float = 0.1, prefix: str = "guards:"
+        self, url: str, *, clock: Clock | None = None, timeout_s: float = 0.1, prefix: str | None = None
     ) -> None:
+        self._address = _Address.parse(url)
+        prefix = prefix if prefix is not None else self._address.prefix or "guards:"
         if "{" in prefix or "}" in prefix:
             raise ValueError("the key prefix must not contain '{' or '}' (the store's hash tags)")
         if not timeout_s > 0:
             raise ValueError("timeout_s must be positive")
-        self._address = _Address.parse(url)
         self._clock = clock
         self._timeout_s = timeout_s
         self._prefix = prefix
@@ -912,7 +927,7 @@ class RedisStore:
         keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
         reply = await self._run("health", keys)
         n = len(legs)
-        breakers = tuple(_state(reply[1 + n + 7 * i : 8 + n + 7 * i]) for i in range(n))
+        breakers = tuple(_state(reply[1 + n + 8 * i : 9 + n + 8 * i]) for i in range(n))
         return Health(float(reply[0]), breakers, tuple(float(wait) for wait in reply[1 : 1 + n]))
 
     async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
@@ -1239,7 +1254,8 @@ class _Address:
     `unix://[[username]:password@]/path/to/socket[?db=n]`. Options, in the query string:
     `db`, and for TLS `ssl_cert_reqs` (`required`, the default; `optional`; `none`),
     `ssl_ca_certs` (a CA file), `ssl_certfile` and `ssl_keyfile` (a client certificate),
-    `ssl_check_hostname` (`true` by default when certificates are required)."""
+    `ssl_check_hostname` (`true` by default when certificates are required); and `prefix`, the
+    store's key prefix (see `RedisStore`)."""
 
     host: str = "localhost"
     port: int = 6379
@@ -1248,9 +1264,10 @@ class _Address:
     username: str | None = None
     password: str | None = None
     tls: ssl.SSLContext | None = None
+    prefix: str | None = None
 
     _OPTIONS = frozenset(
-        {"db", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
+        {"db", "prefix", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
     )
 
     @classmethod
@@ -1282,14 +1299,27 @@ class _Address:
         if parts.scheme == "unix":
             if not parts.path:
                 raise ValueError("invalid Redis URL: unix:// needs the socket's path")
-            return cls(path=parts.path, db=int(db_text or 0), username=username, password=password)
+            return cls(
+                path=parts.path,
+                db=int(db_text or 0),
+                username=username,
+                password=password,
+                prefix=options.get("prefix"),
+            )
         tls = None
         if parts.scheme == "rediss":
             tls = _tls_context(options)
         elif any(name.startswith("ssl_") for name in options):
             raise ValueError("invalid Redis URL: ssl_* options need rediss://")
         return cls(
-            parts.hostname or "localhost", port or 6379, None, int(db_text or 0), username, password, tls
+            parts.hostname or "localhost",
+            port or 6379,
+            None,
+            int(db_text or 0),
+            username,
+            password,
+            tls,
+            options.get("prefix"),
         )
 
     def handshake(self) -> list[bytes]:
@@ -1427,7 +1457,7 @@ def _decision(fields: Sequence[str]) -> BreakerDecision:
 
 
 def _state(fields: Sequence[str]) -> BreakerState:
-    state, opened_at, probes, last_probe_at, successes, probe_since, failures = fields
+    state, opened_at, probes, last_probe_at, successes, probe_since, failures, open_s = fields
     return BreakerState(
         CircuitState(state),
         failures=tuple(float(t) for t in failures.split(",")) if failures != "-" else (),
@@ -1436,6 +1466,7 @@ def _state(fields: Sequence[str]) -> BreakerState:
         last_probe_at=float(last_probe_at),
         successes=int(successes),
         probe_since=float(probe_since),
+        open_s=float(open_s),
     )
 
 

@@ -15,7 +15,7 @@ time, `NOT NULL`):
   `DAILY_TTL_S` after its first settlement;
 - `guards_hold (id, key, amount, expires_at)`: a spend hold, kept `hold_s` (then it lapses);
 - `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
-  `policy.ttl_s` after its last change. A closed breaker with no failures keeps no row;
+  `policy.ttl_s` (`_breaker.keep_s`) after its last change. A closed breaker with no failures keeps no row;
 - `guards_cooldown (key, expires_at)`: a cooldown, which ends (and whose row expires) at
   `expires_at`. Starting one is one upsert that only ever moves `expires_at` later;
 - `guards_answer (key, value, stored_at, expires_at)`: a route's last good answer (its key a
@@ -89,7 +89,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
-from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
+from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome, keep_s
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._clock import Clock, SystemClock
@@ -242,12 +242,22 @@ def _cooldown_read(n: int) -> str:
 def _dump_breaker(s: BreakerState) -> str:
     # JSON floats round-trip exactly (repr), so probe tickets compare equal after a round trip.
     return json.dumps(
-        [s.state.value, list(s.failures), s.opened_at, s.probes, s.last_probe_at, s.successes, s.probe_since]
+        [
+            s.state.value,
+            list(s.failures),
+            s.opened_at,
+            s.probes,
+            s.last_probe_at,
+            s.successes,
+            s.probe_since,
+            s.open_s,
+        ]
     )
 
 
 def _load_breaker(text: str) -> BreakerState:
-    state, failures, opened_at, probes, last_probe_at, successes, probe_since = json.loads(text)
+    # A row written before the open period was kept has seven fields (then `open_s` is 0.0).
+    state, failures, opened_at, probes, last_probe_at, successes, probe_since, *kept = json.loads(text)
     return BreakerState(
         CircuitState(state),
         tuple(float(f) for f in failures),
@@ -256,6 +266,7 @@ def _load_breaker(text: str) -> BreakerState:
         float(last_probe_at),
         int(successes),
         float(probe_since),
+        float(kept[0]) if kept else 0.0,
     )
 
 
@@ -349,7 +360,7 @@ class _Tx:
         """Keep `state` `ttl_s` from now; a healthy closed breaker: no row at all (written back
         once, at `flush`)."""
         key = bounded_key(key)
-        expires = None if state == CLOSED else now + policy.ttl_s
+        expires = None if state == CLOSED else now + keep_s(state, policy)
         if expires is None and self._breakers.get(key, (CLOSED, None))[1] is None:
             return  # no row, and none wanted
         self._breakers[key] = (state, expires)
