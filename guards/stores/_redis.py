@@ -24,7 +24,12 @@ with `%`, `{` and `}` percent-escaped, so every key of one operation lives in on
   <expires_at> <value>"`, kept `ttl_s` (`PX`).
 - `<prefix>{<key>}:task`: a multi-step task, one hash: `fp` (its fingerprint), `lease` (empty
   while nobody holds it), `until` (the lease's end), `exp` (the task's expiry, store time),
-  `response` once it completed, and `s:<name>` per saved step; kept `ttl_s` from its creation.
+  `own` (its owner's key, or empty), `response` once it completed, and `s:<name>` per saved
+  step; kept `ttl_s` from its creation.
+- `<prefix>{<owner>}:tasks`: an owner's live tasks, a sorted set of task keys scored by their
+  expiry (store time), kept until the last of them expires. (Dropping a task removes it from
+  its owner's set, whose key the task's hash names: a key the script is not given, in
+  another slot on Redis Cluster.)
 
 Cooldowns of different keys live in different slots (each its own hash tag, like every other
 key), so `cooldowns(keys)` never sends a multi-key script (a cross-slot error on Redis Cluster):
@@ -580,10 +585,22 @@ local function task_held(key, lease)
 end
 
 -- Returns {status, lease, response, retry_after, then the saved steps' names and values}.
-local function task_claim(key, fp, lease, lease_s, ttl_s)
+-- `owner`: the owner's set of live tasks ('' for none); `max_live`: its cap (nil for none).
+local function task_claim(key, owner, fp, lease, lease_s, ttl_s, max_live)
   if not task_live(key) then
+    if owner ~= '' then
+      redis.call('ZREMRANGEBYSCORE', owner, '-inf', fmt(now))
+      if max_live and redis.call('ZCARD', owner) >= max_live then
+        local oldest = redis.call('ZRANGE', owner, 0, 0, 'WITHSCORES')
+        return {'full', '', '', fmt(tonumber(oldest[2]) - now)}
+      end
+      redis.call('ZADD', owner, fmt(now + ttl_s), key)
+      local last = redis.call('ZRANGE', owner, -1, -1, 'WITHSCORES')
+      redis.call('PEXPIRE', owner, math.max(1, math.ceil((tonumber(last[2]) - now) * 1000)))
+    end
     redis.call('DEL', key)
-    redis.call('HSET', key, 'fp', fp, 'lease', lease, 'until', fmt(now + lease_s), 'exp', fmt(now + ttl_s))
+    redis.call('HSET', key, 'fp', fp, 'lease', lease, 'until', fmt(now + lease_s), 'exp', fmt(now + ttl_s),
+      'own', owner)
     redis.call('PEXPIRE', key, math.ceil(ttl_s * 1000))
     return {'claimed', lease, '', ''}
   end
@@ -611,7 +628,8 @@ end
 if op == 'step' then return step() end
 if op == 'health' then return health() end
 if op == 'task_claim' then
-  return task_claim(KEYS[1], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]))
+  return task_claim(KEYS[1], KEYS[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]),
+    tonumber(ARGV[7]))
 end
 if op == 'task_save' then
   if not task_held(KEYS[1], ARGV[3]) then return {'0'} end
@@ -627,6 +645,19 @@ if op == 'task_complete' then
   if #gone > 0 then redis.call('HDEL', KEYS[1], unpack(gone)) end
   redis.call('HSET', KEYS[1], 'response', ARGV[4], 'lease', '', 'until', '0')
   return {'1'}
+end
+if op == 'task_drop' then
+  if not task_held(KEYS[1], ARGV[3]) then return {} end
+  for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.sub(name, 1, 2) == 's:' then -- saved steps: kept, released
+      redis.call('HSET', KEYS[1], 'lease', '', 'until', '0')
+      return {}
+    end
+  end
+  local owner = redis.call('HGET', KEYS[1], 'own')
+  redis.call('DEL', KEYS[1])
+  if owner and owner ~= '' then redis.call('ZREM', owner, KEYS[1]) end
+  return {}
 end
 if op == 'task_release' then
   if task_live(KEYS[1]) and redis.call('HGET', KEYS[1], 'lease') == ARGV[3] then
@@ -930,9 +961,19 @@ class RedisStore:
         breakers = tuple(_state(reply[1 + n + 8 * i : 9 + n + 8 * i]) for i in range(n))
         return Health(float(reply[0]), breakers, tuple(float(wait) for wait in reply[1 : 1 + n]))
 
-    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
+    async def task_claim(
+        self,
+        key: str,
+        *,
+        fingerprint: str,
+        lease_s: float,
+        ttl_s: float,
+        owner: str | None = None,
+        max_live: int | None = None,
+    ) -> TaskClaim:
+        keys = [self._key(key) + ":task", self._key(owner) + ":tasks" if owner is not None else ""]
         reply = await self._run(
-            "task_claim", [self._key(key) + ":task"], fingerprint, new_lease(), _num(lease_s), _num(ttl_s)
+            "task_claim", keys, fingerprint, new_lease(), _num(lease_s), _num(ttl_s), _num(max_live)
         )
         status, lease, response, retry_after = reply[:4]
         pairs = reply[4:]
@@ -954,6 +995,9 @@ class RedisStore:
 
     async def task_release(self, key: str, lease: str) -> None:
         await self._run("task_release", [self._key(key) + ":task"], lease)
+
+    async def task_drop(self, key: str, lease: str) -> None:
+        await self._run("task_drop", [self._key(key) + ":task"], lease)
 
     async def aclose(self) -> None:
         """Close the clients: this loop's now, other running loops' in their own loop. Clients

@@ -22,8 +22,9 @@ time, `NOT NULL`):
   hash), kept `ttl_s` after it was stored. Storing one is one upsert.
 - `guards_task (key, fingerprint, lease, lease_until, response, expires_at)`: a multi-step
   task (its lease, empty while nobody holds it, and once completed its stored response), and
-  `guards_task_step (key, name, value, expires_at)`: its saved steps; both kept to the task's
-  expiry, `ttl_s` after its creation.
+  `guards_task_step (key, name, value, expires_at)`: its saved steps, and `guards_task_owner
+  (key, owner, expires_at)`: whose live tasks it counts among (a route's caller); all kept to
+  the task's expiry, `ttl_s` after its creation.
 
 Atomicity: operations run inside `BEGIN IMMEDIATE` transactions (the write lock is taken before
 anything is read, so no other worker can write until COMMIT), and each check and charge is one
@@ -129,6 +130,7 @@ TABLES = (
     "guards_answer",
     "guards_task",
     "guards_task_step",
+    "guards_task_owner",
 )
 
 _SCHEMA = (
@@ -154,6 +156,9 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS guards_task_step (
         key TEXT NOT NULL, name TEXT NOT NULL, value TEXT NOT NULL, expires_at REAL NOT NULL,
         PRIMARY KEY (key, name))""",
+    """CREATE TABLE IF NOT EXISTS guards_task_owner (
+        key TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_at REAL NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS guards_task_owner_live ON guards_task_owner (owner, expires_at)",
     *(f"CREATE INDEX IF NOT EXISTS {t}_expiry ON {t} (expires_at)" for t in TABLES),
 )
 
@@ -231,6 +236,13 @@ _SAVE_STEP = "INSERT OR REPLACE INTO guards_task_step (key, name, value, expires
 _COMPLETE_TASK = """UPDATE guards_task SET response = :response, lease = '', lease_until = 0
     WHERE key = :key AND lease = :lease AND response IS NULL AND expires_at > :now"""
 _RELEASE_TASK = "UPDATE guards_task SET lease = '', lease_until = 0 WHERE key = ? AND lease = ?"
+#: A task held by the lease that saved nothing and did not complete: deleted.
+_DROP_TASK = """DELETE FROM guards_task WHERE key = :key AND lease = :lease AND response IS NULL
+    AND expires_at > :now AND NOT EXISTS (SELECT 1 FROM guards_task_step WHERE key = :key)"""
+#: An owner's live tasks (an index range of at most its cap, and the expired ones not swept yet).
+_OWNER_LIVE = "SELECT count(*), min(expires_at) FROM guards_task_owner WHERE owner = ? AND expires_at > ?"
+_OWN_TASK = "INSERT OR REPLACE INTO guards_task_owner (key, owner, expires_at) VALUES (?, ?, ?)"
+_DISOWN_TASK = "DELETE FROM guards_task_owner WHERE key = ?"
 
 
 def _cooldown_read(n: int) -> str:
@@ -427,7 +439,16 @@ class _Tx:
         row = self.conn.execute(_SETTLED, (f"{bounded_key(key)}:spend:{utc_day(now)}", now)).fetchone()
         return 0.0 if row is None else float(row[0])
 
-    def task_claim(self, key: str, fingerprint: str, lease_s: float, ttl_s: float, now: float) -> TaskClaim:
+    def task_claim(
+        self,
+        key: str,
+        fingerprint: str,
+        lease_s: float,
+        ttl_s: float,
+        owner: str | None,
+        max_live: int | None,
+        now: float,
+    ) -> TaskClaim:
         conn, key = self.conn, bounded_key(key)
         row = conn.execute(_TASK, (key,)).fetchone()
         record = None if row is None else TaskRecord(row[0], float(row[4]), row[1], float(row[2]), row[3])
@@ -436,6 +457,12 @@ class _Tx:
             return refused
         lease = new_lease()
         if record is None or record.expires_at <= now:  # none, or expired: a new task
+            if owner is not None:
+                owner = bounded_key(owner)
+                live, oldest = conn.execute(_OWNER_LIVE, (owner, now)).fetchone()
+                if max_live is not None and live >= max_live:
+                    return TaskClaim(TaskStatus.full, retry_after_s=float(oldest) - now)
+                conn.execute(_OWN_TASK, (key, owner, now + ttl_s))
             conn.execute(_DROP_TASK_STEPS, (key,))
             conn.execute(_NEW_TASK, (key, fingerprint, lease, now + lease_s, now + ttl_s))
             return TaskClaim(TaskStatus.claimed, lease)
@@ -462,6 +489,13 @@ class _Tx:
 
     def task_release(self, key: str, lease: str) -> None:
         self.conn.execute(_RELEASE_TASK, (bounded_key(key), lease))
+
+    def task_drop(self, key: str, lease: str, now: float) -> None:
+        key = bounded_key(key)
+        if self.conn.execute(_DROP_TASK, {"key": key, "lease": lease, "now": now}).rowcount == 1:
+            self.conn.execute(_DISOWN_TASK, (key,))
+        else:
+            self.conn.execute(_RELEASE_TASK, (key, lease))
 
     def flush(self) -> None:
         for key in self._dirty:
@@ -707,8 +741,19 @@ class SQLiteStore:
 
         return await self._run(read)
 
-    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
-        return await self._run(lambda tx, now: tx.task_claim(key, fingerprint, lease_s, ttl_s, now))
+    async def task_claim(
+        self,
+        key: str,
+        *,
+        fingerprint: str,
+        lease_s: float,
+        ttl_s: float,
+        owner: str | None = None,
+        max_live: int | None = None,
+    ) -> TaskClaim:
+        return await self._run(
+            lambda tx, now: tx.task_claim(key, fingerprint, lease_s, ttl_s, owner, max_live, now)
+        )
 
     async def task_save(self, key: str, lease: str, name: str, value: str, *, lease_s: float) -> bool:
         return await self._run(lambda tx, now: tx.task_save(key, lease, name, value, lease_s, now))
@@ -718,6 +763,9 @@ class SQLiteStore:
 
     async def task_release(self, key: str, lease: str) -> None:
         await self._run(lambda tx, now: tx.task_release(key, lease))
+
+    async def task_drop(self, key: str, lease: str) -> None:
+        await self._run(lambda tx, now: tx.task_drop(key, lease, now))
 
     # --- lifecycle -------------------------------------------------------------------------------
 
