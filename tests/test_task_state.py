@@ -22,7 +22,7 @@ from fixtures import Fail, FakeBinding, ManualClock, Reply
 from guards import AI, Breaker, Budget, Guards, Task, header_key
 from guards.stores import MemoryStore, Store
 
-from .conftest import no_sleep
+from .conftest import no_sleep, wait_until
 
 MODEL = "@cf/test/model"
 T0 = 1_728_000_000.0
@@ -71,6 +71,11 @@ def task_app(store: Store, fake_ai: FakeBinding, task: Task) -> FastAPI:
     async def breakered(body: Ask, ai: AI[str]) -> dict[str, str]:
         return {"first": await ai.step("first", {"prompt": body.text})}
 
+    @app.post("/shed")
+    @guards.route(model=MODEL, task=task, shed_at="degraded")
+    async def shed(body: Ask, ai: AI[str]) -> dict[str, str]:
+        return {"first": await ai.step("first", {"prompt": body.text})}
+
     @app.post("/open")
     @guards.route(model=MODEL, task=task, budget=Budget(per_day=1000, key=user))
     async def open_(body: Ask, ai: AI[str]) -> dict[str, str]:
@@ -87,13 +92,14 @@ def post(client: httpx.Client, path: str, key: str, user: str = "ada", text: str
 
 
 async def refused_requests(url: str, count: int) -> dict[int, int]:
-    """`count` requests, each with a fresh key, 50 at a time: a quarter to the open breaker's
-    route (503 circuit_open), a quarter with an invalid body (400), half from the user at
-    their daily cap (429 budget_exceeded). The number of answers by status."""
+    """`count` requests, each with a fresh key, 50 at a time: an eighth to the open breaker's
+    route and an eighth to a route shed while a model is down (503 circuit_open), a quarter
+    with an invalid body (400), half from the user at their daily cap (429 budget_exceeded).
+    The number of answers by status."""
 
     async def send(client: httpx.AsyncClient, i: int) -> int:
         headers = {"Idempotency-Key": f"refused-{i}-{uuid.uuid4().hex}", "x-user-id": "ada"}
-        path = "/breakered" if i % 4 == 0 else "/budgeted"
+        path = ("/breakered" if i % 8 == 0 else "/shed") if i % 4 == 0 else "/budgeted"
         body = {} if i % 4 == 1 else {"text": "hi"}
         return (await client.post(f"{url}{path}", json=body, headers=headers)).status_code
 
@@ -118,15 +124,19 @@ def test_two_thousand_refused_requests_with_fresh_keys_leave_no_task_state(
 ) -> None:
     store = make_store(clock)
     client = serve(task_app(store, fake_ai, Task()))
-    fake_ai.script(MODEL, Reply("answered"))
+    fake_ai.default = Reply("answered")
     fake_ai.script("@cf/test/other", Fail(code=5007, status=400))
     assert post(client, "/budgeted", "first").status_code == 200  # the day's one unit
     assert post(client, "/breakered", "opens").status_code == 502  # opens the breaker
+    # A model down: the service level is degraded, and /shed is shed (once the worker's view
+    # of the level is refreshed, within a second).
+    wait_until(lambda: post(client, "/shed", uuid.uuid4().hex).status_code == 503)
+    calls = len(fake_ai.calls)
     before = state_count(store, store_kind, tmp_path, request)
     assert before > 0
     statuses = asyncio.run(refused_requests(str(client.base_url), 2_000))
     assert statuses == {503: 500, 400: 500, 429: 1000}
-    assert len(fake_ai.calls) == 2
+    assert len(fake_ai.calls) == calls
     assert state_count(store, store_kind, tmp_path, request) == before
     # The task contract holds: the first key replays, with no call and no charge.
     replayed = post(client, "/budgeted", "first")
