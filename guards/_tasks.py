@@ -31,9 +31,9 @@ Footprint: a caller (the budget key; every request of a route without a budget i
 has at most `Task.max_live` live tasks per route, and a task keeps at most `Task.max_bytes` of
 saved steps (together; a step past it is not saved, and runs again on a retry) or, once
 completed, of stored response (status, headers and body as JSON; a longer one is not kept),
-besides its record (key, fingerprint, lease, times: under 1 KiB, and each step's name). So a
-route's tasks take at most callers x `max_live` x (`max_bytes` + about 1 KiB + `MAX_STEPS`
-step names).
+besides its record (key, fingerprint, lease, times, owner: under 1 KiB) and its steps' names
+(the handler's own: at most `MAX_STEPS`, of at most 100 characters). So a route's tasks take at
+most callers x `max_live` x (`max_bytes` + 1 KiB + the route's step names).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class TaskRun:
         self._bytes = sum(len(value.encode()) for value in self._steps.values())
         #: The steps loaded instead of called, in order (`AI.resumed_steps`).
         self.resumed: tuple[str, ...] = ()
-        #: The request's `AI`, once its endpoint made it: what it called (`end`).
+        #: The request's `AI`, once its endpoint made it: what it called (`release`).
         self.ai: AI[Any] | None = None
 
     def load(self, name: str, output: OutputGuard) -> tuple[Any] | None:
@@ -245,9 +245,8 @@ def task_endpoint(
         caller = route.budget.key(request) if route.budget is not None else ""
         name = hashlib.sha256(f"{caller}\n{idempotency_key}".encode("utf-8", "surrogatepass")).hexdigest()
         key = f"guards:task:{route.name}:{name}"
-        owner = (
-            f"guards:tasks:{route.name}:{hashlib.sha256(caller.encode('utf-8', 'surrogatepass')).hexdigest()}"
-        )
+        caller_digest = hashlib.sha256(caller.encode("utf-8", "surrogatepass")).hexdigest()
+        owner = f"guards:tasks:{route.name}:{caller_digest}"  # whose live tasks are capped
         try:
             claim = await guards.store.task_claim(
                 key,
