@@ -272,10 +272,11 @@ local function start_cooldown(key, seconds)
 end
 
 -- Breakers: guards._breaker.admit / record, ported line for line. The state is one string:
--- "state opened_at probes last_probe_at successes probe_since expires_at failures open_s", failures
--- comma-separated or '-' (open_s, the open period the opener's policy set, missing in a state
--- written before it was kept: 0, the reader's policy decides). expires_at (now + ttl_s at the last write) makes a key read after
--- its TTL on the store's clock count as gone, exactly like MemoryStore, whatever the clock.
+-- "state opened_at probes last_probe_at successes probe_since expires_at failures open_s",
+-- failures comma-separated or '-'; open_s is the open period the opener's policy set (missing
+-- in a state written before it was kept: 0, and the reader's policy decides). expires_at
+-- (now + ttl_s at the last write) makes a key read after its TTL on the store's clock count as
+-- gone, exactly like MemoryStore, whatever the clock.
 
 local function closed()
   return {state = 'closed', failures = {}, opened_at = 0, probes = 0, last_probe_at = 0,

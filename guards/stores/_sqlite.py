@@ -15,7 +15,8 @@ time, `NOT NULL`):
   `DAILY_TTL_S` after its first settlement;
 - `guards_hold (id, key, amount, expires_at)`: a spend hold, kept `hold_s` (then it lapses);
 - `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
-  `policy.ttl_s` (`_breaker.keep_s`) after its last change. A closed breaker with no failures keeps no row;
+  `policy.ttl_s` (or longer: `_breaker.keep_s`) after its last change. A closed breaker with
+  no failures keeps no row;
 - `guards_cooldown (key, expires_at)`: a cooldown, which ends (and whose row expires) at
   `expires_at`. Starting one is one upsert that only ever moves `expires_at` later;
 - `guards_answer (key, value, stored_at, expires_at)`: a route's last good answer (its key a
