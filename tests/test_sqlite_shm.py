@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,17 +37,29 @@ def chattr(flag: str, path: Path) -> bool:
 
 @pytest.fixture
 def immutable_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory whose files can be made immutable (root on ext4, xfs, btrfs...); skipped
-    only when this one cannot. Whatever a test leaves immutable is made mutable again."""
-    probe = tmp_path / "probe"
-    probe.write_bytes(b"x")
-    if not chattr("+i", probe):
-        pytest.skip(f"chattr +i is refused on {tmp_path} (needs root and ext4, xfs or btrfs)")
-    assert chattr("-i", probe)
-    probe.unlink()
-    yield tmp_path
-    for path in tmp_path.iterdir():
+    """A directory whose files can be made immutable (root on ext4, xfs, btrfs...): the test's
+    own, else one under /var/tmp (often another file system than a tmpfs /tmp); skipped only
+    when neither allows it. Whatever a test leaves immutable is made mutable again."""
+    made = None
+    for parent in (tmp_path, Path("/var/tmp")):
+        if not parent.is_dir():
+            continue
+        here = Path(tempfile.mkdtemp(prefix="guards-shm-", dir=parent))
+        probe = here / "probe"
+        probe.write_bytes(b"x")
+        if chattr("+i", probe):
+            assert chattr("-i", probe)
+            probe.unlink()
+            made = here
+            break
+        shutil.rmtree(here, ignore_errors=True)
+    if made is None:
+        pytest.skip(f"chattr +i is refused in {tmp_path} and /var/tmp (needs root and ext4, xfs or btrfs)")
+    yield made
+    for path in made.iterdir():
         chattr("-i", path)
+    if made.parent != tmp_path:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def store_events(log: str) -> list[dict[str, object]]:
