@@ -8,7 +8,7 @@
   does not want them sets it), unless `BENCH_LOGS=1`: then they go to the console fallback,
   as in an app that configured no logging.
 
-Built on first access, like `app.main:app`, so importing this module starts nothing.
+Built on first access, so importing this module starts nothing.
 """
 
 from __future__ import annotations

@@ -555,11 +555,17 @@ class AI(Generic[T]):
         async def ended(relayed: Relayed) -> None:
             self._stream_done(leg, opened, relayed.kind, relayed.end, relayed.delivered, recorded)
             await self._finish_leg(leg, relayed.outcome, probe, record_success)
-            if relayed.outcome is Outcome.released:
+            failure = relayed.failure
+            if relayed.stopped:
+                # Cut by the server stopping (`stop_streams`), not by its client leaving.
+                finish_request(
+                    self._route, self, self._started, "error", 200, tripped=failure, cut="shutdown"
+                )
+            elif relayed.outcome is Outcome.released:
                 finish_request(self._route, self, self._started, "cancelled", 200)
             else:
-                outcome = "error" if relayed.failure is not None else "ok"
-                finish_request(self._route, self, self._started, outcome, 200, tripped=relayed.failure)
+                outcome = "error" if failure is not None else "ok"
+                finish_request(self._route, self, self._started, outcome, 200, tripped=failure)
 
         route = self._route
         if self._trace is not None:
@@ -844,10 +850,12 @@ class AI(Generic[T]):
         # JSON mode not met: the model answered, just not in shape.
         json_mode = getattr(failed.error, "json_mode_failed", False)
         outcome = Outcome.success if json_mode else Outcome.failure
-        cool_s = (
-            self._guards.cooldown.seconds(failed.error) if failed.verdict.kind in _COOLDOWN_KINDS else 0.0
-        )
-        return self._report(leg, outcome, probe, cool_s, settle=False), tripped
+        cool_s, until = 0.0, None
+        if failed.verdict.kind in _COOLDOWN_KINDS:
+            cool_s = self._guards.cooldown_for(leg.ref.key).seconds(failed.error)
+            # A provider's date ends it by the store's clock, not this worker's.
+            until = getattr(failed.error, "retry_at", None)
+        return self._report(leg, outcome, probe, cool_s, until, settle=False), tripped
 
     def _leg_failed(self, leg: Leg, failed: CallFailed) -> GuardTripped:
         error = failed.error
@@ -862,11 +870,13 @@ class AI(Generic[T]):
                 attempts=self.attempts,
                 model=leg.ref.key,
             )
-        wait = error.retry_after_s if isinstance(error, ProviderError) else None
+        # The provider's wait, at most the model's `Cooldown.max_s`: never repeated as is.
+        cooldown = self._guards.cooldown_for(leg.ref.key)
+        wait = cooldown.wait(error.retry_after_s) if isinstance(error, ProviderError) else None
         if failed.verdict.kind in _COOLDOWN_KINDS:
             # A known wait is always sent: the model's cooldown (the provider's wait, capped,
             # else the default), or the provider's own wait when longer (see public_error).
-            wait = max(wait or 0.0, self._guards.cooldown.seconds(error))
+            wait = max(wait or 0.0, cooldown.seconds(error))
         return GuardTripped(
             Reason.provider_error,
             f"{failed.verdict.kind.value} after {failed.attempts} attempt(s): {what}",
@@ -920,7 +930,14 @@ class AI(Generic[T]):
         return text if len(text) <= _SUMMARY_MAX else text[: _SUMMARY_MAX - 3] + "..."
 
     def _report(
-        self, leg: Leg, outcome: Outcome, probe: float | None, cool_s: float = 0.0, *, settle: bool
+        self,
+        leg: Leg,
+        outcome: Outcome,
+        probe: float | None,
+        cool_s: float = 0.0,
+        cool_until: float | None = None,
+        *,
+        settle: bool,
     ) -> Report | None:
         """What the next store step reports of a call to `leg`: its breaker outcome (a
         released call without a probe changes nothing), its cooldown, and (`settle`, at the
@@ -936,6 +953,7 @@ class AI(Generic[T]):
             success_age=None if ended is None else self._guards.success_clock() - ended,
             cooldown_key=leg.cooldown_key if cool_s > 0 else None,
             cooldown_s=cool_s,
+            cooldown_until=cool_until if cool_s > 0 else None,
         )
         report = self._report_end(report) if settle else report
         if report is None or report.breaker_key is report.cooldown_key is report.spend_key is None:

@@ -59,6 +59,15 @@ class Alarm:
             self._cancelled = True
             task.cancel()
 
+    def ring(self) -> None:
+        """Ring now, whatever `when` says (the server is stopping: see `guards._relay`)."""
+        if self._timer is None:
+            return  # closed, or rung already
+        self._timer.cancel()
+        self.when = self._loop.time()
+        self.defer_s = None
+        self._fire()
+
     def interrupted(self, task: asyncio.Task[Any]) -> bool:
         """Whether this alarm interrupted `task`'s wait: then its cancel request is withdrawn,
         and the owner raises its own failure instead of what the wait raised (a

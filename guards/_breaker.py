@@ -8,6 +8,11 @@ passes) → half-open (at most `half_open_probes` calls in flight; `success_thre
 close it, one failure reopens it). Failures count either consecutively (`window_s=None`: a
 success resets the count) or within a sliding window of `window_s` seconds.
 
+The open period is decided once, by the policy of the call whose failure opened the breaker, and
+kept in its state (`BreakerState.open_s`): every reader of a shared breaker (another worker,
+another app with a policy of its own) then agrees on when it half-opens, and on when a probe
+slot held too long is reclaimed.
+
 Consecutive failures are failures with no success ending between them, in the order the store
 sees calls end. A success admitted while the breaker counted no failure is not recorded (a
 closed breaker's success writes nothing: `BreakerDecision.record_success`); its caller tells
@@ -21,7 +26,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
 
-__all__ = ["Breaker", "BreakerDecision", "BreakerState", "CircuitState", "Outcome"]
+__all__ = ["Breaker", "BreakerDecision", "BreakerState", "CircuitState", "Outcome", "keep_s", "open_period"]
 
 
 class CircuitState(StrEnum):
@@ -44,7 +49,8 @@ class Breaker:
     """Circuit breaker policy, one breaker per model.
 
     `failure_threshold` failures (consecutive, or within `window_s` seconds when set) open the
-    breaker; after `reset_timeout_s` it half-opens and lets `half_open_probes` calls through at
+    breaker; after `reset_timeout_s` (of the policy whose failure opened it: see
+    `BreakerState.open_s`) it half-opens and lets `half_open_probes` calls through at
     a time; `success_threshold` probe successes close it, any probe failure reopens it.
     Consecutive failures are failures with no success ending between them, calls in flight
     included: exact within one worker; a success in another worker ends the run at that
@@ -93,6 +99,10 @@ class BreakerState:
     #: When the current generation of probes began (half-opening, or reclaiming lost slots).
     #: A probe's ticket; reports carrying an older ticket are stale and ignored.
     probe_since: float = 0.0
+    #: The open period (`reset_timeout_s`) of the policy that opened the breaker, kept while
+    #: it is open and half-open; 0.0 when closed (or written by a version that did not keep
+    #: it: then the reader's policy decides).
+    open_s: float = 0.0
 
 
 CLOSED = BreakerState()
@@ -118,22 +128,34 @@ ADMIT_CLOSED = BreakerDecision(True, record_success=False)
 ADMIT_CLOSED_RECORD = BreakerDecision(True, record_success=True)
 
 
+def open_period(s: BreakerState, policy: Breaker) -> float:
+    """How long the breaker `s` stays open before it half-opens (and how long a probe slot
+    may be held): the period stored when it opened, else `policy`'s."""
+    return s.open_s or policy.reset_timeout_s
+
+
+def keep_s(s: BreakerState, policy: Breaker) -> float:
+    """How long a store keeps `s` after writing it: `policy.ttl_s`, or longer when the
+    breaker was opened for longer than `policy` would (by another app's policy)."""
+    return max(policy.ttl_s, 2 * s.open_s + 600.0)
+
+
 def admit(s: BreakerState, policy: Breaker, now: float) -> tuple[BreakerState, BreakerDecision]:
     """May a call go through now? Returns the new state and the decision."""
     if s.state is CircuitState.closed:
         return s, ADMIT_CLOSED_RECORD if policy.window_s is None and s.failures else ADMIT_CLOSED
     if s.state is CircuitState.open:
-        reopen_at = s.opened_at + policy.reset_timeout_s
+        reopen_at = s.opened_at + open_period(s, policy)
         if now < reopen_at:
             return s, BreakerDecision(False, state=s.state, retry_after_s=reopen_at - now)
-        s = BreakerState(CircuitState.half_open, opened_at=s.opened_at, probe_since=now)
+        s = BreakerState(CircuitState.half_open, opened_at=s.opened_at, probe_since=now, open_s=s.open_s)
     if s.probes < policy.half_open_probes:
         s = replace(s, probes=s.probes + 1, last_probe_at=now)
         return s, BreakerDecision(True, probe=s.probe_since, state=s.state)
     # Every slot is taken. Slots held longer than the reset timeout belong to calls that never
     # reported (their worker died): start a new generation of probes rather than stay
     # half-open forever; the lost probes' tickets go stale.
-    reclaim_at = s.last_probe_at + policy.reset_timeout_s
+    reclaim_at = s.last_probe_at + open_period(s, policy)
     if now < reclaim_at:
         return s, BreakerDecision(False, state=s.state, retry_after_s=reclaim_at - now)
     s = replace(s, probes=1, last_probe_at=now, probe_since=now)
@@ -168,7 +190,7 @@ def record(
             return s
         s = replace(s, probes=max(0, s.probes - 1))
         if outcome is Outcome.failure:
-            return BreakerState(CircuitState.open, opened_at=now)
+            return BreakerState(CircuitState.open, opened_at=now, open_s=policy.reset_timeout_s)
         if outcome is Outcome.success:
             if s.successes + 1 >= policy.success_threshold:
                 return CLOSED
@@ -183,5 +205,5 @@ def record(
         failures = tuple(t for t in failures if t > now - policy.window_s)
     failures = failures[-policy.failure_threshold :]
     if len(failures) >= policy.failure_threshold:
-        return BreakerState(CircuitState.open, opened_at=now)
+        return BreakerState(CircuitState.open, opened_at=now, open_s=policy.reset_timeout_s)
     return BreakerState(failures=failures)

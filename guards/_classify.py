@@ -4,11 +4,16 @@
 Workers AI sends 3040 (capacity, transient) and 3036 (daily quota) with the same HTTP 429, so a
 status-first rule would retry quota exhaustion; hence codes first.
 
+    an answer refused unread for its Content-Encoding                      -> model_unavailable
     code 5004 5005 5007 5016 5018 5035 3042, or status 400 403 404 405 413 -> model_incompatible
     code 3036 (or a quota flag)                                            -> model_quota_exhausted
     code 3040 or 3007, status 408, status >= 500, transport failure        -> model_temporarily_unavailable
     status 429                                                             -> model_rate_limited
     anything else                                                          -> model_unavailable
+
+An answer refused for its `Content-Encoding` (the adapters ask for `identity` and never inflate
+a body) was not read: its status alone says nothing we trust, so it is `model_unavailable`,
+never retried, never a cooldown.
 
 HTTP 408 is a timeout: Workers AI sends it with 3007, and gateways (LiteLLM, proxies) answer it
 when their upstream timed out; like any transient failure it is retried.
@@ -63,11 +68,13 @@ def classify(failure: BaseException) -> Classification:
     """Classify a failed provider call.
 
     `ProviderError` is classified by code, then status; a transport failure (no status) is
-    transient. Cancellation is never retryable. Anything else is `model_unavailable`.
+    transient; an answer refused for its encoding is `model_unavailable`. Cancellation is never retryable. Anything else is `model_unavailable`.
     """
     if isinstance(failure, asyncio.CancelledError):
         return _CANCELLED
     if not isinstance(failure, ProviderError):
+        return _UNAVAILABLE
+    if failure.encoding_refused:
         return _UNAVAILABLE
     code, status = failure.code, failure.status
     if code in INCOMPATIBLE_CODES:

@@ -37,6 +37,11 @@ class ProviderError(GuardsError):
     kept: it may echo the prompt. `json_mode_failed` marks a "JSON Mode couldn't be met" answer,
     which the output guard reports as `schema_invalid`. `quota_exhausted` marks an account
     quota failure a provider signals without a numeric code (OpenAI's `insufficient_quota`).
+    `encoding_refused` marks an answer refused unread for its `Content-Encoding` (adapters ask
+    for the body as sent): `model_unavailable` whatever its status. `retry_after_s` is the
+    provider's wait in seconds as this process read it; `retry_at`, when the wait came as an
+    HTTP date, is that date (seconds since the epoch), so a cooldown can end by it on the
+    store's clock rather than this process's.
     """
 
     def __init__(
@@ -48,6 +53,8 @@ class ProviderError(GuardsError):
         retry_after_s: float | None = None,
         json_mode_failed: bool = False,
         quota_exhausted: bool = False,
+        encoding_refused: bool = False,
+        retry_at: float | None = None,
         note: str = "",
     ) -> None:
         self.provider = provider
@@ -56,6 +63,8 @@ class ProviderError(GuardsError):
         self.retry_after_s = retry_after_s
         self.json_mode_failed = json_mode_failed
         self.quota_exhausted = quota_exhausted
+        self.encoding_refused = encoding_refused
+        self.retry_at = retry_at
         self.note = note
         super().__init__(self.describe())
 

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -66,7 +67,8 @@ class EventStream(Response):
 
     Returned by `AI.stream`; a guarded route returns it as is. Headers (status 200, the trace
     id, attribution) go out only once the first output part is in hand. When the client
-    disconnects, the relay is cancelled at once, which closes the provider's stream.
+    disconnects, the relay is cancelled at once (by the next event at the latest, whatever the
+    server), which closes the provider's stream.
     """
 
     media_type = "text/event-stream"
@@ -84,6 +86,11 @@ class EventStream(Response):
             )
             async for chunk in self._body:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                # A server's `send` may return without suspending (hypercorn's does while its
+                # buffer has room), and events read in one network read come without suspending
+                # either: one turn of the loop per event lets `watch` see the client leave,
+                # instead of every event being written to a closed connection.
+                await anyio.lowlevel.checkpoint()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             group.cancel_scope.cancel()
 

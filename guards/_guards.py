@@ -72,8 +72,10 @@ class Guards:
     `provider:model`) to their `Price`, for spend caps and `guards_cost_usd_total`;
     `cost_unit_usd` is what one unit of those prices is worth in US dollars (default 1.0:
     prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
-    model is skipped; `attribution` how responses name the model that served (`x-ai-model`,
-    `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
+    model is skipped, and the longest wait a provider may ask for (`Cooldown.max_s`, 10
+    minutes by default); `cooldowns` says it per model key (`model` or `provider:model`),
+    for the models that differ; `attribution` how responses name the model that served
+    (`x-ai-model`, `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
     `tracing` turns on OpenTelemetry traces (GenAI semantic conventions; needs `guards[otel]`):
     True traces with OpenTelemetry's global tracer provider, a `TracerProvider` with that one;
     False (default) imports nothing of OpenTelemetry and costs nothing.
@@ -95,6 +97,7 @@ class Guards:
         providers: Mapping[str, Binding] | None = None,
         profiles: Mapping[str, Profile] | None = None,
         cooldown: Cooldown = Cooldown(),
+        cooldowns: Mapping[str, Cooldown] | None = None,
         attribution: Attribution = "detailed",
         ledger: Ledger | None = None,
         cost_unit_usd: float = 1.0,
@@ -121,6 +124,7 @@ class Guards:
         #: The retry budget's counts in this worker (see `RetryBudget`).
         self.retry_windows = RetryWindows()
         self.cooldown = cooldown
+        self.cooldowns: Mapping[str, Cooldown] = _checked_cooldowns(cooldown, cooldowns or {})
         self.attribution: Attribution = attribution
         self.ledger: Ledger = ledger if ledger is not None else LogLedger()
         self.store: Store = store if store is not None else MemoryStore()
@@ -142,6 +146,10 @@ class Guards:
         self.levels = Levels(self, max_in_flight)
         #: Every route guarded by this instance, in the order they were declared.
         self.routes: list[GuardedRoute] = []
+
+    def cooldown_for(self, model: str) -> Cooldown:
+        """The cooldown policy of the model keyed `model` (`model` or `provider:model`)."""
+        return self.cooldowns.get(model, self.cooldown)
 
     def service_level(self) -> ServiceLevel:
         """The service level as this worker last read it from the store (at most a second old
@@ -430,3 +438,18 @@ def _success_clock(store: Store) -> Callable[[], float]:
     so the worker's clock need not agree with the store's)."""
     clock = getattr(store, "clock", None)
     return time.monotonic if clock is None or type(clock) is SystemClock else clock.time
+
+
+def _checked_cooldowns(default: Cooldown, cooldowns: Mapping[str, Cooldown]) -> dict[str, Cooldown]:
+    """`Guards(cooldowns=...)` as kept; raises `ConfigurationError` for a policy that is not a
+    `Cooldown` (the default's too) or a key that is not a model key."""
+    if not isinstance(default, Cooldown):
+        raise ConfigurationError(f"cooldown must be a Cooldown, not {type(default).__name__}")
+    for model, policy in cooldowns.items():
+        if not isinstance(model, str) or not model.strip():
+            raise ConfigurationError(f"cooldowns: {model!r} is not a model key (`model` or `provider:model`)")
+        if not isinstance(policy, Cooldown):
+            raise ConfigurationError(
+                f"cooldowns[{model!r}] must be a Cooldown(...), not {type(policy).__name__}"
+            )
+    return dict(cooldowns)

@@ -176,8 +176,8 @@ SERVICE_LEVEL = Gauge(
 TASK_STEPS = Counter(
     "guards_task_steps",
     "Multi-step tasks by outcome: saved and resumed (steps), replayed (requests answered with a "
-    "completed task's response), conflict (requests refused 409 task_in_progress or 422 "
-    "idempotency_key_reused).",
+    "completed task's response), conflict (requests refused 409 task_in_progress, 422 "
+    "idempotency_key_reused, or 429 rate_limited for too many live tasks).",
     ["route", "outcome"],
 )
 

@@ -145,7 +145,10 @@ _DESCRIPTIONS = {
     ),
     409: "Another request holds this Idempotency-Key's task; retry after `Retry-After`.",
     422: "This Idempotency-Key was used with another request body.",
-    429: "A per-key budget is spent.",
+    429: (
+        "A per-key budget is spent, or (a task route) the caller has as many live tasks as the "
+        "route allows; retry after `Retry-After`."
+    ),
     500: "The route's own code failed; the model's answer was fine.",
     502: "The model cannot serve this route, or answered in the wrong shape.",
     503: "The model is unavailable now; `retryable` and `Retry-After` say whether and when to retry.",
@@ -158,6 +161,7 @@ def error_statuses(route: GuardedRoute) -> dict[int, list[ErrorCode]]:
     if route.task is not None:
         statuses[409] = [ErrorCode.task_in_progress]
         statuses[422] = [ErrorCode.idempotency_key_reused]
+        statuses[429] = [ErrorCode.rate_limited]  # too many live tasks (`Task.max_live`)
     if route.degrading:
         return dict(sorted(statuses.items()))
     for status, codes in STRICT_STATUSES.items():
@@ -169,8 +173,8 @@ def error_statuses(route: GuardedRoute) -> dict[int, list[ErrorCode]]:
 
 def _possible(route: GuardedRoute, code: ErrorCode) -> bool:
     budget = route.budget
-    if code is ErrorCode.rate_limited:
-        return budget is not None and budget.per_minute is not None
+    if code is ErrorCode.rate_limited:  # a per-minute limit, or too many live tasks
+        return (budget is not None and budget.per_minute is not None) or route.task is not None
     if code is ErrorCode.budget_exceeded:
         return budget is not None and budget.per_day is not None
     if code is ErrorCode.circuit_open:

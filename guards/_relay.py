@@ -40,11 +40,13 @@ from ._stream import (
 __all__ = [
     "DEFAULT_STREAM_MAX_CHARS",
     "DEFAULT_STREAM_MAX_S",
+    "SHUTDOWN_DETAIL",
     "Opened",
     "Relayed",
     "no_events",
     "open_stream",
     "relay",
+    "stop_streams",
 ]
 
 #: How long a streamed answer may last, from the request's start (a route's `stream_max_s`).
@@ -52,6 +54,29 @@ DEFAULT_STREAM_MAX_S = 300.0
 #: How many characters of output it may carry (a route's `stream_max_chars`): the body cap of a
 #: whole answer, `DEFAULT_MAX_BODY_BYTES` of the adapters.
 DEFAULT_STREAM_MAX_CHARS = 1 << 20
+
+
+#: The `error` event's detail of a stream cut because the server stops (`call`/`timeout`).
+SHUTDOWN_DETAIL = "the server is stopping: the stream was cut at the end of its graceful shutdown"
+
+#: The alarms of the streams this process relays, and whether `stop_streams` was called.
+_live: set[Alarm] = set()
+_stopping = False
+
+
+def stop_streams() -> int:
+    """End every stream this process relays, and every one it starts from now on, with an
+    `error` event (`call`/`timeout`, `SHUTDOWN_DETAIL`) as its time limit would: the provider
+    stream is closed, the spend settled, the request logged with `cut: "shutdown"`. For a
+    server at the end of its graceful period (`guards.serve` calls it), before it cancels what
+    is left. A stream whose client holds its last event ends when the client takes it. Returns
+    how many streams were told."""
+    global _stopping
+    _stopping = True
+    live = list(_live)
+    for alarm in live:
+        alarm.ring()
+    return len(live)
 
 
 @dataclass(slots=True, eq=False)
@@ -97,15 +122,17 @@ async def open_stream(binding: StreamingBinding, model: str, inputs: Mapping[str
 class Relayed:
     """How a relayed stream ended: `kind` is `"ok"`, the classifier's kind of the failure that
     cut it, or `"cancelled"` (the client left, or the server is stopping); `outcome` the
-    breaker's verdict on the model; `end` the completion signal, if it came; `delivered` the
-    characters of output sent; `failure` what the `error` event said (None after `done`, and
-    when cancelled)."""
+    breaker's verdict on the model (`released`: none); `end` the completion signal, if it
+    came; `delivered` the characters of output sent; `failure` what the `error` event said
+    (None after `done`, and when the client left or the server cancelled the request);
+    `stopped` whether the server cut it (`stop_streams`)."""
 
     kind: str
     outcome: Outcome
     end: StreamEnd | None
     delivered: int
     failure: GuardTripped | None
+    stopped: bool = False
 
 
 async def relay(
@@ -126,13 +153,17 @@ async def relay(
     names the chain entry in failures; `provider` in a truncation.
 
     Limits: the stream ends with `error` at `deadline` (event-loop time; the route's `max_s`
-    after the request began: `call`/`timeout`) and before an event would take its output past
+    after the request began: `call`/`timeout`), when the server stops (`stop_streams`: also
+    `call`/`timeout`, `SHUTDOWN_DETAIL`) and before an event would take its output past
     `max_chars` characters (`call`/`provider_error`). Either way the provider's stream is
     closed at once. One timer for the whole stream (`Alarm`), and no clock read per event.
     """
     task = asyncio.current_task()
     assert task is not None
     alarm = Alarm(deadline)
+    _live.add(alarm)
+    if _stopping:
+        alarm.ring()
     upstream = opened.iter_events
     delivered = 0
     end: StreamEnd | None = opened.end
@@ -171,7 +202,12 @@ async def relay(
                 raise ProviderError(provider, note="stream truncated")
     except BaseException as exc:
         alarm.waiting = None
-        if alarm.interrupted(task) or isinstance(exc, _TimeUp):
+        _live.discard(alarm)
+        rang = alarm.interrupted(task) or isinstance(exc, _TimeUp)
+        stopped = rang and _stopping
+        if stopped:
+            failure = GuardTripped(Reason.timeout, SHUTDOWN_DETAIL, model=model)
+        elif rang:
             failure = GuardTripped(
                 Reason.timeout,
                 f"the stream reached its time limit ({max_s:g}s)",
@@ -201,14 +237,19 @@ async def relay(
         # The provider's stream is closed before the client hears of the end.
         alarm.close()
         await aclose(upstream)
-        relayed = Relayed(
-            failure.kind.value if failure.kind else "ok", Outcome.failure, end, delivered, failure
-        )
+        if stopped:
+            # Not the model's doing: no verdict on it, and the attempt counts as cancelled.
+            relayed = Relayed(Kind.cancelled.value, Outcome.released, end, delivered, failure, stopped=True)
+        else:
+            relayed = Relayed(
+                failure.kind.value if failure.kind else "ok", Outcome.failure, end, delivered, failure
+            )
         try:
             yield sse("error", error(failure))
         finally:
             await ended(relayed)
         return
+    _live.discard(alarm)
     alarm.close()
     if end.finish_reason == "content_filter":
         failure = GuardTripped(Reason.moderation_blocked, "the provider filtered the stream", model=model)

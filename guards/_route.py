@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ._ai import AI, finish_request, walk_step
+from ._ai import AI, TASK_SCOPE, finish_request, walk_step
 from ._breaker import Breaker
 from ._budget import Budget
 from ._call import Retry
@@ -288,6 +288,8 @@ def guard_route(
             first = first_steps.get(caller) or _first_step(first_steps, caller, route, budget_prefix)
         ai: AI[Any] = AI(guards, route, first, trace_id, request, started, trace)
         kwargs[ai_name] = ai
+        if task is not None and (run := request.scope.get(TASK_SCOPE)) is not None:
+            run.ai = ai  # what the request called decides what its task leaves (`TaskRun.release`)
         try:
             if trace is not None:
                 trace.enter()

@@ -13,14 +13,27 @@ request then claims its task in the store (`Store.task_claim`, one operation):
     created with another request body               → 422 idempotency_key_reused
     completed                                       → its stored response again, with
                                                        `idempotent-replayed: true`
+    none, and the caller has `Task.max_live` live   → 429 rate_limited, Retry-After: until
+    tasks on the route already                         its oldest task expires (none made)
 
 A task is keyed by the route, the caller (the route's budget key, when it has a budget) and the
 key's SHA-256, and bound to a fingerprint of the request (method, path, query and body). Only a
 success is stored (a strict route's 2xx, a degrading route's envelope without fallback); any
-other ending releases the lease, so the retry resumes at once. A worker that crashed holding a
-lease leaves it to lapse `2 x timeout_s + 60` seconds after its last saved step. Everything of
-a task expires `Task.ttl_s` after its creation. Step values are user data: stored, never logged
-and never a metric label.
+other ending releases the lease, so the retry resumes at once. A request that called no model
+(refused by the budget, the breaker, shedding, or its input) leaves no task state at all: the
+task it claimed is deleted (unless it holds steps saved earlier), so refusals, however many
+fresh keys they carry, do not grow the store. A worker that crashed holding a lease leaves it
+to lapse `2 x timeout_s + 60` seconds after its last saved step. Everything of a task expires
+`Task.ttl_s` after its creation. Step values are user data: stored, never logged and never a
+metric label.
+
+Footprint: a caller (the budget key; every request of a route without a budget is one caller)
+has at most `Task.max_live` live tasks per route, and a task keeps at most `Task.max_bytes` of
+saved steps (together; a step past it is not saved, and runs again on a retry) or, once
+completed, of stored response (status, headers and body as JSON; a longer one is not kept),
+besides its record (key, fingerprint, lease, times, owner: under 1 KiB) and its steps' names
+(the handler's own: at most `MAX_STEPS`, of at most 100 characters). So a route's tasks take at
+most callers x `max_live` x (`max_bytes` + 1 KiB + the route's step names).
 """
 
 from __future__ import annotations
@@ -60,8 +73,6 @@ IDEMPOTENCY_KEY = "Idempotency-Key"
 KEY_PARAMETER = "guards_idempotency_key_"
 #: The most steps one task saves; later steps run without a checkpoint.
 MAX_STEPS = 64
-#: The longest step value or response kept (characters of JSON); a longer one is not kept.
-MAX_SAVED_CHARS = 1 << 22
 #: Headers that describe one request, not the task's answer: never stored or replayed.
 _PER_REQUEST = frozenset({b"x-trace-id", b"content-length", b"x-service-level"})
 
@@ -70,17 +81,27 @@ _PER_REQUEST = frozenset({b"x-trace-id", b"content-length", b"x-service-level"})
 class Task:
     """Run a route's requests that carry an `Idempotency-Key` as multi-step tasks (see
     `AI.step`). `ttl_s`: how long a task, its saved steps and its stored response live from
-    its first request (default 24 h).
+    its first request (default 24 h). `max_live`: the most live (unexpired) tasks one caller
+    (the route's budget key) has on the route; a request for a new task past it is refused
+    with 429 `rate_limited` and `Retry-After` (until the caller's oldest task expires), while
+    the caller's existing tasks still resume and replay. `max_bytes`: the most a task keeps
+    of its saved steps together, or of its stored response (UTF-8 bytes of JSON); past it, a
+    step is not saved (it runs again on a retry) and a response not kept (the task is
+    released, as after a failure).
 
     When the store cannot be reached to claim a task, the request runs without checkpoints,
     as if it had no key (a warning and `guards_store_unavailable_total{guard="task"}`): the
     budget guard, which fails closed by default, is what bounds spend during an outage."""
 
     ttl_s: float = 86_400.0
+    max_live: int = 1_000
+    max_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if not self.ttl_s > 0:
             raise ValueError("Task.ttl_s must be positive")
+        if self.max_live < 1 or self.max_bytes < 1:
+            raise ValueError("Task.max_live and Task.max_bytes must be at least 1")
 
 
 def key_parameter() -> inspect.Parameter:
@@ -108,19 +129,36 @@ def key_parameter() -> inspect.Parameter:
 class TaskRun:
     """The task one request holds: its saved steps, and the lease to write them with."""
 
-    __slots__ = ("_key", "_lease", "_lease_s", "_route", "_steps", "_store", "resumed")
+    __slots__ = (
+        "_bytes",
+        "_key",
+        "_lease",
+        "_lease_s",
+        "_max_bytes",
+        "_route",
+        "_steps",
+        "_store",
+        "ai",
+        "resumed",
+    )
 
     def __init__(
         self, store: Store, route: GuardedRoute, key: str, lease: str, steps: Mapping[str, str]
     ) -> None:
+        assert route.task is not None
         self._store = store
         self._route = route
         self._key = key
         self._lease = lease
         self._lease_s = lease_s(route)
         self._steps = dict(steps)
+        self._max_bytes = route.task.max_bytes
+        #: Bytes of the steps saved (as the store holds them).
+        self._bytes = sum(len(value.encode()) for value in self._steps.values())
         #: The steps loaded instead of called, in order (`AI.resumed_steps`).
         self.resumed: tuple[str, ...] = ()
+        #: The request's `AI`, once its endpoint made it: what it called (`release`).
+        self.ai: AI[Any] | None = None
 
     def load(self, name: str, output: OutputGuard) -> tuple[Any] | None:
         """The value saved for step `name`, validated against `output` (in a 1-tuple: a step
@@ -131,7 +169,7 @@ class TaskRun:
         try:
             value = output.load(saved)
         except ValidationError:  # the step's type changed since: run it again
-            del self._steps[name]
+            self._bytes -= len(self._steps.pop(name).encode())
             return None
         counter(TASK_STEPS, self._route.name, "resumed").add()
         self.resumed = (*self.resumed, name)
@@ -141,7 +179,9 @@ class TaskRun:
         """Save step `name`'s `value` (a failure to save is logged, and the request goes on:
         the step only runs again if the request fails later)."""
         text = output.dump(value)
-        if len(text) > MAX_SAVED_CHARS or (name not in self._steps and len(self._steps) >= MAX_STEPS):
+        size, before = len(text.encode()), self._steps.get(name)
+        grown = self._bytes + size - (len(before.encode()) if before is not None else 0)
+        if grown > self._max_bytes or (before is None and len(self._steps) >= MAX_STEPS):
             return
         try:
             saved = await self._store.task_save(self._key, self._lease, name, text, lease_s=self._lease_s)
@@ -149,7 +189,7 @@ class TaskRun:
             self._lost("task_save")
             return
         if saved:
-            self._steps[name] = text
+            self._steps[name], self._bytes = text, grown
             counter(TASK_STEPS, self._route.name, "saved").add()
 
     async def complete(self, stored: str) -> None:
@@ -159,8 +199,14 @@ class TaskRun:
             self._lost("task_complete")
 
     async def release(self) -> None:
+        """The request ended without a success to keep: a request that called no model (it
+        was refused before any call, or loaded every step) drops the task (`Store.task_drop`:
+        a task with no saved step leaves nothing behind); any other releases its lease."""
         try:
-            await self._store.task_release(self._key, self._lease)
+            if self.ai is None or self.ai.attempts == 0:
+                await self._store.task_drop(self._key, self._lease)
+            else:
+                await self._store.task_release(self._key, self._lease)
         except StoreUnavailable:  # the lease lapses by itself
             self._lost("task_release")
 
@@ -199,9 +245,16 @@ def task_endpoint(
         caller = route.budget.key(request) if route.budget is not None else ""
         name = hashlib.sha256(f"{caller}\n{idempotency_key}".encode("utf-8", "surrogatepass")).hexdigest()
         key = f"guards:task:{route.name}:{name}"
+        caller_digest = hashlib.sha256(caller.encode("utf-8", "surrogatepass")).hexdigest()
+        owner = f"guards:tasks:{route.name}:{caller_digest}"  # whose live tasks are capped
         try:
             claim = await guards.store.task_claim(
-                key, fingerprint=await _fingerprint(request), lease_s=lease, ttl_s=task.ttl_s
+                key,
+                fingerprint=await _fingerprint(request),
+                lease_s=lease,
+                ttl_s=task.ttl_s,
+                owner=owner,
+                max_live=task.max_live,
             )
         except StoreUnavailable:
             emit_warning("store_unavailable", guard="task", route=route.name, mode="open")
@@ -214,6 +267,10 @@ def task_endpoint(
         if claim.status is TaskStatus.busy:
             conflict.add()
             error = PublicError(409, ErrorCode.task_in_progress, True, 1.0)
+            return _answer(route, guards, request, started, error, trace_id_of)
+        if claim.status is TaskStatus.full:  # too many live tasks: a rate of new tasks, spent
+            conflict.add()
+            error = PublicError(429, ErrorCode.rate_limited, False, claim.retry_after_s)
             return _answer(route, guards, request, started, error, trace_id_of)
         if claim.status is TaskStatus.done:
             assert claim.response is not None
@@ -231,7 +288,7 @@ def task_endpoint(
             with anyio.CancelScope(shield=True):
                 await run.release()
             raise
-        stored = _stored(route, result, kwargs[response_param], request, dump)
+        stored = _stored(route, result, kwargs[response_param], request, dump, task.max_bytes)
         if stored is None:
             await run.release()
             return result
@@ -262,7 +319,12 @@ async def _fingerprint(request: Request) -> str:
 
 
 def _stored(
-    route: GuardedRoute, result: Any, sub: Response, request: Request, dump: Callable[..., bytes]
+    route: GuardedRoute,
+    result: Any,
+    sub: Response,
+    request: Request,
+    dump: Callable[..., bytes],
+    max_bytes: int,
 ) -> tuple[str, str] | None:
     """What a task keeps of a successful answer (status, the headers the route set, body), as
     JSON text, and the answer's trace id; None when the request did not succeed, or its answer
@@ -278,7 +340,7 @@ def _stored(
         body = dump(result, by_alias=True)
         status = sub.status_code or getattr(request.scope.get("route"), "status_code", None) or 200
         headers = [(b"content-type", b"application/json"), *sub.raw_headers]
-    if not 200 <= status < 300 or len(body) > MAX_SAVED_CHARS:
+    if not 200 <= status < 300 or len(body) > max_bytes:
         return None
     try:
         text = body.decode()
@@ -286,7 +348,9 @@ def _stored(
         return None
     trace_id = next((v.decode("latin-1") for k, v in headers if k == b"x-trace-id"), "")
     kept = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers if k.lower() not in _PER_REQUEST]
-    return json.dumps({"status": status, "headers": kept, "body": text}, separators=(",", ":")), trace_id
+    # ASCII (`ensure_ascii`): its length is its size in bytes.
+    stored = json.dumps({"status": status, "headers": kept, "body": text}, separators=(",", ":"))
+    return (stored, trace_id) if len(stored) <= max_bytes else None
 
 
 def _response(stored: str, trace_id: str, *, replayed: bool) -> Response:

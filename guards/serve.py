@@ -16,7 +16,10 @@ open connections, with 503 past it. The open file limit is checked, and raised u
 limit, before any worker starts.
 
 The parent process supervises: SIGINT or SIGTERM stops the workers gracefully (uvicorn finishes
-the requests in flight, for at most `timeout_graceful_shutdown_s`; a second signal forces them),
+the requests in flight, for at most `timeout_graceful_shutdown_s`: then every stream still
+relayed ends with an `error` event, `call`/`timeout`, its spend settled and its request logged
+with `"cut": "shutdown"`, and a second later what is left is cancelled; a second signal forces
+them),
 a worker that dies is replaced, and a worker that fails while starting stops the server (exit
 status 3). Linux: other systems do not balance `SO_REUSEPORT` sockets.
 """
@@ -24,6 +27,7 @@ status 3). Linux: other systems do not balance `SO_REUSEPORT` sockets.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import gc
 import logging
@@ -41,6 +45,7 @@ from multiprocessing.process import BaseProcess
 import uvicorn
 
 from ._connections import BoundedConfig
+from ._relay import stop_streams
 
 __all__ = [
     "DEFAULT_LIMIT_CONCURRENCY",
@@ -64,6 +69,9 @@ RESERVED_FILES = 256
 #: The least `limit_concurrency` the default is lowered to when the open file limit is small.
 _MIN_LIMIT_CONCURRENCY = 64
 _STARTUP_FAILURE = 3
+#: Seconds the streams told to stop at the end of the graceful period have to send their
+#: `error` event and settle, before uvicorn cancels the requests still in flight.
+_STREAMS_STOP_S = 1
 
 
 class ServeError(Exception):
@@ -82,6 +90,7 @@ class _Options:
     backlog: int
     log_level: str
     access_log: bool
+    forwarded_allow_ips: str | None
 
 
 def serve(
@@ -97,6 +106,7 @@ def serve(
     backlog: int = 128,
     log_level: str = "info",
     access_log: bool = True,
+    forwarded_allow_ips: str | None = None,
 ) -> int:
     """Serve `app` ("module:attribute", imported by each worker) until SIGINT or SIGTERM
     (from the main thread: it handles those signals while it runs).
@@ -105,12 +115,19 @@ def serve(
     warning) when the open file limit cannot hold it plus `backlog` and `RESERVED_FILES`. Returns
     the exit status: 0 after a graceful stop, 1 when a worker had to be killed, 3 when a worker
     failed to start. Raises `ServeError` before any worker starts when the options cannot work.
+
+    `forwarded_allow_ips`: the proxies (comma-separated addresses or networks, `*` for any)
+    whose `X-Forwarded-For` and `X-Forwarded-Proto` name the client and its scheme. None (the
+    default) trusts no one: the client is the connection's peer, whatever headers it sends.
+    Whatever the workers and the supervisor log through uvicorn's loggers is escaped: no raw
+    control character of a client's (a header, a path) reaches the log.
     """
     if workers < 1 or backlog < 1 or timeout_header_s <= 0 or timeout_keep_alive_s < 1:
         raise ServeError("workers, backlog, timeout_header_s and timeout_keep_alive_s must be positive")
     if limit_concurrency is not None and limit_concurrency < 2:
         raise ServeError("limit_concurrency must be at least 2")
     uvicorn.Config(app, log_level=log_level)  # configures uvicorn's loggers in this process too
+    _escape_uvicorn_logs()
     options = _Options(
         app=app,
         host=host,
@@ -122,6 +139,7 @@ def serve(
         backlog=backlog,
         log_level=log_level,
         access_log=access_log,
+        forwarded_allow_ips=forwarded_allow_ips or None,
     )
     # Held (bound, never listening) for the server's lifetime: it fixes the port when 0 is
     # asked and keeps it ours while workers come and go; the kernel routes no connection to it.
@@ -198,6 +216,15 @@ class _Worker(uvicorn.Server):
             gc.freeze()
         self._ready.close()
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # At the end of the graceful period, the streams still relayed end with an `error`
+        # event (`stop_streams`); uvicorn cancels what is left `_STREAMS_STOP_S` later.
+        timer = asyncio.get_running_loop().call_later(self._options.timeout_graceful_shutdown_s, stop_streams)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
     async def on_tick(self, counter: int) -> bool:
         if counter % 10 == 0 and os.getppid() != self._parent:
             self.should_exit = True  # orphaned: the supervisor died without stopping us
@@ -212,11 +239,15 @@ def _run_worker(options: _Options, ready: Connection) -> None:
         port=options.port,
         limit_concurrency=options.limit_concurrency,
         timeout_keep_alive=options.timeout_keep_alive_s,
-        timeout_graceful_shutdown=options.timeout_graceful_shutdown_s,
+        timeout_graceful_shutdown=options.timeout_graceful_shutdown_s + _STREAMS_STOP_S,
         backlog=options.backlog,
         log_level=options.log_level,
         access_log=options.access_log,
+        # Forwarded headers name the client only when they come from a trusted proxy.
+        proxy_headers=options.forwarded_allow_ips is not None,
+        forwarded_allow_ips=options.forwarded_allow_ips or "",
     )
+    _escape_uvicorn_logs()  # after the config: it (re)configures uvicorn's loggers
     _Worker(config, options, ready).run()
 
 
@@ -300,7 +331,7 @@ class _Supervisor:
         killing what is left after the graceful timeout."""
         logger.info("Stopping %d worker(s).", len(self.slots))
         self._signal_workers(signal.SIGTERM)
-        deadline = time.monotonic() + self.options.timeout_graceful_shutdown_s + 5
+        deadline = time.monotonic() + self.options.timeout_graceful_shutdown_s + _STREAMS_STOP_S + 5
         give_up = False
         while (alive := [s.process.sentinel for s in self.slots if s.process.is_alive()]) and not give_up:
             remaining = deadline - time.monotonic()
@@ -328,6 +359,42 @@ class _Supervisor:
         for slot in self.slots:
             if slot.process.is_alive() and slot.process.pid is not None:
                 os.kill(slot.process.pid, sig)
+
+
+#: C0 and C1 control characters and DEL, each as `\xNN`.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)]}
+#: The same but the newline, which separates a traceback's lines.
+_CONTROLS_BUT_NEWLINE = {c: text for c, text in _CONTROLS.items() if c != 0x0A}
+
+
+_TRACEBACK = logging.Formatter()
+
+
+class _EscapeControls(logging.Filter):
+    """What a client sends cannot move a terminal's cursor, clear it, color it or start a log
+    line of its own. Escapes a record's arguments (a client's address, path, header: every control
+    character) and its message (all but the newlines of the code's own text) in place, before
+    any formatter sees them (a traceback too); uvicorn's access formatter reads the arguments
+    as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = record.msg.translate(_CONTROLS_BUT_NEWLINE)
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(arg, str) for arg in args):
+            record.args = tuple(arg.translate(_CONTROLS) if isinstance(arg, str) else arg for arg in args)
+        if record.exc_info and not record.exc_text:
+            # A traceback's last line repeats its exception's message, which may quote a client.
+            record.exc_text = _TRACEBACK.formatException(record.exc_info).translate(_CONTROLS_BUT_NEWLINE)
+        return True
+
+
+def _escape_uvicorn_logs() -> None:
+    """Escape what every handler of uvicorn's loggers writes (see `_EscapeControls`)."""
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _EscapeControls) for f in handler.filters):
+                handler.addFilter(_EscapeControls())
 
 
 def _said_ready(ready: Connection) -> bool:
@@ -369,6 +436,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     parser.add_argument("--no-access-log", dest="access_log", action="store_false")
+    parser.add_argument(
+        "--forwarded-allow-ips",
+        default=None,
+        metavar="ADDRESSES",
+        help="the proxies (comma-separated addresses or networks, * for any) trusted to name the "
+        "client in X-Forwarded-For and X-Forwarded-Proto (default: none; the client is the peer)",
+    )
     args = parser.parse_args(argv)
     try:
         return serve(
@@ -383,6 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             backlog=args.backlog,
             log_level=args.log_level,
             access_log=args.access_log,
+            forwarded_allow_ips=args.forwarded_allow_ips,
         )
     except ServeError as exc:
         print(f"guards.serve: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ what the server did with the connection it came on.
   out for good (`gc.get_freeze_count()`);
 - `GET /hold?s=...`: answers after `s` seconds, writing `held-<pid>-<n>` into `$PROBE_DIR`
   first;
+- `GET /raise`: fails with an exception whose message quotes the request's `x-say` header;
 - the lifespan shutdown writes `shutdown-<pid>` into `$PROBE_DIR`.
 """
 
@@ -67,6 +68,10 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
             "nodelay": accepted_socket_nodelay(scope["client"]),
             "frozen": gc.get_freeze_count(),
         }
+    elif scope["path"] == "/raise":
+        # A crash whose message quotes the client (the `x-say` header): the traceback logged.
+        said = dict(scope["headers"]).get(b"x-say", b"").decode("latin-1")
+        raise RuntimeError(f"the client said {said}")
     elif scope["path"] == "/hold":
         _mark("held", f"-{next(_held)}")
         await asyncio.sleep(float(scope["query_string"].decode().removeprefix("s=") or 1))

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from app.settings import Settings, SettingsError, load_settings
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Reply
 from guards import ConfigurationError

@@ -20,7 +20,7 @@ import pytest
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import FakeBinding, FakeWorkersAI, Reply
 from guards import AI, ConfigurationError, Guards
 from guards.providers import WorkersAI

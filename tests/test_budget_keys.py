@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import FakeBinding, FakeWorkersAI, Reply
 from guards import AI, Budget, Guards, header_key
 from guards.stores import MemoryStore, RedisStore, SQLiteStore

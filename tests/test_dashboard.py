@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import FakeWorkersAI
 
 from .conftest import no_sleep, workers_ai_settings

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import Drop, Fail, FakeWorkersAI, Hang, ManualClock, Reply, Stream, Text
 
 from .conftest import no_sleep, workers_ai_settings

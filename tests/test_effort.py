@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fastapi import Depends, FastAPI, Request
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import FakeOpenAI, FakeWorkersAI, ManualClock, Reply
 from guards import (
     AI,

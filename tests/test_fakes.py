@@ -13,7 +13,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from app.settings import Settings
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Refusal, Reply, Stream, Text, ToolCall
 from guards import StreamEnd, TextDelta, ToolCallDelta

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from app.settings import Settings, SettingsError, load_settings
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, ManualClock, Reply
 from guards import ConfigurationError, Guards, ModelRef, Profile, flatten_chain

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import FakeOpenAI, FakeWorkersAI, Hang, Raw, Reply
 from fixtures.script import openai_wire, workers_ai_wire
 from guards import AIResult, Binding, Kind, ProviderError, classify

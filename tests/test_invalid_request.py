@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from app.main import DraftRequest, create_app
+from app.service import DraftRequest, create_app
 from app.settings import Settings
 from fixtures import FakeWorkersAI
 from guards import AI, Guards

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, ManualClock, Reply
 from guards import AI, ConfigurationError, Guards, LastGood
 from guards.providers import WorkersAI

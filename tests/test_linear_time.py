@@ -30,7 +30,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
 from app.labels import keyword_label, mentions_personal_data
-from app.main import DraftRequest, SummaryRequest, create_app
+from app.service import DraftRequest, SummaryRequest, create_app
 from app.settings import Settings
 from fixtures import FakeOpenAI, FakeWorkersAI, Raw, Reply
 from guards import AI, AIResult, Guards, ProviderError

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, ManualClock, Reply
 from guards import AI, Guards
 

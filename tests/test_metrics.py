@@ -25,7 +25,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 import guards._metrics
-from app.main import create_app
+from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, ManualClock, Reply
 from guards import AI, CircuitState, GuardName, Guards, Kind, Price, Reason, Retry, render_metrics
 from guards.providers import WorkersAI

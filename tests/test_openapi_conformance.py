@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
 
-from app.main import create_app
+from app.service import create_app
 from app.settings import Settings
 from fixtures import (
     Drop,

@@ -29,7 +29,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from app.settings import Settings
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
 from guards import Envelope, StatusReport

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, ManualClock, Reply
 from guards import AI, Guards, Retry, RetryBudget
 from guards.providers import WorkersAI

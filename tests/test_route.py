@@ -340,7 +340,7 @@ async def test_guards_close_the_binding(fake_ai: FakeBinding) -> None:
 def test_use_fake_ai_swaps_the_binding_of_the_example_app(use_fake_ai: Any) -> None:
     import anyio
 
-    from app.main import create_app
+    from app.service import create_app
     from app.settings import Settings
 
     app = create_app(Settings())

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import Fail, FakeBinding, FakeWorkersAI, Hang, ManualClock, Reply, Stream, Text
 from guards import AI, Breaker, Guards, Level, ModelDown, ServiceLevel
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store

@@ -21,7 +21,7 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client import REGISTRY
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import Fail, FakeBinding, FakeWorkersAI, ManualClock, Reply
 from fixtures.redis_server import RedisServer, free_port
 from guards import AI, Breaker, Budget, Guards, Price, Retry, header_key

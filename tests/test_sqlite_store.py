@@ -81,7 +81,9 @@ async def leave_state_everywhere(store: Store, clock: ManualClock) -> Breaker:
     await store.breaker_record("breaker:flaky", policy, Outcome.failure, probe=None)
     await store.start_cooldown("openai:gpt-4o-mini", 30)
     await store.put_answer("guards:last_good:0f1e", '{"label": "billing"}', ttl_s=600)
-    task = await store.task_claim("guards:task:r:k", fingerprint="fp", lease_s=76, ttl_s=86_400)
+    task = await store.task_claim(
+        "guards:task:r:k", fingerprint="fp", lease_s=76, ttl_s=86_400, owner="guards:tasks:r:ada"
+    )
     assert task.lease is not None
     assert await store.task_save("guards:task:r:k", task.lease, "summarize", '"s"', lease_s=76)
     return policy
@@ -115,6 +117,7 @@ def test_every_table_has_expires_at_and_every_row_sets_it(
         "guards_answer",
         "guards_task",
         "guards_task_step",
+        "guards_task_owner",
     }
     assert all(counts.values()), counts  # the scenario left rows in every table
     with peek(path) as conn:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from fastapi import Depends, FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from app.settings import Settings, SettingsError, load_settings
 from fixtures import Fail, FakeBinding, FakeWorkersAI, Reply
 from guards import AI, Breaker, Budget, ConfigurationError, Guards, Price, bearer_token

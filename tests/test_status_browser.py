@@ -24,7 +24,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, Reply
 
 from .conftest import no_sleep

@@ -181,3 +181,41 @@ def test_long_task_keys_and_values_are_kept_whole(store: Store) -> None:
     asyncio.run(store.task_save(key, held.lease, "s" * 100, value, lease_s=LEASE_S))
     asyncio.run(store.task_release(key, held.lease))
     assert dict(claim(store, key=key).steps) == {"s" * 100: value}
+
+
+def test_dropping_a_task_that_saved_nothing_leaves_nothing_and_frees_its_owners_slot(
+    store: Store, clock: ManualClock
+) -> None:
+    owner = "guards:tasks:report:ada"
+
+    async def claim_owned(key: str, fingerprint: str) -> TaskClaim:
+        return await store.task_claim(
+            key, fingerprint=fingerprint, lease_s=LEASE_S, ttl_s=TTL_S, owner=owner, max_live=1
+        )
+
+    async def scenario() -> None:
+        first = await claim_owned(KEY, "fp-1")
+        assert first.status is TaskStatus.claimed
+        assert first.lease is not None
+        other = await claim_owned(KEY + "-2", "fp-1")
+        assert other.status is TaskStatus.full
+        assert other.retry_after_s == pytest.approx(TTL_S)
+        await store.task_drop(KEY, "not-the-lease")  # not the holder: nothing happens
+        assert (await claim_owned(KEY, "fp-1")).status is TaskStatus.busy
+        await store.task_drop(KEY, first.lease)
+        # Gone, as if never claimed: another body may use the key, in the owner's free slot.
+        again = await claim_owned(KEY, "fp-2")
+        assert again.status is TaskStatus.claimed
+        assert again.lease is not None
+        # A task that holds a saved step is only released by a drop: its steps are kept.
+        assert await store.task_save(KEY, again.lease, "summarize", '"s"', lease_s=LEASE_S)
+        await store.task_drop(KEY, again.lease)
+        kept = await claim_owned(KEY, "fp-2")
+        assert kept.status is TaskStatus.claimed
+        assert dict(kept.steps) == {"summarize": '"s"'}
+        assert (await claim_owned(KEY + "-2", "fp-1")).status is TaskStatus.full
+        # The owner's slot frees up when its task expires.
+        clock.advance(TTL_S)
+        assert (await claim_owned(KEY + "-2", "fp-1")).status is TaskStatus.claimed
+
+    asyncio.run(scenario())

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import FakeWorkersAI, Stream, Text
 
 from .conftest import LogLines, no_sleep, workers_ai_settings

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, Hang, ManualClock, Reply
 from guards import AI, Budget, Guards, header_key
 

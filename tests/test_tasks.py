@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from prometheus_client import REGISTRY
 from pydantic import BaseModel
 
-from app.main import DRAFT_PROMPT, REPORT_SUMMARY_PROMPT, SUMMARY_PROMPT, create_app
+from app.service import DRAFT_PROMPT, REPORT_SUMMARY_PROMPT, SUMMARY_PROMPT, create_app
 from fixtures import Fail, FakeBinding, FakeWorkersAI, Hang, ManualClock, Reply
 from fixtures.redis_server import free_port
 from guards import AI, Budget, Guards, Task, header_key

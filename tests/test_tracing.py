@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
 
-from app.main import create_app
+from app.service import create_app
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
 
 from .conftest import no_sleep, workers_ai_settings
@@ -390,7 +390,7 @@ NO_OTEL = textwrap.dedent(
         """,
         # The example app with OTEL_TRACES_EXPORTER unset.
         """
-        from app.main import create_app
+        from app.service import create_app
         app = create_app()
         """,
     ],

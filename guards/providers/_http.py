@@ -1,6 +1,13 @@
 """Plumbing shared by the provider adapters: the HTTP client and its admission limit, capped
 body reads, transport failures, `Retry-After` parsing (each translated once into
-`ProviderError`), error objects and token usage."""
+`ProviderError`), error objects and token usage.
+
+Bodies are read as sent, never inflated: every request asks for `Accept-Encoding: identity`
+(`IDENTITY`, set per request, so a client of the caller's own making asks for it too), and an
+answer with any other `Content-Encoding` is refused before its body is read
+(`refuse_encoded`). A compressed body is a few KB that can inflate to gigabytes, one network
+read at a time and before any size cap can see it; reading it raw keeps the body cap a cap on
+what is in memory."""
 
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ from .._errors import ProviderError
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "ENCODING_REFUSED",
+    "IDENTITY",
     "MAX_RETRY_AFTER_S",
     "bounded_wait",
     "error_objects",
@@ -29,11 +38,19 @@ __all__ = [
     "parse_retry_after",
     "parse_usage",
     "read_capped",
+    "refuse_encoded",
+    "retry_date",
     "transport_error",
 ]
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+#: The request header every provider request carries: the body as sent, not compressed.
+IDENTITY = {"accept-encoding": "identity"}
+#: The `ProviderError.note` of an answer refused for its `Content-Encoding`.
+ENCODING_REFUSED = "content-encoding refused"
 #: The longest wait a provider's `Retry-After` is read as (a daily quota resets within a day).
+#: What becomes of it is the walk's to decide: a cooldown, and the wait a client is told, are
+#: at most the model's `Cooldown.max_s` (10 minutes by default).
 MAX_RETRY_AFTER_S = 86_400.0
 #: Provider numbers outside these ranges are not numbers anyone sends: token counts past 2**53
 #: would overflow a cost computation in floats, codes past 32 bits are no known code.
@@ -125,13 +142,27 @@ class _Released(httpx.AsyncByteStream):
                 admission.release()
 
 
+def refuse_encoded(response: httpx.Response, provider: str) -> None:
+    """Raise `ProviderError` (`model_unavailable`, whatever the status: the body that would say
+    more is not read) for an answer whose `Content-Encoding` is anything but none or
+    `identity`. Call it before reading any of the body; closing the response then closes the
+    connection without reading it."""
+    encoding = response.headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise ProviderError(
+            provider, status=response.status_code, encoding_refused=True, note=ENCODING_REFUSED
+        )
+
+
 async def read_capped(response: httpx.Response, provider: str, max_bytes: int) -> bytes:
-    """Read a streamed response body, failing once it passes `max_bytes`."""
+    """Read a streamed response body as sent (never inflated: see `refuse_encoded`), failing
+    once it passes `max_bytes`."""
+    refuse_encoded(response, provider)
     declared = response.headers.get("content-length")
     if declared and declared.isascii() and declared.isdigit() and int(declared[:20]) > max_bytes:
         raise ProviderError(provider, status=response.status_code, note=f"body over {max_bytes} bytes")
     chunks, size = [], 0
-    async for chunk in response.aiter_bytes():
+    async for chunk in response.aiter_raw():
         size += len(chunk)
         if size > max_bytes:
             raise ProviderError(provider, status=response.status_code, note=f"body over {max_bytes} bytes")
@@ -161,6 +192,25 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     except (TypeError, ValueError, OverflowError):
         return None
     return bounded_wait(when.timestamp() - (time.time() if now is None else now))
+
+
+def retry_date(value: str | None) -> float | None:
+    """`Retry-After` as the time it names (seconds since the epoch), when it is an HTTP date;
+    None for delta-seconds, an unreadable value or none."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        float(value)
+    except ValueError:
+        pass
+    else:
+        return None
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return when if math.isfinite(when) else None
 
 
 def bounded_wait(seconds: float) -> float | None:

@@ -32,6 +32,7 @@ from .._errors import ConfigurationError, ProviderError
 from .._stream import StreamEvent
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
+    IDENTITY,
     bounded_wait,
     error_objects,
     json_mode_not_met,
@@ -40,6 +41,7 @@ from ._http import (
     parse_retry_after,
     parse_usage,
     read_capped,
+    retry_date,
     transport_error,
 )
 from ._identifiers import identifier
@@ -87,7 +89,9 @@ class OpenAICompatible:
     `cf-aig-authorization` for Cloudflare AI Gateway). `provider` names the provider in
     `ProviderError`s and logs. Pass an `httpx.AsyncClient` to share one across bindings;
     otherwise the binding makes its own and closes it in `aclose`. Bodies are read up to
-    `max_body_bytes` (while streaming: each event, and each line).
+    `max_body_bytes` (while streaming: each event, and each line), as sent: every request asks
+    for `Accept-Encoding: identity`, and an answer with another `Content-Encoding` fails unread
+    (`ProviderError`, `model_unavailable`).
 
     `run` translates Workers-AI-shaped inputs: `messages` pass through, a `prompt` becomes one
     user message, `response_format` `{"type": "json_schema", "json_schema": <JSON Schema>}`
@@ -136,6 +140,9 @@ class OpenAICompatible:
         base = base_url.rstrip("/")
         self._url = f"{base}/chat/completions"
         self._headers = httpx.Headers(headers or {})
+        # Identity per request (over any `headers` given): a client of the caller's own making
+        # asks for it too.
+        self._headers.update(IDENTITY)
         if api_key is not None:
             self._headers["authorization"] = f"Bearer {api_key}"
         self._stream_headers = httpx.Headers(self._headers)
@@ -175,6 +182,7 @@ class OpenAICompatible:
             model=model,
             provider=self.provider,
             retry_after_s=_retry_hint(response.headers),
+            retry_at=_retry_at(response.headers),
         )
 
     def stream(self, model: str, inputs: Mapping[str, Any]) -> AsyncGenerator[StreamEvent, None]:
@@ -202,6 +210,7 @@ class OpenAICompatible:
                 model=model,
                 provider=provider,
                 retry_after_s=_retry_hint(response.headers),
+                retry_at=_retry_at(response.headers),
             )
 
         def in_band_error(event: dict[str, Any]) -> ProviderError | None:
@@ -287,6 +296,20 @@ def _retry_hint(headers: httpx.Headers) -> float | None:
     return parse_retry_after(headers.get("retry-after"))
 
 
+def _retry_at(headers: httpx.Headers) -> float | None:
+    """The time `retry-after` names when it is an HTTP date (and no `retry-after-ms` wins)."""
+    raw_ms = headers.get("retry-after-ms")
+    if raw_ms is not None:
+        try:
+            ms = float(raw_ms)
+        except ValueError:
+            pass
+        else:
+            if bounded_wait(ms / 1000) is not None:
+                return None
+    return retry_date(headers.get("retry-after"))
+
+
 def parse_chat_response(
     status: int,
     body: bytes,
@@ -294,6 +317,7 @@ def parse_chat_response(
     model: str,
     provider: str = DEFAULT_PROVIDER,
     retry_after_s: float | None = None,
+    retry_at: float | None = None,
 ) -> AIResult:
     """Turn one chat completion HTTP answer into a result, or raise `ProviderError`."""
     try:
@@ -301,7 +325,7 @@ def parse_chat_response(
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         # The status decides (a proxy's HTML 502 is transient, a 200 of garbage is not).
         raise ProviderError(
-            provider, status=status, retry_after_s=retry_after_s, note="non-JSON body"
+            provider, status=status, retry_after_s=retry_after_s, retry_at=retry_at, note="non-JSON body"
         ) from None
     failed = (
         not 200 <= status < 300
@@ -310,12 +334,16 @@ def parse_chat_response(
         or data.get("success") is False
     )
     if failed:
-        raise _failure(provider, status, data, retry_after_s)
+        raise _failure(provider, status, data, retry_after_s, retry_at)
     choices = data.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices else None
     if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
         raise ProviderError(
-            provider, status=status, retry_after_s=retry_after_s, note="no choice in the answer"
+            provider,
+            status=status,
+            retry_after_s=retry_after_s,
+            retry_at=retry_at,
+            note="no choice in the answer",
         )
     message: dict[str, Any] = choice["message"]
     finish = choice.get("finish_reason")
@@ -339,7 +367,9 @@ def _content(content: Any) -> Any:
     return content
 
 
-def _failure(provider: str, status: int, data: Any, retry_after_s: float | None) -> ProviderError:
+def _failure(
+    provider: str, status: int, data: Any, retry_after_s: float | None, retry_at: float | None = None
+) -> ProviderError:
     """The `ProviderError` for a failed answer: OpenAI's `{"error": {...}}` object, AI Gateway's
     `{"success": false, "error": [...]}` (or Cloudflare's `errors`) list, or any other body.
 
@@ -348,7 +378,9 @@ def _failure(provider: str, status: int, data: Any, retry_after_s: float | None)
     are a short lowercase token. `insufficient_quota` (sent with 429) marks quota exhaustion.
     """
     if not isinstance(data, dict):
-        return ProviderError(provider, status=status, retry_after_s=retry_after_s, note="unexpected body")
+        return ProviderError(
+            provider, status=status, retry_after_s=retry_after_s, retry_at=retry_at, note="unexpected body"
+        )
     errors = error_objects(data.get("error") or data.get("errors"))
     tokens = [e.get(key) for e in errors for key in ("code", "type")]
     return ProviderError(
@@ -356,6 +388,7 @@ def _failure(provider: str, status: int, data: Any, retry_after_s: float | None)
         code=numeric_code(errors),
         status=status,
         retry_after_s=retry_after_s,
+        retry_at=retry_at,
         json_mode_failed=json_mode_not_met(errors),
         quota_exhausted=_QUOTA in tokens,
         note=next((t for t in tokens if isinstance(t, str) and _SAFE_TOKEN.fullmatch(t)), ""),

@@ -23,7 +23,7 @@ from .._alarm import Alarm
 from .._binding import AIResult, Usage
 from .._errors import ProviderError
 from .._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
-from ._http import parse_usage, read_capped, transport_error
+from ._http import parse_usage, read_capped, refuse_encoded, transport_error
 from ._identifiers import identifier
 from ._sse import EventTooLarge, SSEEvent, SSEParser
 
@@ -44,6 +44,13 @@ RUN_ID_HEADER = "cf-aig-run-id"
 #: to the pool; past it the connection is closed instead.
 _DRAIN_S = 0.1
 _DRAIN_BYTES = 64 << 10
+#: One network read (up to 64 KiB) can hold ten thousand tiny events (`data:` and a blank line
+#: is 7 bytes), 50 ms and more of parsing and decoding. A read is fed to the parser in slices
+#: of at most this many bytes (under a millisecond each; a usual read is one slice, as is),
+#: and the loop gets a turn after every `_YIELD_EVERY` events (about 5 µs each to parse and
+#: decode, plus what the consumer does with them): no stretch lasts more than a few ms.
+_SLICE_BYTES = 4096
+_YIELD_EVERY = 64
 
 #: Spots an in-band error object in a decoded event: the `ProviderError` to raise, or None.
 InBandError = Callable[[dict[str, Any]], ProviderError | None]
@@ -220,6 +227,14 @@ def _is_json(response: httpx.Response) -> bool:
     return kind == "application/json" or kind.endswith("+json")
 
 
+def _slices(chunk: bytes) -> tuple[bytes, ...] | list[bytes]:
+    """`chunk` in pieces of at most `_SLICE_BYTES` (the parser gives the same events for any
+    split); a chunk that small is itself, uncopied."""
+    if len(chunk) <= _SLICE_BYTES:
+        return (chunk,)
+    return [chunk[start : start + _SLICE_BYTES] for start in range(0, len(chunk), _SLICE_BYTES)]
+
+
 async def _drain(chunks: AsyncIterator[bytes]) -> None:
     """Read what is left of a completed stream, briefly and boundedly, so the connection can be
     reused; on any trouble the connection is simply closed with the response."""
@@ -247,8 +262,9 @@ async def stream_sse(
 ) -> AsyncGenerator[StreamEvent, None]:
     """POST `body` to `url` and yield its stream events, then exactly one `StreamEnd`.
 
-    Raises `ProviderError`: an error status before the body (parsed by `parse_whole`, like
-    `run`); an in-band error (from `decoder`); `note="stream stalled"` when no complete event
+    Raises `ProviderError`: an answer (the resume's too) whose `Content-Encoding` is not
+    `identity`, unread (`note="content-encoding refused"`: the body is read as sent, never
+    inflated); an error status before the body (parsed by `parse_whole`, like `run`); an in-band error (from `decoder`); `note="stream stalled"` when no complete event
     came for `idle_timeout_s` while waiting on the provider (status None: comments, blank
     lines and parts of a line do not count, nor time the consumer holds the stream); `note="stream truncated"` when the body ends, or the
     connection breaks, before the completion signal (status None); a transport failure before
@@ -287,6 +303,7 @@ async def stream_sse(
                     method, target, json=payload, headers=headers, timeout=timeout, follow_redirects=False
                 ) as response:
                     status = response.status_code
+                    refuse_encoded(response, provider)  # before any byte of the body
                     if resuming and status == 404:
                         raise ProviderError(provider, status=404, note="stream resume expired")
                     if not 200 <= status < 300 or (not resuming and _is_json(response)):
@@ -302,7 +319,7 @@ async def stream_sse(
                             resume_url = f"{resume_base}/run/{run_id}/resume"
                     parser = SSEParser(max_event_bytes=max_event_bytes)
                     reading = True
-                    chunks = response.aiter_bytes()
+                    chunks = response.aiter_raw()  # as sent: never inflated
                     next_chunk = chunks.__anext__
                     try:
                         while True:
@@ -312,20 +329,23 @@ async def stream_sse(
                             except StopAsyncIteration:
                                 break
                             idle.waiting = None
-                            complete = parser.feed(chunk)
-                            if not complete:
-                                continue
-                            idle.when = loop.time() + idle_timeout_s
-                            for sse in complete:
-                                delivered += 1
-                                events = decoder.decode(sse)
-                                if decoder.complete:
-                                    # Before the end is handed over: a consumer may stop there.
-                                    await _drain(chunks)
-                                for event in events:
-                                    yield event
-                                if decoder.complete:
-                                    return
+                            for piece in _slices(chunk):
+                                complete = parser.feed(piece)
+                                if not complete:
+                                    continue
+                                idle.when = loop.time() + idle_timeout_s
+                                for sse in complete:
+                                    delivered += 1
+                                    events = decoder.decode(sse)
+                                    if decoder.complete:
+                                        # Before the end is handed over: a consumer may stop there.
+                                        await _drain(chunks)
+                                    for event in events:
+                                        yield event
+                                    if decoder.complete:
+                                        return
+                                    if not delivered % _YIELD_EVERY:
+                                        await asyncio.sleep(0)  # the loop's turn (not a wait on the provider)
                     except EventTooLarge as exc:
                         raise ProviderError(provider, status=status, note=str(exc)) from None
             except httpx.ReadTimeout:

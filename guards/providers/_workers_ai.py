@@ -22,6 +22,7 @@ from .._errors import ConfigurationError, ProviderError
 from .._stream import StreamEvent
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
+    IDENTITY,
     error_objects,
     json_mode_not_met,
     new_client,
@@ -29,6 +30,7 @@ from ._http import (
     parse_retry_after,
     parse_usage,
     read_capped,
+    retry_date,
     transport_error,
 )
 from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_RECONNECTS, ChunkDecoder, stream_sse
@@ -44,7 +46,8 @@ class WorkersAI:
 
     Pass an `httpx.AsyncClient` to share one across bindings; otherwise the binding makes its own
     and closes it in `aclose`. Bodies are read up to `max_body_bytes` (while streaming: each
-    event, and each line).
+    event, and each line), as sent: every request asks for `Accept-Encoding: identity`, and an
+    answer with another `Content-Encoding` fails unread (`ProviderError`, `model_unavailable`).
 
     Streaming (`stream`): a stream with no complete event for `idle_timeout_s` fails as stalled
     (comments, blank lines and part of a line do not count). With
@@ -78,7 +81,8 @@ class WorkersAI:
         if max_reconnects < 0:
             raise ConfigurationError("WorkersAI needs max_reconnects >= 0")
         self._url = f"{base_url.rstrip('/')}/accounts/{account_id}/ai/run/"
-        self._headers = {"authorization": f"Bearer {api_token}"}
+        # Identity per request: a client of the caller's own making asks for it too.
+        self._headers = {"authorization": f"Bearer {api_token}", **IDENTITY}
         self._stream_headers = {**self._headers, "accept": "text/event-stream"}
         self._owns_client = client is None
         self._client = client or new_client()
@@ -159,13 +163,15 @@ def parse_workers_ai_response(
     status: int, body: bytes, *, model: str, retry_after: str | None = None
 ) -> AIResult:
     """Turn one Workers AI HTTP answer into a result, or raise `ProviderError`."""
-    wait = parse_retry_after(retry_after)
+    wait, at = parse_retry_after(retry_after), retry_date(retry_after)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-        raise ProviderError(PROVIDER, status=status, retry_after_s=wait, note="non-JSON body") from None
+        raise ProviderError(
+            PROVIDER, status=status, retry_after_s=wait, retry_at=at, note="non-JSON body"
+        ) from None
     if not isinstance(data, dict):
-        raise ProviderError(PROVIDER, status=status, retry_after_s=wait, note="unexpected body")
+        raise ProviderError(PROVIDER, status=status, retry_after_s=wait, retry_at=at, note="unexpected body")
     errors = _errors(data)
     result = data.get("result")
     # Only a 2xx is an answer: a redirect is never followed, so its body is never the result.
@@ -181,6 +187,7 @@ def parse_workers_ai_response(
         code=numeric_code(errors),
         status=status,
         retry_after_s=wait,
+        retry_at=at,
         json_mode_failed=json_mode_not_met(errors),
     )
 

@@ -147,6 +147,9 @@ class Report:
     - `breaker_key` (with `breaker`, `outcome`, `probe`): record the call's outcome, as
       `Store.breaker_record` does; None: nothing to record;
     - `cooldown_key`, `cooldown_s`: start a cooldown, as `Store.start_cooldown` (0: none);
+      `cooldown_until` (the provider's HTTP date, seconds since the epoch), when set, ends it
+      no later than that on the store's clock: it lasts `min(cooldown_s, cooldown_until -
+      now)`, and a date already past starts none;
     - `spend_key`, `reservation`, `actual`: settle the request's spend hold, as
       `Store.settle_spend` (None: no hold);
     - `success_age`: how many seconds ago the caller's last success on the breaker's model
@@ -160,6 +163,7 @@ class Report:
     success_age: float | None = None
     cooldown_key: str | None = None
     cooldown_s: float = 0.0
+    cooldown_until: float | None = None
     spend_key: str | None = None
     reservation: str | None = None
     actual: float = 0.0
@@ -258,6 +262,9 @@ class TaskStatus(StrEnum):
     reused = "reused"
     #: The task completed; `TaskClaim.response` is the response it stored.
     done = "done"
+    #: No such task, and its owner has `max_live` live tasks already: none is made;
+    #: `TaskClaim.retry_after_s` says when the owner's oldest live task expires.
+    full = "full"
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,13 +366,27 @@ class Store(Protocol):
 
     # --- tasks: a multi-step request's checkpoints under one key, each operation atomic ------
     # A task lives `ttl_s` from its creation (every part of it expires then), bound to the
-    # fingerprint it was created with. One caller at a time holds its lease.
+    # fingerprint it was created with. One caller at a time holds its lease. A task may count
+    # against an owner (a route's caller), whose live tasks are capped.
 
-    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
+    async def task_claim(
+        self,
+        key: str,
+        *,
+        fingerprint: str,
+        lease_s: float,
+        ttl_s: float,
+        owner: str | None = None,
+        max_live: int | None = None,
+    ) -> TaskClaim:
         """Claim the task `key` for `lease_s` seconds, in one atomic step: create it (kept
         `ttl_s`) when there is none; else answer `reused` when its fingerprint differs, `done`
         with its response when it completed, `busy` while another caller's lease runs; else
-        (its lease released or lapsed) take the lease and answer its saved steps."""
+        (its lease released or lapsed) take the lease and answer its saved steps.
+
+        With `owner`, a new task counts as one of `owner`'s live tasks until it expires (or
+        is dropped: `task_drop`); with `max_live` too, when `owner` has that many live tasks
+        already, no task is made and the claim answers `full`."""
         ...
 
     async def task_save(self, key: str, lease: str, name: str, value: str, *, lease_s: float) -> bool:
@@ -380,6 +401,13 @@ class Store(Protocol):
 
     async def task_release(self, key: str, lease: str) -> None:
         """Give up the lease `lease` (the request failed): the next claim resumes at once."""
+        ...
+
+    async def task_drop(self, key: str, lease: str) -> None:
+        """Give up the lease `lease` of a request that called nothing (refused before any
+        model call): a task that saved no step and did not complete is deleted, with its place
+        among its owner's live tasks, as if never claimed; any other is released
+        (`task_release`). Nothing happens if `lease` no longer holds the task."""
         ...
 
     async def aclose(self) -> None: ...

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome
+from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome, keep_s
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._clock import Clock, SystemClock
@@ -64,6 +64,8 @@ class MemoryStore:
         #: Last good answers: key -> (value, stored at, expires at), oldest stored first.
         self._answers: dict[str, tuple[str, float, float]] = {}
         self._max_answers = max_answers
+        #: Each task owner's live tasks: owner -> {task key: expires at}, oldest first.
+        self._owners: dict[str, dict[str, float]] = {}
 
     def __len__(self) -> int:
         """Live keys (expired ones may linger until the next sweep; they are not counted). A
@@ -71,6 +73,7 @@ class MemoryStore:
         now = self._clock.time()
         live = sum(1 for _, expires in self._data.values() if expires > now)
         live += sum((b.rate_until > now) + (b.day_until > now) for b in self._budgets.values())
+        live += sum(1 for tasks in self._owners.values() if any(e > now for e in tasks.values()))
         return live + sum(1 for _, _, expires in self._answers.values() if expires > now)
 
     @property
@@ -175,15 +178,32 @@ class MemoryStore:
         breakers = tuple(state.breaker(breaker_key, now) for _, breaker_key in legs)
         return Health(now, breakers, state.cooldowns([cooldown_key for cooldown_key, _ in legs], now))
 
-    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
+    async def task_claim(
+        self,
+        key: str,
+        *,
+        fingerprint: str,
+        lease_s: float,
+        ttl_s: float,
+        owner: str | None = None,
+        max_live: int | None = None,
+    ) -> TaskClaim:
         now = self._tick()
         task = self._task(key, now)
         refused = refusal(task[0] if task is not None else None, fingerprint, now)
         if refused is not None:
             return refused
         if task is None:
-            task = (TaskRecord(fingerprint, now + ttl_s), {})
-            self._data[bounded_key(key)] = (task, now + ttl_s)
+            key = bounded_key(key)
+            if owner is not None:
+                owner = bounded_key(owner)
+                live = self._live_tasks(owner, now)
+                if max_live is not None and len(live) >= max_live:
+                    return TaskClaim(TaskStatus.full, retry_after_s=min(live.values()) - now)
+                live.pop(key, None)
+                live[key] = now + ttl_s
+            task = (TaskRecord(fingerprint, now + ttl_s, owner=owner or ""), {})
+            self._data[key] = (task, now + ttl_s)
         record, steps = task
         record.lease, record.lease_until = new_lease(), now + lease_s
         return TaskClaim(TaskStatus.claimed, record.lease, dict(steps))
@@ -211,10 +231,42 @@ class MemoryStore:
         if task is not None and task[0].lease == lease:
             task[0].lease, task[0].lease_until = "", 0.0
 
+    async def task_drop(self, key: str, lease: str) -> None:
+        now = self._tick()
+        task = self._task(key, now)
+        if task is None or task[0].lease != lease:
+            return
+        record, steps = task
+        if steps or record.response is not None:
+            record.lease, record.lease_until = "", 0.0
+            return
+        key = bounded_key(key)
+        del self._data[key]
+        live = self._owners.get(record.owner)
+        if live is not None:
+            live.pop(key, None)
+            if not live:
+                del self._owners[record.owner]
+
     async def aclose(self) -> None:
         self._data.clear()
         self._budgets.clear()
         self._answers.clear()
+        self._owners.clear()
+
+    def _live_tasks(self, owner: str, now: float) -> dict[str, float]:
+        """`owner`'s live tasks (made when missing), the expired ones dropped: the oldest
+        first, as a route's tasks share one TTL (one expiring out of order only counts a
+        little longer)."""
+        live = self._owners.get(owner)
+        if live is None:
+            live = self._owners[owner] = {}
+        while live:
+            oldest = next(iter(live))
+            if live[oldest] > now:
+                break
+            del live[oldest]
+        return live
 
     def _task(self, key: str, now: float) -> tuple[TaskRecord, dict[str, str]] | None:
         """The live task under `key` (its record and saved steps, changed in place), or None."""
@@ -241,6 +293,12 @@ class MemoryStore:
         self._data = {k: v for k, v in self._data.items() if v[1] > now}
         self._budgets = {k: b for k, b in self._budgets.items() if b.rate_until > now or b.day_until > now}
         self._answers = {k: v for k, v in self._answers.items() if v[2] > now}
+        owners = {}
+        for owner, tasks in self._owners.items():
+            live = {k: expires for k, expires in tasks.items() if expires > now}
+            if live:
+                owners[owner] = live
+        self._owners = owners
         self._next_sweep = now + self._sweep_interval_s
 
 
@@ -299,7 +357,7 @@ class _State:
         if state is CLOSED or state == CLOSED:
             self._store._data.pop(key, None)  # a healthy breaker needs no key at all
         else:
-            self._store._data[key] = (state, now + policy.ttl_s)
+            self._store._data[key] = (state, now + keep_s(state, policy))
 
     def charge(self, charge: Charge, now: float) -> tuple[Admission | None, str | None]:
         store, key = self._store, charge.key

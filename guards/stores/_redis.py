@@ -24,7 +24,12 @@ with `%`, `{` and `}` percent-escaped, so every key of one operation lives in on
   <expires_at> <value>"`, kept `ttl_s` (`PX`).
 - `<prefix>{<key>}:task`: a multi-step task, one hash: `fp` (its fingerprint), `lease` (empty
   while nobody holds it), `until` (the lease's end), `exp` (the task's expiry, store time),
-  `response` once it completed, and `s:<name>` per saved step; kept `ttl_s` from its creation.
+  `own` (its owner's key, or empty), `response` once it completed, and `s:<name>` per saved
+  step; kept `ttl_s` from its creation.
+- `<prefix>{<owner>}:tasks`: an owner's live tasks, a sorted set of task keys scored by their
+  expiry (store time), kept until the last of them expires. (Dropping a task removes it from
+  its owner's set, whose key the task's hash names: a key the script is not given, in
+  another slot on Redis Cluster.)
 
 Cooldowns of different keys live in different slots (each its own hash tag, like every other
 key), so `cooldowns(keys)` never sends a multi-key script (a cross-slot error on Redis Cluster):
@@ -267,18 +272,20 @@ local function start_cooldown(key, seconds)
 end
 
 -- Breakers: guards._breaker.admit / record, ported line for line. The state is one string:
--- "state opened_at probes last_probe_at successes probe_since expires_at failures", failures
--- comma-separated or '-'. expires_at (now + ttl_s at the last write) makes a key read after
--- its TTL on the store's clock count as gone, exactly like MemoryStore, whatever the clock.
+-- "state opened_at probes last_probe_at successes probe_since expires_at failures open_s",
+-- failures comma-separated or '-'; open_s is the open period the opener's policy set (missing
+-- in a state written before it was kept: 0, and the reader's policy decides). expires_at
+-- (now + ttl_s at the last write) makes a key read after its TTL on the store's clock count as
+-- gone, exactly like MemoryStore, whatever the clock.
 
 local function closed()
   return {state = 'closed', failures = {}, opened_at = 0, probes = 0, last_probe_at = 0,
-    successes = 0, probe_since = 0}
+    successes = 0, probe_since = 0, open_s = 0}
 end
 
 local function is_closed(s)
   return s.state == 'closed' and #s.failures == 0 and s.opened_at == 0 and s.probes == 0
-    and s.last_probe_at == 0 and s.successes == 0 and s.probe_since == 0
+    and s.last_probe_at == 0 and s.successes == 0 and s.probe_since == 0 and s.open_s == 0
 end
 
 local function load_breaker(key)
@@ -293,7 +300,7 @@ local function load_breaker(key)
   end
   return {state = f[1], opened_at = tonumber(f[2]), probes = tonumber(f[3]),
     last_probe_at = tonumber(f[4]), successes = tonumber(f[5]), probe_since = tonumber(f[6]),
-    failures = failures}
+    failures = failures, open_s = tonumber(f[9] or '0')}
 end
 
 local function state_fields(s)
@@ -302,7 +309,7 @@ local function state_fields(s)
   local joined = '-'
   if #failures > 0 then joined = table.concat(failures, ',') end
   return {s.state, fmt(s.opened_at), fmt(s.probes), fmt(s.last_probe_at), fmt(s.successes),
-    fmt(s.probe_since), joined}
+    fmt(s.probe_since), joined, fmt(s.open_s)}
 end
 
 local function save_breaker(key, s, ttl_s)
@@ -310,8 +317,9 @@ local function save_breaker(key, s, ttl_s)
     redis.call('DEL', key) -- a healthy breaker needs no key at all
     return
   end
+  ttl_s = math.max(ttl_s, 2 * s.open_s + 600) -- guards._breaker.keep_s
   local f = state_fields(s)
-  local raw = table.concat({f[1], f[2], f[3], f[4], f[5], f[6], fmt(now + ttl_s), f[7]}, ' ')
+  local raw = table.concat({f[1], f[2], f[3], f[4], f[5], f[6], fmt(now + ttl_s), f[7], f[8]}, ' ')
   redis.call('SET', key, raw, 'PX', string.format('%d', math.ceil(ttl_s * 1000)))
 end
 
@@ -340,6 +348,12 @@ local function copy(s)
   return c
 end
 
+-- guards._breaker.open_period: the period stored when the breaker opened, else the policy's.
+local function open_period(s, policy)
+  if s.open_s > 0 then return s.open_s end
+  return policy.reset_timeout_s
+end
+
 -- Returns the new state and the decision {allowed, probe, state, retry_after, record_success}.
 local function admit(s, policy)
   s = copy(s)
@@ -349,14 +363,15 @@ local function admit(s, policy)
     return s, {'1', '', 'closed', '', record_success}
   end
   if s.state == 'open' then
-    local reopen_at = s.opened_at + policy.reset_timeout_s
+    local reopen_at = s.opened_at + open_period(s, policy)
     if now < reopen_at then
       return s, {'0', '', s.state, fmt(reopen_at - now), '1'}
     end
-    local opened_at = s.opened_at
+    local opened_at, open_s = s.opened_at, s.open_s
     s = closed()
     s.state = 'half_open'
     s.opened_at = opened_at
+    s.open_s = open_s
     s.probe_since = now
   end
   if s.probes < policy.half_open_probes then
@@ -366,7 +381,7 @@ local function admit(s, policy)
   end
   -- Every slot is taken: slots held longer than the reset timeout belong to calls that never
   -- reported; start a new generation of probes (the lost probes' tickets go stale).
-  local reclaim_at = s.last_probe_at + policy.reset_timeout_s
+  local reclaim_at = s.last_probe_at + open_period(s, policy)
   if now < reclaim_at then
     return s, {'0', '', s.state, fmt(reclaim_at - now), '1'}
   end
@@ -401,6 +416,7 @@ local function record(s, policy, outcome, probe)
       local opened = closed()
       opened.state = 'open'
       opened.opened_at = now
+      opened.open_s = policy.reset_timeout_s
       return opened
     end
     if outcome == 'success' then
@@ -432,6 +448,7 @@ local function record(s, policy, outcome, probe)
     local opened = closed()
     opened.state = 'open'
     opened.opened_at = now
+    opened.open_s = policy.reset_timeout_s
     return opened
   end
   local s2 = closed()
@@ -445,7 +462,8 @@ end
 -- (each packed command argument costs the client more than the script's split), numbered
 -- from 3 in `a`: a[3] L; a[4..9] the step's breaker policy; a[10] '1' to charge: a[11..16]
 -- per_minute, per_day, spend, cap, hold_s, reservation; a[17..22] the report's breaker policy,
--- a[23] outcome, a[24] probe; a[25] cooldown seconds; a[26] the reservation to settle, a[27]
+-- a[23] outcome, a[24] probe; a[25] cooldown seconds (then, after a space, the latest it may
+-- end, store time: a provider's date); a[26] the reservation to settle, a[27]
 -- its actual cost; a[28] the report's success age, a[29..28+L] the legs' ('' for none: see Step).
 -- Returns one string, its fields joined by '|' (one reply to parse, not a
 -- dozen): admitted index (0-based) or '', refused_by or '', retry_after, reservation or '',
@@ -472,7 +490,9 @@ local function step()
     recorded = table.concat(state_fields(after), ' ')
     if after.state ~= before.state then report_to = after.state end
   end
-  local cool_s = tonumber(a[25])
+  local cool, cool_end = string.match(a[25], '^(%S*) ?(%S*)$')
+  local cool_s, ends_by = tonumber(cool), tonumber(cool_end)
+  if cool_s and ends_by then cool_s = math.min(cool_s, ends_by - now) end
   if cool_s and cool_s > 0 then start_cooldown(KEYS[base + 5], cool_s) end
   if a[26] ~= '' then settle(KEYS[base + 6], a[26], tonumber(a[27])) end
   local policy = read_policy(a, 4)
@@ -543,14 +563,14 @@ local function step()
 end
 
 -- The health of models, read only: KEYS are L cooldown keys, then the L breaker keys. Returns
--- {now, the L waits, then L breaker states of 7 fields}.
+-- {now, the L waits, then L breaker states of 8 fields}.
 local function health()
   local n = #KEYS / 2
   local reply = {fmt(now)}
   for i = 1, n do reply[#reply + 1] = fmt(cooldown_left(KEYS[i])) end
   for i = 1, n do
     local f = state_fields(load_breaker(KEYS[n + i]))
-    for j = 1, 7 do reply[#reply + 1] = f[j] end
+    for j = 1, 8 do reply[#reply + 1] = f[j] end
   end
   return reply
 end
@@ -569,10 +589,22 @@ local function task_held(key, lease)
 end
 
 -- Returns {status, lease, response, retry_after, then the saved steps' names and values}.
-local function task_claim(key, fp, lease, lease_s, ttl_s)
+-- `owner`: the owner's set of live tasks ('' for none); `max_live`: its cap (nil for none).
+local function task_claim(key, owner, fp, lease, lease_s, ttl_s, max_live)
   if not task_live(key) then
+    if owner ~= '' then
+      redis.call('ZREMRANGEBYSCORE', owner, '-inf', fmt(now))
+      if max_live and redis.call('ZCARD', owner) >= max_live then
+        local oldest = redis.call('ZRANGE', owner, 0, 0, 'WITHSCORES')
+        return {'full', '', '', fmt(tonumber(oldest[2]) - now)}
+      end
+      redis.call('ZADD', owner, fmt(now + ttl_s), key)
+      local last = redis.call('ZRANGE', owner, -1, -1, 'WITHSCORES')
+      redis.call('PEXPIRE', owner, math.max(1, math.ceil((tonumber(last[2]) - now) * 1000)))
+    end
     redis.call('DEL', key)
-    redis.call('HSET', key, 'fp', fp, 'lease', lease, 'until', fmt(now + lease_s), 'exp', fmt(now + ttl_s))
+    redis.call('HSET', key, 'fp', fp, 'lease', lease, 'until', fmt(now + lease_s), 'exp', fmt(now + ttl_s),
+      'own', owner)
     redis.call('PEXPIRE', key, math.ceil(ttl_s * 1000))
     return {'claimed', lease, '', ''}
   end
@@ -600,7 +632,8 @@ end
 if op == 'step' then return step() end
 if op == 'health' then return health() end
 if op == 'task_claim' then
-  return task_claim(KEYS[1], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]))
+  return task_claim(KEYS[1], KEYS[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]),
+    tonumber(ARGV[7]))
 end
 if op == 'task_save' then
   if not task_held(KEYS[1], ARGV[3]) then return {'0'} end
@@ -616,6 +649,19 @@ if op == 'task_complete' then
   if #gone > 0 then redis.call('HDEL', KEYS[1], unpack(gone)) end
   redis.call('HSET', KEYS[1], 'response', ARGV[4], 'lease', '', 'until', '0')
   return {'1'}
+end
+if op == 'task_drop' then
+  if not task_held(KEYS[1], ARGV[3]) then return {} end
+  for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.sub(name, 1, 2) == 's:' then -- saved steps: kept, released
+      redis.call('HSET', KEYS[1], 'lease', '', 'until', '0')
+      return {}
+    end
+  end
+  local owner = redis.call('HGET', KEYS[1], 'own')
+  redis.call('DEL', KEYS[1])
+  if owner and owner ~= '' then redis.call('ZREM', owner, KEYS[1]) end
+  return {}
 end
 if op == 'task_release' then
   if task_live(KEYS[1]) and redis.call('HGET', KEYS[1], 'lease') == ARGV[3] then
@@ -713,17 +759,21 @@ class RedisStore:
     `url`: `redis://[[user]:password@]host:port/db`, `rediss://...` (TLS) or
     `unix:///path/to/socket?db=n`, with the options `_Address` lists. `clock`: tests only
     (by default the time is Redis'). `timeout_s` bounds every round trip. `prefix` starts every
-    key (no `{` or `}` in it: hash tags are the store's).
+    key (no `{` or `}` in it: hash tags are the store's): by default the URL's `prefix` option
+    (`redis://host:6379/0?prefix=billing:`), else `guards:`. Apps that share one Redis share
+    the state of what they name alike (a model's breaker and cooldown, a budget of the same
+    scope and caller); a prefix of their own keeps them apart.
     """
 
     def __init__(
-        self, url: str, *, clock: Clock | None = None, timeout_s: float = 0.1, prefix: str = "guards:"
+        self, url: str, *, clock: Clock | None = None, timeout_s: float = 0.1, prefix: str | None = None
     ) -> None:
+        self._address = _Address.parse(url)
+        prefix = prefix if prefix is not None else self._address.prefix or "guards:"
         if "{" in prefix or "}" in prefix:
             raise ValueError("the key prefix must not contain '{' or '}' (the store's hash tags)")
         if not timeout_s > 0:
             raise ValueError("timeout_s must be positive")
-        self._address = _Address.parse(url)
         self._clock = clock
         self._timeout_s = timeout_s
         self._prefix = prefix
@@ -870,7 +920,11 @@ class RedisStore:
                 self._key(report.spend_key) + ":spend:" if report.spend_key else "",
             ]
             args += [*_policy_args(report.breaker if record else None), report.outcome.value]
-            args += [_num(report.probe), _num(report.cooldown_s if report.cooldown_key else None)]
+            cooling = report.cooldown_key is not None
+            cooldown = _num(report.cooldown_s if cooling else None)
+            if cooling and report.cooldown_until is not None:
+                cooldown += " " + _num(report.cooldown_until)
+            args += [_num(report.probe), cooldown]
             settle = report.spend_key is not None and report.reservation is not None
             args += [report.reservation or "" if settle else "", _num(report.actual)]
         args.append(_num(report.success_age if record and report is not None else None))
@@ -912,12 +966,22 @@ class RedisStore:
         keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
         reply = await self._run("health", keys)
         n = len(legs)
-        breakers = tuple(_state(reply[1 + n + 7 * i : 8 + n + 7 * i]) for i in range(n))
+        breakers = tuple(_state(reply[1 + n + 8 * i : 9 + n + 8 * i]) for i in range(n))
         return Health(float(reply[0]), breakers, tuple(float(wait) for wait in reply[1 : 1 + n]))
 
-    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
+    async def task_claim(
+        self,
+        key: str,
+        *,
+        fingerprint: str,
+        lease_s: float,
+        ttl_s: float,
+        owner: str | None = None,
+        max_live: int | None = None,
+    ) -> TaskClaim:
+        keys = [self._key(key) + ":task", self._key(owner) + ":tasks" if owner is not None else ""]
         reply = await self._run(
-            "task_claim", [self._key(key) + ":task"], fingerprint, new_lease(), _num(lease_s), _num(ttl_s)
+            "task_claim", keys, fingerprint, new_lease(), _num(lease_s), _num(ttl_s), _num(max_live)
         )
         status, lease, response, retry_after = reply[:4]
         pairs = reply[4:]
@@ -939,6 +1003,9 @@ class RedisStore:
 
     async def task_release(self, key: str, lease: str) -> None:
         await self._run("task_release", [self._key(key) + ":task"], lease)
+
+    async def task_drop(self, key: str, lease: str) -> None:
+        await self._run("task_drop", [self._key(key) + ":task"], lease)
 
     async def aclose(self) -> None:
         """Close the clients: this loop's now, other running loops' in their own loop. Clients
@@ -1239,7 +1306,8 @@ class _Address:
     `unix://[[username]:password@]/path/to/socket[?db=n]`. Options, in the query string:
     `db`, and for TLS `ssl_cert_reqs` (`required`, the default; `optional`; `none`),
     `ssl_ca_certs` (a CA file), `ssl_certfile` and `ssl_keyfile` (a client certificate),
-    `ssl_check_hostname` (`true` by default when certificates are required)."""
+    `ssl_check_hostname` (`true` by default when certificates are required); and `prefix`, the
+    store's key prefix (see `RedisStore`)."""
 
     host: str = "localhost"
     port: int = 6379
@@ -1248,9 +1316,10 @@ class _Address:
     username: str | None = None
     password: str | None = None
     tls: ssl.SSLContext | None = None
+    prefix: str | None = None
 
     _OPTIONS = frozenset(
-        {"db", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
+        {"db", "prefix", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
     )
 
     @classmethod
@@ -1282,14 +1351,27 @@ class _Address:
         if parts.scheme == "unix":
             if not parts.path:
                 raise ValueError("invalid Redis URL: unix:// needs the socket's path")
-            return cls(path=parts.path, db=int(db_text or 0), username=username, password=password)
+            return cls(
+                path=parts.path,
+                db=int(db_text or 0),
+                username=username,
+                password=password,
+                prefix=options.get("prefix"),
+            )
         tls = None
         if parts.scheme == "rediss":
             tls = _tls_context(options)
         elif any(name.startswith("ssl_") for name in options):
             raise ValueError("invalid Redis URL: ssl_* options need rediss://")
         return cls(
-            parts.hostname or "localhost", port or 6379, None, int(db_text or 0), username, password, tls
+            parts.hostname or "localhost",
+            port or 6379,
+            None,
+            int(db_text or 0),
+            username,
+            password,
+            tls,
+            options.get("prefix"),
         )
 
     def handshake(self) -> list[bytes]:
@@ -1427,7 +1509,7 @@ def _decision(fields: Sequence[str]) -> BreakerDecision:
 
 
 def _state(fields: Sequence[str]) -> BreakerState:
-    state, opened_at, probes, last_probe_at, successes, probe_since, failures = fields
+    state, opened_at, probes, last_probe_at, successes, probe_since, failures, open_s = fields
     return BreakerState(
         CircuitState(state),
         failures=tuple(float(t) for t in failures.split(",")) if failures != "-" else (),
@@ -1436,6 +1518,7 @@ def _state(fields: Sequence[str]) -> BreakerState:
         last_probe_at=float(last_probe_at),
         successes=int(successes),
         probe_since=float(probe_since),
+        open_s=float(open_s),
     )
 
 

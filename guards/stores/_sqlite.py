@@ -15,15 +15,17 @@ time, `NOT NULL`):
   `DAILY_TTL_S` after its first settlement;
 - `guards_hold (id, key, amount, expires_at)`: a spend hold, kept `hold_s` (then it lapses);
 - `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
-  `policy.ttl_s` after its last change. A closed breaker with no failures keeps no row;
+  `policy.ttl_s` (or longer: `_breaker.keep_s`) after its last change. A closed breaker with
+  no failures keeps no row;
 - `guards_cooldown (key, expires_at)`: a cooldown, which ends (and whose row expires) at
   `expires_at`. Starting one is one upsert that only ever moves `expires_at` later;
 - `guards_answer (key, value, stored_at, expires_at)`: a route's last good answer (its key a
   hash), kept `ttl_s` after it was stored. Storing one is one upsert.
 - `guards_task (key, fingerprint, lease, lease_until, response, expires_at)`: a multi-step
   task (its lease, empty while nobody holds it, and once completed its stored response), and
-  `guards_task_step (key, name, value, expires_at)`: its saved steps; both kept to the task's
-  expiry, `ttl_s` after its creation.
+  `guards_task_step (key, name, value, expires_at)`: its saved steps, and `guards_task_owner
+  (key, owner, expires_at)`: whose live tasks it counts among (a route's caller); all kept to
+  the task's expiry, `ttl_s` after its creation.
 
 Atomicity: operations run inside `BEGIN IMMEDIATE` transactions (the write lock is taken before
 anything is read, so no other worker can write until COMMIT), and each check and charge is one
@@ -89,7 +91,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
-from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
+from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome, keep_s
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._clock import Clock, SystemClock
@@ -129,6 +131,7 @@ TABLES = (
     "guards_answer",
     "guards_task",
     "guards_task_step",
+    "guards_task_owner",
 )
 
 _SCHEMA = (
@@ -154,6 +157,9 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS guards_task_step (
         key TEXT NOT NULL, name TEXT NOT NULL, value TEXT NOT NULL, expires_at REAL NOT NULL,
         PRIMARY KEY (key, name))""",
+    """CREATE TABLE IF NOT EXISTS guards_task_owner (
+        key TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_at REAL NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS guards_task_owner_live ON guards_task_owner (owner, expires_at)",
     *(f"CREATE INDEX IF NOT EXISTS {t}_expiry ON {t} (expires_at)" for t in TABLES),
 )
 
@@ -231,6 +237,13 @@ _SAVE_STEP = "INSERT OR REPLACE INTO guards_task_step (key, name, value, expires
 _COMPLETE_TASK = """UPDATE guards_task SET response = :response, lease = '', lease_until = 0
     WHERE key = :key AND lease = :lease AND response IS NULL AND expires_at > :now"""
 _RELEASE_TASK = "UPDATE guards_task SET lease = '', lease_until = 0 WHERE key = ? AND lease = ?"
+#: A task held by the lease that saved nothing and did not complete: deleted.
+_DROP_TASK = """DELETE FROM guards_task WHERE key = :key AND lease = :lease AND response IS NULL
+    AND expires_at > :now AND NOT EXISTS (SELECT 1 FROM guards_task_step WHERE key = :key)"""
+#: An owner's live tasks (an index range of at most its cap, and the expired ones not swept yet).
+_OWNER_LIVE = "SELECT count(*), min(expires_at) FROM guards_task_owner WHERE owner = ? AND expires_at > ?"
+_OWN_TASK = "INSERT OR REPLACE INTO guards_task_owner (key, owner, expires_at) VALUES (?, ?, ?)"
+_DISOWN_TASK = "DELETE FROM guards_task_owner WHERE key = ?"
 
 
 def _cooldown_read(n: int) -> str:
@@ -242,12 +255,22 @@ def _cooldown_read(n: int) -> str:
 def _dump_breaker(s: BreakerState) -> str:
     # JSON floats round-trip exactly (repr), so probe tickets compare equal after a round trip.
     return json.dumps(
-        [s.state.value, list(s.failures), s.opened_at, s.probes, s.last_probe_at, s.successes, s.probe_since]
+        [
+            s.state.value,
+            list(s.failures),
+            s.opened_at,
+            s.probes,
+            s.last_probe_at,
+            s.successes,
+            s.probe_since,
+            s.open_s,
+        ]
     )
 
 
 def _load_breaker(text: str) -> BreakerState:
-    state, failures, opened_at, probes, last_probe_at, successes, probe_since = json.loads(text)
+    # A row written before the open period was kept has seven fields (then `open_s` is 0.0).
+    state, failures, opened_at, probes, last_probe_at, successes, probe_since, *kept = json.loads(text)
     return BreakerState(
         CircuitState(state),
         tuple(float(f) for f in failures),
@@ -256,6 +279,7 @@ def _load_breaker(text: str) -> BreakerState:
         float(last_probe_at),
         int(successes),
         float(probe_since),
+        float(kept[0]) if kept else 0.0,
     )
 
 
@@ -349,7 +373,7 @@ class _Tx:
         """Keep `state` `ttl_s` from now; a healthy closed breaker: no row at all (written back
         once, at `flush`)."""
         key = bounded_key(key)
-        expires = None if state == CLOSED else now + policy.ttl_s
+        expires = None if state == CLOSED else now + keep_s(state, policy)
         if expires is None and self._breakers.get(key, (CLOSED, None))[1] is None:
             return  # no row, and none wanted
         self._breakers[key] = (state, expires)
@@ -416,7 +440,16 @@ class _Tx:
         row = self.conn.execute(_SETTLED, (f"{bounded_key(key)}:spend:{utc_day(now)}", now)).fetchone()
         return 0.0 if row is None else float(row[0])
 
-    def task_claim(self, key: str, fingerprint: str, lease_s: float, ttl_s: float, now: float) -> TaskClaim:
+    def task_claim(
+        self,
+        key: str,
+        fingerprint: str,
+        lease_s: float,
+        ttl_s: float,
+        owner: str | None,
+        max_live: int | None,
+        now: float,
+    ) -> TaskClaim:
         conn, key = self.conn, bounded_key(key)
         row = conn.execute(_TASK, (key,)).fetchone()
         record = None if row is None else TaskRecord(row[0], float(row[4]), row[1], float(row[2]), row[3])
@@ -425,6 +458,12 @@ class _Tx:
             return refused
         lease = new_lease()
         if record is None or record.expires_at <= now:  # none, or expired: a new task
+            if owner is not None:
+                owner = bounded_key(owner)
+                live, oldest = conn.execute(_OWNER_LIVE, (owner, now)).fetchone()
+                if max_live is not None and live >= max_live:
+                    return TaskClaim(TaskStatus.full, retry_after_s=float(oldest) - now)
+                conn.execute(_OWN_TASK, (key, owner, now + ttl_s))
             conn.execute(_DROP_TASK_STEPS, (key,))
             conn.execute(_NEW_TASK, (key, fingerprint, lease, now + lease_s, now + ttl_s))
             return TaskClaim(TaskStatus.claimed, lease)
@@ -451,6 +490,13 @@ class _Tx:
 
     def task_release(self, key: str, lease: str) -> None:
         self.conn.execute(_RELEASE_TASK, (bounded_key(key), lease))
+
+    def task_drop(self, key: str, lease: str, now: float) -> None:
+        key = bounded_key(key)
+        if self.conn.execute(_DROP_TASK, {"key": key, "lease": lease, "now": now}).rowcount == 1:
+            self.conn.execute(_DISOWN_TASK, (key,))
+        else:
+            self.conn.execute(_RELEASE_TASK, (key, lease))
 
     def flush(self) -> None:
         for key in self._dirty:
@@ -552,6 +598,7 @@ class SQLiteStore:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         self._path = os.fspath(path)
+        self._shm = self._path + "-shm"
         self._clock = clock or SystemClock()
         self._timeout_s = timeout_s
         self._sweep_interval_s = sweep_interval_s
@@ -695,8 +742,19 @@ class SQLiteStore:
 
         return await self._run(read)
 
-    async def task_claim(self, key: str, *, fingerprint: str, lease_s: float, ttl_s: float) -> TaskClaim:
-        return await self._run(lambda tx, now: tx.task_claim(key, fingerprint, lease_s, ttl_s, now))
+    async def task_claim(
+        self,
+        key: str,
+        *,
+        fingerprint: str,
+        lease_s: float,
+        ttl_s: float,
+        owner: str | None = None,
+        max_live: int | None = None,
+    ) -> TaskClaim:
+        return await self._run(
+            lambda tx, now: tx.task_claim(key, fingerprint, lease_s, ttl_s, owner, max_live, now)
+        )
 
     async def task_save(self, key: str, lease: str, name: str, value: str, *, lease_s: float) -> bool:
         return await self._run(lambda tx, now: tx.task_save(key, lease, name, value, lease_s, now))
@@ -706,6 +764,9 @@ class SQLiteStore:
 
     async def task_release(self, key: str, lease: str) -> None:
         await self._run(lambda tx, now: tx.task_release(key, lease))
+
+    async def task_drop(self, key: str, lease: str) -> None:
+        await self._run(lambda tx, now: tx.task_drop(key, lease, now))
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -851,7 +912,7 @@ class SQLiteStore:
         The next checkpoint comes after as many commits as wrote `_WAL_PAGES` pages of WAL
         this time (SQLite says how many pages the WAL holds)."""
         commits, self._commits = self._commits, 0
-        if self._conn is None:
+        if self._conn is None or not os.access(self._shm, os.W_OK):  # (see `_check_files`)
             return
         try:
             row = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
@@ -880,7 +941,8 @@ class SQLiteStore:
                 if inline and (_is_busy(exc) or self._conn is not None):
                     return live  # the lock is taken, or an error the thread deals with (closing)
                 if not _is_busy(exc):  # cannot open, I/O error, file replaced: start afresh next time
-                    self._disconnect()
+                    if not _is_unwritable(exc):  # (an unwritable -shm: the connection waits)
+                        self._disconnect()
                     reason = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
                     unavailable = StoreUnavailable(f"SQLite store {self._path}: {reason}")
                     for job in live:
@@ -956,6 +1018,8 @@ class SQLiteStore:
         # No SQLite busy handler (timeout 0): `_when_free` is the busy timeout. Once this store
         # has had its file, it never creates one again (`mode=rw`): a file deleted under running
         # workers must not come back empty behind their backs (every limit would start over).
+        if not os.access(self._shm, os.W_OK) and os.path.exists(self._shm):  # (see `_check_files`)
+            raise _file_problem(_UNWRITABLE)
         target, uri = self._path, False
         if self._opened:
             target, uri = f"file:{quote(os.path.abspath(self._path))}?mode=rw", True
@@ -998,7 +1062,13 @@ class SQLiteStore:
         """Before each transaction: is the file this connection has open still the one at the
         path? The -shm (the WAL index, which SQLite maps into memory) is checked every time:
         a mapped file that shrank under the process kills it with SIGBUS at the next access,
-        so a -shm replaced, deleted or truncated makes the store unavailable instead. The
+        so a -shm replaced, deleted or truncated makes the store unavailable instead. So does
+        a -shm this process may no longer write (immutable, on a file system remounted
+        read-only, or its write permission taken away): every transaction writes to the
+        mapping, and the kernel answers the write fault on a page of an immutable file with
+        SIGBUS too. That connection is kept as it is, untouched (closing it would write to the
+        mapping), and used again once the file is writable. (A change between this check and
+        the transaction, microseconds later, is not caught.) The
         database file and its -wal (deleted, or replaced by another file) are checked at most
         once per `_CHECK_EVERY_S`: a worker notices within that, never writes to a file other
         workers no longer share, and answers `StoreUnavailable` until a database is at the
@@ -1011,6 +1081,8 @@ class SQLiteStore:
                 problem = "WAL index (-shm) replaced or truncated"
             elif shm.st_size > size:
                 self._files = (db, wal, (dev, ino, shm.st_size))
+            if problem is None and not os.access(self._shm, os.W_OK):
+                raise _file_problem(_UNWRITABLE)
             if problem is None and time.monotonic() >= self._next_check:
                 self._next_check = time.monotonic() + _CHECK_EVERY_S
                 now = (os.stat(self._path), os.stat(self._path + "-wal"))
@@ -1072,12 +1144,17 @@ class SQLiteStore:
 
     def _disconnect(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(sqlite3.Error):
-                conn.close()
+        if conn is None:
+            return
+        if not os.access(self._shm, os.W_OK) and os.path.exists(self._shm):
+            _INHERITED.append(conn)  # closing it would write to its unwritable mapping: kept
+            return
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
 
 
-#: Stores of this process, and connections inherited from a parent process (kept, never used).
+#: Stores of this process, and connections kept rather than closed: inherited from a parent
+#: process, or dropped while their -shm was unwritable (never used again).
 _STORES: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
 _INHERITED: list[sqlite3.Connection] = []
 
@@ -1093,6 +1170,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def _is_busy(exc: sqlite3.Error) -> bool:
     name = getattr(exc, "sqlite_errorname", "")
     return name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in str(exc)
+
+
+#: Why a store is unavailable while its -shm cannot be written (see `SQLiteStore._check_files`).
+_UNWRITABLE = "WAL index (-shm) not writable"
+
+
+def _is_unwritable(exc: sqlite3.Error) -> bool:
+    return getattr(exc, "sqlite_errorname", None) == _UNWRITABLE
 
 
 def _file_problem(problem: str) -> sqlite3.OperationalError:

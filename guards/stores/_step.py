@@ -70,7 +70,11 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
                 if recorded.state is not before.state:
                     transitions = [(report.breaker_key, recorded.state)]
         if report.cooldown_key is not None and report.cooldown_s > 0:
-            state.start_cooldown(report.cooldown_key, report.cooldown_s, now)
+            seconds = report.cooldown_s
+            if report.cooldown_until is not None:  # a provider's date, read on the store's clock
+                seconds = min(seconds, report.cooldown_until - now)
+            if seconds > 0:
+                state.start_cooldown(report.cooldown_key, seconds, now)
         if report.spend_key is not None and report.reservation is not None:
             state.settle(report.spend_key, report.reservation, report.actual, now)
     legs = step.legs

@@ -27,6 +27,8 @@ class TaskRecord:
     lease: str = ""
     lease_until: float = 0.0
     response: str | None = None
+    #: The owner the task counts against ("": none).
+    owner: str = ""
 
 
 def refusal(record: TaskRecord | None, fingerprint: str, now: float) -> TaskClaim | None:

@@ -19,7 +19,8 @@ def open_store(url: str, *, clock: Clock | None = None, timeout_s: float = 0.1) 
     - `memory://`: this process only (one uvicorn worker);
     - `sqlite:///relative/path.db`, `sqlite:////absolute/path.db` (SQLAlchemy's spelling): the
       workers of one machine;
-    - `redis://[:password@]host:port/db` or `rediss://...`: every worker of every machine.
+    - `redis://[:password@]host:port/db` or `rediss://...`: every worker of every machine
+      (`?prefix=app:` starts every key of the store with `app:`, default `guards:`).
 
     `timeout_s` bounds each operation of a shared store. Raises `ConfigurationError` for a URL
     it cannot use; the message never repeats the URL (it may hold a password).
