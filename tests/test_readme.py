@@ -143,7 +143,10 @@ CHECKED = {
     ("operating/status-page.md", "sh", 0): "test_status_curls_run_against_a_live_server",
     ("operating/traces.md", "python", 0): "test_tracing_snippet_traces_with_its_provider",
     ("testing.md", "python", 0): "test_testing_page_tests_pass_in_either_order",
-    ("operating/serving.md", "sh", 0): "test_serve_command_serves_and_stops_gracefully",
+    ("operating/serving.md", "sh", 0): "test_which_server_commands_are_the_served_ones",
+    ("operating/serving.md", "sh", 1): "test_serve_command_serves_and_stops_gracefully",
+    ("operating/serving.md", "sh", 2): "test_forwarded_commands_name_proxies",
+    ("operating/serving.md", "text", 0): "test_shutdown_event_sample_is_the_relays",
     ("operating/serving.md", "nginx", 0): "test_nginx_sketch_agrees_with_the_app",
     ("service-levels.md", "python", 0): "test_health_example_answers_the_level",
     ("tasks.md", "python", 0): "test_readme_task_example_resumes_and_replays",
@@ -247,7 +250,7 @@ def test_quick_start_commands_are_make_targets() -> None:
 
 
 def test_serve_command_serves_and_stops_gracefully() -> None:
-    [command] = shell_commands(block("operating/serving.md", "sh"))
+    [command] = shell_commands(block("operating/serving.md", "sh", 1))
     words = shlex.split(command)
     assert words[:3] == ["python", "-m", "guards.serve"]
     # As written, on a free port and with two workers (this machine has two cores).
@@ -268,6 +271,61 @@ def test_serve_command_serves_and_stops_gracefully() -> None:
     finally:
         process.terminate()  # SIGTERM: a graceful stop
         assert process.wait(timeout=30) == 0
+
+
+def without_address(words: list[str]) -> list[str]:
+    """A server's command without its host and port options (`--host h`, `--port p`, `--bind a`)."""
+    kept, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in ("--host", "--port", "--bind"):
+            skip = True
+        else:
+            kept.append(word)
+    return kept
+
+
+def test_which_server_commands_are_the_served_ones() -> None:
+    """The serving page's four commands are the ones the tests serve the example app with:
+    `guards.serve` as in the next block (served above), uvicorn, hypercorn and granian as in
+    tests/test_servers.py (served there, each through the Quick start, a stream left early and
+    an oversized body)."""
+    from .test_servers import SERVERS
+
+    commands = [shlex.split(c, comments=True) for c in shell_commands(block("operating/serving.md", "sh"))]
+    served = without_address(shlex.split(block("operating/serving.md", "sh", 1)))
+    assert commands[0] == served
+    assert {words[0]: words for words in commands[1:]} == {
+        name: without_address(command(8000)) for name, command in SERVERS.items()
+    }
+
+
+def test_forwarded_commands_name_proxies() -> None:
+    """Each `--forwarded-allow-ips` of the page is an option guards.serve takes, with addresses
+    and networks it can read."""
+    import ipaddress
+
+    from guards.serve import main
+
+    with pytest.raises(SystemExit) as shown:
+        main(["--help"])
+    assert shown.value.code == 0
+    commands = [shlex.split(c) for c in shell_commands(block("operating/serving.md", "sh", 2))]
+    assert len(commands) == 2
+    for words in commands:
+        assert words[:4] == ["python", "-m", "guards.serve", "app.main:app"]
+        assert words[4] == "--forwarded-allow-ips"
+        for address in words[5].split(","):
+            ipaddress.ip_network(address)
+
+
+def test_shutdown_event_sample_is_the_relays() -> None:
+    from guards._relay import SHUTDOWN_DETAIL
+
+    [(name, data)] = sse_events(block("operating/serving.md", "text"))
+    assert name == "error"
+    assert data == {"guard": "call", "reason": "timeout", "detail": SHUTDOWN_DETAIL, "trace_id": "..."}
 
 
 def test_nginx_sketch_agrees_with_the_app() -> None:
