@@ -74,7 +74,7 @@ class Guards:
     prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
     model is skipped; `attribution` how responses name the model that served (`x-ai-model`,
     `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
-    `tracing` turns on OpenTelemetry traces (GenAI semantic conventions; needs `guards[otel]`):
+    `tracing` turns on OpenTelemetry traces (GenAI semantic conventions; needs `route-guards[otel]`):
     True traces with OpenTelemetry's global tracer provider, a `TracerProvider` with that one;
     False (default) imports nothing of OpenTelemetry and costs nothing.
     `max_in_flight` (default None: no limit) is how many requests of guarded routes one worker
