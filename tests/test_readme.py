@@ -826,7 +826,7 @@ def test_testing_page_tests_pass_in_either_order(tmp_path: Path) -> None:
     (tmp_path / "test_service.py").write_text(block("testing.md", "python"))
     first, second = re.findall(r"^async def (test_\w+)", block("testing.md", "python"), re.MULTILINE)
     for order in ((first, second), (second, first)):
-        done = run_pytest(tmp_path, *(f"test_service.py::{name}" for name in order), "-v")
+        done = run_pytest(tmp_path, *(f"test_service.py::{name}" for name in order), "-vv")
         assert done.returncode == 0, done.stdout + done.stderr
         ran = re.findall(r"::(test_\w+)\S* PASSED", done.stdout)
         assert ran == list(order), done.stdout
