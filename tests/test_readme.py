@@ -1032,3 +1032,24 @@ def test_readme_is_a_landing_page() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in pages()[1:]:
         assert f"docs/{page}" in local or f": {page}" in nav, page
+
+
+def test_install_lines_name_the_distribution_and_its_extras() -> None:
+    """The `pip install` blocks are not run (they install from the package index), but what they
+    install is checked: the distribution's name and extras, as pyproject.toml declares them."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    installs = [
+        command
+        for b in all_blocks()
+        if b.not_run is not None and "pip install" in b.code
+        for command in shell_commands(b.code)
+    ]
+    assert len(installs) >= 7
+    for command in installs:
+        [requirement] = shlex.split(command, comments=True)[2:]
+        name, _, extras = requirement.partition("[")
+        assert name == project["name"], command
+        for extra in filter(None, extras.rstrip("]").split(",")):
+            assert extra in project["optional-dependencies"], command
