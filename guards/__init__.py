@@ -4,6 +4,9 @@ Decorate a FastAPI route with `Guards.route` and every provider failure becomes 
 same-shape envelope (a degrading route) or a stable public error (a strict route).
 """
 
+#: The version of the `route-guards` distribution (the one place it is written).
+__version__ = "0.1.0"
+
 from ._ai import AI
 from ._binding import AIResult, Binding, Usage
 from ._breaker import Breaker, CircuitState, Outcome

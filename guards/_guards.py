@@ -76,7 +76,7 @@ class Guards:
     minutes by default); `cooldowns` says it per model key (`model` or `provider:model`),
     for the models that differ; `attribution` how responses name the model that served
     (`x-ai-model`, `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
-    `tracing` turns on OpenTelemetry traces (GenAI semantic conventions; needs `guards[otel]`):
+    `tracing` turns on OpenTelemetry traces (GenAI semantic conventions; needs `route-guards[otel]`):
     True traces with OpenTelemetry's global tracer provider, a `TracerProvider` with that one;
     False (default) imports nothing of OpenTelemetry and costs nothing.
     `max_in_flight` (default None: no limit) is how many requests of guarded routes one worker
@@ -328,6 +328,23 @@ class Guards:
             return app.openapi_schema
 
         app.openapi = openapi  # type: ignore[method-assign]
+
+    def replace_store(self, store: Store) -> Store:
+        """Make `store` the store of every route of this instance from now on, and forget what
+        this worker kept from the old one: the service level, the retry budget's windows, the
+        last success on each model and the credential warnings already logged. Returns the old
+        store (not closed). For tests: `guards.testing`'s `use_fake_ai` gives each test a fresh
+        `MemoryStore` this way. Raises `ConfigurationError` when `store` reads another clock
+        than the old one (the routes measure success ages on it)."""
+        if _success_clock(store) != self.success_clock:
+            raise ConfigurationError("replace_store: the new store must read the same clock as the old one")
+        old, self.store = self.store, store
+        self.retry_windows = RetryWindows()
+        self.credential_warnings = CredentialWarnings()
+        for cell in self.last_success.values():  # the routes' legs hold these cells
+            cell[0] = None
+        self.levels.reset()
+        return old
 
     @staticmethod
     def of(app: FastAPI) -> Guards:

@@ -206,6 +206,12 @@ class Levels:
             retry_after_s=max(0.0, self._recheck_at - time.perf_counter()),
         )
 
+    def reset(self) -> None:
+        """Forget the level read so far (the store was replaced): full, read again on the next
+        request. A read in flight from the old store is dropped when it ends."""
+        self._set([])
+        self._refresh_at = 0.0
+
     def close(self) -> None:
         """Stop a health read in flight on this event loop (the app shuts down, and its store
         with it)."""
@@ -230,12 +236,15 @@ class Levels:
     async def _read(self) -> None:
         """One store operation: every model's breaker and cooldown."""
         models = list(self._models.values())
+        store = self._guards.store
         try:
-            health = await self._guards.store.health([(m.cooldown_key, m.breaker_key) for m in models])
+            health = await store.health([(m.cooldown_key, m.breaker_key) for m in models])
         except StoreUnavailable:
             # The level stays as last read; each guard meets the outage on its own terms.
             emit_warning("store_unavailable", guard="service_level", op="health")
             STORE_UNAVAILABLE.labels(guard="service_level", action="stale").inc()
+            return
+        if store is not self._guards.store:  # replaced meanwhile (`Guards.replace_store`)
             return
         local = time.perf_counter()
         down = []

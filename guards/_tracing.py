@@ -1,7 +1,7 @@
 """OpenTelemetry traces of guarded requests, after the GenAI semantic conventions.
 
 Off unless `Guards(tracing=...)` turns it on, and then only this module imports
-`opentelemetry` (the API, from the optional extra `guards[otel]`): with tracing off the walk's
+`opentelemetry` (the API, from the optional extra `route-guards[otel]`): with tracing off the walk's
 hooks are `is None` checks and nothing of OpenTelemetry is loaded.
 
 With tracing on, a guarded request is one span, `guards.route`, child of the current span (an
@@ -75,7 +75,7 @@ class Tracing:
             from opentelemetry.trace import Status, StatusCode
         except ImportError:
             raise ConfigurationError(
-                "tracing needs the OpenTelemetry API: pip install 'guards[otel]'"
+                "tracing needs the OpenTelemetry API: pip install 'route-guards[otel]'"
             ) from None
         self._trace = trace
         self._context = context

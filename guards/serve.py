@@ -42,10 +42,22 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-import uvicorn
-
-from ._connections import BoundedConfig
+from ._extras import missing_extra
 from ._relay import stop_streams
+
+try:
+    import uvicorn
+
+    from ._connections import BoundedConfig
+except ModuleNotFoundError as _error:  # the extra [serve]
+    if (_error.name or "").partition(".")[0] != "uvicorn":
+        raise
+    _missing = missing_extra(
+        _error, "serve", "python -m guards.serve" if __name__ == "__main__" else "guards.serve"
+    )
+    if __name__ == "__main__":
+        sys.exit(str(_missing))
+    raise _missing from None
 
 __all__ = [
     "DEFAULT_LIMIT_CONCURRENCY",

@@ -133,3 +133,38 @@ def test_what_serves_a_request_does_not_import_the_decorator(module: str) -> Non
 def test_the_checker_finds_a_circle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def external_imports(path: Path) -> set[str]:
+    """The top-level names of every absolute import in `path`, wherever it runs."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_package_imports_neither_the_example_app_nor_the_repositorys_fixtures() -> None:
+    """The wheel installs `guards` alone: nothing in it may need `app` or `fixtures`."""
+    offending = {
+        module_name(path): sorted(external_imports(path) & {"app", "fixtures"})
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+    assert {name: names for name, names in offending.items() if names} == {}
+
+
+def test_only_the_pytest_plugin_imports_pytest() -> None:
+    """`guards.testing` is usable without pytest (the fakes, the clock); only the plugin, which
+    pytest itself loads, imports it."""
+    importers = {module_name(path) for path in PACKAGE.rglob("*.py") if "pytest" in external_imports(path)}
+    assert importers == {"guards.testing.pytest_plugin"}
+
+
+def test_the_engine_does_not_import_its_test_doubles() -> None:
+    graph, nested = import_graph()
+    engine = {name for name in graph if not name.startswith("guards.testing")}
+    reached = {target for name in engine for target in graph[name] | nested[name]}
+    assert "guards.testing.script" in graph["guards.testing.fake_binding"]  # the graph sees testing
+    assert not {target for target in reached if target.startswith("guards.testing")}

@@ -612,8 +612,6 @@ def test_testing_example_passes_under_pytest(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "pytest",
-            "-p",
-            "fixtures.pytest_plugin",
             "-q",
             "-W",
             "error",

@@ -457,7 +457,7 @@ def test_tracing_without_the_opentelemetry_api_says_what_to_install() -> None:
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert "pip install 'guards[otel]'" in done.stdout
+    assert "pip install 'route-guards[otel]'" in done.stdout
 
 
 # --- the example app: OTEL_TRACES_EXPORTER ------------------------------------------------------

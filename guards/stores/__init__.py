@@ -2,7 +2,7 @@
 tasks live.
 
 `RedisStore` is imported on first use: its protocol library (hiredis, the extra
-`guards[redis]`) is loaded only by an app that uses it.
+`route-guards[redis]`) is loaded only by an app that uses it.
 """
 
 from typing import TYPE_CHECKING, Any

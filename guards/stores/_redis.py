@@ -78,7 +78,12 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import hiredis
+from .._extras import missing_extra
+
+try:
+    import hiredis
+except ModuleNotFoundError as _error:  # the extra [redis]
+    raise missing_extra(_error, "redis", "RedisStore") from None
 
 from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._clock import Clock

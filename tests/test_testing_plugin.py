@@ -1,0 +1,152 @@
+"""`guards.testing`'s pytest plugin as a user meets it: loaded by the `pytest11` entry point
+(no `-p` flag), and `use_fake_ai(app)` giving each test a fresh store, so tests that trip the
+guards pass in any order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from fastapi import FastAPI
+
+import guards.testing.pytest_plugin
+from guards import AI, ConfigurationError, Guards, Level
+from guards.stores import MemoryStore
+from guards.testing import Fail, FakeBinding, ManualClock
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SERVICE = """
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from guards import AI, Guards
+from guards.providers import WorkersAI
+
+
+class Ticket(BaseModel):
+    text: str
+
+
+guards = Guards(WorkersAI(account_id="acc", api_token="token"))
+app = FastAPI()
+guards.install(app)
+
+
+@app.post("/triage")
+@guards.route(model="@cf/meta/llama-3.1-8b-instruct", fallback="by the rules")
+async def triage(ticket: Ticket, ai: AI[str]) -> str:
+    return await ai.run({"messages": [{"role": "user", "content": ticket.text}]})
+"""
+
+RATE_LIMITED = """
+def test_rate_limited(use_fake_ai):
+    fake = use_fake_ai(app)
+    fake.script("*", Fail(code=3036, status=429))  # the model cools down for minutes
+    answer = TestClient(app).post("/triage", json={"text": "hi"}).json()
+    assert answer["data"] == "by the rules"
+    assert len(fake.calls) == 1
+"""
+
+ANSWERED = """
+def test_answered(use_fake_ai):
+    fake = use_fake_ai(app)
+    fake.script("*", Reply("billing"))
+    answer = TestClient(app).post("/triage", json={"text": "hi"}).json()
+    assert answer == {"ok": True, "data": "billing", "fallback": None}
+    assert len(fake.calls) == 1
+"""
+
+HEADER = "from fastapi.testclient import TestClient\n\nfrom guards.testing import Fail, Reply\nfrom service import app\n"
+
+
+def run_pytest(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-W", "error", *args],
+        cwd=folder,
+        env={**environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("order", [(RATE_LIMITED, ANSWERED), (ANSWERED, RATE_LIMITED)])
+def test_tests_that_trip_the_guards_pass_in_either_order(tmp_path: Path, order: tuple[str, str]) -> None:
+    """The rate-limited test puts the model in a cooldown: through a shared store the other test,
+    run after it, would get the fallback without a call."""
+    (tmp_path / "service.py").write_text(SERVICE)
+    (tmp_path / "test_service.py").write_text(HEADER + "".join(textwrap.dedent(t) for t in order))
+    done = run_pytest(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+
+
+def test_the_app_gets_its_own_store_back_after_the_test(tmp_path: Path) -> None:
+    (tmp_path / "service.py").write_text(SERVICE)
+    (tmp_path / "test_service.py").write_text(
+        HEADER
+        + textwrap.dedent("""
+            from guards import Guards
+
+            ORIGINAL = Guards.of(app).store
+
+            def test_swapped(use_fake_ai):
+                use_fake_ai(app)
+                assert Guards.of(app).store is not ORIGINAL
+
+            def test_restored():
+                assert Guards.of(app).store is ORIGINAL
+            """)
+    )
+    done = run_pytest(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+
+
+def test_the_plugin_is_loaded_once_by_its_entry_point(pytestconfig: pytest.Config) -> None:
+    manager = pytestconfig.pluginmanager
+    assert manager.get_plugin("route_guards") is guards.testing.pytest_plugin
+    assert [p for p in manager.get_plugins() if p is guards.testing.pytest_plugin] == [
+        guards.testing.pytest_plugin
+    ]
+
+
+def test_replace_store_forgets_the_service_level_and_refuses_another_clock() -> None:
+    clock = ManualClock()
+    fake = FakeBinding()
+    guards = Guards(fake, store=MemoryStore(clock=clock))
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/ask")
+    @guards.route(model="@cf/m", fallback="later")
+    async def ask(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "hi"})
+
+    fake.script("*", Fail(code=3036, status=429))
+
+    async def scenario() -> Level:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await client.post("/ask")
+        # The level is read from the store at most once a second: poll it (bounded).
+        for _ in range(100):  # at most 5 s
+            if guards.service_level().level is not Level.full:
+                break
+            await anyio.sleep(0.05)
+        return guards.service_level().level
+
+    assert anyio.run(scenario) is Level.minimal  # the model cools down
+    old = guards.store
+    assert guards.replace_store(MemoryStore(clock=clock)) is old
+    assert guards.service_level().level is Level.full
+    with pytest.raises(ConfigurationError, match="same clock"):
+        guards.replace_store(MemoryStore())
