@@ -16,7 +16,7 @@ DOCS_PORT ?= 8001
 HTTP_ROUNDS ?= 5
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test lint format docs docs-build bench bench-http bench-instructions soak clean
+.PHONY: help install run test lint package-check format docs docs-build bench bench-http bench-instructions soak clean
 
 # Variables a help text may name as $(NAME): `make help` prints their values.
 HELP_VARS := HOST PORT WORKERS DOCS_PORT METRICS_DIR SOAK_REQUESTS HTTP_ROUNDS VENV PYTHON
@@ -52,6 +52,9 @@ lint: install ## ruff (lint and format check) and mypy (strict on guards/)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+package-check: install ## build the sdist and wheel, twine check, and test examples/triage against the wheel in a clean venv
+	bash .ci/package $(abspath $(BIN)/python)
 
 format: install ## apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix .

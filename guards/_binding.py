@@ -1,7 +1,7 @@
 """The binding protocol: the one seam between guards and a model provider.
 
 Shaped like Workers AI's `env.AI.run(model, inputs)`. Real adapters (`guards.providers`) and the
-fakes in `fixtures/` implement it, so a test swaps one for the other and nothing else changes.
+fakes in `guards.testing` implement it, so a test swaps one for the other and nothing else changes.
 """
 
 from __future__ import annotations

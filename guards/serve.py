@@ -43,6 +43,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from ._extras import missing_extra
+from ._relay import stop_streams
 
 try:
     import uvicorn
@@ -57,8 +58,6 @@ except ModuleNotFoundError as _error:  # the extra [serve]
     if __name__ == "__main__":
         sys.exit(str(_missing))
     raise _missing from None
-
-from ._relay import stop_streams
 
 __all__ = [
     "DEFAULT_LIMIT_CONCURRENCY",

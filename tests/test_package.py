@@ -5,6 +5,7 @@ pytest plugin, and carries the metadata and the one version."""
 from __future__ import annotations
 
 import importlib.metadata
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -21,8 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
+    # From a copy: setuptools builds in the source tree, and a `build/` left there could carry
+    # files the tree no longer has into the wheel.
+    source = out / "source"
+    ignore = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__")
+    shutil.copytree(ROOT, source, ignore=ignore)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(out), str(source)],
         check=True,
         capture_output=True,
         timeout=300,

@@ -10,9 +10,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import anyio
+import httpx
 import pytest
+from fastapi import FastAPI
 
 import guards.testing.pytest_plugin
+from guards import AI, ConfigurationError, Guards, Level
+from guards.stores import MemoryStore
+from guards.testing import Fail, FakeBinding, ManualClock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,3 +117,36 @@ def test_the_plugin_is_loaded_once_by_its_entry_point(pytestconfig: pytest.Confi
     assert [p for p in manager.get_plugins() if p is guards.testing.pytest_plugin] == [
         guards.testing.pytest_plugin
     ]
+
+
+def test_replace_store_forgets_the_service_level_and_refuses_another_clock() -> None:
+    clock = ManualClock()
+    fake = FakeBinding()
+    guards = Guards(fake, store=MemoryStore(clock=clock))
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/ask")
+    @guards.route(model="@cf/m", fallback="later")
+    async def ask(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "hi"})
+
+    fake.script("*", Fail(code=3036, status=429))
+
+    async def scenario() -> Level:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await client.post("/ask")
+        # The level is read from the store at most once a second: poll it (bounded).
+        for _ in range(100):  # at most 5 s
+            if guards.service_level().level is not Level.full:
+                break
+            await anyio.sleep(0.05)
+        return guards.service_level().level
+
+    assert anyio.run(scenario) is Level.minimal  # the model cools down
+    old = guards.store
+    assert guards.replace_store(MemoryStore(clock=clock)) is old
+    assert guards.service_level().level is Level.full
+    with pytest.raises(ConfigurationError, match="same clock"):
+        guards.replace_store(MemoryStore())

@@ -1,0 +1,1 @@
+"""A small service guarded by route-guards: the example project."""
