@@ -62,6 +62,10 @@ def encode(event: StreamEvent) -> bytes:
     raise TypeError(f"not a client event: {type(event).__name__}")  # pragma: no cover
 
 
+#: Events relayed between two turns of the event loop that `EventStream` takes itself.
+_TURN_EVERY = 4
+
+
 class EventStream(Response):
     """A `text/event-stream` response that relays a guarded model stream.
 
@@ -84,13 +88,17 @@ class EventStream(Response):
             await send(
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
+            sent = 0
             async for chunk in self._body:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 # A server's `send` may return without suspending (hypercorn's does while its
                 # buffer has room), and events read in one network read come without suspending
-                # either: one turn of the loop per event lets `watch` see the client leave,
-                # instead of every event being written to a closed connection.
-                await anyio.lowlevel.checkpoint()
+                # either: a turn of the loop every `_TURN_EVERY` events lets `watch` see the
+                # client leave, instead of every later event being written to a closed
+                # connection (a turn per event would cost more than the rest of the relay).
+                sent += 1
+                if not sent % _TURN_EVERY:
+                    await anyio.lowlevel.checkpoint()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             group.cancel_scope.cancel()
 
