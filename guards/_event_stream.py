@@ -71,7 +71,7 @@ class EventStream(Response):
 
     Returned by `AI.stream`; a guarded route returns it as is. Headers (status 200, the trace
     id, attribution) go out only once the first output part is in hand. When the client
-    disconnects, the relay is cancelled at once (by the next event at the latest, whatever the
+    disconnects, the relay is cancelled at once (within `_TURN_EVERY` events at the latest, whatever the
     server), which closes the provider's stream.
     """
 
