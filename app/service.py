@@ -2,8 +2,9 @@
 configures: `uvicorn app.main:app`).
 
 `POST /draft-reply` is a strict route (public errors), and `POST /draft-reply/stream` the same
-streamed, shed first when a model is down; `POST /summary` a degrading one (always the
-envelope); `POST /report` a strict three-step task that resumes under an `Idempotency-Key`;
+streamed, shed first when a model is down; `POST /chat` the same for the Vercel AI SDK's
+`useChat` (its request body, its UI message stream), with a budget per `x-user-id`;
+`POST /summary` a degrading one (always the envelope); `POST /report` a strict three-step task that resumes under an `Idempotency-Key`;
 `GET /health` the service level; `GET /metrics` the Prometheus exposition; `GET /status` the
 status page (only to requests that carry `STATUS_TOKEN` when it is set). Configured from the
 environment (see `app.settings.Settings` and the README).
@@ -25,6 +26,7 @@ from pydantic_core import PydanticCustomError
 
 from guards import (
     AI,
+    UI_MESSAGE_STREAM,
     Binding,
     Breaker,
     Budget,
@@ -35,6 +37,7 @@ from guards import (
     GuardTripped,
     LastGood,
     Task,
+    UIChatRequest,
     header_key,
     render_metrics,
 )
@@ -335,6 +338,32 @@ def create_app(
         the first word is a public error; after it, an `error` event ends the stream."""
         return await ai.stream(draft_inputs(body))
 
+    @app.post("/chat")
+    @guards.route(
+        model=draft_model,
+        effort=effort,
+        fallbacks=fallbacks,
+        timeout_s=settings.ai_timeout_s,
+        breaker=breaker,
+        budget=Budget(
+            per_minute=settings.rate_limit_per_minute,
+            per_day=settings.daily_call_limit,
+            key=header_key("x-user-id"),
+            scope="chat",
+            on_store_failure=failure or "closed",
+        ),
+        name="chat",
+        stream_max_s=settings.ai_stream_max_s,
+        stream_max_chars=settings.ai_stream_max_chars,
+        stream_format=UI_MESSAGE_STREAM,
+        shed_at="degraded",
+    )
+    async def chat(body: UIChatRequest, ai: AI[str]) -> EventStream:
+        """The conversation `useChat` (the Vercel AI SDK) posts, answered in its UI message
+        stream. Strict: a failure before the first word is a public error; after it, an
+        `error` chunk ends the stream."""
+        return await ai.stream(chat_inputs(body))
+
     # One budget for /summary and /report: their counters are shared (scope "summary").
     budget = Budget(
         per_minute=settings.rate_limit_per_minute,
@@ -423,6 +452,13 @@ def draft_inputs(body: DraftRequest) -> dict[str, Any]:
             {"role": "user", "content": body.message},
         ]
     }
+
+
+def chat_inputs(body: UIChatRequest) -> dict[str, Any]:
+    """The conversation after the service's own instructions (a client's system messages are
+    not the service's: they are left out)."""
+    messages = [m for m in body.inputs()["messages"] if m["role"] != "system"]
+    return {"messages": [{"role": "system", "content": DRAFT_PROMPT}, *messages]}
 
 
 def make_binding(settings: Settings, provider: str) -> Binding:

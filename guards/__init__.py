@@ -19,7 +19,7 @@ from ._cooldown import Cooldown
 from ._effort import Effort, Tier, estimate_effort, override_effort
 from ._envelope import Envelope, ErrorBody, ErrorCode, FallbackInfo, GuardName, Problem, Reason
 from ._errors import ConfigurationError, GuardsError, GuardTripped, ProviderError
-from ._event_stream import EventStream
+from ._event_stream import GUARDS_EVENTS, EventStream, StreamFormat, StreamWriter
 from ._guards import Attribution, Guards
 from ._last_good import LastGood
 from ._ledger import Attempt, Ledger, LogLedger
@@ -41,6 +41,7 @@ from ._stream import (
 )
 from ._tasks import Task
 from ._throttle import Throttled
+from ._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
 
 __all__ = [
     "AI",
@@ -61,6 +62,7 @@ __all__ = [
     "ErrorBody",
     "ErrorCode",
     "EventStream",
+    "GUARDS_EVENTS",
     "FallbackFunction",
     "FallbackInfo",
     "GuardName",
@@ -68,6 +70,12 @@ __all__ = [
     "Guards",
     "GuardsError",
     "Kind",
+    "StreamFormat",
+    "StreamWriter",
+    "UIChatRequest",
+    "UIMessage",
+    "UIPart",
+    "UI_MESSAGE_STREAM",
     "LastGood",
     "Ledger",
     "Level",

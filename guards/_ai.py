@@ -583,7 +583,9 @@ class AI(Generic[T]):
                 done=self._done_data,
                 error=self._error_data,
                 ended=ended,
-            )
+                writer=route.stream_format.writer(),
+            ),
+            route.stream_format.headers,
         )
 
     def _stream_done(

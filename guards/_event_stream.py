@@ -16,13 +16,17 @@ The vocabulary (each event's `data` is one JSON object):
 Exactly one of `done` and `error` ends every stream. Text already delivered before an `error`
 is what the client keeps: guards never switches model or replays text once output was sent.
 `model` and `fallback_model` follow the attribution mode (`null` when not shown).
+
+How the events are written is the route's `StreamFormat` (`guards.route(...,
+stream_format=...)`): `GUARDS_EVENTS`, this vocabulary, by default; `UI_MESSAGE_STREAM`
+(`guards._ui_stream`) for the Vercel AI SDK's `useChat`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -31,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from ._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
 
-__all__ = ["EventStream", "sse"]
+__all__ = ["GUARDS_EVENTS", "EventStream", "StreamFormat", "StreamWriter", "sse"]
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 #: A str as a JSON string literal (the C encoder json.dumps uses for strings).
@@ -62,6 +66,53 @@ def encode(event: StreamEvent) -> bytes:
     raise TypeError(f"not a client event: {type(event).__name__}")  # pragma: no cover
 
 
+class StreamWriter(Protocol):
+    """Writes one stream's events (a new one per stream: a format may keep state, such as the
+    part that is open). The relay calls `start` once, then `text` (the hot path, one per
+    token) and `event` for the output, and exactly one of `done` and `error` last."""
+
+    def start(self) -> bytes: ...
+    def text(self, text: str) -> bytes: ...
+    def event(self, event: StreamEvent) -> bytes: ...
+    def done(self, data: dict[str, Any]) -> bytes: ...
+    def error(self, data: dict[str, Any]) -> bytes: ...
+
+
+class StreamFormat(Protocol):
+    """How a streaming route writes its events: its `name` (the OpenAPI document describes
+    the route's events by it), the response's extra `headers`, and a `writer()` per stream.
+    `done` gets the data of the `done` event, `error` that of the `error` event (see the
+    module docstring)."""
+
+    name: str
+    headers: Mapping[str, str]
+
+    def writer(self) -> StreamWriter: ...
+
+
+class _GuardsWriter:
+    """guards' own vocabulary: stateless, so one writer serves every stream."""
+
+    start = staticmethod(lambda: b"")
+    text = staticmethod(delta)
+    event = staticmethod(encode)
+    done = staticmethod(lambda data: sse("done", data))
+    error = staticmethod(lambda data: sse("error", data))
+
+
+class _GuardsEvents:
+    name = "guards"
+    headers: Mapping[str, str] = {}
+    _writer = _GuardsWriter()
+
+    def writer(self) -> StreamWriter:
+        return self._writer
+
+
+#: guards' own events (`delta`, `reasoning`, `tool_call`, `done`, `error`): the default format.
+GUARDS_EVENTS: StreamFormat = _GuardsEvents()
+
+
 #: Events relayed between two turns of the event loop that `EventStream` takes itself.
 _TURN_EVERY = 4
 
@@ -77,11 +128,11 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], headers: Mapping[str, str] | None = None) -> None:
         self.status_code = 200
         self.background = None
         self._body = body
-        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def relay() -> None:

@@ -27,6 +27,7 @@ from ._credentials import CredentialWarnings
 from ._effort import Effort
 from ._envelope import MAX_PROBLEMS, ErrorCode, Problem
 from ._errors import ConfigurationError
+from ._event_stream import GUARDS_EVENTS, StreamFormat
 from ._ledger import Ledger, LogLedger
 from ._levels import LevelMiddleware, Levels, ServiceLevel
 from ._log import emit, logger, show_logs
@@ -218,6 +219,7 @@ class Guards:
         max_tokens: int | None = None,
         stream_max_s: float = DEFAULT_STREAM_MAX_S,
         stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
+        stream_format: StreamFormat = GUARDS_EVENTS,
         max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
         effort: Effort | None = None,
         shed_at: Literal["degraded", "minimal"] | None = None,
@@ -252,6 +254,9 @@ class Guards:
           or before its output (text, reasoning, tool calls) would pass this many characters
           (`call`/`provider_error`); the provider's stream is closed at that moment. Defaults:
           300 s and 1 MiB (1,048,576) characters, the body cap of a whole answer.
+        - `stream_format`: how a streamed answer is written: guards' own events
+          (`GUARDS_EVENTS`, the default) or `UI_MESSAGE_STREAM`, the Vercel AI SDK's UI
+          message stream that `useChat` reads.
         - `max_body_bytes`: the most request body the route reads (default 1 MiB; None: no
           limit). A longer body is answered `400 invalid_request` as soon as its declared
           length or its bytes pass the limit, never read whole (`install` sets this up).
@@ -285,6 +290,7 @@ class Guards:
                 max_tokens=max_tokens,
                 stream_max_s=stream_max_s,
                 stream_max_chars=stream_max_chars,
+                stream_format=stream_format,
                 max_body_bytes=max_body_bytes,
                 effort=effort,
                 shed_at=shed_at,

@@ -118,6 +118,32 @@ def stream_events(attribution: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def _ui_stream_response() -> dict[str, Any]:
+    """The 200 of a route answering the Vercel AI SDK's UI message stream (`UI_MESSAGE_STREAM`):
+    events without a name, each `data` a JSON chunk with its `type`, the last `[DONE]`."""
+    chunk = {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
+    events = [
+        {
+            "type": "object",
+            "properties": {
+                "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": chunk}
+            },
+            "required": ["data"],
+        },
+        {"type": "object", "properties": {"data": {"const": "[DONE]"}}, "required": ["data"]},
+    ]
+    return {
+        "description": (
+            "The Vercel AI SDK's UI message stream (v1, header `x-vercel-ai-ui-message-stream`): "
+            "`start`, the text, reasoning and tool-input parts, then exactly one of `finish` "
+            "(`messageMetadata.guards`: the `done` data) and `error` (`errorText`: the reason), "
+            "then `[DONE]`."
+        ),
+        "headers": {"x-vercel-ai-ui-message-stream": {"schema": {"const": "v1"}}},
+        "content": {"text/event-stream": {"schema": {"oneOf": events}}},
+    }
+
+
 def _stream_response(attribution: str) -> dict[str, Any]:
     """The 200 of a streaming route: one of the five events, each `{event, data}` with its
     `data` a JSON text of the event's schema."""
@@ -198,7 +224,8 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             if route.streaming:
-                responses["200"] = _stream_response(attribution)
+                guards_events = route.stream_format.name == "guards"
+                responses["200"] = _stream_response(attribution) if guards_events else _ui_stream_response()
             if route.task is not None:
                 responses.setdefault("200", {}).setdefault("headers", {}).update(_REPLAYED)
             for status, codes in error_statuses(route).items():

@@ -26,7 +26,7 @@ from ._breaker import Outcome
 from ._classify import Kind, classify
 from ._envelope import Reason
 from ._errors import GuardTripped, ProviderError
-from ._event_stream import delta, encode, sse
+from ._event_stream import GUARDS_EVENTS, StreamWriter
 from ._stream import (
     ReasoningDelta,
     StreamEnd,
@@ -146,6 +146,7 @@ async def relay(
     done: Callable[[StreamEnd | None], dict[str, Any]],
     error: Callable[[GuardTripped], dict[str, Any]],
     ended: Callable[[Relayed], Awaitable[None]],
+    writer: StreamWriter | None = None,
 ) -> AsyncIterator[bytes]:
     """The client's events for a committed attempt (`opened`): its first events, the rest of
     the stream, then `done` (with the data `done(end)` gives) or `error` (`error(tripped)`).
@@ -157,7 +158,11 @@ async def relay(
     `call`/`timeout`, `SHUTDOWN_DETAIL`) and before an event would take its output past
     `max_chars` characters (`call`/`provider_error`). Either way the provider's stream is
     closed at once. One timer for the whole stream (`Alarm`), and no clock read per event.
+    `writer` writes the events (guards' own, `GUARDS_EVENTS`, by default).
     """
+    if writer is None:
+        writer = GUARDS_EVENTS.writer()
+    text, encode = writer.text, writer.event
     task = asyncio.current_task()
     assert task is not None
     alarm = Alarm(deadline)
@@ -169,6 +174,9 @@ async def relay(
     end: StreamEnd | None = opened.end
     failure: GuardTripped | None = None
     try:
+        preamble = writer.start()
+        if preamble:
+            yield preamble
         for event in opened.first:
             delivered += chars(event)
             if delivered > max_chars:
@@ -186,7 +194,7 @@ async def relay(
                     delivered += len(event.text)
                     if delivered > max_chars:
                         raise _OverSize
-                    yield delta(event.text)
+                    yield text(event.text)
                 elif isinstance(event, StreamEnd):
                     end = event
                     break
@@ -245,7 +253,7 @@ async def relay(
                 failure.kind.value if failure.kind else "ok", Outcome.failure, end, delivered, failure
             )
         try:
-            yield sse("error", error(failure))
+            yield writer.error(error(failure))
         finally:
             await ended(relayed)
         return
@@ -253,9 +261,9 @@ async def relay(
     alarm.close()
     if end.finish_reason == "content_filter":
         failure = GuardTripped(Reason.moderation_blocked, "the provider filtered the stream", model=model)
-        last, relayed = sse("error", error(failure)), Relayed("ok", Outcome.success, end, delivered, failure)
+        last, relayed = writer.error(error(failure)), Relayed("ok", Outcome.success, end, delivered, failure)
     else:
-        last, relayed = sse("done", done(end)), Relayed("ok", Outcome.success, end, delivered, None)
+        last, relayed = writer.done(done(end)), Relayed("ok", Outcome.success, end, delivered, None)
     try:
         yield last
     finally:

@@ -35,7 +35,7 @@ from ._classify import Kind
 from ._effort import Effort, EffortRoutes
 from ._envelope import Envelope, ErrorCode, FallbackInfo
 from ._errors import ConfigurationError, GuardTripped
-from ._event_stream import EventStream
+from ._event_stream import GUARDS_EVENTS, EventStream, StreamFormat
 from ._last_good import LastGood, LastGoodCache
 from ._levels import Level
 from ._log import emit_error, emit_warning, frames
@@ -82,6 +82,7 @@ def guard_route(
     max_tokens: int | None,
     stream_max_s: float = DEFAULT_STREAM_MAX_S,
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS,
+    stream_format: StreamFormat = GUARDS_EVENTS,
     max_body_bytes: int | None,
     effort: Effort | None = None,
     shed_at: str | None = None,
@@ -231,6 +232,7 @@ def guard_route(
         success_ages=SuccessAges(legs, guards.success_clock),
         stream_max_s=stream_max_s,
         stream_max_chars=stream_max_chars,
+        stream_format=stream_format,
         shed_at=Level(shed_at) if shed_at is not None else None,
         task=task,
     )

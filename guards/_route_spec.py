@@ -16,6 +16,7 @@ from typing import Any, overload
 
 from ._breaker import CircuitState
 from ._classify import Kind
+from ._event_stream import GUARDS_EVENTS, StreamFormat
 from ._metrics import (
     ATTEMPT_SECONDS,
     ATTEMPTS,
@@ -193,6 +194,8 @@ class GuardedRoute:
     #: A streamed answer's limits: seconds since the request began, characters of output.
     stream_max_s: float = DEFAULT_STREAM_MAX_S
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS
+    #: How a streamed answer is written (guards' own events by default).
+    stream_format: StreamFormat = GUARDS_EVENTS
     #: A route that routes by effort: its chain per tier (the route itself runs the standard
     #: tier's chain until a request's first call picks one). None: the chain is pinned.
     effort: EffortRoutes | None = None
