@@ -35,6 +35,7 @@ from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Reply, Stream
 from guards import Envelope, StatusReport
 
 from .conftest import LogLines, no_sleep, wait_until, workers_ai_settings
+from .test_ui_stream import check_ui_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -130,6 +131,7 @@ CHECKED = {
     ("contracts.md", "json", 0): "test_envelope_samples_are_real_answers",
     ("fallback-chains.md", "python", 0): "test_readme_chain_example_falls_back_as_documented",
     ("streaming.md", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
+    ("streaming.md", "python", 1): "test_use_chat_example_answers_the_ui_message_stream",
     ("streaming.md", "sh", 0): "test_streaming_curl_streams",
     ("streaming.md", "", 0): "test_stream_sample_has_the_documented_events",
     ("operating/logs.md", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
@@ -656,6 +658,38 @@ def test_readme_streaming_example_streams_through_the_chain() -> None:
     assert 'data: {"text":"Hello"}' in response.text
     assert response.text.rstrip().splitlines()[-2] == "event: done"
     assert invalid.json()["problems"] == [{"field": "body.message", "problem": "string_too_short"}]
+
+
+def test_use_chat_example_answers_the_ui_message_stream() -> None:
+    example = page_example("fallback-chains.md")
+    run_block(example, "streaming.md")
+    run_block(example, "streaming.md", 1)
+    guards = example["guards"]
+    main, openai = FakeBinding(), FakeBinding()
+    guards.binding, guards.providers["openai"] = main, openai
+    main.script("*", Fail(code=5035, status=403))
+    openai.script("*", Stream(parts=(Text("Hello"), Text(" there."))))
+    body = {"id": "c", "messages": [{"id": "m", "role": "user", "parts": [{"type": "text", "text": "hi"}]}]}
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            return [
+                await client.post("/chat", json=body),
+                await client.post(
+                    "/chat", json={"messages": [{"role": "user", "parts": [{"type": "file"}]}]}
+                ),
+            ]
+
+    response, invalid = anyio.run(scenario)
+    chunks = check_ui_stream(response)
+    assert "".join(c["delta"] for c in chunks if c["type"] == "text-delta") == "Hello there."
+    assert chunks[-1]["messageMetadata"]["guards"]["attempts"] == 2
+    assert openai.calls[0].inputs["messages"] == [{"role": "user", "content": "hi"}]
+    assert invalid.status_code == 400
+    assert invalid.json()["error"] == "invalid_request"
+    # The version the page says is tested is the one the SDK tests install.
+    tested = json.loads((ROOT / "js" / "package.json").read_text())["dependencies"]["ai"]
+    assert f"Tested with `ai` {tested}" in page_text("streaming.md")
 
 
 def test_metrics_snippet_serves_the_exposition() -> None:
