@@ -172,21 +172,28 @@ class _UIMessageStream:
 UI_MESSAGE_STREAM = _UIMessageStream()
 
 
+def _part_schema(schema: dict[str, Any]) -> None:
+    """The checks of `UIPart._check` in its JSON Schema (the OpenAPI document)."""
+    schema["properties"]["type"]["not"] = {"const": "file"}
+    schema["if"] = {"properties": {"type": {"const": "text"}}, "required": ["type"]}
+    schema["then"] = {"required": ["text"]}
+
+
 class UIPart(BaseModel):
     """One part of a UI message: `text` parts are the message; `file` parts are refused; the
     other kinds an assistant message carries back (`reasoning`, `step-start`, tool and
     `data-*` parts) are not sent to the model."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_part_schema)
 
     type: str = Field(max_length=200)
-    text: str | None = None
+    text: str = ""
 
     @model_validator(mode="after")
     def _check(self) -> UIPart:
         if self.type == "file":
             raise ValueError("file parts are not supported: send the message as text parts")
-        if self.type == "text" and self.text is None:
+        if self.type == "text" and "text" not in self.model_fields_set:
             raise ValueError("a text part needs its text")
         return self
 
@@ -210,18 +217,12 @@ class UIChatRequest(BaseModel):
     messages: list[UIMessage] = Field(min_length=1, max_length=1000)
     trigger: Literal["submit-message", "regenerate-message"] = "submit-message"
 
-    @model_validator(mode="after")
-    def _check(self) -> UIChatRequest:
-        if not any(m.role == "user" for m in self.messages):
-            raise ValueError("the messages need at least one user message")
-        return self
-
     def inputs(self) -> dict[str, Any]:
         """`{"messages": [{"role", "content"}]}`: each message's text parts, joined; a message
         with none is left out."""
         messages = []
         for message in self.messages:
-            text = "".join(p.text or "" for p in message.parts if p.type == "text")
+            text = "".join(p.text for p in message.parts if p.type == "text")
             if text:
                 messages.append({"role": message.role, "content": text})
         return {"messages": messages}

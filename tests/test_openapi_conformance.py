@@ -101,7 +101,9 @@ def base_url() -> Iterator[str]:
 
 
 def outcomes(path: str) -> st.SearchStrategy[Any]:
-    return st.sampled_from(FAILURES + ANSWERS + (STREAMS if path.endswith("/stream") else []))
+    return st.sampled_from(
+        FAILURES + ANSWERS + (STREAMS if path.endswith("/stream") or path == "/chat" else [])
+    )
 
 
 @pytest.mark.slow

@@ -220,8 +220,9 @@ def test_reasoning_and_tool_calls_map_to_their_chunks(serve: Serve) -> None:
             },
             "body.messages.0.parts.0",
         ),
+        ({"messages": [{"role": "user", "parts": [{"type": "text"}]}]}, "body.messages.0.parts.0"),
     ],
-    ids=["no-messages", "empty", "bad-role", "file-part"],
+    ids=["no-messages", "empty", "bad-role", "file-part", "text-part-without-text"],
 )
 def test_a_body_that_is_not_a_chat_request_is_a_400_without_a_call(
     body: dict[str, Any], field: str, client: httpx.Client, fake_workers_ai: FakeWorkersAI
