@@ -262,6 +262,7 @@ def test_the_json_has_the_documented_shape(
     assert [r["route"] for r in report["routes"]] == [
         "draft_reply",
         "draft_reply_stream",
+        "chat",
         "summary",
         "report",
     ]
