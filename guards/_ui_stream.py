@@ -77,6 +77,8 @@ class _UIWriter:
         return out
 
     def text(self, text: str) -> bytes:
+        if not text:  # an empty delta (preamble) is no part
+            return b""
         head = b"" if self._open == "text" else self._switch("text")
         return head + self._text_prefix + _string(text).encode() + b"}\n\n"
 
@@ -84,6 +86,8 @@ class _UIWriter:
         if isinstance(event, TextDelta):
             return self.text(event.text)
         if isinstance(event, ReasoningDelta):
+            if not event.text:
+                return b""
             head = b"" if self._open == "reasoning" else self._switch("reasoning")
             return head + self._text_prefix + _string(event.text).encode() + b"}\n\n"
         if isinstance(event, ToolCallDelta):
