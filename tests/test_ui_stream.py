@@ -19,6 +19,18 @@ from guards import Reason
 
 from .conftest import assert_error, no_sleep, problems, workers_ai_settings
 
+#: A stream with reasoning, text and a tool call in two pieces (the SDK tests play it too).
+REASONING_AND_TOOL = Stream(
+    parts=(
+        Reasoning("Looking it up."),
+        Text("Let me check."),
+        ToolName(0, "call_1", "track"),
+        ToolArgs(0, '{"parcel": '),
+        ToolArgs(0, "7}"),
+    ),
+    finish_reason="tool_calls",
+)
+
 MODEL = "@cf/test/model"
 BACKUP = "@cf/test/backup"
 Serve = Callable[[FastAPI], httpx.Client]
@@ -178,19 +190,7 @@ def test_a_stream_cut_after_output_ends_with_an_error_chunk_and_keeps_the_text(
 def test_reasoning_and_tool_calls_map_to_their_chunks(serve: Serve) -> None:
     fake = FakeBinding()
     client = serve(create_app(Settings(), binding=fake, sleep=no_sleep))
-    fake.script(
-        "*",
-        Stream(
-            parts=(
-                Reasoning("Looking it up."),
-                Text("Let me check."),
-                ToolName(0, "call_1", "track"),
-                ToolArgs(0, '{"parcel": '),
-                ToolArgs(0, "7}"),
-            ),
-            finish_reason="tool_calls",
-        ),
-    )
+    fake.script("*", REASONING_AND_TOOL)
     chunks = check_ui_stream(client.post("/chat", json=chat_body()))
     assert text_of(chunks, "reasoning") == "Looking it up."
     assert text_of(chunks) == "Let me check."

@@ -18,9 +18,10 @@ import pytest
 
 from app.service import create_app
 from app.settings import Settings
-from fixtures import Fail, FakeBinding, FakeWorkersAI, Reasoning, Stream, Text, ToolArgs, ToolName
+from fixtures import Fail, FakeBinding, FakeWorkersAI, Stream, Text
 
 from .conftest import LiveServer, no_sleep, workers_ai_settings
+from .test_ui_stream import REASONING_AND_TOOL
 
 JS = Path(__file__).resolve().parent.parent / "js"
 MODEL = "@cf/test/model"
@@ -128,19 +129,7 @@ def test_the_browser_leaving_cancels_the_upstream(
 
 def test_the_sdk_reads_reasoning_and_tool_calls(node: str) -> None:
     fake = FakeBinding()
-    fake.script(
-        "*",
-        Stream(
-            parts=(
-                Reasoning("Looking it up."),
-                Text("Let me check."),
-                ToolName(0, "call_1", "track"),
-                ToolArgs(0, '{"parcel": '),
-                ToolArgs(0, "7}"),
-            ),
-            finish_reason="tool_calls",
-        ),
-    )
+    fake.script("*", REASONING_AND_TOOL)
     with LiveServer(create_app(Settings(), binding=fake, sleep=no_sleep)) as server:
         result = sdk(node, server.url)
     assert result["errors"] == []
