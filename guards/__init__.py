@@ -13,17 +13,17 @@ from ._breaker import Breaker, CircuitState, Outcome
 from ._budget import Budget, Price, StoreFailureMode, client_key, header_key
 from ._call import Retry
 from ._chain import Chain, ModelRef, Profile, flatten_chain
-from ._classify import Classification, Kind, classify
+from ._classify import Classification, classify
 from ._clock import Clock, SystemClock
 from ._cooldown import Cooldown
 from ._effort import Effort, Tier, estimate_effort, override_effort
-from ._envelope import Envelope, ErrorBody, ErrorCode, FallbackInfo, GuardName, Problem, Reason
+from ._envelope import Envelope, ErrorBody, FallbackInfo, Problem
 from ._errors import ConfigurationError, GuardsError, GuardTripped, ProviderError
 from ._event_stream import GUARDS_EVENTS, EventStream, StreamFormat, StreamWriter
-from ._guards import Attribution, Guards
+from ._guards import Guards
 from ._last_good import LastGood
 from ._ledger import Attempt, Ledger, LogLedger
-from ._levels import Level, ModelDown, ServiceLevel
+from ._levels import ModelDown, ServiceLevel
 from ._metrics import render_metrics
 from ._output import Moderation
 from ._responses import PublicError, public_error
@@ -42,6 +42,7 @@ from ._stream import (
 from ._tasks import Task
 from ._throttle import Throttled
 from ._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
+from ._vocabulary import Attribution, ErrorCode, GuardName, Kind, Level, Reason
 
 __all__ = [
     "AI",

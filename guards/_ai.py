@@ -25,9 +25,8 @@ from ._binding import AIResult, Binding, Usage
 from ._breaker import CircuitState, Outcome
 from ._budget import budget_refusal, input_tokens_bound
 from ._call import CallFailed, call_model
-from ._classify import Classification, Kind, classify
+from ._classify import Classification, classify
 from ._deadline import Deadline
-from ._envelope import ErrorCode, Reason
 from ._errors import ConfigurationError, GuardTripped, ProviderError
 from ._event_stream import EventStream, end_data
 from ._ledger import Attempt
@@ -38,6 +37,7 @@ from ._relay import Opened, Relayed, no_events, open_stream, relay
 from ._retry_budget import admit_retry
 from ._route_spec import GuardedRoute, Leg
 from ._stream import StreamEnd, StreamingBinding, TextDelta
+from ._vocabulary import ErrorCode, Kind, Reason
 from .stores import Charge, Passage, Report, Step, StoreUnavailable
 
 if typing.TYPE_CHECKING:

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from starlette.requests import Request
 
-from ._envelope import Reason
 from ._errors import GuardTripped
+from ._vocabulary import Reason
 from .stores import Admission
 
 __all__ = ["Budget", "Price", "StoreFailureMode", "client_key", "header_key"]

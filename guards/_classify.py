@@ -23,23 +23,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from enum import StrEnum
 
 from ._errors import ProviderError
+from ._vocabulary import Kind
 
-__all__ = ["Classification", "Kind", "classify"]
-
-
-class Kind(StrEnum):
-    """What kind of failure a provider call ended in."""
-
-    model_incompatible = "model_incompatible"
-    model_quota_exhausted = "model_quota_exhausted"
-    model_temporarily_unavailable = "model_temporarily_unavailable"
-    model_rate_limited = "model_rate_limited"
-    model_unavailable = "model_unavailable"
-    #: The caller stopped waiting (deadline or client gone). Never retried, never moves on.
-    cancelled = "cancelled"
+__all__ = ["Classification", "classify"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ._classify import Kind, classify
+from ._classify import classify
+from ._vocabulary import Kind
 
 __all__ = ["MAX_COOLDOWN_S", "Cooldown"]
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._envelope import GuardName, Reason
+from ._vocabulary import GuardName, Reason
 
 if TYPE_CHECKING:
-    from ._classify import Kind
+    from ._vocabulary import Kind
 
 __all__ = ["ConfigurationError", "GuardTripped", "GuardsError", "ProviderError"]
 

@@ -25,7 +25,7 @@ from ._clock import SystemClock
 from ._cooldown import Cooldown
 from ._credentials import CredentialWarnings
 from ._effort import Effort
-from ._envelope import MAX_PROBLEMS, ErrorCode, Problem
+from ._envelope import MAX_PROBLEMS, Problem
 from ._errors import ConfigurationError
 from ._event_stream import GUARDS_EVENTS, StreamFormat
 from ._ledger import Ledger, LogLedger
@@ -42,10 +42,13 @@ from ._route_spec import NO_FALLBACK, GuardedRoute, route_of
 from ._status import status_router
 from ._tasks import Task
 from ._tracing import Tracing
+from ._vocabulary import Attribution, ErrorCode
 from .stores import MemoryStore, Store
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
+
+    from ._shared import Shared
 
 __all__ = ["Guards"]
 
@@ -53,10 +56,6 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 #: The longest field path (or problem token) a 400 reports; a longer one is cut.
 _FIELD_MAX = 200
-
-#: How responses name the model that served: `detailed` (model ids), `redacted` (a fallback
-#: flag only) or `off`.
-Attribution = Literal["off", "redacted", "detailed"]
 
 
 class Guards:
@@ -476,3 +475,9 @@ def _checked_cooldowns(default: Cooldown, cooldowns: Mapping[str, Cooldown]) -> 
                 f"cooldowns[{model!r}] must be a Cooldown(...), not {type(policy).__name__}"
             )
     return dict(cooldowns)
+
+
+if TYPE_CHECKING:
+
+    def _satisfies_shared(guards: Guards) -> Shared:
+        return guards  # mypy checks that `Guards` is what the lower modules are typed against

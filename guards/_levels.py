@@ -30,25 +30,20 @@ import math
 import time
 import typing
 from dataclasses import dataclass
-from enum import StrEnum
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._breaker import Breaker, BreakerState, CircuitState
 from ._breaker import admit as breaker_admit
-from ._envelope import Reason
 from ._errors import GuardTripped
 from ._log import emit, emit_warning
 from ._metrics import SERVICE_LEVEL, STORE_UNAVAILABLE
 from ._route_spec import GuardedRoute, route_of
-from .stores import StoreUnavailable
-
-if typing.TYPE_CHECKING:
-    from ._guards import Guards
+from ._vocabulary import Attribution, Level, Reason
+from .stores import Store, StoreUnavailable
 
 __all__ = [
     "REFRESH_S",
-    "Level",
     "LevelMiddleware",
     "Levels",
     "ModelDown",
@@ -64,14 +59,6 @@ REFRESH_S = 1.0
 OVERLOAD_RETRY_AFTER_S = 1.0
 #: Marks the ASGI scope of a request that counts as in flight (see `LevelMiddleware`).
 _COUNTED = "guards.in_flight"
-
-
-class Level(StrEnum):
-    """The service level, best first."""
-
-    full = "full"
-    degraded = "degraded"
-    minimal = "minimal"
 
 
 #: Each level's rank: the gauge's value, and the order shedding compares in.
@@ -134,10 +121,21 @@ def down_for(breaker: BreakerState, cooldown_s: float, policies: list[Breaker], 
     return wait
 
 
+class StoreHolder(typing.Protocol):
+    """What the levels read of their app (`Guards` is one): its store, read again at every
+    refresh since a test may replace it, and how pages name the models down."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def attribution(self) -> Attribution: ...
+
+
 class Levels:
     """One app's service level (per worker), and its requests in flight."""
 
-    def __init__(self, guards: Guards, max_in_flight: int | None) -> None:
+    def __init__(self, guards: StoreHolder, max_in_flight: int | None) -> None:
         self._guards = guards
         self._models: dict[str, WatchedModel] = {}
         #: The current view, and the models down with when each comes back (perf_counter time).

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.routing import APIRoute
 
-from ._envelope import MAX_PROBLEMS, ErrorBody, ErrorCode, GuardName, Reason
+from ._envelope import MAX_PROBLEMS, ErrorBody
 from ._responses import STRICT_STATUSES
 from ._route_spec import GuardedRoute, route_of
+from ._vocabulary import ErrorCode, GuardName, Reason
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -17,8 +17,8 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic_core import CoreSchema, SchemaValidator
 
 from ._binding import AIResult
-from ._envelope import Reason
 from ._errors import GuardTripped
+from ._vocabulary import Reason
 
 __all__ = ["Moderation", "OutputGuard", "output_guard"]
 

@@ -23,8 +23,7 @@ import anyio
 
 from ._alarm import Alarm
 from ._breaker import Outcome
-from ._classify import Kind, classify
-from ._envelope import Reason
+from ._classify import classify
 from ._errors import GuardTripped, ProviderError
 from ._event_stream import GUARDS_EVENTS, StreamWriter
 from ._stream import (
@@ -36,6 +35,7 @@ from ._stream import (
     ToolCallDelta,
     is_output,
 )
+from ._vocabulary import Kind, Reason
 
 __all__ = [
     "DEFAULT_STREAM_MAX_CHARS",

@@ -8,9 +8,9 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from ._classify import Kind
-from ._envelope import ErrorCode, Problem, Reason
+from ._envelope import Problem
 from ._errors import GuardTripped
+from ._vocabulary import ErrorCode, Kind, Reason
 
 __all__ = ["PublicError", "error_response", "public_error"]
 

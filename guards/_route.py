@@ -31,13 +31,11 @@ from ._breaker import Breaker
 from ._budget import Budget
 from ._call import Retry
 from ._chain import HINT_PREFIX, flatten_chain
-from ._classify import Kind
 from ._effort import Effort, EffortRoutes
-from ._envelope import Envelope, ErrorCode, FallbackInfo
+from ._envelope import Envelope, FallbackInfo
 from ._errors import ConfigurationError, GuardTripped
 from ._event_stream import GUARDS_EVENTS, EventStream, StreamFormat
 from ._last_good import LastGood, LastGoodCache
-from ._levels import Level
 from ._log import emit_error, emit_warning, frames
 from ._metrics import RouteMetrics
 from ._output import Moderation, OutputGuard
@@ -45,6 +43,7 @@ from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response, public_error
 from ._route_spec import NO_FALLBACK, GuardedRoute, Leg, SuccessAges
 from ._tasks import Task, key_parameter, task_endpoint
+from ._vocabulary import ErrorCode, Kind, Level
 from .stores import Charge, Step
 
 if typing.TYPE_CHECKING:

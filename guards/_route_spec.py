@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from ._breaker import CircuitState
-from ._classify import Kind
 from ._event_stream import GUARDS_EVENTS, StreamFormat
 from ._metrics import (
     ATTEMPT_SECONDS,
@@ -34,6 +33,7 @@ from ._metrics import (
     stamped_counter,
 )
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
+from ._vocabulary import Kind
 
 if typing.TYPE_CHECKING:
     from prometheus_client import Gauge
@@ -43,9 +43,9 @@ if typing.TYPE_CHECKING:
     from ._call import Retry
     from ._chain import ModelRef
     from ._effort import EffortRoutes
-    from ._levels import Level
     from ._output import OutputGuard
     from ._tasks import Task
+    from ._vocabulary import Level
 
 __all__ = ["NO_FALLBACK", "GuardedRoute", "Leg", "SuccessAges", "route_of"]
 

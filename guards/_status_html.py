@@ -12,8 +12,8 @@ import math
 import time
 from collections.abc import Sequence
 
-from ._levels import Level
 from ._status_report import DAY_S, ModelStatus, RouteStatus, StatusReport
+from ._vocabulary import Level
 
 __all__ = ["CSP", "render_html", "render_sign_in"]
 

@@ -37,8 +37,7 @@ import anyio.to_thread
 from prometheus_client import Counter
 from pydantic import BaseModel, Field
 
-from ._classify import Kind
-from ._levels import Level, down_for, level_of
+from ._levels import down_for, level_of
 from ._log import emit_warning
 from ._metrics import (
     ATTEMPTS,
@@ -52,6 +51,7 @@ from ._metrics import (
     peek,
     totals,
 )
+from ._vocabulary import Kind, Level
 from .stores import StoreUnavailable, utc_day
 
 if typing.TYPE_CHECKING:

@@ -55,11 +55,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ._ai import AI, TASK_SCOPE, finish_request
-from ._envelope import ErrorCode
 from ._log import emit_warning
 from ._metrics import STORE_UNAVAILABLE, TASK_STEPS, counter
 from ._output import OutputGuard
 from ._responses import PublicError, error_response
+from ._vocabulary import ErrorCode
 from .stores import Store, StoreUnavailable, TaskStatus
 
 if typing.TYPE_CHECKING:

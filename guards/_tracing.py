@@ -33,10 +33,10 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
     from ._ai import AI
-    from ._envelope import ErrorCode
     from ._errors import GuardTripped
     from ._route_spec import Leg
     from ._stream import StreamEnd
+    from ._vocabulary import ErrorCode
 
 __all__ = ["RequestTrace", "Tracing", "provider_name"]
 

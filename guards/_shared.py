@@ -1,0 +1,62 @@
+"""`Shared`: what the requests of one app share, as the modules below `Guards` see it.
+
+The request path (`guards.walk`), the route decorator and its endpoint, tasks, service levels
+and the status page are typed against this protocol, not against `Guards`: each reads only
+these names, so it can be built and tested without the whole facade, and no module below
+`guards._guards` imports it (`tests/test_imports.py` holds that). `Guards` satisfies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
+
+from ._binding import Binding
+from ._budget import Price
+from ._chain import Profile
+from ._cooldown import Cooldown
+from ._credentials import CredentialWarnings
+from ._ledger import Ledger
+from ._levels import Levels, ServiceLevel
+from ._retry_budget import RetryWindows
+from ._route_spec import GuardedRoute
+from ._tracing import Tracing
+from ._vocabulary import Attribution
+from .stores import Store
+
+__all__ = ["Shared"]
+
+
+class Shared(Protocol):
+    """The bindings, the store, the clocks and the observers an app's requests share."""
+
+    #: The main binding (provider `"default"`), and the other providers by name.
+    binding: Binding
+    providers: dict[str, Binding]
+    profiles: Mapping[str, Profile]
+    hints: Mapping[str, str]
+    #: Budget, breaker, cooldown, task and last-good state (replaced only by `replace_store`).
+    store: Store
+    #: What retries wait with (a test injects a no-op).
+    sleep: Callable[[float], Awaitable[None]]
+    retry_after_s: float
+    prices: Mapping[str, Price]
+    cost_unit_usd: float
+    attribution: Attribution
+    ledger: Ledger
+    #: The tracer when tracing is on, else None.
+    tracing: Tracing | None
+    retry_windows: RetryWindows
+    credential_warnings: CredentialWarnings
+    #: This worker's last success per model (breaker key) on `success_clock`.
+    last_success: dict[str, list[float | None]]
+    success_clock: Callable[[], float]
+    levels: Levels
+    #: Every guarded route, in the order declared.
+    routes: list[GuardedRoute]
+
+    def cooldown_for(self, model: str) -> Cooldown: ...
+
+    def ledger_enabled(self) -> bool: ...
+
+    def service_level(self) -> ServiceLevel: ...
