@@ -7,7 +7,6 @@ same-shape envelope (a degrading route) or a stable public error (a strict route
 #: The version of the `route-guards` distribution (the one place it is written).
 __version__ = "0.1.0"
 
-from ._ai import AI
 from ._binding import AIResult, Binding, Usage
 from ._breaker import Breaker, CircuitState, Outcome
 from ._budget import Budget, Price, StoreFailureMode, client_key, header_key
@@ -43,6 +42,7 @@ from ._tasks import Task
 from ._throttle import Throttled
 from ._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
 from ._vocabulary import Attribution, ErrorCode, GuardName, Kind, Level, Reason
+from .walk import AI
 
 __all__ = [
     "AI",

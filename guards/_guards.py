@@ -25,6 +25,7 @@ from ._clock import SystemClock
 from ._cooldown import Cooldown
 from ._credentials import CredentialWarnings
 from ._effort import Effort
+from ._endpoint import handler_entered, request_trace_id
 from ._envelope import MAX_PROBLEMS, Problem
 from ._errors import ConfigurationError
 from ._event_stream import GUARDS_EVENTS, StreamFormat
@@ -37,7 +38,7 @@ from ._output import Moderation
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
 from ._retry_budget import RetryWindows
-from ._route import guard_route, handler_entered, request_trace_id
+from ._route import guard_route
 from ._route_spec import NO_FALLBACK, GuardedRoute, route_of
 from ._status import status_router
 from ._tasks import Task

@@ -6,50 +6,46 @@
         return await ai.run({"messages": [...]})
 
 The decorated function keeps its parameters (FastAPI still sees them and their dependencies);
-the `ai` parameter is removed from what FastAPI sees and filled with a fresh `AI` (`_ai.py`)
-per request. A route's declaration is checked and its chain flattened once, at start-up.
+the `ai` parameter is removed from what FastAPI sees and filled with a fresh `AI`
+(`guards.walk`) per request. A route's declaration is checked and its chain flattened once, at
+start-up, here; what runs per request is its `GuardedEndpoint` (`guards._endpoint`).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-import re
-import time
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from random import getrandbits
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
-from starlette.exceptions import HTTPException
+from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ._ai import AI, TASK_SCOPE, finish_request, walk_step
 from ._breaker import Breaker
 from ._budget import Budget
 from ._call import Retry
 from ._chain import HINT_PREFIX, flatten_chain
 from ._effort import Effort, EffortRoutes
-from ._envelope import Envelope, FallbackInfo
+from ._endpoint import REQUEST_PARAMETER, RESPONSE_PARAMETER, GuardedEndpoint, request_trace_id
+from ._envelope import Envelope
 from ._errors import ConfigurationError, GuardTripped
 from ._event_stream import GUARDS_EVENTS, EventStream, StreamFormat
 from ._last_good import LastGood, LastGoodCache
-from ._log import emit_error, emit_warning, frames
+from ._log import emit_warning
 from ._metrics import RouteMetrics
 from ._output import Moderation, OutputGuard
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
-from ._responses import PublicError, error_response, public_error
 from ._route_spec import NO_FALLBACK, GuardedRoute, Leg, SuccessAges
-from ._tasks import Task, key_parameter, task_endpoint
-from ._vocabulary import ErrorCode, Kind, Level
-from .stores import Charge, Step
+from ._task_endpoint import task_endpoint
+from ._tasks import Task, key_parameter
+from ._vocabulary import Level
+from .walk import AI
 
 if typing.TYPE_CHECKING:
-    from ._guards import Guards
+    from ._shared import Shared
 
-__all__ = ["FallbackFunction", "guard_route", "handler_entered", "request_trace_id"]
+__all__ = ["FallbackFunction", "guard_route"]
 
 T = TypeVar("T")
 
@@ -57,15 +53,9 @@ T = TypeVar("T")
 #: them, by parameter name) and the tripped guard. May be sync or async.
 FallbackFunction = Callable[[Mapping[str, Any], GuardTripped], Any]
 
-_REQUEST = "guards_request_"
-_RESPONSE = "guards_response_"
-_ENTERED = "guards.handler_entered"
-_TRACE_ID = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
-_UNSAFE_HEADER = re.compile(r"[^\x21-\x7e]")
-
 
 def guard_route(
-    guards: Guards,
+    guards: Shared,
     handler: Callable[..., Awaitable[Any]],
     *,
     model: str | None,
@@ -240,108 +230,21 @@ def guard_route(
     for problem in problems:
         emit_warning("chain_invalid", route=route_name, problem=problem)
     envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]
-
-    async def compute_fallback(
-        arguments: Mapping[str, Any], tripped: GuardTripped, trace_id: str
-    ) -> tuple[Any, str]:
-        """The fallback's data, and the envelope's detail."""
-        if last_good is not None:
-            found = await last_good.recall(guards.store, arguments, tripped, trace_id)
-            if found is not None:
-                return found
-        if not callable(plain):
-            return plain, tripped.detail
-        value = plain(arguments, tripped)
-        if inspect.isawaitable(value):
-            value = await value
-        return data_adapter.validate_python(value), tripped.detail
-
-    budget_prefix = f"guards:{route.scope}:"
-    # The walk's first store step: the route's own without a budget; else one per caller, with
-    # their budget's charge (a spend cap's amount is set per request, in the walk), each built
-    # once and kept, bounded (`_first_step`).
-    unbudgeted = walk_step(route, 0, None, None)
-    first_steps: dict[str, Step] = {}
-    # An instance of exactly the route's model class needs no second validation.
-    data_class = data_type if isinstance(data_type, type) and issubclass(data_type, BaseModel) else None
-    levels = guards.levels
-    # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
-    enter_levels = route.shed_at is not None or levels.max_in_flight is not None
-
-    @functools.wraps(handler)
-    async def endpoint(**kwargs: Any) -> Any:
-        request: Request = kwargs.pop(_REQUEST)
-        response: Response = kwargs.pop(_RESPONSE)
-        request.scope[_ENTERED] = True
-        started = time.perf_counter()
-        # With tracing on, the request's span (its trace id is the `x-trace-id`), current
-        # while the handler runs; ended with the request's outcome (`finish_request`).
-        trace = (
-            None
-            if guards.tracing is None
-            else guards.tracing.start(route.name, request, lambda: request_trace_id(request))
-        )
-        trace_id = request_trace_id(request) if trace is None else trace.trace_id
-        if budget is None:
-            first = unbudgeted
-        else:
-            caller = budget.key(request)
-            first = first_steps.get(caller) or _first_step(first_steps, caller, route, budget_prefix)
-        ai: AI[Any] = AI(guards, route, first, trace_id, request, started, trace)
-        kwargs[ai_name] = ai
-        if task is not None and (run := request.scope.get(TASK_SCOPE)) is not None:
-            run.ai = ai  # what the request called decides what its task leaves (`TaskRun.release`)
-        try:
-            if trace is not None:
-                trace.enter()
-            if enter_levels and (shed := levels.enter(route, request.scope)) is not None:
-                raise shed  # answered at once, like an open breaker: no call, no charge
-            value = await handler(**kwargs)
-            if type(value) is not data_class and not isinstance(value, Response):
-                value = data_adapter.validate_python(value)
-            if last_good is not None and not isinstance(value, Response):  # a validated success
-                await last_good.remember(guards.store, _arguments(kwargs, ai_name), value, trace_id)
-        except GuardTripped as tripped:
-            del kwargs[ai_name]  # the fallback sees the route's own arguments
-            outcome = "cancelled" if tripped.kind is Kind.cancelled else "error"
-            if not route.degrading:
-                error = public_error(tripped, guards.retry_after_s)
-                finish_request(route, ai, started, outcome, error.status, tripped=tripped, error=error.error)
-                answer = error_response(error, trace_id)
-                _attribution(answer.raw_headers, ai, guards.attribution)
-                return answer
-            try:
-                data, detail = await compute_fallback(kwargs, tripped, trace_id)
-            except Exception as exc:
-                return _application_failure(route, ai, started, exc, guards.attribution)
-            finish_request(
-                route, ai, started, "fallback" if outcome == "error" else outcome, 200, tripped=tripped
-            )
-            # A model that answered is named even when its answer was rejected.
-            _attribution(response.raw_headers, ai, guards.attribution)
-            response.raw_headers.append((b"x-trace-id", trace_id.encode()))
-            info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=detail)
-            return envelope_type(ok=True, data=data, fallback=info)
-        except HTTPException:
-            raise  # the handler's own deliberate HTTP answer
-        except Exception as exc:
-            return _application_failure(route, ai, started, exc, guards.attribution)
-        else:
-            if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
-                finish_request(route, ai, started, "ok", 200)
-        finally:
-            if trace is not None:
-                trace.leave()
-        headers = (value if isinstance(value, Response) else response).raw_headers
-        _attribution(headers, ai, guards.attribution)
-        headers.append((b"x-trace-id", trace_id.encode()))
-        if degrading and not isinstance(value, Response):
-            return envelope_type(ok=True, data=value, fallback=None)
-        return value
+    endpoint = GuardedEndpoint(
+        guards,
+        route,
+        handler,
+        ai_name=ai_name,
+        data_type=data_type,
+        data_adapter=data_adapter,
+        envelope_type=envelope_type,
+        plain=plain,
+        last_good=last_good,
+    )
 
     params += [
-        inspect.Parameter(_REQUEST, inspect.Parameter.KEYWORD_ONLY, annotation=Request),
-        inspect.Parameter(_RESPONSE, inspect.Parameter.KEYWORD_ONLY, annotation=Response),
+        inspect.Parameter(REQUEST_PARAMETER, inspect.Parameter.KEYWORD_ONLY, annotation=Request),
+        inspect.Parameter(RESPONSE_PARAMETER, inspect.Parameter.KEYWORD_ONLY, annotation=Response),
     ]
     guarded: Callable[..., Awaitable[Any]] = endpoint
     if task is not None:  # the Idempotency-Key header: validated and documented by FastAPI
@@ -352,121 +255,11 @@ def guard_route(
             endpoint,
             response_type=envelope_type or data_type,
             trace_id_of=request_trace_id,
-            request_param=_REQUEST,
-            response_param=_RESPONSE,
+            request_param=REQUEST_PARAMETER,
+            response_param=RESPONSE_PARAMETER,
         )
     guarded.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=params, return_annotation=envelope_type if degrading else data_type
     )
     guarded.__guards_route__ = route  # type: ignore[attr-defined]
     return guarded
-
-
-#: The most first steps a route keeps (`first_steps` in `guard_route`), and the longest caller
-#: key kept.
-_MAX_FIRST_STEPS = 1024
-_MAX_KEPT_CALLER = 128
-
-
-def _first_step(steps: dict[str, Step], caller: str, route: GuardedRoute, prefix: str) -> Step:
-    """The walk's first store step for `caller`, with their budget's charge, built and kept in
-    `steps` (emptied when full; a long caller key is not kept). Budget keys are scoped to the
-    route (or the budget's scope): `guards:{scope}:{caller}`."""
-    budget = route.budget
-    assert budget is not None
-    charge = Charge(
-        f"{prefix}{caller}",
-        budget.per_minute,
-        budget.per_day,
-        None,
-        budget.spend_per_day or 0.0,
-        2 * route.timeout_s + 60,  # a spend hold outlives the walk
-    )
-    step = walk_step(route, 0, None, charge)
-    if len(caller) <= _MAX_KEPT_CALLER:
-        if len(steps) >= _MAX_FIRST_STEPS:
-            steps.clear()
-        steps[caller] = step
-    return step
-
-
-def _arguments(kwargs: Mapping[str, Any], ai_name: str) -> dict[str, Any]:
-    """The route's own arguments (without its `AI`), as a fallback function sees them."""
-    return {name: value for name, value in kwargs.items() if name != ai_name}
-
-
-def handler_entered(request: Request) -> bool:
-    """True once the guarded endpoint started: errors after that are the handler's own."""
-    return bool(request.scope.get(_ENTERED))
-
-
-def request_trace_id(request: Request) -> str:
-    """The request's `x-trace-id` when well formed, else a new random one."""
-    # The raw ASGI headers (lower-case names), scanned once: cheaper than building `Headers`.
-    for name, value in request.scope["headers"]:
-        if name == b"x-trace-id":
-            given: str = value.decode("latin-1")
-            if _TRACE_ID.match(given):
-                return given
-            break
-    # 128 random bits from the process's Mersenne Twister (reseeded in every forked worker):
-    # a trace id must be unique, not secret. As bytes to hex: a third of `os.urandom`'s cost,
-    # and half of formatting the number with `:032x`.
-    return getrandbits(128).to_bytes(16, "big").hex()
-
-
-def _attribution(headers: list[tuple[bytes, bytes]], ai: AI[Any], mode: str) -> None:
-    """Add which model answered to response `headers`: `x-ai-model` (the model the provider
-    says served) and `x-ai-fallback` (the chain entry that served, when not the first) in
-    `detailed` mode; only `x-ai-fallback: true` in `redacted` mode; nothing when `off`, or
-    when no model answered. A model whose answer the output guard rejected answered too."""
-    model = ai.model
-    if mode == "off" or model is None:
-        return
-    if mode == "redacted":
-        if ai.fallback_model is not None:
-            headers.append((b"x-ai-fallback", b"true"))
-        return
-    headers.append((b"x-ai-model", _header_values.get(model) or _header_value(model)))
-    if ai.fallback_model is not None:
-        headers.append((b"x-ai-fallback", _header_value(ai.fallback_model)))
-
-
-def _header_value(text: str) -> bytes:
-    # A served-model name comes from the provider: keep it a short, printable ASCII token.
-    # The same few names come back on every request: each is cleaned once (bounded cache).
-    text = text[:200]  # all that is sent: the cache keys on it alone, whatever the name's size
-    value = _header_values.get(text)
-    if value is None:
-        clean = text
-        if not (clean.isascii() and clean.isprintable() and " " not in clean):
-            clean = _UNSAFE_HEADER.sub("?", clean)
-        if len(_header_values) >= 256:
-            _header_values.clear()
-        value = _header_values[text] = clean.encode("ascii")
-    return value
-
-
-_header_values: dict[str, bytes] = {}
-
-
-def _application_failure(
-    route: GuardedRoute, ai: AI[Any], started: float, exc: Exception, attribution: str
-) -> Response:
-    # The exception's type and where it went; never its message or a local value (they may hold
-    # user text). The request line says where it was raised; an error line has the frames.
-    stack, omitted = frames(exc.__traceback__)
-    where = f"{stack[-1]['file'].rsplit('/', 1)[-1]}:{stack[-1]['line']}" if stack else None
-    error = ErrorCode.application_failure
-    finish_request(route, ai, started, "error", 500, error=error, exc_type=type(exc).__name__, where=where)
-    emit_error(
-        "application_failure",
-        route=route.name,
-        trace_id=ai.trace_id,
-        exc_type=type(exc).__name__,
-        frames=stack,
-        frames_omitted=omitted or None,
-    )
-    answer = error_response(PublicError(500, error, False), ai.trace_id)
-    _attribution(answer.raw_headers, ai, attribution)
-    return answer

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, TracerProvider
     from starlette.requests import Request
 
-    from ._ai import AI
     from ._errors import GuardTripped
     from ._route_spec import Leg
     from ._stream import StreamEnd
@@ -151,20 +150,21 @@ class RequestTrace:
     def traced(
         self,
         call: Callable[[str, Mapping[str, Any]], Awaitable[R]],
-        ai: AI[Any],
         leg: Leg,
         binding: Any,
         *,
+        fallback: bool,
+        attempts: Callable[[], int],
         retry: bool = False,
     ) -> Callable[[str, Mapping[str, Any]], Awaitable[R]]:
         """`call` (the attempts on one leg), each call a CLIENT span: the first is a retry
-        when `retry`, every later one is."""
+        when `retry`, every later one is. `fallback`: the leg is not the chain's first;
+        `attempts()`: the request's calls so far."""
         if not self.recording:
             return call
         tracing = self._tracing
         trace = tracing._trace
         calls = [retry]
-        fallback = ai._route.legs[0] is not leg
         provider = provider_name(binding, leg.ref.provider)
 
         async def attempt(model: str, inputs: Mapping[str, Any]) -> R:
@@ -177,7 +177,7 @@ class RequestTrace:
                     "gen_ai.provider.name": provider,
                     "gen_ai.request.model": model,
                     "guards.model": leg.ref.key,
-                    "guards.attempt.number": ai.attempts + 1,
+                    "guards.attempt.number": attempts() + 1,
                     "guards.attempt.retry": calls[0],
                     "guards.attempt.fallback": fallback,
                 },

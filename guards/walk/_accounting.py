@@ -1,0 +1,123 @@
+"""Accounting: every provider call a request makes is counted once, with its tokens and cost,
+and told to the observers (`AttemptEnded`: metrics, the usage ledger). The cost adds to what
+the request's spend hold settles to (`_store_steps.report_end`)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._admission import never_admitted
+from .._binding import AIResult
+from .._classify import classify
+from .._errors import ProviderError
+from .._relay import Opened
+from ._checkpoints import resumed
+from ._events import AttemptEnded
+
+if TYPE_CHECKING:
+    from .._binding import Usage
+    from .._route_spec import Leg
+    from ._state import RequestState
+
+__all__ = ["account", "on_attempt", "worst"]
+
+
+def on_attempt(state: RequestState, outcome: Any, started: float) -> None:
+    """Count one provider call on the leg being called, ended in `outcome` (a result, an
+    `Opened` stream, or what it raised). A stream that reached its first output is accounted
+    for when it ends (`_streaming`). A call cancelled while waiting for a connection never
+    left: it is not one."""
+    elapsed = time.perf_counter() - started
+    leg = state._leg
+    if type(outcome) is AIResult and leg.price is None:
+        # The usual success: no price, so no cost to add (every request's path).
+        state.attempts += 1
+        route = state._route
+        state._observe.attempt_ended(
+            AttemptEnded(
+                route,
+                state.trace_id,
+                leg,
+                state.attempts,
+                "ok",
+                outcome.usage,
+                outcome.model or leg.ref.model,
+                elapsed,
+                resumed_steps=resumed(state._request) if route.task is not None else (),
+            )
+        )
+        return
+    if isinstance(outcome, BaseException) and never_admitted(outcome):
+        return
+    state.attempts += 1
+    if isinstance(outcome, AIResult):
+        account(state, leg, "ok", outcome.usage, outcome.model or leg.ref.model, elapsed, billed=True)
+    elif isinstance(outcome, Opened):
+        if not outcome.committed:  # complete and empty: accounted now
+            end = outcome.end
+            usage = end.usage if end is not None else None
+            account(state, leg, "ok", usage, outcome.model or leg.ref.model, elapsed, billed=True)
+    else:
+        # Billed unless the provider refused the call: a timeout, a cancelled call, any
+        # failure that is not a provider's error answer, JSON mode not met.
+        provider_error = isinstance(outcome, ProviderError)
+        billed = not provider_error or outcome.json_mode_failed
+        account(
+            state,
+            leg,
+            classify(outcome).kind.value,
+            None,
+            None,
+            elapsed,
+            billed=billed,
+            status=outcome.status if provider_error else None,
+            code=outcome.code if provider_error else None,
+        )
+
+
+def account(
+    state: RequestState,
+    leg: Leg,
+    kind: str,
+    usage: Usage | None,
+    served: str | None,
+    elapsed: float,
+    *,
+    billed: bool,
+    delivered: int | None = None,
+    status: int | None = None,
+    code: int | None = None,
+) -> None:
+    """Account for one call to `leg` ended as `kind`: its cost (the reported usage's; else,
+    under a spend cap, the worst case when the provider may have billed), then its record."""
+    route = state._route
+    cost = None
+    if leg.price is not None:
+        if usage is not None:
+            cost = leg.price.cost(usage.prompt_tokens, usage.completion_tokens)
+            state._cost += cost
+        elif billed and route.spend_capped:
+            state._cost += worst(leg, state._tokens, route.max_tokens)
+    state._observe.attempt_ended(
+        AttemptEnded(
+            route,
+            state.trace_id,
+            leg,
+            state.attempts,
+            kind,
+            usage,
+            served,
+            elapsed,
+            cost,
+            delivered,
+            status,
+            code,
+            resumed(state._request) if route.task is not None else (),
+        )
+    )
+
+
+def worst(leg: Leg, input_tokens: int, max_tokens: int | None) -> float:
+    """What one call to `leg` may cost at most."""
+    return leg.price.cost(input_tokens, max_tokens or 0) if leg.price is not None else 0.0

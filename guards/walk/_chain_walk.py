@@ -1,0 +1,235 @@
+"""The chain walk: a request's calls along its route's fallback chain, under one deadline.
+
+Between calls, one store step (`_store_steps`) reports the last call and admits the next leg
+(cooldowns and open breakers skip a model without a call; the budget is charged once, before
+the first call). Each call's failure is classified: retried on the same model while the
+policy, the leg's share of the attempt budget and the retry budget allow (`_retries`), else the
+walk moves to the next leg. Every call is accounted for (`_accounting`); a walk that ends
+without an answer raises its verdict (`_verdicts`).
+
+One deadline covers every leg, attempt and wait. When it passes, the task is cancelled where it
+awaits: the provider request is aborted, its connection closed, and no further leg is tried
+(cancellation never moves on). A walk that outlasts `MARK_AFTER_S` starts watching for the
+client leaving, which ends it at once the same way; quick walks never pay for the watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+import anyio
+
+from .._admission import never_admitted, waited_for_admission
+from .._binding import AIResult, Binding
+from .._breaker import Outcome
+from .._call import CallFailed, call_model
+from .._deadline import Deadline
+from .._errors import GuardTripped
+from ..stores import Passage, StoreUnavailable
+from ._accounting import on_attempt
+from ._retries import before_retry, leg_limit
+from ._store_steps import admitted, leg_down, next_step, record, send, settle
+from ._store_steps import report_end as settled
+from ._verdicts import exhausted, gone, timed_out
+
+if TYPE_CHECKING:
+    from .._route_spec import GuardedRoute, Leg
+    from ._state import RequestState
+
+__all__ = ["Call", "binding", "by_effort", "client_gone", "traced", "walk"]
+
+R = TypeVar("R")
+#: One attempt on a leg: `call(model, inputs)`.
+Call = Callable[[str, Mapping[str, Any]], Awaitable[R]]
+
+
+@overload
+async def walk(
+    state: RequestState, inputs: Mapping[str, Any]
+) -> tuple[Leg, AIResult, float | None, bool]: ...
+
+
+@overload
+async def walk(
+    state: RequestState, inputs: Mapping[str, Any], call_for: Callable[[Leg], Call[R]]
+) -> tuple[Leg, R, float | None, bool]: ...
+
+
+async def walk(
+    state: RequestState, inputs: Mapping[str, Any], call_for: Callable[[Leg], Call[Any]] | None = None
+) -> tuple[Leg, Any, float | None, bool]:
+    """Walk the chain until a call succeeds: (its leg, its result, the leg's breaker probe
+    ticket, whether its success must be recorded). `call_for(leg)` is what makes one attempt
+    on a leg: `call(model, inputs)` (default: the leg's binding's `run`). The caller records
+    the outcome and settles the spend; on failure this settles and raises `GuardTripped`."""
+    route, observe = state._route, state._observe
+    if state._notes:
+        state._notes.clear()
+    state._waits = None
+    inflight: Leg | None = None  # the leg being called (its probe ticket: `probe`)
+    probe: float | None = None
+    last: GuardTripped | None = None
+    spent = False  # the request's attempt budget ran out before a leg
+    try:
+        on_mark = functools.partial(_start_watch, state) if state._request is not None else None
+        with Deadline(route.timeout_s, on_mark) as scope:
+            state._scope = scope
+            deadline = scope.when
+            try:
+                legs, start, report = route.legs, 0, None
+                count = len(legs)
+                while True:
+                    # One store operation: the last call's report, then the next admission.
+                    if start < count and state.attempts >= state.attempt_budget:
+                        spent, start = True, count  # no further call: report only
+                    left = start < count and state.attempts > 0 and await client_gone(state)
+                    if left or start >= count:
+                        # The walk is over: the report settles the spend too.
+                        await send(state, settled(state, report))
+                        if left:
+                            raise gone(state, legs[start])
+                        break
+                    step = next_step(state, start, report, inputs)
+                    try:
+                        passage: Passage | None = await state._shared.store.step(step)
+                    except StoreUnavailable:
+                        passage = None
+                    let_in = admitted(state, start, step, passage)
+                    if let_in is None:
+                        break
+                    index, probe, record_success = let_in
+                    leg = legs[index]
+                    inflight = leg
+                    state._leg = leg
+                    call: Call[Any]
+                    if call_for is None:  # the leg's binding's `run` (`binding`, inline)
+                        provider = leg.ref.provider
+                        shared = state._shared
+                        call = (shared.binding if provider is None else shared.providers[provider]).run
+                    else:
+                        call = call_for(leg)
+                    if observe.trace is not None:
+                        call = traced(state, call, leg)
+                    made = state.attempts  # the request's calls before this leg's
+                    started = time.perf_counter()
+                    try:
+                        # The leg's first call, made here; `call_model` only retries a
+                        # failure (one coroutine less on every request's path).
+                        result = await call(leg.ref.model, inputs)
+                    except Exception as error:
+                        on_attempt(state, error, started)
+                        try:
+                            result, _ = await call_model(
+                                call,
+                                leg.ref.model,
+                                inputs,
+                                policy=route.retry,
+                                deadline=deadline,
+                                limit=(
+                                    leg_limit(state, index, made)
+                                    if index + 1 < count
+                                    else state.attempt_budget - made  # the last leg's
+                                ),
+                                sleep=state._shared.sleep,
+                                on_attempt=lambda _, outcome, began: on_attempt(state, outcome, began),
+                                on_retry=functools.partial(before_retry, state),
+                                failed=error,
+                            )
+                        except CallFailed as failure:
+                            inflight = None
+                            report, last = await leg_down(state, leg, failure, probe)
+                            start = index + 1
+                            continue
+                    except BaseException as stopped:  # cancelled: it may still be billed
+                        on_attempt(state, stopped, started)
+                        raise
+                    else:
+                        on_attempt(state, result, started)
+                    return leg, result, probe, record_success
+            finally:
+                if state._watch is not None:
+                    state._watch.cancel()
+                    state._watch = None
+    except TimeoutError as expired:
+        leg = inflight if inflight is not None else state._leg
+        if state._gone:  # the watcher ended the walk: no verdict on the model
+            if inflight is not None:
+                await record(state, leg, Outcome.released, probe)
+            await settle(state)
+            raise gone(state, leg) from None
+        # A call that spent its deadline waiting for a connection: no verdict on the model.
+        queued = waited_for_admission(expired)
+        if inflight is not None:
+            await record(state, leg, Outcome.released if queued else Outcome.failure, probe)
+        await settle(state)
+        raise timed_out(state, leg, never_admitted(expired)) from None
+    except GuardTripped:
+        # A budget refusal (before any call) or the client gone: no verdict on the model.
+        if inflight is not None:
+            await record(state, inflight, Outcome.released, probe)
+        await settle(state)
+        raise
+    except BaseException:
+        # Cancelled from outside (server stopping): no verdict on the model, but a probe
+        # slot must be freed and the spend settled, shielded from the cancellation.
+        with anyio.CancelScope(shield=True):
+            if inflight is not None:
+                await record(state, inflight, Outcome.released, probe)
+            await settle(state)
+        raise
+    await settle(state)
+    raise exhausted(state, last, spent, state._shared.attribution == "detailed")
+
+
+def binding(state: RequestState, leg: Leg) -> Binding:
+    """The binding that serves `leg` (its provider's, else the app's main binding)."""
+    provider = leg.ref.provider
+    return state._shared.binding if provider is None else state._shared.providers[provider]
+
+
+def traced(state: RequestState, call: Call[R], leg: Leg, *, retry: bool = False) -> Call[R]:
+    """`call`, each attempt in a span of its own (the request is traced)."""
+    return state._observe.traced(
+        call,
+        leg,
+        binding(state, leg),
+        fallback=state._route.legs[0] is not leg,
+        attempts=lambda: state.attempts,
+        retry=retry,
+    )
+
+
+def by_effort(state: RequestState, inputs: Mapping[str, Any]) -> GuardedRoute:
+    """Effort routing (`guards._effort`): the request's first call picks its tier's chain,
+    which every later call of the request keeps."""
+    assert state._route.effort is not None
+    route = state._route = state._route.effort.choose(inputs, state._request, state.trace_id)
+    state._leg, state.attempt_budget = route.legs[0], route.attempt_budget
+    return route
+
+
+def _start_watch(state: RequestState) -> None:
+    """`MARK_AFTER_S` into a walk: watch the client."""
+    assert state._scope is not None
+    state._watch = asyncio.get_running_loop().create_task(_watch_client(state, state._scope))
+
+
+async def _watch_client(state: RequestState, scope: Deadline) -> None:
+    """Wait for the client to disconnect, then end the walk now."""
+    assert state._request is not None
+    receive = state._request.receive
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    state._gone = True
+    scope.expire()
+
+
+async def client_gone(state: RequestState) -> bool:
+    """Whether the client disconnected (checked before a further model, without waiting)."""
+    if not state._gone and state._request is not None:
+        state._gone = await state._request.is_disconnected()
+    return state._gone

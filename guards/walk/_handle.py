@@ -1,0 +1,198 @@
+"""`AI`: one request's guarded access to its route's models, the handle a handler is given.
+
+`run`, `step` and `stream` compose the stages of the request path, each a module of this
+package: the chain walk (`_chain_walk`), the store steps (`_store_steps`), accounting,
+retries, the verdicts, the streaming tail and a task's checkpoints. The handle holds the
+request's state (`RequestState`) and nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Mapping
+from typing import Any, Generic, TypeVar, overload
+
+from .._breaker import Outcome
+from .._errors import ConfigurationError, GuardTripped
+from .._event_stream import EventStream
+from .._output import OutputGuard, output_guard
+from .._relay import Opened, no_events, open_stream
+from .._stream import StreamEnd, TextDelta
+from .._vocabulary import Reason
+from ._chain_walk import by_effort, walk
+from ._checkpoints import resumed, task_of
+from ._state import RequestState
+from ._store_steps import finish_leg
+from ._streaming import recover, relayed, streaming
+
+__all__ = ["AI"]
+
+T = TypeVar("T")
+S = TypeVar("S")
+_ROUTE_OUTPUT: Any = object()
+#: The longest name of a task's step (the handler's own text, kept in the store).
+_MAX_STEP_NAME = 100
+
+
+class AI(RequestState, Generic[T]):
+    """One request's guarded access to its route's models.
+
+    Declare it as a parameter of a guarded route (`ai: AI[OutputModel]`); the decorator fills it.
+    `run` passes the budget, call and output guards and returns the validated output, or raises
+    `GuardTripped`. After a call: `model` is the model that served (as the provider named it),
+    `fallback_model` the chain entry that served when it was not the first (else None),
+    `attempts` the provider calls made and `attempt_budget` the most it could make;
+    `trace_id` is the request's trace id (also the `x-trace-id` header); `resumed_steps` the
+    names of the steps `step` loaded from the request's task instead of calling, in order.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        # Only FastAPI (through pydantic) asks for this, when it reads a handler that still
+        # declares `ai`: one registered before `guards.route` wrapped it. Fail at import, saying
+        # how to fix it, rather than with pydantic's unrelated "invalid field type".
+        raise ConfigurationError(
+            "a handler declaring `ai: AI[...]` reached FastAPI unguarded: the decorators are in "
+            "the wrong order. Write @app.post(...) above @guards.route(...), so that the guarded "
+            "route is what FastAPI registers"
+        )
+
+    @property
+    def requested_model(self) -> str:
+        """The chain's first model: what the route asks for before any fallback."""
+        return self._route.model
+
+    @property
+    def resumed_steps(self) -> tuple[str, ...]:
+        """The steps `step` loaded from the request's task instead of calling, in order."""
+        return resumed(self._request)
+
+    async def run(self, inputs: Mapping[str, Any]) -> T:
+        """Call the route's models with Workers-AI-shaped `inputs` (`messages` or `prompt`).
+
+        Walks the chain: a model cooling down or behind an open breaker is skipped without a
+        call; a failure moves to the next model (after a bounded retry of transient ones);
+        the whole walk has one deadline, and the request at most `attempt_budget` calls
+        (shared by every `run` and `stream` of the request). JSON mode is
+        requested from the output type when it is not a string, and the route's `max_tokens`
+        when the inputs do not set it. Raises `GuardTripped` when a guard refuses the call
+        or rejects its answer.
+        """
+        route = self._route
+        if route.effort is not None:
+            route = by_effort(self, inputs)
+        if route.response_format is not None and "response_format" not in inputs:
+            inputs = {**inputs, "response_format": route.response_format}
+        if route.max_tokens is not None and "max_tokens" not in inputs:
+            inputs = {**inputs, "max_tokens": route.max_tokens}
+        leg, result, probe, record_success = await walk(self, inputs)
+        if record_success or probe is not None or self._hold is not None:
+            await finish_leg(self, leg, Outcome.success, probe, record_success)
+        else:  # not reported: the next step about the model tells the store
+            leg.last_success[0] = self._shared.success_clock()
+        # `served`, inline: every request's path.
+        self._served_leg = leg
+        self.model = result.model or leg.ref.model
+        if leg is not route.legs[0]:
+            self.fallback_model = leg.ref.entry
+        output = route.output
+        value: T = output.check_shape(result) if output.moderation is None else await output.check(result)
+        return value
+
+    @overload
+    async def step(self, name: str, inputs: Mapping[str, Any]) -> T: ...
+
+    @overload
+    async def step(self, name: str, inputs: Mapping[str, Any], *, output: type[S]) -> S: ...
+
+    @overload
+    async def step(self, name: str, inputs: Mapping[str, Any], *, output: Any) -> Any: ...
+
+    async def step(self, name: str, inputs: Mapping[str, Any], *, output: Any = _ROUTE_OUTPUT) -> Any:
+        """One named step of a multi-step task: `run(inputs)`, validated against `output` (a
+        pydantic model, which requests JSON mode, or any type pydantic validates; default: the
+        route's `AI[...]` type, with its moderation hook).
+
+        On a route declared with `task=Task()` and a request with an `Idempotency-Key`, a step
+        runs at most once per task: its result is saved when it completes, and a later request
+        of the task gets it back (validated again; one that no longer validates runs again)
+        with no provider call, no attempt and no budget charge, and its name joins
+        `resumed_steps`. Otherwise this is `run`. `name`: 1 to 100 printable characters (else
+        `ValueError`), unique within the task. Raises `GuardTripped` as `run` does.
+        """
+        if not 0 < len(name) <= _MAX_STEP_NAME or not name.isprintable():
+            raise ValueError(f"a step's name is 1 to {_MAX_STEP_NAME} printable characters")
+        guard = self._route.output if output is _ROUTE_OUTPUT else output_guard(output)
+        task = task_of(self._request)
+        if task is not None:
+            saved = task.load(name, guard)
+            if saved is not None:
+                return saved[0]
+        value = await self._run_checked(inputs, guard)
+        if task is not None:
+            await task.save(name, guard, value)
+        return value
+
+    async def _run_checked(self, inputs: Mapping[str, Any], output: OutputGuard) -> Any:
+        """`run`, its answer validated by `output` (and JSON mode requested for its type).
+        `run` keeps its own copy of these lines: it is every request's path, one frame less."""
+        route = self._route
+        if output.response_format is not None and "response_format" not in inputs:
+            inputs = {**inputs, "response_format": output.response_format}
+        if route.max_tokens is not None and "max_tokens" not in inputs:
+            inputs = {**inputs, "max_tokens": route.max_tokens}
+        leg, result, probe, record_success = await walk(self, inputs)
+        if record_success or probe is not None or self._hold is not None:
+            await finish_leg(self, leg, Outcome.success, probe, record_success)
+        else:  # not reported: the next step about the model tells the store
+            leg.last_success[0] = self._shared.success_clock()
+        self._served(leg, result.model)
+        return await output.check(result)
+
+    async def stream(self, inputs: Mapping[str, Any]) -> EventStream:
+        """Stream the answer of the route's models to the client (Server-Sent Events, see
+        `guards.EventStream` for the events). Return the result from the route.
+
+        Until the first output part (text, reasoning, tool arguments) arrives, this is `run`:
+        the chain is walked, failures retry or fall back, and the failed attempts' preamble
+        is dropped; when every model fails first, `GuardTripped` is raised (a strict route
+        answers a real error status). A stream that completes empty gets one non-streaming
+        recovery call to the same model, within the attempt budget. Once output arrives the
+        model is fixed: a later failure ends the stream with an `error` event (`stream
+        interrupted after output`), never another model and never a replay. The route's
+        deadline bounds the wait for the first output; after it, the binding's idle timeout
+        (no complete event), and the route's `stream_max_s` (since the request began) and
+        `stream_max_chars` (output characters), which end the stream with an `error` event.
+        """
+        route = self._route
+        if route.effort is not None:
+            route = by_effort(self, inputs)
+        if route.max_tokens is not None and "max_tokens" not in inputs:
+            inputs = {**inputs, "max_tokens": route.max_tokens}
+        leg, opened, probe, record_success = await walk(
+            self, inputs, lambda leg: functools.partial(open_stream, streaming(self, leg))
+        )
+        if opened.committed:
+            self._served(leg, opened.model)
+            return relayed(self, leg, opened, probe, record_success)
+        # Complete, and nothing in it: the model answered, just not with anything.
+        end = opened.end
+        if end is not None and end.finish_reason == "content_filter":
+            await finish_leg(self, leg, Outcome.success, probe, record_success)
+            self._served(leg, opened.model)
+            raise GuardTripped(
+                Reason.moderation_blocked, "the provider filtered the stream", model=leg.ref.key
+            )
+        result = await recover(self, leg, inputs, probe, record_success)
+        text = await route.output.check(result)
+        self._served(leg, result.model)
+        recovered = Opened(
+            iter_events=no_events(),
+            first=[TextDelta(str(text))],
+            end=StreamEnd(finish_reason="stop", usage=result.usage, model=result.model),
+            started=time.perf_counter(),
+        )
+        return relayed(self, leg, recovered, None, False, recorded=True)

@@ -1,0 +1,179 @@
+"""`Observers`: the one seam between the request path and what watches it.
+
+The walk calls no metric, logger or tracer: it hands each event of a request (an attempt that
+ended, a model skipped, a retry, a store that did not answer, a cooldown started, a breaker
+moved, the request's end) to `Observers` as a frozen record (`guards.walk._events`). Each
+method below is where that event's subscribers are listed, in the order they run:
+
+    event             metrics                      log line      ledger    trace
+    attempt started                                                        attempt span opens
+    attempt ended     attempts, seconds, tokens,                 record    (span ends with
+                      cost                                                  its call)
+    skipped           guards_skips_total           skip                    route span event
+    retried                                        retry
+    store failed      guards_store_unavailable     store_unavailable
+    cooldown started                               cooldown
+    breaker moved     breaker transitions
+    step checkpointed task steps
+    request ended     requests, seconds, fallbacks request                  route span ends
+
+One `Observers` serves every untraced request of an app; a traced request gets its own, with
+its `RequestTrace`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .._ledger import Attempt
+from .._log import emit, emit_warning
+from .._metrics import SKIPS, STORE_UNAVAILABLE, TASK_STEPS, counter
+from ._events import (
+    AttemptEnded,
+    BreakerMoved,
+    Checkpointed,
+    CooldownStarted,
+    RequestEnded,
+    Retried,
+    Skipped,
+    StoreFailed,
+)
+from ._outcome import request_ended
+
+if TYPE_CHECKING:
+    from .._binding import Binding
+    from .._relay import Opened
+    from .._route_spec import Leg
+    from .._shared import Shared
+    from .._stream import StreamEnd
+    from .._tracing import RequestTrace
+
+__all__ = ["Observers"]
+
+R = TypeVar("R")
+
+
+class Observers:
+    """Where a request's events go (see the module's table). `shared`: the app's ledger and
+    cost unit; `trace`: the request's spans, when it is traced."""
+
+    __slots__ = ("_shared", "trace")
+
+    def __init__(self, shared: Shared, trace: RequestTrace | None = None) -> None:
+        self._shared = shared
+        self.trace = trace
+
+    def traced(
+        self,
+        call: Callable[[str, Mapping[str, Any]], Awaitable[R]],
+        leg: Leg,
+        binding: Binding,
+        *,
+        fallback: bool,
+        attempts: Callable[[], int],
+        retry: bool = False,
+    ) -> Callable[[str, Mapping[str, Any]], Awaitable[R]]:
+        """`call`, each attempt of it in a span of its own when the request is traced."""
+        trace = self.trace
+        if trace is None:
+            return call
+        return trace.traced(call, leg, binding, fallback=fallback, attempts=attempts, retry=retry)
+
+    def attempt_ended(self, event: AttemptEnded) -> None:
+        leg = event.leg
+        leg.seconds.observe(event.elapsed_s)
+        outcome = event.outcome
+        if outcome == "ok":
+            leg.attempts["ok"].count += 1  # `Tally.add`, in place: every request's path
+        else:
+            leg.attempts[outcome].add()  # a failure kind's tally also stamps its time
+        usage = event.usage
+        if usage is not None:
+            leg.input_tokens.count += usage.prompt_tokens
+            leg.output_tokens.count += usage.completion_tokens
+        cost = event.cost
+        if cost is not None and leg.cost_usd is not None:
+            leg.cost_usd.add(cost * self._shared.cost_unit_usd)
+        shared = self._shared
+        if shared.ledger_enabled():
+            route = event.route
+            shared.ledger.record(
+                Attempt(
+                    trace_id=event.trace_id,
+                    route=route.name,
+                    attempt=event.attempt,
+                    requested_model=route.model,
+                    model=leg.ref.key,
+                    entry=leg.ref.entry,
+                    served_model=event.served,
+                    outcome=outcome,
+                    latency_ms=round(event.elapsed_s * 1000, 2),
+                    usage=usage,
+                    delivered_chars=event.delivered_chars,
+                    status=event.status,
+                    code=event.code,
+                    resumed_steps=event.resumed_steps,
+                )
+            )
+
+    def stream_ended(self, opened: Opened, kind: str, end: StreamEnd | None, delivered: int) -> None:
+        """A committed stream ended (its attempt span ends; its record follows)."""
+        if self.trace is not None:
+            self.trace.stream_ended(opened, kind, end, delivered)
+
+    def streaming(self) -> None:
+        """The request answers with a stream: its span ends when the stream does."""
+        if self.trace is not None:
+            self.trace.streaming = True
+
+    def skipped(self, event: Skipped) -> None:
+        key, reason, wait_s = event.leg.ref.key, event.reason, event.wait_s
+        counter(SKIPS, key, reason).add()
+        if self.trace is not None:
+            self.trace.skipped(key, reason, wait_s)
+        emit(
+            "skip",
+            route=event.route.name,
+            trace_id=event.trace_id,
+            model=key,
+            reason=reason,
+            retry_after_s=round(wait_s, 3) if wait_s is not None else None,
+        )
+
+    def retried(self, event: Retried) -> None:
+        emit(
+            "retry",
+            route=event.route.name,
+            trace_id=event.trace_id,
+            model=event.leg.ref.key,
+            attempt=event.attempt,
+            kind=event.kind,
+            delay_ms=round(event.delay_s * 1000, 1),
+        )
+
+    def store_failed(self, event: StoreFailed) -> None:
+        guard, mode, op = event.guard, event.mode, event.op
+        fields = {"mode": mode} if mode is not None else {"op": op}
+        emit_warning(
+            "store_unavailable", guard=guard, route=event.route.name, trace_id=event.trace_id, **fields
+        )
+        STORE_UNAVAILABLE.labels(guard=guard, action=mode if mode is not None else op).inc()
+
+    def cooldown_started(self, event: CooldownStarted) -> None:
+        emit(
+            "cooldown",
+            route=event.route.name,
+            trace_id=event.trace_id,
+            model=event.model,
+            seconds=round(event.seconds, 3),
+        )
+
+    def checkpointed(self, event: Checkpointed) -> None:
+        counter(TASK_STEPS, event.route.name, event.action).add()
+
+    def breaker_moved(self, event: BreakerMoved) -> None:
+        event.leg.transitions[event.state].add()
+
+    def request_ended(self, event: RequestEnded) -> None:
+        request_ended(event, self.trace)

@@ -1,0 +1,47 @@
+"""Retries within a walk: how many calls a leg may make (so a retry never starves the
+fallbacks), and whether a retry the policy allows is admitted by the model's retry budget."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._retry_budget import admit_retry
+from ._events import Retried
+
+if TYPE_CHECKING:
+    from .._classify import Classification
+    from ._state import RequestState
+
+__all__ = ["before_retry", "leg_limit"]
+
+
+def leg_limit(state: RequestState, index: int, made: int) -> int:
+    """Calls the leg at `index` may make when it has later legs, the request having made
+    `made` before it: what the attempt budget has left, minus one for each later leg that is
+    not cooling down."""
+    left = state.attempt_budget - made
+    waits = state._waits
+    if waits is None:
+        reserved = len(state._route.legs) - index - 1
+    else:
+        reserved = sum(1 for wait in waits[index + 1 :] if wait <= 0)
+    return max(1, left - reserved)
+
+
+def before_retry(state: RequestState, attempt: int, verdict: Classification, delay_s: float) -> bool:
+    """Before a retry the policy allows: False when the model's retry budget refuses it
+    (`guards._retry_budget` says so), else the retry is told to the observers."""
+    route = state._route
+    leg = state._leg
+    if not admit_retry(
+        state._shared.retry_windows,
+        leg,
+        route.retry.budget,
+        verdict,
+        attempt,
+        route=route.name,
+        trace_id=state.trace_id,
+    ):
+        return False
+    state._observe.retried(Retried(route, state.trace_id, leg, attempt, verdict.kind.value, delay_s))
+    return True

@@ -1,0 +1,110 @@
+"""`RequestState`: what one guarded request keeps while its handler runs, in one object.
+
+The stages of the request path are functions over this state (one module each, see
+`guards.walk`); each field is written by the stage named beside it and only read by the others.
+Keeping the fields in one slotted object, rather than one object per stage, keeps the success
+path to one allocation (`make bench-instructions` is the guard).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from starlette.requests import Request
+
+    from .._deadline import Deadline
+    from .._route_spec import GuardedRoute, Leg
+    from .._shared import Shared
+    from ..stores import Step
+    from ._observers import Observers
+
+__all__ = ["Note", "RequestState"]
+
+#: What happened to one leg of the walk: (the leg, how it ended, its wait when skipped).
+Note = tuple["Leg", str, "float | None"]
+
+
+class RequestState:
+    """One request's state on the request path (see the module's docstring)."""
+
+    __slots__ = (  # noqa: RUF023 (grouped by the stage that writes them)
+        # The handle (`_handle.AI`): the request and what it shares; what served it.
+        "_shared",
+        "_route",
+        "_request",
+        "_started",
+        "_observe",
+        "_served_leg",
+        "trace_id",
+        "model",
+        "fallback_model",
+        "attempt_budget",
+        # The chain walk (`_chain_walk`): the leg being called, what happened to each leg,
+        # the walk's deadline, the client watcher.
+        "_leg",
+        "_notes",
+        "_scope",
+        "_watch",
+        "_gone",
+        # The store steps (`_store_steps`): the first step, whether the budget was charged,
+        # the spend hold, each leg's cooldown left as the last step read it.
+        "_first",
+        "_charged",
+        "_hold",
+        "_waits",
+        # Accounting (`_accounting`): calls made, their cost, the input tokens' bound.
+        "attempts",
+        "_cost",
+        "_tokens",
+    )
+
+    def __init__(
+        self,
+        shared: Shared,
+        route: GuardedRoute,
+        first: Step | None,
+        trace_id: str,
+        request: Request | None,
+        started: float | None,
+        observe: Observers,
+    ) -> None:
+        self._shared = shared
+        self._route = route
+        #: The client's request (None outside a route), watched for a disconnect during calls.
+        self._request = request
+        self._started = time.perf_counter() if started is None else started
+        self._observe = observe
+        #: The leg whose answer the request was last given (`guards_served_total`).
+        self._served_leg: Leg | None = None
+        self.trace_id = trace_id
+        self.model: str | None = None
+        self.fallback_model: str | None = None
+        self.attempt_budget = route.attempt_budget
+        self._leg: Leg = route.legs[0]
+        self._notes: list[Note] = []
+        self._scope: Deadline | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._gone = False
+        #: The walk's first store step, prepared by the route (`walk_step`), with what the
+        #: request's budget charges (None outside a route); the charge's spend, when the route
+        #: has a spend cap, is set at the first admission.
+        self._first = first
+        self._charged = False
+        #: The spend hold of this request (None without a spend cap).
+        self._hold: str | None = None
+        #: Seconds of cooldown left per leg, as the last store step read them (None: unknown).
+        self._waits: list[float] | None = None
+        self.attempts = 0
+        self._cost = 0.0
+        self._tokens = 0
+
+    def _served(self, leg: Leg, model: str | None) -> None:
+        """The request was given `leg`'s answer (`model`: as the provider named it)."""
+        self._served_leg = leg
+        self.model = model or leg.ref.model
+        if leg is not self._route.legs[0]:
+            self.fallback_model = leg.ref.entry

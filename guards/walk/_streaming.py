@@ -1,0 +1,180 @@
+"""The streaming tail: once a streamed attempt is committed (its first output arrived), the
+response relaying it (`guards._relay`), and what is recorded when it ends, however it ends:
+the attempt (ledger, metrics), the breaker outcome, the spend and the request's outcome. And
+the one non-streaming recovery call after a stream that completed empty."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .._binding import AIResult
+from .._breaker import Outcome
+from .._call import CallFailed, call_model
+from .._errors import ConfigurationError, GuardTripped
+from .._event_stream import EventStream, end_data
+from .._relay import Opened, Relayed, relay
+from .._stream import StreamEnd, StreamingBinding
+from .._vocabulary import Reason
+from ._accounting import account, on_attempt
+from ._chain_walk import Call, binding, traced
+from ._outcome import ended
+from ._store_steps import finish_leg, gave_up
+from ._verdicts import timed_out
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .._route_spec import Leg
+    from ._state import RequestState
+
+__all__ = ["recover", "relayed", "streaming"]
+
+
+def streaming(state: RequestState, leg: Leg) -> StreamingBinding:
+    """The binding of `leg`, which must stream."""
+    found = binding(state, leg)
+    if not isinstance(found, StreamingBinding):
+        raise ConfigurationError(f"the binding for {leg.ref.key} cannot stream")
+    return found
+
+
+async def recover(
+    state: RequestState, leg: Leg, inputs: Mapping[str, Any], probe: float | None, record_success: bool
+) -> AIResult:
+    """One non-streaming call to `leg` after an empty stream (within the attempt budget)."""
+    if state.attempts >= state.attempt_budget:
+        await finish_leg(state, leg, Outcome.success, probe, record_success)
+        raise GuardTripped(Reason.empty_response, "the stream completed empty", model=leg.ref.key)
+    call: Call[AIResult] = binding(state, leg).run
+    if state._observe.trace is not None:
+        call = traced(state, call, leg, retry=True)
+    assert state._scope is not None  # the walk's
+    deadline = state._scope.when
+    try:
+        async with asyncio.timeout_at(deadline):
+            result, _ = await call_model(
+                call,
+                leg.ref.model,
+                inputs,
+                policy=state._route.retry,
+                deadline=deadline,
+                limit=1,
+                on_attempt=lambda _, outcome, began: on_attempt(state, outcome, began),
+            )
+    except CallFailed as failed:
+        await finish_leg(state, leg, Outcome.failure, probe, record_success)
+        raise gave_up(state, leg, failed) from None
+    except TimeoutError:
+        await finish_leg(state, leg, Outcome.failure, probe, record_success)
+        raise timed_out(state, leg) from None
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await finish_leg(state, leg, Outcome.released, probe, record_success)
+        raise
+    await finish_leg(state, leg, Outcome.success, probe, record_success)
+    return result
+
+
+def relayed(
+    state: RequestState,
+    leg: Leg,
+    opened: Opened,
+    probe: float | None,
+    record_success: bool,
+    *,
+    recorded: bool = False,
+) -> EventStream:
+    """The response relaying a committed attempt; when it ends, the attempt (unless
+    `recorded` already), the breaker outcome, the spend and the request's outcome are
+    recorded, however it ends."""
+    observe = state._observe
+
+    async def on_end(relayed: Relayed) -> None:
+        _stream_done(state, leg, opened, relayed.kind, relayed.end, relayed.delivered, recorded)
+        await finish_leg(state, leg, relayed.outcome, probe, record_success)
+        failure = relayed.failure
+        if relayed.stopped:
+            # Cut by the server stopping (`stop_streams`), not by its client leaving.
+            observe.request_ended(ended(state, "error", 200, tripped=failure, cut="shutdown"))
+        elif relayed.outcome is Outcome.released:
+            observe.request_ended(ended(state, "cancelled", 200))
+        else:
+            outcome = "error" if failure is not None else "ok"
+            observe.request_ended(ended(state, outcome, 200, tripped=failure))
+
+    route = state._route
+    observe.streaming()  # the request's span ends with the stream
+    # The stream's time limit counts from the request's start, in event-loop time.
+    left_s = route.stream_max_s - (time.perf_counter() - state._started)
+    return EventStream(
+        relay(
+            opened,
+            provider=leg.ref.provider or "provider",
+            model=leg.ref.key,
+            deadline=asyncio.get_running_loop().time() + left_s,
+            max_s=route.stream_max_s,
+            max_chars=route.stream_max_chars,
+            done=lambda end: _done_data(state, end),
+            error=lambda tripped: _error_data(state, tripped),
+            ended=on_end,
+            writer=route.stream_format.writer(),
+        ),
+        route.stream_format.headers,
+    )
+
+
+def _stream_done(
+    state: RequestState,
+    leg: Leg,
+    opened: Opened,
+    kind: str,
+    end: StreamEnd | None,
+    delivered: int,
+    recorded: bool,
+) -> None:
+    """Account for the committed stream attempt once it ended (its ledger record)."""
+    state._observe.stream_ended(opened, kind, end, delivered)
+    if not recorded:
+        usage = end.usage if end is not None else None
+        served = (end.model if end is not None else None) or opened.model or leg.ref.model
+        account(
+            state,
+            leg,
+            kind,
+            usage,
+            served,
+            time.perf_counter() - opened.started,
+            billed=True,
+            delivered=delivered,
+        )
+
+
+def _done_data(state: RequestState, end: StreamEnd | None) -> dict[str, Any]:
+    if end is not None and end.model:
+        state.model = end.model  # the provider names the model that served at the end
+    attribution = state._shared.attribution
+    data = end_data(end)
+    data.update(
+        model=state.model if attribution == "detailed" else None,
+        fallback_model=(
+            state.fallback_model
+            if attribution == "detailed"
+            else (state.fallback_model is not None if attribution == "redacted" else None)
+        ),
+        attempts=state.attempts,
+        trace_id=state.trace_id,
+    )
+    return data
+
+
+def _error_data(state: RequestState, tripped: GuardTripped) -> dict[str, Any]:
+    return {
+        "guard": tripped.guard.value,
+        "reason": tripped.reason.value,
+        "detail": tripped.detail,
+        "trace_id": state.trace_id,
+    }

@@ -1,0 +1,118 @@
+"""The verdicts: every way a walk ends without an answer, as a `GuardTripped`. Pure: each
+reads the request's state and returns the verdict, changing nothing."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._errors import GuardTripped, ProviderError
+from .._vocabulary import Kind, Reason
+
+if TYPE_CHECKING:
+    from .._call import CallFailed
+    from .._cooldown import Cooldown
+    from .._route_spec import Leg
+    from ._state import RequestState
+
+__all__ = ["COOLDOWN_KINDS", "exhausted", "failed", "gone", "summary", "timed_out"]
+
+#: The failures after which a model cools down (the provider asked for a pause).
+COOLDOWN_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
+#: The longest attempt summary a detail or a log line carries.
+SUMMARY_MAX = 400
+
+
+def timed_out(state: RequestState, leg: Leg, never_sent: bool = False) -> GuardTripped:
+    """The walk's deadline passed (`never_sent`: waiting for a connection to the provider)."""
+    waited = "no free connection to the provider" if never_sent else "no answer"
+    return GuardTripped(
+        Reason.timeout,
+        f"{waited} within {state._route.timeout_s:g}s",
+        kind=Kind.model_temporarily_unavailable,
+        attempts=state.attempts,
+        model=leg.ref.key,
+    )
+
+
+def gone(state: RequestState, leg: Leg) -> GuardTripped:
+    """The client left: the call was cancelled, and no further model tried."""
+    return GuardTripped(
+        Reason.provider_error,
+        "the client disconnected: the call was cancelled, no further model was tried",
+        kind=Kind.cancelled,
+        attempts=state.attempts,
+        model=leg.ref.key,
+    )
+
+
+def failed(state: RequestState, leg: Leg, call: CallFailed, cooldown: Cooldown) -> GuardTripped:
+    """A leg gave up after its retries: JSON mode not met (`schema_invalid`), else the
+    provider's failure with the wait to send (the provider's, at most `cooldown.max_s`; a
+    cooldown's when the model cools down)."""
+    error = call.error
+    what = error.describe() if isinstance(error, ProviderError) else type(error).__name__
+    if isinstance(error, ProviderError) and error.json_mode_failed:
+        return GuardTripped(
+            Reason.schema_invalid,
+            f"JSON mode could not be met ({what})",
+            attempts=state.attempts,
+            model=leg.ref.key,
+        )
+    # The provider's wait, at most the model's `Cooldown.max_s`: never repeated as is.
+    wait = cooldown.wait(error.retry_after_s) if isinstance(error, ProviderError) else None
+    if call.verdict.kind in COOLDOWN_KINDS:
+        # A known wait is always sent: the model's cooldown (the provider's wait, capped,
+        # else the default), or the provider's own wait when longer (see public_error).
+        wait = max(wait or 0.0, cooldown.seconds(error))
+    return GuardTripped(
+        Reason.provider_error,
+        f"{call.verdict.kind.value} after {call.attempts} attempt(s): {what}",
+        kind=call.verdict.kind,
+        attempts=state.attempts,
+        retry_after_s=wait,
+        model=leg.ref.key,
+    )
+
+
+def exhausted(state: RequestState, last: GuardTripped | None, spent: bool, detailed: bool) -> GuardTripped:
+    """No leg answered: the last failure; else the attempt budget, when an earlier call of
+    the request spent it; else `circuit_open` (every leg was skipped)."""
+    legs = state._route.legs
+    if last is not None and len(legs) == 1:
+        return last
+    text = summary(state, detailed)
+    if last is None and spent:
+        return GuardTripped(
+            Reason.provider_error,
+            f"the request's attempt budget of {state.attempt_budget} provider calls is spent",
+            kind=Kind.model_unavailable,
+            attempts=state.attempts,
+            model=legs[0].ref.key,
+        )
+    if last is None:
+        waits = [wait for _, _, wait in state._notes if wait is not None]
+        return GuardTripped(
+            Reason.circuit_open,
+            f"every model was skipped: {text}",
+            retry_after_s=min(waits) if waits else None,
+            model=legs[0].ref.key,
+        )
+    return GuardTripped(
+        last.reason,
+        f"every model failed: {text}",
+        kind=last.kind,
+        attempts=state.attempts,
+        retry_after_s=last.retry_after_s,
+        model=last.model,
+    )
+
+
+def summary(state: RequestState, detailed: bool) -> str:
+    """Each model tried or skipped by the last walk, and how it ended; model ids when
+    `detailed` (else `model 1`, `model 2`...). Bounded, no provider text."""
+    index = {id(leg): n for n, leg in enumerate(state._route.legs, 1)}
+    parts = [
+        f"{leg.ref.key if detailed else f'model {index[id(leg)]}'}: {what}" for leg, what, _ in state._notes
+    ]
+    text = "; ".join(parts)
+    return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 3] + "..."
