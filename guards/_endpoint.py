@@ -32,7 +32,7 @@ from ._log import emit_error, frames
 from ._responses import PublicError, error_response, public_error
 from ._vocabulary import ErrorCode, Kind
 from .stores import Charge, Step
-from .walk import AI, TASK_SCOPE, Observers, ended, walk_step
+from .walk import AI, TASK_SCOPE, Observers, walk_step
 
 if TYPE_CHECKING:
     from ._route_spec import GuardedRoute
@@ -145,7 +145,7 @@ class GuardedEndpoint:
             outcome = "cancelled" if tripped.kind is Kind.cancelled else "error"
             if not route.degrading:
                 error = public_error(tripped, shared.retry_after_s)
-                observe.request_ended(ended(ai, outcome, error.status, tripped=tripped, error=error.error))
+                observe.request_ended(ai._ended(outcome, error.status, tripped=tripped, error=error.error))
                 answer = error_response(error, trace_id)
                 _attribution(answer.raw_headers, ai, shared.attribution)
                 return answer
@@ -154,7 +154,7 @@ class GuardedEndpoint:
             except Exception as exc:
                 return _application_failure(ai, exc, shared.attribution)
             observe.request_ended(
-                ended(ai, "fallback" if outcome == "error" else outcome, 200, tripped=tripped)
+                ai._ended("fallback" if outcome == "error" else outcome, 200, tripped=tripped)
             )
             # A model that answered is named even when its answer was rejected.
             _attribution(response.raw_headers, ai, shared.attribution)
@@ -167,7 +167,7 @@ class GuardedEndpoint:
             return _application_failure(ai, exc, shared.attribution)
         else:
             if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
-                observe.request_ended(ended(ai, "ok", 200))
+                observe.request_ended(ai._ended("ok", 200))
         finally:
             if trace is not None:
                 trace.leave()
@@ -279,7 +279,7 @@ def _application_failure(ai: AI[Any], exc: Exception, attribution: str) -> Respo
     stack, omitted = frames(exc.__traceback__)
     where = f"{stack[-1]['file'].rsplit('/', 1)[-1]}:{stack[-1]['line']}" if stack else None
     error = ErrorCode.application_failure
-    ai._observe.request_ended(ended(ai, "error", 500, error=error, exc_type=type(exc).__name__, where=where))
+    ai._observe.request_ended(ai._ended("error", 500, error=error, exc_type=type(exc).__name__, where=where))
     emit_error(
         "application_failure",
         route=ai._route.name,

@@ -27,17 +27,11 @@ bounded memory, whatever the traffic.
 from __future__ import annotations
 
 import time
-import typing
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ._classify import Classification
-from ._log import emit
-from ._metrics import RETRY_BUDGET_EXHAUSTED, Tally, counter
-
-if typing.TYPE_CHECKING:
-    from ._route_spec import Leg
+from ._metrics import Tally
 
 __all__ = ["RetryBudget", "RetryWindows", "admit_retry"]
 
@@ -105,39 +99,23 @@ class RetryWindows:
     def __init__(self) -> None:
         self._windows: dict[str, _Window] = {}
 
-    def of(self, leg: Leg) -> _Window:
-        window = self._windows.get(leg.ref.key)
+    def of(self, model: str, attempts: Iterable[Tally]) -> _Window:
+        """The window of the model keyed `model`, whose attempts' tallies are `attempts`."""
+        window = self._windows.get(model)
         if window is None:
-            window = self._windows[leg.ref.key] = _Window(leg.attempts.values())
+            window = self._windows[model] = _Window(attempts)
         return window
 
 
 def admit_retry(
     windows: RetryWindows,
-    leg: Leg,
+    model: str,
+    attempts: Iterable[Tally],
     policy: RetryBudget | None,
-    verdict: Classification,
-    attempt: int,
     *,
-    route: str,
-    trace_id: str,
     clock: Callable[[], float] = time.monotonic,
 ) -> bool:
-    """Whether `leg`'s model may be retried now under `policy` (None: no budget), counted in
-    `windows`. A refusal is
-    logged (`retry` with `"skipped": "retry_budget"`) and counted
-    (`guards_retry_budget_exhausted_total{model}`)."""
-    if policy is None or windows.of(leg).admit(policy, clock()):
-        return True
-    model = leg.ref.key
-    counter(RETRY_BUDGET_EXHAUSTED, model).add()
-    emit(
-        "retry",
-        route=route,
-        trace_id=trace_id,
-        model=model,
-        attempt=attempt,
-        kind=verdict.kind.value,
-        skipped="retry_budget",
-    )
-    return False
+    """Whether the model keyed `model` (its attempts' tallies: `attempts`) may be retried now
+    under `policy` (None: no budget), counted in `windows`. The caller reports a refusal (a
+    `retry` line with `"skipped": "retry_budget"`, `guards_retry_budget_exhausted_total`)."""
+    return policy is None or windows.of(model, attempts).admit(policy, clock())

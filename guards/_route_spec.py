@@ -10,9 +10,9 @@ through the request path).
 from __future__ import annotations
 
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, Protocol, overload
 
 from ._breaker import CircuitState
 from ._event_stream import GUARDS_EVENTS, StreamFormat
@@ -37,17 +37,17 @@ from ._vocabulary import Kind
 
 if typing.TYPE_CHECKING:
     from prometheus_client import Gauge
+    from starlette.requests import Request
 
     from ._breaker import Breaker
     from ._budget import Budget, Price
     from ._call import Retry
     from ._chain import ModelRef
-    from ._effort import EffortRoutes
     from ._output import OutputGuard
     from ._tasks import Task
     from ._vocabulary import Level
 
-__all__ = ["NO_FALLBACK", "GuardedRoute", "Leg", "SuccessAges", "route_of"]
+__all__ = ["NO_FALLBACK", "EffortChoice", "GuardedRoute", "Leg", "SuccessAges", "route_of"]
 
 #: A route declared without `fallback=`: a strict route.
 NO_FALLBACK: Any = object()
@@ -156,6 +156,19 @@ class SuccessAges(Sequence[float | None]):
             yield None if ended is None else now - ended
 
 
+class EffortChoice(Protocol):
+    """A route's chain per effort tier (`guards._effort.EffortRoutes`, attached at start-up)."""
+
+    @property
+    def tiers(self) -> Mapping[Any, tuple[GuardedRoute, str, bool, Tally]]:
+        """Per tier: the route with that tier's chain, its hint, whether it escalated, its count."""
+        ...
+
+    def choose(self, inputs: Mapping[str, Any], request: Request | None, trace_id: str) -> GuardedRoute:
+        """The route whose chain a request runs (at its first call)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class GuardedRoute:
     """What a guarded route declared. Attached to the endpoint as `__guards_route__`."""
@@ -198,7 +211,7 @@ class GuardedRoute:
     stream_format: StreamFormat = GUARDS_EVENTS
     #: A route that routes by effort: its chain per tier (the route itself runs the standard
     #: tier's chain until a request's first call picks one). None: the chain is pinned.
-    effort: EffortRoutes | None = None
+    effort: EffortChoice | None = None
     #: The service level at which the route is shed (and shed under overload); None: never.
     shed_at: Level | None = None
     #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).

@@ -51,7 +51,7 @@ def task_endpoint(
     task = route.task
     assert task is not None
     dump = TypeAdapter(response_type).dump_json
-    lease = lease_s(route)
+    lease = lease_s(route.timeout_s)
     observe = Observers(guards)
     replayed = counter(TASK_STEPS, route.name, "replayed")
     conflict = counter(TASK_STEPS, route.name, "conflict")

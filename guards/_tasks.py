@@ -40,12 +40,9 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from fastapi import Header
-
-if TYPE_CHECKING:
-    from ._route_spec import GuardedRoute
 
 __all__ = ["IDEMPOTENCY_KEY", "KEY_PARAMETER", "MAX_STEPS", "Task", "key_parameter", "lease_s"]
 
@@ -105,8 +102,8 @@ def key_parameter() -> inspect.Parameter:
     )
 
 
-def lease_s(route: GuardedRoute) -> float:
-    """How long a task's lease lasts after its claim or its last saved step: a crashed
-    worker's task waits this long for the next request (each call of a step is bounded by the
-    route's deadline)."""
-    return 2 * route.timeout_s + 60
+def lease_s(timeout_s: float) -> float:
+    """How long a task's lease lasts after its claim or its last saved step, for a route whose
+    deadline is `timeout_s`: a crashed worker's task waits this long for the next request (each
+    call of a step is bounded by the route's deadline)."""
+    return 2 * timeout_s + 60

@@ -1,9 +1,9 @@
-"""The package's modules import one another without a circle (issue 13): read from the source,
-not by importing it, so a circle that happens to import fine in one order still fails here.
+"""The package's import structure, read from the source (not by importing it), so a circle
+that happens to import fine in one order still fails here.
 
-An import counts wherever it runs (module level or inside a function): moving an import into a
-function does not break a circle, it only hides it. Imports under `TYPE_CHECKING` never run and
-are left out (they name types for the type checker).
+Every import counts: at module level, inside a function (moving an import into a function does
+not break a circle, it only hides it) and under `TYPE_CHECKING` (a type-only import is still a
+dependency: the module cannot be understood, or type-checked, without the other).
 """
 
 from __future__ import annotations
@@ -28,13 +28,6 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def imports_of(path: Path, modules: set[str]) -> tuple[set[str], set[str]]:
     """The package modules `path` imports: (at module level, inside functions)."""
     name = module_name(path)
@@ -57,10 +50,6 @@ def imports_of(path: Path, modules: set[str]) -> tuple[set[str], set[str]]:
         return {target for target in found if target in modules}
 
     def visit(node: ast.AST, in_function: bool) -> None:
-        if isinstance(node, ast.If) and is_type_checking(node):
-            for child in node.orelse:
-                visit(child, in_function)
-            return
         if isinstance(node, ast.Import | ast.ImportFrom):
             (nested if in_function else top).update(targets(node))
             return
@@ -111,7 +100,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_has_no_import_circle() -> None:
     graph, nested = import_graph()
-    assert "guards._route_spec" in graph["guards._ai"]  # the graph is real
+    assert (
+        "guards._route_spec" in graph["guards.walk._handle"] | graph["guards.walk._state"]
+    )  # the graph is real
+    assert "guards._shared" in graph["guards._route"]  # type-only imports are in it
     combined = {name: graph[name] | nested[name] for name in graph}
     assert find_cycle(combined) is None, " -> ".join(find_cycle(combined) or ())
 
@@ -122,12 +114,54 @@ def test_no_function_imports_a_package_module_but_the_optional_redis_client() ->
     assert hidden <= LAZY, sorted(hidden - LAZY)
 
 
-@pytest.mark.parametrize("module", ["guards._ai", "guards._openapi", "guards._levels", "guards._tasks"])
-def test_what_serves_a_request_does_not_import_the_decorator(module: str) -> None:
-    """The walk, the OpenAPI document, the levels and tasks read the route's description
-    (`guards._route_spec`), never the decorator's module (`guards._route`) or `Guards`."""
+def test_only_the_package_imports_the_guards_facade() -> None:
+    """`Guards` is the facade: the modules below it are typed against what they use (the
+    `Shared` protocol, or a smaller one), so each can be built without it."""
     graph, nested = import_graph()
-    assert not ({"guards._route", "guards._guards"} & (graph[module] | nested[module]))
+    importers = {name for name in graph if "guards._guards" in graph[name] | nested[name]}
+    assert importers == {"guards"}
+
+
+def walk_modules() -> list[str]:
+    return sorted(name for name in import_graph()[0] if name.startswith("guards.walk."))
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["guards._endpoint", "guards._openapi", "guards._levels", "guards._tasks", "guards._task_endpoint"],
+)
+def test_what_serves_a_request_does_not_import_the_decorator(module: str) -> None:
+    """The walk, the endpoint, the OpenAPI document, the levels and tasks read the route's
+    description (`guards._route_spec`), never the decorator's module (`guards._route`)."""
+    graph, nested = import_graph()
+    for name in [module, *walk_modules()]:
+        assert not ({"guards._route", "guards._guards"} & (graph[name] | nested[name])), name
+
+
+#: The request path's modules that may reach metrics, log lines and traces: the observer seam
+#: and the request's outcome, which it calls.
+OBSERVERS = {"guards.walk._observers", "guards.walk._outcome"}
+
+
+def test_the_walk_calls_no_metric_logger_or_tracer_but_through_its_observers() -> None:
+    graph, nested = import_graph()
+    watchers = {"guards._metrics", "guards._log", "guards._tracing", "guards._ledger"}
+    calling = {
+        name: sorted(watchers & (graph[name] | nested[name]))
+        for name in walk_modules()
+        if name not in OBSERVERS
+    }
+    assert {name: found for name, found in calling.items() if found} == {}
+    assert set(walk_modules()) >= OBSERVERS
+
+
+@pytest.mark.parametrize(
+    "path", ["walk/*.py", "_route.py", "_endpoint.py", "_task_endpoint.py", "_tasks.py", "_route_spec.py"]
+)
+def test_no_file_of_the_request_path_is_over_400_lines(path: str) -> None:
+    sizes = {found.name: len(found.read_text().splitlines()) for found in PACKAGE.glob(path)}
+    assert sizes
+    assert {name: lines for name, lines in sizes.items() if lines > 400} == {}
 
 
 def test_the_checker_finds_a_circle() -> None:
@@ -168,3 +202,51 @@ def test_the_engine_does_not_import_its_test_doubles() -> None:
     reached = {target for name in engine for target in graph[name] | nested[name]}
     assert "guards.testing.script" in graph["guards.testing.fake_binding"]  # the graph sees testing
     assert not {target for target in reached if target.startswith("guards.testing")}
+
+
+#: The public names of `guards`, exactly: what users may import from it (a name added or
+#: removed here is a change of the public API, and of the docs' reference).
+PUBLIC = {
+    "AI", "AIResult", "Attempt", "Attribution", "Binding", "Breaker", "Budget", "Chain",
+    "CircuitState", "Classification", "Clock", "ConfigurationError", "Cooldown", "Effort",
+    "Envelope", "ErrorBody", "ErrorCode", "EventStream", "FallbackFunction", "FallbackInfo",
+    "GUARDS_EVENTS", "GuardName", "GuardTripped", "Guards", "GuardsError", "Kind", "LastGood",
+    "Ledger", "Level", "LogLedger", "ModelDown", "ModelRef", "Moderation", "Outcome", "Price",
+    "Problem", "Profile", "ProviderError", "PublicError", "Reason", "ReasoningDelta", "Retry",
+    "RetryBudget", "ServiceLevel", "StatusReport", "StoreFailureMode", "StreamEnd", "StreamEvent",
+    "StreamFormat", "StreamWriter", "StreamingBinding", "SystemClock", "Task", "TextDelta",
+    "Throttled", "Tier", "ToolCallDelta", "UIChatRequest", "UIMessage", "UIPart",
+    "UI_MESSAGE_STREAM", "Usage", "bearer_token", "classify", "client_key", "estimate_effort",
+    "flatten_chain", "header_key", "is_output", "override_effort", "public_error",
+    "render_metrics",
+}  # fmt: skip
+
+
+def test_guards_all_lists_exactly_the_public_names() -> None:
+    """`guards.__all__` is the public API: every name it lists is there, and every public
+    name `guards` has (not a submodule) is listed, once."""
+    import types
+
+    import guards
+
+    assert len(guards.__all__) == len(set(guards.__all__))
+    assert set(guards.__all__) == PUBLIC
+    public = {
+        name
+        for name, value in vars(guards).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert public == PUBLIC
+    for name in guards.__all__:
+        assert getattr(guards, name) is not None
+
+
+def test_every_subpackage_says_what_it_exports() -> None:
+    """Every public module of the package has an `__all__` (anyio's rule)."""
+    missing = [
+        module_name(path)
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not path.name.startswith("_") or path.name == "__init__.py"
+        if "__all__" not in path.read_text()
+    ]
+    assert missing == []

@@ -20,7 +20,6 @@ The stages call no metric, logger or tracer: they hand records to `Observers`.
 from ._checkpoints import TASK_SCOPE, TaskRun
 from ._handle import AI
 from ._observers import Observers
-from ._outcome import ended
 from ._store_steps import walk_step
 
-__all__ = ["AI", "TASK_SCOPE", "Observers", "TaskRun", "ended", "walk_step"]
+__all__ = ["AI", "TASK_SCOPE", "Observers", "TaskRun", "walk_step"]

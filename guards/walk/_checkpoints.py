@@ -68,7 +68,7 @@ class TaskRun:
         self._route = route
         self._key = key
         self._lease = lease
-        self._lease_s = lease_s(route)
+        self._lease_s = lease_s(route.timeout_s)
         self._steps = dict(steps)
         self._max_bytes = route.task.max_bytes
         self._observe = observe

@@ -62,7 +62,8 @@ class Skipped(NamedTuple):
 
 
 class Retried(NamedTuple):
-    """A failed call is about to be made again on the same model."""
+    """A failed call is about to be made again on the same model, or the model's retry
+    budget refused it (`skipped`)."""
 
     route: GuardedRoute
     trace_id: str
@@ -70,7 +71,10 @@ class Retried(NamedTuple):
     #: The attempt on the model that failed (1: its first call).
     attempt: int
     kind: str
-    delay_s: float
+    #: The wait before the retry (None when it was refused).
+    delay_s: float | None
+    #: Why the retry was not made after all (`retry_budget`), or None.
+    skipped: str | None = None
 
 
 class StoreFailed(NamedTuple):

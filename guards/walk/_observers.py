@@ -10,7 +10,7 @@ method below is where that event's subscribers are listed, in the order they run
     attempt ended     attempts, seconds, tokens,                 record    (span ends with
                       cost                                                  its call)
     skipped           guards_skips_total           skip                    route span event
-    retried                                        retry
+    retried           retry budget exhausted       retry
     store failed      guards_store_unavailable     store_unavailable
     cooldown started                               cooldown
     breaker moved     breaker transitions
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._ledger import Attempt
 from .._log import emit, emit_warning
-from .._metrics import SKIPS, STORE_UNAVAILABLE, TASK_STEPS, counter
+from .._metrics import RETRY_BUDGET_EXHAUSTED, SKIPS, STORE_UNAVAILABLE, TASK_STEPS, counter
 from ._events import (
     AttemptEnded,
     BreakerMoved,
@@ -142,14 +142,18 @@ class Observers:
         )
 
     def retried(self, event: Retried) -> None:
+        model, delay_s = event.leg.ref.key, event.delay_s
+        if event.skipped is not None:
+            counter(RETRY_BUDGET_EXHAUSTED, model).add()
         emit(
             "retry",
             route=event.route.name,
             trace_id=event.trace_id,
-            model=event.leg.ref.key,
+            model=model,
             attempt=event.attempt,
             kind=event.kind,
-            delay_ms=round(event.delay_s * 1000, 1),
+            delay_ms=round(delay_s * 1000, 1) if delay_s is not None else None,
+            skipped=event.skipped,
         )
 
     def store_failed(self, event: StoreFailed) -> None:

@@ -5,54 +5,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._log import emit, logger
 from .._metrics import flush_soon
-from ._checkpoints import resumed
 from ._events import RequestEnded
-from ._verdicts import summary
 
 if TYPE_CHECKING:
-    from .._errors import GuardTripped
     from .._tracing import RequestTrace
-    from .._vocabulary import ErrorCode
-    from ._state import RequestState
 
-__all__ = ["ended", "request_ended"]
-
-
-def ended(
-    state: RequestState,
-    outcome: str,
-    status: int,
-    *,
-    tripped: GuardTripped | None = None,
-    error: ErrorCode | None = None,
-    **extra: Any,
-) -> RequestEnded:
-    """The record of a request's end, from its state (see `request_ended`)."""
-    route = state._route
-    trace = state._observe.trace
-    return RequestEnded(
-        route,
-        state.trace_id,
-        outcome,
-        status,
-        state._started,
-        state.attempts,
-        state.attempt_budget,
-        state.model,
-        state.fallback_model,
-        state._served_leg,
-        tripped,
-        error,
-        (summary(state, True) or None) if tripped is not None and len(route.legs) > 1 else None,
-        (resumed(state._request) or None) if route.task is not None else None,
-        # The level it was served at: read only for the request's span.
-        state._shared.levels.view.level.value if trace is not None else None,
-        extra or None,
-    )
+__all__ = ["request_ended"]
 
 
 def request_ended(event: RequestEnded, trace: RequestTrace | None) -> None:

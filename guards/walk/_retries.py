@@ -29,19 +29,22 @@ def leg_limit(state: RequestState, index: int, made: int) -> int:
 
 
 def before_retry(state: RequestState, attempt: int, verdict: Classification, delay_s: float) -> bool:
-    """Before a retry the policy allows: False when the model's retry budget refuses it
-    (`guards._retry_budget` says so), else the retry is told to the observers."""
+    """Before a retry the policy allows: whether the model's retry budget admits it. The
+    retry, or its refusal, is told to the observers."""
     route = state._route
     leg = state._leg
-    if not admit_retry(
-        state._shared.retry_windows,
-        leg,
-        route.retry.budget,
-        verdict,
-        attempt,
-        route=route.name,
-        trace_id=state.trace_id,
-    ):
-        return False
-    state._observe.retried(Retried(route, state.trace_id, leg, attempt, verdict.kind.value, delay_s))
-    return True
+    admitted = admit_retry(
+        state._shared.retry_windows, leg.ref.key, leg.attempts.values(), route.retry.budget
+    )
+    state._observe.retried(
+        Retried(
+            route,
+            state.trace_id,
+            leg,
+            attempt,
+            verdict.kind.value,
+            delay_s if admitted else None,
+            None if admitted else "retry_budget",
+        )
+    )
+    return admitted

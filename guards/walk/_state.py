@@ -9,7 +9,10 @@ path to one allocation (`make bench-instructions` is the guard).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from ._checkpoints import resumed
+from ._events import RequestEnded
 
 if TYPE_CHECKING:
     import asyncio
@@ -17,8 +20,10 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
     from .._deadline import Deadline
+    from .._errors import GuardTripped
     from .._route_spec import GuardedRoute, Leg
     from .._shared import Shared
+    from .._vocabulary import ErrorCode
     from ..stores import Step
     from ._observers import Observers
 
@@ -26,6 +31,8 @@ __all__ = ["Note", "RequestState"]
 
 #: What happened to one leg of the walk: (the leg, how it ended, its wait when skipped).
 Note = tuple["Leg", str, "float | None"]
+#: The longest attempt summary a detail or a log line carries.
+SUMMARY_MAX = 400
 
 
 class RequestState:
@@ -108,3 +115,45 @@ class RequestState:
         self.model = model or leg.ref.model
         if leg is not self._route.legs[0]:
             self.fallback_model = leg.ref.entry
+
+    def _summary(self, detailed: bool) -> str:
+        """Each model tried or skipped by the last walk, and how it ended; model ids when
+        `detailed` (else `model 1`, `model 2`...). Bounded, no provider text."""
+        index = {id(leg): n for n, leg in enumerate(self._route.legs, 1)}
+        parts = [
+            f"{leg.ref.key if detailed else f'model {index[id(leg)]}'}: {what}"
+            for leg, what, _ in self._notes
+        ]
+        text = "; ".join(parts)
+        return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 3] + "..."
+
+    def _ended(
+        self,
+        outcome: str,
+        status: int,
+        *,
+        tripped: GuardTripped | None = None,
+        error: ErrorCode | None = None,
+        **extra: Any,
+    ) -> RequestEnded:
+        """The record of the request's end (`Observers.request_ended`)."""
+        route = self._route
+        return RequestEnded(
+            route,
+            self.trace_id,
+            outcome,
+            status,
+            self._started,
+            self.attempts,
+            self.attempt_budget,
+            self.model,
+            self.fallback_model,
+            self._served_leg,
+            tripped,
+            error,
+            (self._summary(True) or None) if tripped is not None and len(route.legs) > 1 else None,
+            (resumed(self._request) or None) if route.task is not None else None,
+            # The level it was served at: read only for the request's span.
+            self._shared.levels.view.level.value if self._observe.trace is not None else None,
+            extra or None,
+        )

@@ -21,7 +21,6 @@ from .._stream import StreamEnd, StreamingBinding
 from .._vocabulary import Reason
 from ._accounting import account, on_attempt
 from ._chain_walk import Call, binding, traced
-from ._outcome import ended
 from ._store_steps import finish_leg, gave_up
 from ._verdicts import timed_out
 
@@ -99,12 +98,12 @@ def relayed(
         failure = relayed.failure
         if relayed.stopped:
             # Cut by the server stopping (`stop_streams`), not by its client leaving.
-            observe.request_ended(ended(state, "error", 200, tripped=failure, cut="shutdown"))
+            observe.request_ended(state._ended("error", 200, tripped=failure, cut="shutdown"))
         elif relayed.outcome is Outcome.released:
-            observe.request_ended(ended(state, "cancelled", 200))
+            observe.request_ended(state._ended("cancelled", 200))
         else:
             outcome = "error" if failure is not None else "ok"
-            observe.request_ended(ended(state, outcome, 200, tripped=failure))
+            observe.request_ended(state._ended(outcome, 200, tripped=failure))
 
     route = state._route
     observe.streaming()  # the request's span ends with the stream

@@ -14,12 +14,10 @@ if TYPE_CHECKING:
     from .._route_spec import Leg
     from ._state import RequestState
 
-__all__ = ["COOLDOWN_KINDS", "exhausted", "failed", "gone", "summary", "timed_out"]
+__all__ = ["COOLDOWN_KINDS", "exhausted", "failed", "gone", "timed_out"]
 
 #: The failures after which a model cools down (the provider asked for a pause).
 COOLDOWN_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
-#: The longest attempt summary a detail or a log line carries.
-SUMMARY_MAX = 400
 
 
 def timed_out(state: RequestState, leg: Leg, never_sent: bool = False) -> GuardTripped:
@@ -80,7 +78,7 @@ def exhausted(state: RequestState, last: GuardTripped | None, spent: bool, detai
     legs = state._route.legs
     if last is not None and len(legs) == 1:
         return last
-    text = summary(state, detailed)
+    text = state._summary(detailed)
     if last is None and spent:
         return GuardTripped(
             Reason.provider_error,
@@ -105,14 +103,3 @@ def exhausted(state: RequestState, last: GuardTripped | None, spent: bool, detai
         retry_after_s=last.retry_after_s,
         model=last.model,
     )
-
-
-def summary(state: RequestState, detailed: bool) -> str:
-    """Each model tried or skipped by the last walk, and how it ended; model ids when
-    `detailed` (else `model 1`, `model 2`...). Bounded, no provider text."""
-    index = {id(leg): n for n, leg in enumerate(state._route.legs, 1)}
-    parts = [
-        f"{leg.ref.key if detailed else f'model {index[id(leg)]}'}: {what}" for leg, what, _ in state._notes
-    ]
-    text = "; ".join(parts)
-    return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 3] + "..."
