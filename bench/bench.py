@@ -37,6 +37,7 @@ from starlette.responses import Response
 
 from fixtures import FakeBinding, FakeWorkersAI, Reply, Stream, Text
 from fixtures.redis_server import RedisServer
+from fixtures.stores import PiecewiseStore
 from guards import (
     AI,
     AIResult,
@@ -210,8 +211,8 @@ async def tracing_costs() -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-async def store_checks(store: Store, count: int = 2_000) -> float:
-    """Median wall time of one budget check (`Store.charge_budget`), in microseconds."""
+async def store_checks(store: PiecewiseStore, count: int = 2_000) -> float:
+    """Median wall time of one budget check (`charge_budget`), in microseconds."""
     samples = []
     for i in range(count):
         start = time.perf_counter()
@@ -221,7 +222,7 @@ async def store_checks(store: Store, count: int = 2_000) -> float:
     return statistics.median(samples) * 1e6
 
 
-async def store_cooldown_reads(store: Store, count: int = 2_000) -> float:
+async def store_cooldown_reads(store: PiecewiseStore, count: int = 2_000) -> float:
     """Median wall time of one fallback chain's cooldown read (`cooldowns` of 3 keys, one of
     them cooling down), in microseconds."""
     chain = ["bench:openai:gpt-4o-mini", "bench:anthropic:claude-haiku", "bench:workers-ai:llama"]
@@ -319,7 +320,7 @@ async def _commands(admin: Any) -> int:
     return sum(int(stats.get(name, {}).get("calls", 0)) for name in ("cmdstat_evalsha", "cmdstat_eval"))
 
 
-async def window_check(store: Store, in_window: int, count: int = 300) -> float:
+async def window_check(store: PiecewiseStore, in_window: int, count: int = 300) -> float:
     """Median wall time of one per-minute check on a key that already holds `in_window`
     admissions in its 60 s window (filled concurrently, so SQLite batches them)."""
     key = f"bench:window-{in_window}"

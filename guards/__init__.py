@@ -28,7 +28,6 @@ from ._output import Moderation
 from ._responses import PublicError, public_error
 from ._retry_budget import RetryBudget
 from ._route import FallbackFunction
-from ._status import StatusReport, bearer_token
 from ._stream import (
     ReasoningDelta,
     StreamEnd,
@@ -42,6 +41,7 @@ from ._tasks import Task
 from ._throttle import Throttled
 from ._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
 from ._vocabulary import Attribution, ErrorCode, GuardName, Kind, Level, Reason
+from .status import StatusReport, bearer_token
 from .walk import AI
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 While a model cools down, chains skip it without a call (and record the skip), so a provider
 that asked for a pause is not hammered by every request in the meantime. The cooldown itself
-lives in the store (`Store.start_cooldown`), shared by every worker.
+lives in the store (started by a `Report` in `Store.step`), shared by every worker.
 
 A provider's own wait (`Retry-After` in seconds or as an HTTP date, `retry-after-ms`) is taken
 as a hint, never at face value: a cooldown lasts at most `Cooldown.max_s` (10 minutes by

@@ -40,10 +40,10 @@ from ._responses import PublicError, error_response
 from ._retry_budget import RetryWindows
 from ._route import guard_route
 from ._route_spec import NO_FALLBACK, GuardedRoute, route_of
-from ._status import status_router
 from ._tasks import Task
 from ._tracing import Tracing
 from ._vocabulary import Attribution, ErrorCode
+from .status import status_router
 from .stores import MemoryStore, Store
 
 if TYPE_CHECKING:

@@ -25,8 +25,9 @@ from fastapi import FastAPI
 import guards
 from app.settings import Settings
 from fixtures import FakeWorkersAI, ManualClock
+from fixtures.stores import PiecewiseStore
 from guards import AIResult, Binding
-from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
+from guards.stores import MemoryStore, RedisStore, SQLiteStore
 
 #: The SQLite and Redis store timeout of tests about state, not timeouts: on a loaded machine
 #: an operation can take longer than the default 0.1 s.
@@ -229,17 +230,17 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def make_store(
     store_kind: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> Iterator[Callable[[ManualClock], Store]]:
+) -> Iterator[Callable[[ManualClock], PiecewiseStore]]:
     """`make_store(clock)`: a fresh, empty store of the kind under test, whose time is `clock`.
 
     SQLite stores share one file per test (like workers on one machine); Redis stores share
     the session's server, under a key prefix of their own per test.
     """
-    made: list[Store] = []
+    made: list[PiecewiseStore] = []
     prefix = f"test-{uuid.uuid4().hex[:12]}:"
 
-    def make(clock: ManualClock) -> Store:
-        store: Store
+    def make(clock: ManualClock) -> PiecewiseStore:
+        store: PiecewiseStore
         if store_kind == "memory":
             store = MemoryStore(clock=clock)
         elif store_kind == "sqlite":
@@ -263,7 +264,7 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def store(make_store: Callable[[ManualClock], Store], clock: ManualClock) -> Store:
+def store(make_store: Callable[[ManualClock], PiecewiseStore], clock: ManualClock) -> PiecewiseStore:
     """A fresh store of each kind (memory, SQLite, Redis) on `clock`: the guards' state behaves
     alike in all."""
     return make_store(clock)

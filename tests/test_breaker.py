@@ -10,13 +10,13 @@ import asyncio
 import pytest
 
 from fixtures import ManualClock
+from fixtures.stores import PiecewiseStore
 from guards import Breaker, CircuitState, Outcome
-from guards.stores import Store
 
 KEY = "breaker:@cf/test/model"
 
 
-async def fail_closed_calls(store: Store, policy: Breaker, n: int) -> None:
+async def fail_closed_calls(store: PiecewiseStore, policy: Breaker, n: int) -> None:
     """`n` closed-phase calls that are admitted and fail."""
     for _ in range(n):
         decision = await store.breaker_admit(KEY, policy)
@@ -25,14 +25,14 @@ async def fail_closed_calls(store: Store, policy: Breaker, n: int) -> None:
         await store.breaker_record(KEY, policy, Outcome.failure, probe=None)
 
 
-async def open_breaker(store: Store, policy: Breaker) -> None:
+async def open_breaker(store: PiecewiseStore, policy: Breaker) -> None:
     await fail_closed_calls(store, policy, policy.failure_threshold)
     decision = await store.breaker_admit(KEY, policy)
     assert not decision.allowed
     assert decision.state is CircuitState.open
 
 
-async def half_open(store: Store, clock: ManualClock, policy: Breaker) -> None:
+async def half_open(store: PiecewiseStore, clock: ManualClock, policy: Breaker) -> None:
     """Open the breaker and let its reset timeout pass (the next admit half-opens it)."""
     await open_breaker(store, policy)
     clock.advance(policy.reset_timeout_s)
@@ -41,7 +41,7 @@ async def half_open(store: Store, clock: ManualClock, policy: Breaker) -> None:
 # --- closed → open ------------------------------------------------------------------------------
 
 
-def test_opens_after_n_consecutive_failures(store: Store) -> None:
+def test_opens_after_n_consecutive_failures(store: PiecewiseStore) -> None:
     policy = Breaker(failure_threshold=3, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -56,7 +56,7 @@ def test_opens_after_n_consecutive_failures(store: Store) -> None:
     asyncio.run(scenario())
 
 
-def test_success_resets_the_consecutive_count(store: Store) -> None:
+def test_success_resets_the_consecutive_count(store: PiecewiseStore) -> None:
     policy = Breaker(failure_threshold=3, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -73,7 +73,7 @@ def test_success_resets_the_consecutive_count(store: Store) -> None:
     asyncio.run(scenario())
 
 
-def test_breakers_are_per_key(store: Store) -> None:
+def test_breakers_are_per_key(store: PiecewiseStore) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -83,7 +83,9 @@ def test_breakers_are_per_key(store: Store) -> None:
     asyncio.run(scenario())
 
 
-def test_windowed_opens_only_when_n_failures_fall_within_the_window(store: Store, clock: ManualClock) -> None:
+def test_windowed_opens_only_when_n_failures_fall_within_the_window(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     policy = Breaker(failure_threshold=3, window_s=10, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -102,7 +104,7 @@ def test_windowed_opens_only_when_n_failures_fall_within_the_window(store: Store
     asyncio.run(scenario())
 
 
-def test_windowed_success_does_not_reset_the_count(store: Store, clock: ManualClock) -> None:
+def test_windowed_success_does_not_reset_the_count(store: PiecewiseStore, clock: ManualClock) -> None:
     """In windowed mode failures count within the window, successes in between or not."""
     policy = Breaker(failure_threshold=3, window_s=10, reset_timeout_s=30)
 
@@ -121,7 +123,7 @@ def test_windowed_success_does_not_reset_the_count(store: Store, clock: ManualCl
 # --- open ---------------------------------------------------------------------------------------
 
 
-def test_open_denies_with_the_remaining_time(store: Store, clock: ManualClock) -> None:
+def test_open_denies_with_the_remaining_time(store: PiecewiseStore, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=2, reset_timeout_s=30)
 
     async def scenario() -> None:
@@ -144,7 +146,7 @@ def test_open_denies_with_the_remaining_time(store: Store, clock: ManualClock) -
 # --- half-open ----------------------------------------------------------------------------------
 
 
-def test_half_opens_after_reset_timeout_and_limits_probes(store: Store, clock: ManualClock) -> None:
+def test_half_opens_after_reset_timeout_and_limits_probes(store: PiecewiseStore, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=2)
 
     async def scenario() -> None:
@@ -162,7 +164,7 @@ def test_half_opens_after_reset_timeout_and_limits_probes(store: Store, clock: M
     asyncio.run(scenario())
 
 
-def test_two_probe_successes_close_it(store: Store, clock: ManualClock) -> None:
+def test_two_probe_successes_close_it(store: PiecewiseStore, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=2)
 
     async def scenario() -> None:
@@ -184,7 +186,7 @@ def test_two_probe_successes_close_it(store: Store, clock: ManualClock) -> None:
     asyncio.run(scenario())
 
 
-def test_one_probe_failure_reopens_with_a_fresh_timeout(store: Store, clock: ManualClock) -> None:
+def test_one_probe_failure_reopens_with_a_fresh_timeout(store: PiecewiseStore, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=2)
 
     async def scenario() -> None:
@@ -213,7 +215,7 @@ def test_one_probe_failure_reopens_with_a_fresh_timeout(store: Store, clock: Man
     asyncio.run(scenario())
 
 
-def test_released_probe_frees_its_slot(store: Store, clock: ManualClock) -> None:
+def test_released_probe_frees_its_slot(store: PiecewiseStore, clock: ManualClock) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
 
     async def scenario() -> None:
@@ -230,7 +232,7 @@ def test_released_probe_frees_its_slot(store: Store, clock: ManualClock) -> None
     asyncio.run(scenario())
 
 
-def test_probe_slot_held_past_reset_timeout_is_reclaimed(store: Store, clock: ManualClock) -> None:
+def test_probe_slot_held_past_reset_timeout_is_reclaimed(store: PiecewiseStore, clock: ManualClock) -> None:
     """A probe whose caller never reports (its worker died) must not keep the breaker half-open
     and shut forever."""
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
@@ -252,7 +254,7 @@ def test_probe_slot_held_past_reset_timeout_is_reclaimed(store: Store, clock: Ma
 
 
 def test_reclaimed_probe_reporting_late_does_not_free_the_new_probes_slot(
-    store: Store, clock: ManualClock
+    store: PiecewiseStore, clock: ManualClock
 ) -> None:
     """At most `half_open_probes` calls in flight, even when a probe whose slot was reclaimed
     reports after all: its report must not hand the new probe's slot to a third call."""
@@ -273,7 +275,7 @@ def test_reclaimed_probe_reporting_late_does_not_free_the_new_probes_slot(
     asyncio.run(scenario())
 
 
-def test_late_closed_phase_outcome_changes_nothing(store: Store, clock: ManualClock) -> None:
+def test_late_closed_phase_outcome_changes_nothing(store: PiecewiseStore, clock: ManualClock) -> None:
     """A call admitted while closed that finishes after the breaker opened is not a probe: its
     success must not close the breaker, its failure must not restart the timeout."""
     policy = Breaker(failure_threshold=2, reset_timeout_s=30)
@@ -294,7 +296,9 @@ def test_late_closed_phase_outcome_changes_nothing(store: Store, clock: ManualCl
     asyncio.run(scenario())
 
 
-def test_late_closed_phase_outcome_does_not_use_a_probe_slot(store: Store, clock: ManualClock) -> None:
+def test_late_closed_phase_outcome_does_not_use_a_probe_slot(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=1)
 
     async def scenario() -> None:
@@ -310,7 +314,9 @@ def test_late_closed_phase_outcome_does_not_use_a_probe_slot(store: Store, clock
     asyncio.run(scenario())
 
 
-def test_stale_probe_outcome_after_reopening_changes_nothing(store: Store, clock: ManualClock) -> None:
+def test_stale_probe_outcome_after_reopening_changes_nothing(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     """A probe whose slot was reclaimed reports after the breaker reopened: its success must
     not close the breaker."""
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=1)
@@ -336,7 +342,9 @@ def test_stale_probe_outcome_after_reopening_changes_nothing(store: Store, clock
 # --- concurrency --------------------------------------------------------------------------------
 
 
-def test_concurrent_admits_on_half_open_allow_exactly_one_probe(store: Store, clock: ManualClock) -> None:
+def test_concurrent_admits_on_half_open_allow_exactly_one_probe(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
 
     async def scenario() -> None:
@@ -349,7 +357,7 @@ def test_concurrent_admits_on_half_open_allow_exactly_one_probe(store: Store, cl
     asyncio.run(scenario())
 
 
-def test_concurrent_failures_open_once(store: Store) -> None:
+def test_concurrent_failures_open_once(store: PiecewiseStore) -> None:
     """50 closed-phase failures recorded concurrently open the breaker exactly as 50 in a row do."""
     policy = Breaker(failure_threshold=5, reset_timeout_s=30)
 

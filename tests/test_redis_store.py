@@ -34,6 +34,7 @@ from redis.crc import key_slot
 
 from fixtures import FakeBinding, ManualClock, Reply
 from fixtures.redis_server import RedisServer, free_port
+from fixtures.stores import PiecewiseStore
 from guards import AI, Breaker, Budget, CircuitState, Guards, Outcome, header_key
 from guards.stores import DAILY_TTL_S, MemoryStore, RedisStore, Store, StoreUnavailable, utc_day
 
@@ -89,7 +90,7 @@ class Commands:
         self.take()
 
 
-def every_operation(store: Store) -> list[tuple[str, Callable[[], Awaitable[object]]]]:
+def every_operation(store: PiecewiseStore) -> list[tuple[str, Callable[[], Awaitable[object]]]]:
     return [
         ("now", store.now),
         ("charge_budget", lambda: store.charge_budget("k", per_minute=100, per_day=100)),
@@ -678,7 +679,7 @@ def test_each_event_loop_gets_a_client_closed_with_the_loop(counted: RedisServer
     gc.collect()  # a leaked transport would warn now, in this test
 
 
-async def _burst(store: Store, n: int) -> None:
+async def _burst(store: PiecewiseStore, n: int) -> None:
     await asyncio.gather(*(store.charge_budget("k", per_minute=None, per_day=100_000) for _ in range(n)))
 
 

@@ -24,6 +24,7 @@ import pytest
 from fastapi import FastAPI
 
 from fixtures import FakeBinding, ManualClock, Reply
+from fixtures.stores import PiecewiseStore
 from guards import AI, Breaker, Budget, CircuitState, Guards, Outcome, header_key
 from guards.stores import DAILY_TTL_S, Admission, SQLiteStore, Store, StoreUnavailable
 
@@ -66,7 +67,7 @@ def row_counts(path: Path) -> dict[str, int]:
         return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables(conn)}
 
 
-async def leave_state_everywhere(store: Store, clock: ManualClock) -> Breaker:
+async def leave_state_everywhere(store: PiecewiseStore, clock: ManualClock) -> Breaker:
     """Rows in every table: a rate window, a daily counter, a live hold, settled spend, an open
     breaker and a closed one that counts failures, a cooldown, a last good answer, a task with a
     saved step. Returns the breakers' policy."""

@@ -13,6 +13,7 @@ import weakref
 import pytest
 
 from fixtures import ManualClock
+from fixtures.stores import PiecewiseStore
 from guards import Breaker, Outcome
 from guards.stores import DAILY_TTL_S, Admission, MemoryStore, Store
 
@@ -47,7 +48,7 @@ def test_memory_store_is_a_store(memory_store: Store) -> None:
 
 
 def test_per_day_admits_exactly_the_limit_then_refuses_until_utc_midnight(
-    store: Store, clock: ManualClock
+    store: PiecewiseStore, clock: ManualClock
 ) -> None:
     """A cap per calendar day, not a window: calls hours apart share it, and refusals name the
     time left until the next UTC midnight."""
@@ -70,7 +71,9 @@ def test_per_day_admits_exactly_the_limit_then_refuses_until_utc_midnight(
     asyncio.run(scenario())
 
 
-def test_per_day_refuses_from_the_first_call_after_the_limit(store: Store, clock: ManualClock) -> None:
+def test_per_day_refuses_from_the_first_call_after_the_limit(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     """Exactly `per_day` admitted at one instant, at 01:00: the refusal waits 23 hours."""
 
     async def scenario() -> list[Admission]:
@@ -82,7 +85,7 @@ def test_per_day_refuses_from_the_first_call_after_the_limit(store: Store, clock
         assert_refused(answer, "per_day", 23 * 3_600)
 
 
-def test_per_day_starts_from_zero_at_utc_midnight(store: Store, clock: ManualClock) -> None:
+def test_per_day_starts_from_zero_at_utc_midnight(store: PiecewiseStore, clock: ManualClock) -> None:
     """The day is the UTC calendar day, not 24 hours from the first call (01:00 to 00:00 is 23 h),
     and a new day owes nothing to the previous one: neither its charges nor its refusals."""
 
@@ -114,7 +117,7 @@ def test_per_day_starts_from_zero_at_utc_midnight(store: Store, clock: ManualClo
 
 
 def test_per_day_counts_a_day_that_began_just_before_midnight_separately(
-    store: Store, clock: ManualClock
+    store: PiecewiseStore, clock: ManualClock
 ) -> None:
     """Calls seconds apart across midnight fall in different days."""
 
@@ -135,7 +138,7 @@ def test_per_day_counts_a_day_that_began_just_before_midnight_separately(
 # --- per_minute ---------------------------------------------------------------------------------
 
 
-def test_per_minute_sliding_window(store: Store, clock: ManualClock) -> None:
+def test_per_minute_sliding_window(store: PiecewiseStore, clock: ManualClock) -> None:
     async def charge() -> Admission:
         return await store.charge_budget("alice", per_minute=3, per_day=None)
 
@@ -157,7 +160,7 @@ def test_per_minute_sliding_window(store: Store, clock: ManualClock) -> None:
     asyncio.run(scenario())
 
 
-def test_per_minute_admits_once_retry_after_has_passed(store: Store, clock: ManualClock) -> None:
+def test_per_minute_admits_once_retry_after_has_passed(store: PiecewiseStore, clock: ManualClock) -> None:
     async def charge() -> Admission:
         return await store.charge_budget("k", per_minute=5, per_day=None)
 
@@ -187,7 +190,7 @@ def scripted_times() -> list[float]:
     return [0.0, 0.0, 0.0, 0.0, 59.75, 60.0, 60.0, *(120.0 + x for x in times)]
 
 
-def test_per_minute_is_exact_over_a_scripted_sequence(store: Store, clock: ManualClock) -> None:
+def test_per_minute_is_exact_over_a_scripted_sequence(store: PiecewiseStore, clock: ManualClock) -> None:
     """Each call is admitted exactly when fewer than `per_minute` calls were admitted in the last
     60 seconds (no more, no fewer), and refusals name when the oldest leaves the window."""
     limit = 4
@@ -219,7 +222,9 @@ def test_per_minute_is_exact_over_a_scripted_sequence(store: Store, clock: Manua
 # --- both limits: all or nothing ----------------------------------------------------------------
 
 
-def test_a_per_day_refusal_leaves_the_minute_window_unchanged(store: Store, clock: ManualClock) -> None:
+def test_a_per_day_refusal_leaves_the_minute_window_unchanged(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     async def charge() -> Admission:
         return await store.charge_budget("alice", per_minute=3, per_day=2)
 
@@ -243,7 +248,9 @@ def test_a_per_day_refusal_leaves_the_minute_window_unchanged(store: Store, cloc
     asyncio.run(scenario())
 
 
-def test_a_per_minute_refusal_leaves_the_daily_counter_unchanged(store: Store, clock: ManualClock) -> None:
+def test_a_per_minute_refusal_leaves_the_daily_counter_unchanged(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     async def charge() -> Admission:
         return await store.charge_budget("alice", per_minute=2, per_day=4)
 
@@ -264,7 +271,9 @@ def test_a_per_minute_refusal_leaves_the_daily_counter_unchanged(store: Store, c
     asyncio.run(scenario())
 
 
-def test_both_limits_match_a_reference_model_across_midnight(store: Store, clock: ManualClock) -> None:
+def test_both_limits_match_a_reference_model_across_midnight(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     """A scripted sequence over two UTC midnights, each answer checked against a plain model:
     admitted only if both limits allow, and then charged to both."""
     per_minute, per_day = 2, 40
@@ -307,7 +316,7 @@ def test_both_limits_match_a_reference_model_across_midnight(store: Store, clock
     assert day_refusals > 400
 
 
-def test_keys_are_independent(store: Store, clock: ManualClock) -> None:
+def test_keys_are_independent(store: PiecewiseStore, clock: ManualClock) -> None:
     async def scenario() -> None:
         assert (await store.charge_budget("a", per_minute=None, per_day=1)).allowed
         assert_refused(await store.charge_budget("a", per_minute=None, per_day=1), "per_day", 23 * 3_600)
@@ -326,7 +335,7 @@ def test_keys_are_independent(store: Store, clock: ManualClock) -> None:
     asyncio.run(scenario())
 
 
-def test_none_disables_a_limit(store: Store, clock: ManualClock) -> None:
+def test_none_disables_a_limit(store: PiecewiseStore, clock: ManualClock) -> None:
     async def scenario() -> None:
         # Neither: no limit at all.
         answers = [await store.charge_budget("free", per_minute=None, per_day=None) for _ in range(5_000)]
@@ -352,7 +361,7 @@ def test_none_disables_a_limit(store: Store, clock: ManualClock) -> None:
 # --- atomicity ----------------------------------------------------------------------------------
 
 
-def test_concurrent_calls_admit_exactly_per_day(store: Store) -> None:
+def test_concurrent_calls_admit_exactly_per_day(store: PiecewiseStore) -> None:
     async def scenario() -> None:
         answers = await asyncio.gather(
             *(store.charge_budget("burst", per_minute=None, per_day=20) for _ in range(200))
@@ -364,7 +373,7 @@ def test_concurrent_calls_admit_exactly_per_day(store: Store) -> None:
     asyncio.run(scenario())
 
 
-def test_concurrent_calls_admit_exactly_per_minute(store: Store, clock: ManualClock) -> None:
+def test_concurrent_calls_admit_exactly_per_minute(store: PiecewiseStore, clock: ManualClock) -> None:
     async def burst() -> list[Admission]:
         return await asyncio.gather(
             *(store.charge_budget("burst", per_minute=20, per_day=None) for _ in range(200))
@@ -381,7 +390,9 @@ def test_concurrent_calls_admit_exactly_per_minute(store: Store, clock: ManualCl
     asyncio.run(scenario())
 
 
-def test_concurrent_calls_with_both_limits_admit_the_smaller(store: Store, clock: ManualClock) -> None:
+def test_concurrent_calls_with_both_limits_admit_the_smaller(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     async def burst() -> list[Admission]:
         return await asyncio.gather(
             *(store.charge_budget("burst", per_minute=20, per_day=30) for _ in range(200))
@@ -400,7 +411,9 @@ def test_concurrent_calls_with_both_limits_admit_the_smaller(store: Store, clock
 # --- bounded memory -----------------------------------------------------------------------------
 
 
-def test_rate_key_expires_a_minute_after_its_last_admission(memory_store: Store, clock: ManualClock) -> None:
+def test_rate_key_expires_a_minute_after_its_last_admission(
+    memory_store: MemoryStore, clock: ManualClock
+) -> None:
     async def charge() -> Admission:
         return await memory_store.charge_budget("k", per_minute=2, per_day=None)
 
@@ -419,7 +432,9 @@ def test_rate_key_expires_a_minute_after_its_last_admission(memory_store: Store,
     asyncio.run(scenario())
 
 
-def test_daily_key_expires_daily_ttl_after_its_first_unit(memory_store: Store, clock: ManualClock) -> None:
+def test_daily_key_expires_daily_ttl_after_its_first_unit(
+    memory_store: MemoryStore, clock: ManualClock
+) -> None:
     async def charge() -> Admission:
         return await memory_store.charge_budget("k", per_minute=None, per_day=3)
 
@@ -440,7 +455,7 @@ class Key(str):
     """A key the test can hold a weak reference to, to see whether the store still keeps it."""
 
 
-async def fill(memory_store: Store, breaker: Breaker, n: int) -> list[weakref.ref[Key]]:
+async def fill(memory_store: MemoryStore, breaker: Breaker, n: int) -> list[weakref.ref[Key]]:
     """`n` budgets of each kind (daily only, per-minute only, both) and `n` open breakers;
     returns weak references to the breaker keys."""
     for i in range(n):
@@ -514,7 +529,7 @@ def test_expired_key_is_not_counted_before_the_sweep(clock: ManualClock) -> None
 # --- breakers -----------------------------------------------------------------------------------
 
 
-def test_closed_breakers_keep_no_key(memory_store: Store) -> None:
+def test_closed_breakers_keep_no_key(memory_store: MemoryStore) -> None:
     """A healthy breaker costs no memory, however many models are called."""
     breaker = Breaker(failure_threshold=3, reset_timeout_s=30)
 

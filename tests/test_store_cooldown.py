@@ -23,7 +23,8 @@ from redis.crc import key_slot
 
 from fixtures import ManualClock
 from fixtures.redis_server import RedisServer
-from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store, StoreUnavailable
+from fixtures.stores import PiecewiseStore
+from guards.stores import MemoryStore, RedisStore, SQLiteStore, StoreUnavailable
 
 from .conftest import STORE_TIMEOUT_S, RedisReads, wait_until
 
@@ -40,12 +41,14 @@ def clock() -> ManualClock:
 # --- every store ------------------------------------------------------------------------------
 
 
-def test_a_key_never_cooled_down_reads_zero(store: Store) -> None:
+def test_a_key_never_cooled_down_reads_zero(store: PiecewiseStore) -> None:
     assert asyncio.run(store.cooldowns(["openai:gpt-4o-mini"])) == (0.0,)
     assert asyncio.run(store.cooldowns([])) == ()
 
 
-def test_a_cooldown_counts_down_with_the_store_clock_and_ends(store: Store, clock: ManualClock) -> None:
+def test_a_cooldown_counts_down_with_the_store_clock_and_ends(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     async def scenario() -> None:
         await store.start_cooldown("openai:gpt-4o-mini", 60)
         assert await store.cooldowns(["openai:gpt-4o-mini"]) == (pytest.approx(60),)
@@ -62,7 +65,7 @@ def test_a_cooldown_counts_down_with_the_store_clock_and_ends(store: Store, cloc
 
 
 def test_a_shorter_cooldown_never_shortens_a_running_one_and_a_longer_one_extends_it(
-    store: Store, clock: ManualClock
+    store: PiecewiseStore, clock: ManualClock
 ) -> None:
     async def left() -> float:
         (seconds,) = await store.cooldowns(["m"])
@@ -87,7 +90,7 @@ def test_a_shorter_cooldown_never_shortens_a_running_one_and_a_longer_one_extend
     asyncio.run(scenario())
 
 
-def test_several_keys_are_read_at_once_in_order(store: Store, clock: ManualClock) -> None:
+def test_several_keys_are_read_at_once_in_order(store: PiecewiseStore, clock: ManualClock) -> None:
     async def scenario() -> None:
         await store.start_cooldown(CHAIN[0], 30)
         await store.start_cooldown(CHAIN[2], 90)
@@ -106,7 +109,7 @@ def test_several_keys_are_read_at_once_in_order(store: Store, clock: ManualClock
     asyncio.run(scenario())
 
 
-def test_keys_are_independent(store: Store) -> None:
+def test_keys_are_independent(store: PiecewiseStore) -> None:
     async def scenario() -> None:
         await store.start_cooldown("openai:gpt-4o", 60)
         await store.start_cooldown("openai:gpt-4o-mini", 10)
@@ -124,7 +127,9 @@ def test_keys_are_independent(store: Store) -> None:
 
 
 @pytest.mark.parametrize("seconds", [0.0, -1.0, -60.0, float("nan"), 1e-300])
-def test_a_cooldown_of_no_time_does_nothing(store: Store, clock: ManualClock, seconds: float) -> None:
+def test_a_cooldown_of_no_time_does_nothing(
+    store: PiecewiseStore, clock: ManualClock, seconds: float
+) -> None:
     async def scenario() -> None:
         await store.start_cooldown("idle", seconds)
         assert await store.cooldowns(["idle"]) == (0.0,)
@@ -135,7 +140,7 @@ def test_a_cooldown_of_no_time_does_nothing(store: Store, clock: ManualClock, se
     asyncio.run(scenario())
 
 
-def test_concurrent_starts_keep_the_latest_end(store: Store) -> None:
+def test_concurrent_starts_keep_the_latest_end(store: PiecewiseStore) -> None:
     """50 concurrent cooldowns of one key: the one ending last wins, whatever the order."""
     lengths = [float(s) for s in random.Random(3).sample(range(1, 500), 50)]
 
@@ -146,7 +151,7 @@ def test_concurrent_starts_keep_the_latest_end(store: Store) -> None:
     asyncio.run(scenario())
 
 
-def test_concurrent_reads_and_starts_are_answered_in_order(store: Store) -> None:
+def test_concurrent_reads_and_starts_are_answered_in_order(store: PiecewiseStore) -> None:
     """Reads of whole chains racing each other (pipelined together on Redis, batched in one
     transaction on SQLite) each get their own keys' answers, in their order."""
 
@@ -162,7 +167,7 @@ def test_concurrent_reads_and_starts_are_answered_in_order(store: Store) -> None
 
 @pytest.mark.parametrize("store_kind", ["sqlite", "redis"], indirect=True)
 def test_two_workers_see_each_others_cooldowns(
-    make_store: Callable[[ManualClock], Store], clock: ManualClock
+    make_store: Callable[[ManualClock], PiecewiseStore], clock: ManualClock
 ) -> None:
     """Two stores on one SQLite file, or one Redis: one worker's 429 cools the model down for all."""
     a, b = make_store(clock), make_store(clock)
@@ -177,7 +182,7 @@ def test_two_workers_see_each_others_cooldowns(
     asyncio.run(scenario())
 
 
-def test_answers_equal_memory_stores(store: Store, clock: ManualClock) -> None:
+def test_answers_equal_memory_stores(store: PiecewiseStore, clock: ManualClock) -> None:
     """Seeded random starts and clock moves: the very same answers as `MemoryStore`, exactly."""
     rng = random.Random(21)
     memory = MemoryStore(clock=clock)

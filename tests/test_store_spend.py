@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from fixtures import ManualClock
-from guards.stores import Store
+from fixtures.stores import PiecewiseStore
 
 MIDNIGHT = 86_400.0 * 20_000
 T0 = MIDNIGHT + 3_600  # 01:00 UTC
@@ -19,7 +19,7 @@ def clock() -> ManualClock:
     return ManualClock(T0)
 
 
-def test_holds_count_against_the_cap_until_settled(store: Store) -> None:
+def test_holds_count_against_the_cap_until_settled(store: PiecewiseStore) -> None:
     async def scenario() -> None:
         first = await store.reserve_spend("team", amount=4, cap=10, hold_s=60)
         second = await store.reserve_spend("team", amount=4, cap=10, hold_s=60)
@@ -40,7 +40,7 @@ def test_holds_count_against_the_cap_until_settled(store: Store) -> None:
     asyncio.run(scenario())
 
 
-def test_a_hold_that_is_never_settled_lapses(store: Store, clock: ManualClock) -> None:
+def test_a_hold_that_is_never_settled_lapses(store: PiecewiseStore, clock: ManualClock) -> None:
     async def scenario() -> None:
         assert (await store.reserve_spend("team", amount=10, cap=10, hold_s=30)).allowed
         assert not (await store.reserve_spend("team", amount=1, cap=10, hold_s=30)).allowed
@@ -54,7 +54,7 @@ def test_a_hold_that_is_never_settled_lapses(store: Store, clock: ManualClock) -
     asyncio.run(scenario())
 
 
-def test_settling_a_lapsed_hold_still_counts_the_cost(store: Store, clock: ManualClock) -> None:
+def test_settling_a_lapsed_hold_still_counts_the_cost(store: PiecewiseStore, clock: ManualClock) -> None:
     async def scenario() -> None:
         hold = await store.reserve_spend("team", amount=2, cap=10, hold_s=5)
         assert hold.reservation is not None
@@ -65,7 +65,7 @@ def test_settling_a_lapsed_hold_still_counts_the_cost(store: Store, clock: Manua
     asyncio.run(scenario())
 
 
-def test_a_new_utc_day_starts_from_zero(store: Store, clock: ManualClock) -> None:
+def test_a_new_utc_day_starts_from_zero(store: PiecewiseStore, clock: ManualClock) -> None:
     async def scenario() -> None:
         hold = await store.reserve_spend("team", amount=10, cap=10, hold_s=60)
         assert hold.reservation is not None
@@ -78,7 +78,7 @@ def test_a_new_utc_day_starts_from_zero(store: Store, clock: ManualClock) -> Non
     asyncio.run(scenario())
 
 
-def test_keys_are_independent(store: Store) -> None:
+def test_keys_are_independent(store: PiecewiseStore) -> None:
     async def scenario() -> None:
         assert (await store.reserve_spend("a", amount=10, cap=10, hold_s=60)).allowed
         assert (await store.reserve_spend("b", amount=10, cap=10, hold_s=60)).allowed
@@ -87,7 +87,7 @@ def test_keys_are_independent(store: Store) -> None:
     asyncio.run(scenario())
 
 
-def test_concurrent_holds_never_exceed_the_cap(store: Store) -> None:
+def test_concurrent_holds_never_exceed_the_cap(store: PiecewiseStore) -> None:
     """10 concurrent holds of 3 against a cap of 7: exactly two fit."""
 
     async def scenario() -> None:

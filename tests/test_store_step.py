@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from fixtures import ManualClock
+from fixtures.stores import PiecewiseStore
 from guards import Breaker, CircuitState, Outcome
 from guards.stores import Charge, Report, Step, Store
 
@@ -17,7 +18,7 @@ POLICY = Breaker(failure_threshold=1, reset_timeout_s=30)
 
 
 def test_a_step_skips_cooling_and_open_legs_and_charges_only_an_admission(
-    store: Store, clock: ManualClock
+    store: PiecewiseStore, clock: ManualClock
 ) -> None:
     async def scenario() -> None:
         await store.start_cooldown("guards:cooldown:a", 10)
@@ -35,7 +36,9 @@ def test_a_step_skips_cooling_and_open_legs_and_charges_only_an_admission(
     asyncio.run(scenario())
 
 
-def test_a_refused_charge_takes_no_probe_and_a_report_applies_first(store: Store, clock: ManualClock) -> None:
+def test_a_refused_charge_takes_no_probe_and_a_report_applies_first(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
     async def scenario() -> None:
         await store.breaker_record("guards:breaker:a", POLICY, Outcome.failure, probe=None)
         clock.advance(30)  # half-open: the next admission is the one probe
@@ -117,7 +120,7 @@ def test_each_breaker_transition_is_told_to_the_one_step_that_made_it(
     asyncio.run(scenario())
 
 
-def test_a_spend_refusal_charges_no_other_limit(store: Store) -> None:
+def test_a_spend_refusal_charges_no_other_limit(store: PiecewiseStore) -> None:
     async def scenario() -> None:
         charge = Charge(key="u", per_day=5, spend=3.0, spend_cap=5.0, hold_s=60)
         first = await store.step(Step(legs=LEGS[:1], charge=charge))
@@ -138,7 +141,7 @@ def test_a_spend_refusal_charges_no_other_limit(store: Store) -> None:
     asyncio.run(scenario())
 
 
-def test_the_window_is_exact_for_any_per_minute(store: Store, clock: ManualClock) -> None:
+def test_the_window_is_exact_for_any_per_minute(store: PiecewiseStore, clock: ManualClock) -> None:
     """Never more than `per_minute` in any 60 s, with bounded work per check, for a small limit
     and for a huge one (the window never fills)."""
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from fixtures import ManualClock
+from fixtures.stores import PiecewiseStore
 from guards import Breaker, CircuitState, Outcome
 from guards.stores import Store, TaskClaim, TaskStatus
 
@@ -34,7 +35,7 @@ def claim(store: Store, fingerprint: str = "fp-1", key: str = KEY) -> TaskClaim:
 
 
 def test_health_reads_breakers_and_cooldowns_together_and_writes_nothing(
-    store: Store, clock: ManualClock
+    store: PiecewiseStore, clock: ManualClock
 ) -> None:
     async def scenario() -> None:
         healthy = await store.health(LEGS)

@@ -106,8 +106,9 @@ ADMITTED = Admission(True)
 
 @dataclass(frozen=True, slots=True)
 class SpendReservation:
-    """The answer of `reserve_spend`. When allowed, `reservation` identifies the hold to settle;
-    when refused, `retry_after_s` is the time until the next UTC day."""
+    """The answer of a built-in store's `reserve_spend` (a spend hold on its own, outside a
+    `Step`). When allowed, `reservation` identifies the hold to settle; when refused,
+    `retry_after_s` is the time until the next UTC day."""
 
     allowed: bool
     reservation: str | None = None
@@ -125,12 +126,18 @@ class SpendReservation:
 
 @dataclass(slots=True)
 class Charge:
-    """The budget a request pays once, in the step that admits its first call.
+    """The budget a request pays once, in the step that admits its first call, under `key`:
 
-    `per_minute` and `per_day` as in `Store.charge_budget`; `spend`, when set, holds that many
-    cost units of the UTC day's spend under `key` if settled spend plus live holds plus `spend`
-    stays within `spend_cap` (as `Store.reserve_spend`, the hold lapsing after `hold_s`).
-    The charge is all or nothing: a refusal by any limit charges none of them."""
+    - `per_minute`: admitted if fewer than this many requests were charged under `key` in the
+      last 60 seconds (a sliding window: never more than `per_minute` in any 60 seconds);
+    - `per_day`: admitted if fewer than this many were charged during the current UTC day, as
+      the store's clock tells it (counter `{key}:day:{YYYY-MM-DD}`, kept `DAILY_TTL_S`);
+    - `spend`, when set: holds that many cost units of the UTC day's spend under `key` if
+      settled spend plus live holds plus `spend` stays within `spend_cap`; a hold not settled
+      within `hold_s` seconds (its worker crashed) lapses and frees its room.
+
+    `None` disables a limit. The charge is all or nothing: a refusal by any limit charges none
+    of them; when several are spent, the refusal names the one that frees up last."""
 
     key: str
     per_minute: int | None = None
@@ -144,14 +151,17 @@ class Charge:
 class Report:
     """What became of a call that an earlier step admitted, applied first in a step.
 
-    - `breaker_key` (with `breaker`, `outcome`, `probe`): record the call's outcome, as
-      `Store.breaker_record` does; None: nothing to record;
-    - `cooldown_key`, `cooldown_s`: start a cooldown, as `Store.start_cooldown` (0: none);
-      `cooldown_until` (the provider's HTTP date, seconds since the epoch), when set, ends it
-      no later than that on the store's clock: it lasts `min(cooldown_s, cooldown_until -
-      now)`, and a date already past starts none;
-    - `spend_key`, `reservation`, `actual`: settle the request's spend hold, as
-      `Store.settle_spend` (None: no hold);
+    - `breaker_key` (with `breaker`, `outcome`, `probe`): record the call's outcome on that
+      breaker (`guards.Breaker`'s transitions; `probe` is the ticket the admission returned);
+      None: nothing to record;
+    - `cooldown_key`, `cooldown_s`: cool the key down for `cooldown_s` seconds from now (the
+      store's clock; 0: none), never shortening a cooldown already running; the key expires
+      when its cooldown ends. `cooldown_until` (the provider's HTTP date, seconds since the
+      epoch), when set, ends it no later than that on the store's clock: it lasts
+      `min(cooldown_s, cooldown_until - now)`, and a date already past starts none;
+    - `spend_key`, `reservation`, `actual`: settle the request's spend hold, made on the same
+      UTC day: the hold is replaced by the `actual` cost, which is added even if the hold
+      already lapsed (the call happened); None: no hold;
     - `success_age`: how many seconds ago the caller's last success on the breaker's model
       ended (None: none known), applied before the outcome, as `Step.success_ages` is.
     """
@@ -281,57 +291,22 @@ class TaskClaim:
 
 @runtime_checkable
 class Store(Protocol):
+    """The methods guards calls on a store, and all that a store of your own implements:
+    `now`, `step`, `put_answer`, `get_answer`, `health`, the five task operations (`task_claim`,
+    `task_save`, `task_complete`, `task_release`, `task_drop`) and `aclose`;
+    `isinstance(store, Store)` checks that each is there. Each but `aclose` is one atomic
+    operation that raises `StoreUnavailable`, and nothing else, when the store cannot be reached
+    (see the module's docstring). `MemoryStore`, `SQLiteStore` and `RedisStore` also do each
+    guard's operation on its own (`charge_budget`, `start_cooldown`, ...), which guards never
+    calls.
+
+    A store may also have a `clock` attribute (a `guards.Clock`, as the built-in stores do):
+    then the age of a success (`Step.success_ages`) is measured on it, and the pytest plugin's
+    `use_fake_ai` gives its fresh `MemoryStore` the same clock."""
+
     async def now(self) -> float:
         """Seconds since the Unix epoch as the store sees it: all workers sharing the store
         agree on days and timeouts even when their own clocks drift."""
-        ...
-
-    async def charge_budget(self, key: str, *, per_minute: int | None, per_day: int | None) -> Admission:
-        """Charge one request to the budget `key`, in one atomic step, if both limits allow it:
-
-        - `per_minute`: fewer than this many requests were admitted under `key` in the last
-          60 seconds (a sliding window: never more than `per_minute` in any 60 seconds);
-        - `per_day`: fewer than this many were admitted during the current UTC day, as the
-          store's clock tells it (counter `{key}:day:{YYYY-MM-DD}`, kept `DAILY_TTL_S`).
-
-        A refused request charges neither; when both limits are spent, the refusal names the
-        one that frees up last. `None` disables a limit.
-        """
-        ...
-
-    async def reserve_spend(self, key: str, *, amount: float, cap: float, hold_s: float) -> SpendReservation:
-        """Hold `amount` cost units of the UTC day's spend under `key`, in one atomic step, if
-        settled spend plus live holds plus `amount` stays within `cap`. A hold not settled
-        within `hold_s` seconds (its worker crashed) lapses and frees its room."""
-        ...
-
-    async def settle_spend(self, key: str, reservation: str, *, actual: float) -> None:
-        """Replace the hold `reservation` (made on the same UTC day) by the `actual` cost. The
-        cost is added even if the hold already lapsed: the call happened."""
-        ...
-
-    async def spent(self, key: str) -> float:
-        """Settled spend of the current UTC day under `key`."""
-        ...
-
-    async def breaker_admit(self, key: str, policy: Breaker) -> BreakerDecision:
-        """Ask the breaker `key` whether a call may go through (see `guards.Breaker`)."""
-        ...
-
-    async def breaker_record(
-        self, key: str, policy: Breaker, outcome: Outcome, *, probe: float | None
-    ) -> BreakerState:
-        """Record one guarded call's outcome; `probe` is the ticket `breaker_admit` returned."""
-        ...
-
-    async def cooldowns(self, keys: Sequence[str]) -> tuple[float, ...]:
-        """Seconds left on each key's cooldown (0.0 for a key not cooling down), read in one
-        step: a fallback chain reads all its models' cooldowns at once."""
-        ...
-
-    async def start_cooldown(self, key: str, seconds: float) -> None:
-        """Cool `key` down for `seconds` from now (the store's clock), in one atomic step.
-        Never shortens a cooldown already running; the key expires when its cooldown ends."""
         ...
 
     async def step(self, step: Step) -> Passage:
@@ -410,4 +385,7 @@ class Store(Protocol):
         (`task_release`). Nothing happens if `lease` no longer holds the task."""
         ...
 
-    async def aclose(self) -> None: ...
+    async def aclose(self) -> None:
+        """Release what the store holds (connections, threads), at the app's shutdown
+        (`Guards.aclose`)."""
+        ...

@@ -31,7 +31,8 @@ class StepState(Protocol):
         ...
 
     def start_cooldown(self, key: str, seconds: float, now: float) -> None:
-        """As `Store.start_cooldown`: never shortens a running cooldown."""
+        """Cool `key` down for `seconds` from `now`, never shortening a running cooldown (see
+        `Report.cooldown_key`)."""
         ...
 
     def breaker(self, key: str, now: float) -> BreakerState:
@@ -48,7 +49,7 @@ class StepState(Protocol):
         ...
 
     def settle(self, key: str, reservation: str, actual: float, now: float) -> None:
-        """As `Store.settle_spend`."""
+        """Replace the hold `reservation` by the `actual` cost (see `Report.spend_key`)."""
         ...
 
 

@@ -12,8 +12,8 @@ import math
 import time
 from collections.abc import Sequence
 
-from ._status_report import DAY_S, ModelStatus, RouteStatus, StatusReport
-from ._vocabulary import Level
+from .._vocabulary import Level
+from ._report import DAY_S, ModelStatus, RouteStatus, StatusReport
 
 __all__ = ["CSP", "render_html", "render_sign_in"]
 

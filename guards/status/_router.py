@@ -1,7 +1,7 @@
 """The status page's route: `GET /status` (`Guards.status_router()`), JSON for machines and one
 self-contained HTML page for people, chosen by the request's `Accept` (`negotiate`), kept
 private by an operator token (`OperatorToken`, `bearer_token`). What it shows, and where each
-number comes from: `_status_report`; how it looks: `_status_html`. Read-only: a view reads the
+number comes from: `_report`; how it looks: `_html`. Read-only: a view reads the
 store once and the counters, and writes nothing.
 """
 
@@ -20,12 +20,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from ._errors import ConfigurationError
-from ._status_html import CSP, render_html, render_sign_in
-from ._status_report import StatusPage, StatusProblem, StatusReport
+from .._errors import ConfigurationError
+from ._html import CSP, render_html, render_sign_in
+from ._report import StatusPage, StatusProblem, StatusReport
 
 if typing.TYPE_CHECKING:
-    from ._guards import Guards
+    from .._shared import Shared
 
 __all__ = ["OperatorToken", "StatusReport", "bearer_token", "negotiate", "status_router"]
 
@@ -133,7 +133,7 @@ _UNAUTHORIZED_HTML_HEADERS = {**_HTML_HEADERS, **_UNAUTHORIZED_HEADERS}
 
 
 def status_router(
-    guards: Guards,
+    shared: Shared,
     *,
     path: str,
     token: str | None,
@@ -149,7 +149,7 @@ def status_router(
         raise ConfigurationError("refresh_s must be at least 1 (seconds between reloads of the page)")
     if not window_s >= 1:
         raise ConfigurationError("window_s must be at least 1 (seconds of recent counts)")
-    page = StatusPage(guards, refresh_s=refresh_s, window_s=window_s)
+    page = StatusPage(shared, refresh_s=refresh_s, window_s=window_s)
     required = OperatorToken(token) if token is not None else None
     # Parses `Authorization: Bearer ...` (None for anything else) and, with a token, documents
     # the bearer scheme in OpenAPI; the page checks it itself, to answer a browser's 401 with

@@ -37,9 +37,9 @@ import anyio.to_thread
 from prometheus_client import Counter
 from pydantic import BaseModel, Field
 
-from ._levels import down_for, level_of
-from ._log import emit_warning
-from ._metrics import (
+from .._levels import down_for, level_of
+from .._log import emit_warning
+from .._metrics import (
     ATTEMPTS,
     COST,
     FALLBACKS,
@@ -51,12 +51,12 @@ from ._metrics import (
     peek,
     totals,
 )
-from ._vocabulary import Kind, Level
-from .stores import StoreUnavailable, utc_day
+from .._vocabulary import Kind, Level
+from ..stores import StoreUnavailable, utc_day
 
 if typing.TYPE_CHECKING:
-    from ._guards import Guards
-    from ._route_spec import GuardedRoute
+    from .._route_spec import GuardedRoute
+    from .._shared import Shared
 
 __all__ = [
     "DAY_S",
@@ -309,23 +309,24 @@ def _grown(reading: Reading, base: Counts, metric: Counter) -> dict[tuple[str, .
 
 
 class StatusPage:
-    """One app's status page: its `Guards`, its counts' history, and its settings."""
+    """One app's status page: what its requests share (`Shared`), its counts' history, and its
+    settings."""
 
-    def __init__(self, guards: Guards, *, refresh_s: float, window_s: float) -> None:
-        self.guards = guards
+    def __init__(self, shared: Shared, *, refresh_s: float, window_s: float) -> None:
+        self.shared = shared
         self.refresh_s = refresh_s
         self.history = History(window_s)
 
     async def report(self) -> StatusReport:
         """Read the store once and the counts, and put them together."""
-        guards = self.guards
+        shared = self.shared
         reading = await self.history.read()
-        watched = guards.levels.models
+        watched = shared.levels.models
         store = "ok"
         health = None
         if watched:
             try:
-                health = await guards.store.health(
+                health = await shared.store.health(
                     [(m.cooldown_key, m.breaker_key) for m in watched.values()]
                 )
             except StoreUnavailable:
@@ -333,16 +334,16 @@ class StatusPage:
                 emit_warning("store_unavailable", guard="status", op="health")
         recent = {m: _grown(reading, reading.recent, m) for m in (REQUESTS, SERVED, FALLBACKS, ATTEMPTS)}
         spent = _grown(reading, reading.today, COST)
-        unit = guards.cost_unit_usd
+        unit = shared.cost_unit_usd
 
         models = []
         wall = time.time()
         # When the store did not answer: the level as this worker last read it.
-        seen = guards.service_level() if health is None else None
+        seen = shared.service_level() if health is None else None
         seen_down = {model.model: model.until for model in seen.down} if seen is not None else {}
         for index, (key, model) in enumerate(watched.items()):
             calls = {kind: n for (k, kind), n in recent[ATTEMPTS].items() if k == key}
-            price = guards.prices.get(key)
+            price = shared.prices.get(key)
             entry: dict[str, Any] = {
                 "model": model.name,
                 "last_failure": _last_failure(key),
@@ -395,7 +396,7 @@ class StatusPage:
             store=store,  # type: ignore[arg-type]
             refresh_s=self.refresh_s,
             models=models,
-            routes=[self._route(route, recent, spent, seconds) for route in _routes(guards)],
+            routes=[self._route(route, recent, spent, seconds) for route in _routes(shared)],
             recent=Recent(seconds=round(seconds, 1), counts=whose, worker=os.getpid()),
             today=Today(
                 day=reading.day,
@@ -434,7 +435,7 @@ class StatusPage:
         cap = None
         if budget is not None and budget.spend_per_day is not None:
             cap = SpendCap(
-                usd_per_key_per_day=budget.spend_per_day * self.guards.cost_unit_usd, scope=route.scope
+                usd_per_key_per_day=budget.spend_per_day * self.shared.cost_unit_usd, scope=route.scope
             )
         return RouteStatus(
             route=name,
@@ -451,9 +452,9 @@ class StatusPage:
         )
 
 
-def _routes(guards: Guards) -> list[GuardedRoute]:
+def _routes(shared: Shared) -> list[GuardedRoute]:
     """The guarded routes, once per name, in declaration order."""
-    return list({route.name: route for route in reversed(guards.routes)}.values())[::-1]
+    return list({route.name: route for route in reversed(shared.routes)}.values())[::-1]
 
 
 def _last_failure(model_key: str) -> LastFailure | None:
