@@ -71,7 +71,7 @@ _USAGE = {
     },
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
 }
-#: `fallback_model` of the `done` event, per attribution mode (see `AI._done_data`).
+#: `fallback_model` of the `done` event, per attribution mode (see `guards.walk._streaming`).
 _FALLBACK_MODEL = {
     "detailed": _NULLABLE_STRING,
     "redacted": {"type": "boolean"},

@@ -7,8 +7,8 @@ chain with: it reads the stream until its first output part (the attempt succeed
 then exactly one of `done` and `error`.
 
 The relay knows nothing of budgets, breakers or ledgers. However the stream ends, it hands what
-happened (`Relayed`) to its `ended` callback, which the `AI` handle gives it to do the
-accounting; `done` and `error` give the data of the last event.
+happened (`Relayed`) to its `ended` callback, which the streaming tail (`guards.walk._streaming`)
+gives it to do the accounting; `done` and `error` give the data of the last event.
 """
 
 from __future__ import annotations

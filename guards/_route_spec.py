@@ -1,6 +1,6 @@
 """What a guarded route declared: `GuardedRoute` and its `Leg`s, built once at start-up by the
 route decorator (`guards._route`) and read by everything that serves a request (the walk in
-`guards._ai`, the OpenAPI document, service levels, tasks, tracing).
+`guards.walk`, the OpenAPI document, service levels, tasks, tracing).
 
 This module is the description only: it imports none of the modules that read it, so the walk
 depends on what a route is, not on the decorator that builds it (and no import circle runs
