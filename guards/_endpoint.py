@@ -64,6 +64,26 @@ class GuardedEndpoint:
     `AI` parameter, `plain` its fallback value or function (without `LastGood`), `data_type`
     what it returns and `envelope_type` the envelope of that (None on a strict route)."""
 
+    # Slots, read on every request; `__dict__` for what `functools.update_wrapper` and FastAPI
+    # set (the handler's name, docstring, signature).
+    __slots__ = (
+        "__dict__",
+        "_ai_name",
+        "_budget_prefix",
+        "_data_adapter",
+        "_data_class",
+        "_enter_levels",
+        "_envelope_type",
+        "_first_steps",
+        "_handler",
+        "_last_good",
+        "_observers",
+        "_plain",
+        "_route",
+        "_shared",
+        "_unbudgeted",
+    )
+
     def __init__(
         self,
         shared: Shared,
@@ -279,7 +299,9 @@ def _application_failure(ai: AI[Any], exc: Exception, attribution: str) -> Respo
     stack, omitted = frames(exc.__traceback__)
     where = f"{stack[-1]['file'].rsplit('/', 1)[-1]}:{stack[-1]['line']}" if stack else None
     error = ErrorCode.application_failure
-    ai._observe.request_ended(ai._ended("error", 500, error=error, exc_type=type(exc).__name__, where=where))
+    ai._observe.request_ended(
+        ai._ended("error", 500, error=error, extra={"exc_type": type(exc).__name__, "where": where})
+    )
     emit_error(
         "application_failure",
         route=ai._route.name,

@@ -13,7 +13,7 @@ from .._classify import classify
 from .._errors import ProviderError
 from .._relay import Opened
 from ._checkpoints import resumed
-from ._events import AttemptEnded
+from ._events import AttemptEnded, new
 
 if TYPE_CHECKING:
     from .._binding import Usage
@@ -35,16 +35,23 @@ def on_attempt(state: RequestState, outcome: Any, started: float) -> None:
         state.attempts += 1
         route = state._route
         state._observe.attempt_ended(
-            AttemptEnded(
-                route,
-                state.trace_id,
-                leg,
-                state.attempts,
-                "ok",
-                outcome.usage,
-                outcome.model or leg.ref.model,
-                elapsed,
-                resumed_steps=resumed(state._request) if route.task is not None else (),
+            new(
+                AttemptEnded,
+                (
+                    route,
+                    state.trace_id,
+                    leg,
+                    state.attempts,
+                    "ok",
+                    outcome.usage,
+                    outcome.model or leg.ref.model,
+                    elapsed,
+                    None,
+                    None,
+                    None,
+                    None,
+                    resumed(state._request) if route.task is not None else (),
+                ),
             )
         )
         return
@@ -100,20 +107,23 @@ def account(
         elif billed and route.spend_capped:
             state._cost += worst(leg, state._tokens, route.max_tokens)
     state._observe.attempt_ended(
-        AttemptEnded(
-            route,
-            state.trace_id,
-            leg,
-            state.attempts,
-            kind,
-            usage,
-            served,
-            elapsed,
-            cost,
-            delivered,
-            status,
-            code,
-            resumed(state._request) if route.task is not None else (),
+        new(
+            AttemptEnded,
+            (
+                route,
+                state.trace_id,
+                leg,
+                state.attempts,
+                kind,
+                usage,
+                served,
+                elapsed,
+                cost,
+                delivered,
+                status,
+                code,
+                resumed(state._request) if route.task is not None else (),
+            ),
         )
     )
 

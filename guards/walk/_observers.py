@@ -34,7 +34,6 @@ from ._events import (
     BreakerMoved,
     Checkpointed,
     CooldownStarted,
-    RequestEnded,
     Retried,
     Skipped,
     StoreFailed,
@@ -81,39 +80,49 @@ class Observers:
         return trace.traced(call, leg, binding, fallback=fallback, attempts=attempts, retry=retry)
 
     def attempt_ended(self, event: AttemptEnded) -> None:
-        leg = event.leg
-        leg.seconds.observe(event.elapsed_s)
-        outcome = event.outcome
+        (
+            route,
+            trace_id,
+            leg,
+            attempt,
+            outcome,
+            usage,
+            served,
+            elapsed_s,
+            cost,
+            delivered,
+            status,
+            code,
+            steps,
+        ) = event[:]  # a slice is an exact tuple: a tuple subclass unpacks through an iterator
+        leg.seconds.observe(elapsed_s)
         if outcome == "ok":
             leg.attempts["ok"].count += 1  # `Tally.add`, in place: every request's path
         else:
             leg.attempts[outcome].add()  # a failure kind's tally also stamps its time
-        usage = event.usage
         if usage is not None:
             leg.input_tokens.count += usage.prompt_tokens
             leg.output_tokens.count += usage.completion_tokens
-        cost = event.cost
-        if cost is not None and leg.cost_usd is not None:
-            leg.cost_usd.add(cost * self._shared.cost_unit_usd)
         shared = self._shared
+        if cost is not None and leg.cost_usd is not None:
+            leg.cost_usd.add(cost * shared.cost_unit_usd)
         if shared.ledger_enabled():
-            route = event.route
             shared.ledger.record(
                 Attempt(
-                    trace_id=event.trace_id,
+                    trace_id=trace_id,
                     route=route.name,
-                    attempt=event.attempt,
+                    attempt=attempt,
                     requested_model=route.model,
                     model=leg.ref.key,
                     entry=leg.ref.entry,
-                    served_model=event.served,
+                    served_model=served,
                     outcome=outcome,
-                    latency_ms=round(event.elapsed_s * 1000, 2),
+                    latency_ms=round(elapsed_s * 1000, 2),
                     usage=usage,
-                    delivered_chars=event.delivered_chars,
-                    status=event.status,
-                    code=event.code,
-                    resumed_steps=event.resumed_steps,
+                    delivered_chars=delivered,
+                    status=status,
+                    code=code,
+                    resumed_steps=steps,
                 )
             )
 
@@ -179,5 +188,5 @@ class Observers:
     def breaker_moved(self, event: BreakerMoved) -> None:
         event.leg.transitions[event.state].add()
 
-    def request_ended(self, event: RequestEnded) -> None:
-        request_ended(event, self.trace)
+    #: `request_ended(event)`: the request's metrics, span end and log line (`_outcome`).
+    request_ended = request_ended

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .._log import emit, logger
 from .._metrics import flush_soon
@@ -14,21 +14,42 @@ from ._events import RequestEnded
 if TYPE_CHECKING:
     from .._tracing import RequestTrace
 
-__all__ = ["request_ended"]
+__all__ = ["Traced", "request_ended"]
 
 
-def request_ended(event: RequestEnded, trace: RequestTrace | None) -> None:
+class Traced(Protocol):
+    """The observers of one request (`Observers`): its spans, when it is traced."""
+
+    trace: RequestTrace | None
+
+
+def request_ended(observers: Traced, event: RequestEnded) -> None:
     """Count a request's outcome and latency, end its span (when traced), and write its one
-    log line (skipped cheaply when INFO is off)."""
+    log line (skipped cheaply when INFO is off). `Observers.request_ended` is this."""
+    (
+        route,
+        trace_id,
+        outcome,
+        status,
+        started,
+        attempts,
+        attempt_budget,
+        model,
+        fallback_model,
+        served,
+        tripped,
+        error,
+        legs,
+        resumed_steps,
+        service_level,
+        extra,
+    ) = event[:]  # a slice is an exact tuple: a tuple subclass unpacks through an iterator
     now = time.perf_counter()
-    elapsed = now - event.started
-    route = event.route
+    elapsed = now - started
     metrics = route.metrics
     metrics.seconds.observe(elapsed)
-    outcome, tripped = event.outcome, event.tripped
     if outcome == "ok":
         metrics.ok.count += 1  # `Tally.add`, in place: every request's path
-        served = event.served_leg
         if served is not None:  # a model's answer served (not the handler's own value)
             served.served.count += 1
     elif outcome == "fallback":
@@ -40,31 +61,28 @@ def request_ended(event: RequestEnded, trace: RequestTrace | None) -> None:
     if tripped is not None and outcome != "cancelled":
         metrics.tripped(tripped.guard.value, tripped.reason.value)
     flush_soon(now)
+    trace = observers.trace
     if trace is not None:
         # The one place the request span learns its outcome, and the level it was served at.
-        trace.finish(
-            outcome, event.status, tripped, event.error, event.attempts, service_level=event.service_level
-        )
+        trace.finish(outcome, status, tripped, error, attempts, service_level=service_level)
     if not logger.isEnabledFor(logging.INFO):
         return
-    error = event.error
-    extra = event.extra or {}
     emit(
         "request",
         route=route.name,
-        trace_id=event.trace_id,
+        trace_id=trace_id,
         outcome=outcome,
-        status=event.status,
+        status=status,
         error=error.value if error is not None else None,
         guard=tripped.guard.value if tripped is not None else None,
         reason=tripped.reason.value if tripped is not None else None,
         kind=tripped.kind.value if tripped is not None and tripped.kind is not None else None,
-        attempts=event.attempts,
-        attempt_budget=event.attempt_budget,
-        model=(tripped.model if tripped is not None else None) or event.model,
-        fallback_model=event.fallback_model,
-        legs=event.legs,
-        resumed_steps=event.resumed_steps,
+        attempts=attempts,
+        attempt_budget=attempt_budget,
+        model=(tripped.model if tripped is not None else None) or model,
+        fallback_model=fallback_model,
+        legs=legs,
+        resumed_steps=resumed_steps,
         latency_ms=round(elapsed * 1000, 2),
-        **extra,
+        **(extra or {}),
     )

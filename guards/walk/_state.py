@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._checkpoints import resumed
-from ._events import RequestEnded
+from ._events import RequestEnded, new
 
 if TYPE_CHECKING:
     import asyncio
@@ -134,26 +134,30 @@ class RequestState:
         *,
         tripped: GuardTripped | None = None,
         error: ErrorCode | None = None,
-        **extra: Any,
+        extra: dict[str, Any] | None = None,
     ) -> RequestEnded:
-        """The record of the request's end (`Observers.request_ended`)."""
+        """The record of the request's end (`Observers.request_ended`); `extra`: more fields
+        of its log line."""
         route = self._route
-        return RequestEnded(
-            route,
-            self.trace_id,
-            outcome,
-            status,
-            self._started,
-            self.attempts,
-            self.attempt_budget,
-            self.model,
-            self.fallback_model,
-            self._served_leg,
-            tripped,
-            error,
-            (self._summary(True) or None) if tripped is not None and len(route.legs) > 1 else None,
-            (resumed(self._request) or None) if route.task is not None else None,
-            # The level it was served at: read only for the request's span.
-            self._shared.levels.view.level.value if self._observe.trace is not None else None,
-            extra or None,
+        return new(
+            RequestEnded,
+            (
+                route,
+                self.trace_id,
+                outcome,
+                status,
+                self._started,
+                self.attempts,
+                self.attempt_budget,
+                self.model,
+                self.fallback_model,
+                self._served_leg,
+                tripped,
+                error,
+                (self._summary(True) or None) if tripped is not None and len(route.legs) > 1 else None,
+                (resumed(self._request) or None) if route.task is not None else None,
+                # The level it was served at: read only for the request's span.
+                self._shared.levels.view.level.value if self._observe.trace is not None else None,
+                extra,
+            ),
         )

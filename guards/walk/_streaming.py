@@ -98,7 +98,7 @@ def relayed(
         failure = relayed.failure
         if relayed.stopped:
             # Cut by the server stopping (`stop_streams`), not by its client leaving.
-            observe.request_ended(state._ended("error", 200, tripped=failure, cut="shutdown"))
+            observe.request_ended(state._ended("error", 200, tripped=failure, extra={"cut": "shutdown"}))
         elif relayed.outcome is Outcome.released:
             observe.request_ended(state._ended("cancelled", 200))
         else:
