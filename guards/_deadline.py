@@ -53,12 +53,26 @@ class Deadline:
     `asyncio.timeout`.
     """
 
-    __slots__ = ("_cancelling", "_on_mark", "_queue", "_state", "_task", "_timer", "timeout_s", "when")
+    __slots__ = (
+        "_cancelling",
+        "_mark_arg",
+        "_on_mark",
+        "_queue",
+        "_state",
+        "_task",
+        "_timer",
+        "timeout_s",
+        "when",
+    )
     _task: asyncio.Task[Any] | None
 
-    def __init__(self, timeout_s: float, on_mark: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, timeout_s: float, on_mark: Callable[[Any], None] | None = None, mark_arg: Any = None
+    ) -> None:
         self.timeout_s = timeout_s
+        #: Called as `on_mark(mark_arg)` at the mark (no callable made per block).
         self._on_mark = on_mark
+        self._mark_arg = mark_arg
         self._timer: asyncio.TimerHandle | None = None
         self._state = _RUNNING
         #: The mark queue the deadline waits in (None: it has its own timer).
@@ -95,7 +109,7 @@ class Deadline:
             self._queue = None
         task, expired = self._task, self._state == _EXPIRED
         # Let go of the task and callback.
-        self._state, self._task, self._on_mark = _DONE, None, None
+        self._state, self._task, self._on_mark, self._mark_arg = _DONE, None, None, None
         # `uncancel` first, whatever the exception: the expiry's cancel request is spent.
         if (
             expired
@@ -120,7 +134,7 @@ class Deadline:
             return
         self._timer = loop.call_at(self.when, self.expire)
         if self._on_mark is not None:
-            self._on_mark()
+            self._on_mark(self._mark_arg)
 
 
 class _MarkQueue:

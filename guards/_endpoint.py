@@ -33,6 +33,7 @@ from ._responses import PublicError, error_response, public_error
 from ._vocabulary import ErrorCode, Kind
 from .stores import Charge, Step
 from .walk import AI, TASK_SCOPE, Observers, walk_step
+from .walk._checkpoints import resumed
 
 if TYPE_CHECKING:
     from ._route_spec import GuardedRoute
@@ -69,6 +70,7 @@ class GuardedEndpoint:
     __slots__ = (
         "__dict__",
         "_ai_name",
+        "_budget",
         "_budget_prefix",
         "_data_adapter",
         "_data_class",
@@ -112,12 +114,12 @@ class GuardedEndpoint:
         self._last_good = last_good
         #: The untraced requests' observers (a traced request gets its own, with its spans).
         self._observers = Observers(shared)
-        budget = route.budget
+        self._budget = route.budget
         self._budget_prefix = f"guards:{route.scope}:"
         # The walk's first store step: the route's own without a budget; else one per caller,
         # with their budget's charge (a spend cap's amount is set per request, in the walk),
         # each built once and kept, bounded (`_first_step`).
-        self._unbudgeted = walk_step(route, 0, None, None) if budget is None else None
+        self._unbudgeted = walk_step(route, 0, None, None)
         self._first_steps: dict[str, Step] = {}
         # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
         self._enter_levels = route.shed_at is not None or shared.levels.max_in_flight is not None
@@ -127,28 +129,28 @@ class GuardedEndpoint:
         response: Response = kwargs.pop(RESPONSE_PARAMETER)
         request.scope[_ENTERED] = True
         started = time.perf_counter()
-        shared, route, ai_name = self._shared, self._route, self._ai_name
+        shared, route = self._shared, self._route
         # With tracing on, the request's span (its trace id is the `x-trace-id`), current
         # while the handler runs; ended with the request's outcome (`Observers.request_ended`).
-        tracing = shared.tracing
-        if tracing is None:
-            trace = None
-            observe = self._observers
-            trace_id = request_trace_id(request)
+        trace = (
+            None
+            if shared.tracing is None
+            else shared.tracing.start(route.name, request, lambda: request_trace_id(request))
+        )
+        if trace is None:
+            observe, trace_id = self._observers, request_trace_id(request)
         else:
-            trace = tracing.start(route.name, request, lambda: request_trace_id(request))
-            observe = Observers(shared, trace)
-            trace_id = trace.trace_id
-        first = self._unbudgeted
-        if first is None:
-            assert route.budget is not None
-            caller = route.budget.key(request)
+            observe, trace_id = Observers(shared, trace), trace.trace_id
+        budget = self._budget
+        if budget is None:
+            first = self._unbudgeted
+        else:
+            caller = budget.key(request)
             first = self._first_steps.get(caller) or self._first_step(caller)
         ai: AI[Any] = AI(shared, route, first, trace_id, request, started, observe)
-        kwargs[ai_name] = ai
+        kwargs[ai_name := self._ai_name] = ai
         if route.task is not None and (run := request.scope.get(TASK_SCOPE)) is not None:
             run.called = ai  # what the request called decides what its task leaves (`TaskRun.release`)
-        last_good = self._last_good
         try:
             if trace is not None:
                 trace.enter()
@@ -157,7 +159,8 @@ class GuardedEndpoint:
             value = await self._handler(**kwargs)
             if type(value) is not self._data_class and not isinstance(value, Response):
                 value = self._data_adapter.validate_python(value)
-            if last_good is not None and not isinstance(value, Response):  # a validated success
+            if (last_good := self._last_good) is not None and not isinstance(value, Response):
+                # A validated success: remembered with the route's own arguments.
                 arguments = {name: given for name, given in kwargs.items() if name != ai_name}
                 await last_good.remember(shared.store, arguments, value, trace_id)
         except GuardTripped as tripped:
@@ -187,7 +190,26 @@ class GuardedEndpoint:
             return _application_failure(ai, exc, shared.attribution)
         else:
             if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
-                observe.request_ended(ai._ended("ok", 200))
+                # `ai._ended("ok", 200)`, inline: every request's path.
+                observe.request_ended(
+                    (
+                        route,
+                        trace_id,
+                        "ok",
+                        200,
+                        started,
+                        ai.attempts,
+                        ai.attempt_budget,
+                        ai.model,
+                        ai.fallback_model,
+                        ai._served_leg,
+                        None,
+                        None,
+                        None,
+                        (resumed(request) or None) if route.task is not None else None,
+                        None,
+                    )
+                )
         finally:
             if trace is not None:
                 trace.leave()

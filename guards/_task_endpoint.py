@@ -98,16 +98,7 @@ def task_endpoint(
             trace_id = trace_id_of(request)
             answer = _response(claim.response, trace_id, replayed=True)
             observe.request_ended(
-                RequestEnded(
-                    route,
-                    trace_id,
-                    "ok",
-                    answer.status_code,
-                    started,
-                    0,
-                    route.attempt_budget,
-                    extra={"replayed": True},
-                )
+                _ended(route, trace_id, "ok", answer.status_code, started, extra={"replayed": True})
             )
             return answer
         assert claim.lease is not None
@@ -198,8 +189,36 @@ def _answer(
     """A task refused before its handler ran (409, 422): logged and counted like any request."""
     trace_id = trace_id_of(request)
     Observers(guards).request_ended(
-        RequestEnded(
-            route, trace_id, "error", error.status, started, 0, route.attempt_budget, error=error.error
-        )
+        _ended(route, trace_id, "error", error.status, started, error=error.error)
     )
     return error_response(error, trace_id)
+
+
+def _ended(
+    route: GuardedRoute,
+    trace_id: str,
+    outcome: str,
+    status: int,
+    started: float,
+    *,
+    error: ErrorCode | None = None,
+    extra: dict[str, Any] | None = None,
+) -> RequestEnded:
+    """The end of a task's request that called no model (a replay, a refusal)."""
+    return (
+        route,
+        trace_id,
+        outcome,
+        status,
+        started,
+        0,
+        route.attempt_budget,
+        None,
+        None,
+        None,
+        None,
+        error,
+        None,
+        None,
+        extra,
+    )

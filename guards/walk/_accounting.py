@@ -13,7 +13,6 @@ from .._classify import classify
 from .._errors import ProviderError
 from .._relay import Opened
 from ._checkpoints import resumed
-from ._events import AttemptEnded, new
 
 if TYPE_CHECKING:
     from .._binding import Usage
@@ -27,34 +26,9 @@ def on_attempt(state: RequestState, outcome: Any, started: float) -> None:
     """Count one provider call on the leg being called, ended in `outcome` (a result, an
     `Opened` stream, or what it raised). A stream that reached its first output is accounted
     for when it ends (`_streaming`). A call cancelled while waiting for a connection never
-    left: it is not one."""
+    left: it is not one. (The walk counts the usual success itself, inline.)"""
     elapsed = time.perf_counter() - started
     leg = state._leg
-    if type(outcome) is AIResult and leg.price is None:
-        # The usual success: no price, so no cost to add (every request's path).
-        state.attempts += 1
-        route = state._route
-        state._observe.attempt_ended(
-            new(
-                AttemptEnded,
-                (
-                    route,
-                    state.trace_id,
-                    leg,
-                    state.attempts,
-                    "ok",
-                    outcome.usage,
-                    outcome.model or leg.ref.model,
-                    elapsed,
-                    None,
-                    None,
-                    None,
-                    None,
-                    resumed(state._request) if route.task is not None else (),
-                ),
-            )
-        )
-        return
     if isinstance(outcome, BaseException) and never_admitted(outcome):
         return
     state.attempts += 1
@@ -107,23 +81,20 @@ def account(
         elif billed and route.spend_capped:
             state._cost += worst(leg, state._tokens, route.max_tokens)
     state._observe.attempt_ended(
-        new(
-            AttemptEnded,
-            (
-                route,
-                state.trace_id,
-                leg,
-                state.attempts,
-                kind,
-                usage,
-                served,
-                elapsed,
-                cost,
-                delivered,
-                status,
-                code,
-                resumed(state._request) if route.task is not None else (),
-            ),
+        (
+            route,
+            state.trace_id,
+            leg,
+            state.attempts,
+            kind,
+            usage,
+            served,
+            elapsed,
+            cost,
+            delivered,
+            status,
+            code,
+            resumed(state._request) if route.task is not None else (),
         )
     )
 

@@ -31,6 +31,7 @@ from .._deadline import Deadline
 from .._errors import GuardTripped
 from ..stores import Passage, StoreUnavailable
 from ._accounting import on_attempt
+from ._checkpoints import resumed
 from ._retries import before_retry, leg_limit
 from ._store_steps import admitted, leg_down, next_step, record, send, settle
 from ._store_steps import report_end as settled
@@ -68,15 +69,15 @@ async def walk(
     the outcome and settles the spend; on failure this settles and raises `GuardTripped`."""
     route, observe = state._route, state._observe
     if state._notes:
-        state._notes.clear()
+        state._notes = []  # the notes of this walk only
     state._waits = None
     inflight: Leg | None = None  # the leg being called (its probe ticket: `probe`)
     probe: float | None = None
     last: GuardTripped | None = None
     spent = False  # the request's attempt budget ran out before a leg
     try:
-        on_mark = functools.partial(_start_watch, state) if state._request is not None else None
-        with Deadline(route.timeout_s, on_mark) as scope:
+        on_mark = _start_watch if state._request is not None else None
+        with Deadline(route.timeout_s, on_mark, state) as scope:
             state._scope = scope
             deadline = scope.when
             try:
@@ -93,7 +94,18 @@ async def walk(
                         if left:
                             raise gone(state, legs[start])
                         break
-                    step = next_step(state, start, report, inputs)
+                    first = state._first
+                    if (
+                        first is not None
+                        and not start
+                        and report is None
+                        and not state._charged
+                        and first.legs is route.step_legs
+                        and not route.spend_capped
+                    ):
+                        step = first  # `next_step`'s usual answer, inline: every request's path
+                    else:
+                        step = next_step(state, start, report, inputs)
                     try:
                         passage: Passage | None = await state._shared.store.step(step)
                     except StoreUnavailable:
@@ -148,7 +160,29 @@ async def walk(
                         on_attempt(state, stopped, started)
                         raise
                     else:
-                        on_attempt(state, result, started)
+                        if type(result) is AIResult and leg.price is None:
+                            # `on_attempt`'s usual case, inline (every request's path): a
+                            # success with no price, so no cost to add.
+                            state.attempts += 1
+                            observe.attempt_ended(
+                                (
+                                    route,
+                                    state.trace_id,
+                                    leg,
+                                    state.attempts,
+                                    "ok",
+                                    result.usage,
+                                    result.model or leg.ref.model,
+                                    time.perf_counter() - started,
+                                    None,
+                                    None,
+                                    None,
+                                    None,
+                                    resumed(state._request) if route.task is not None else (),
+                                )
+                            )
+                        else:
+                            on_attempt(state, result, started)
                     return leg, result, probe, record_success
             finally:
                 if state._watch is not None:

@@ -23,11 +23,12 @@ its `RequestTrace`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._ledger import Attempt
-from .._log import emit, emit_warning
+from .._ledger import Attempt, LogLedger
+from .._log import emit, emit_warning, logger
 from .._metrics import RETRY_BUDGET_EXHAUSTED, SKIPS, STORE_UNAVAILABLE, TASK_STEPS, counter
 from ._events import (
     AttemptEnded,
@@ -94,7 +95,7 @@ class Observers:
             status,
             code,
             steps,
-        ) = event[:]  # a slice is an exact tuple: a tuple subclass unpacks through an iterator
+        ) = event
         leg.seconds.observe(elapsed_s)
         if outcome == "ok":
             leg.attempts["ok"].count += 1  # `Tally.add`, in place: every request's path
@@ -106,8 +107,11 @@ class Observers:
         shared = self._shared
         if cost is not None and leg.cost_usd is not None:
             leg.cost_usd.add(cost * shared.cost_unit_usd)
-        if shared.ledger_enabled():
-            shared.ledger.record(
+        ledger = shared.ledger
+        # `Guards.ledger_enabled`, inline (every request's path): the default ledger writes log
+        # lines, so with INFO off no record is built.
+        if not isinstance(ledger, LogLedger) or logger.isEnabledFor(logging.INFO):
+            ledger.record(
                 Attempt(
                     trace_id=trace_id,
                     route=route.name,
@@ -187,6 +191,10 @@ class Observers:
 
     def breaker_moved(self, event: BreakerMoved) -> None:
         event.leg.transitions[event.state].add()
+
+    def service_level(self) -> str:
+        """The app's service level now (for a traced request's span)."""
+        return self._shared.levels.view.level.value
 
     #: `request_ended(event)`: the request's metrics, span end and log line (`_outcome`).
     request_ended = request_ended

@@ -18,9 +18,12 @@ __all__ = ["Traced", "request_ended"]
 
 
 class Traced(Protocol):
-    """The observers of one request (`Observers`): its spans, when it is traced."""
+    """The observers of one request (`Observers`): its spans, when it is traced, and the
+    service level it was served at."""
 
     trace: RequestTrace | None
+
+    def service_level(self) -> str: ...
 
 
 def request_ended(observers: Traced, event: RequestEnded) -> None:
@@ -41,9 +44,8 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         error,
         legs,
         resumed_steps,
-        service_level,
         extra,
-    ) = event[:]  # a slice is an exact tuple: a tuple subclass unpacks through an iterator
+    ) = event
     now = time.perf_counter()
     elapsed = now - started
     metrics = route.metrics
@@ -64,7 +66,7 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
     trace = observers.trace
     if trace is not None:
         # The one place the request span learns its outcome, and the level it was served at.
-        trace.finish(outcome, status, tripped, error, attempts, service_level=service_level)
+        trace.finish(outcome, status, tripped, error, attempts, service_level=observers.service_level())
     if not logger.isEnabledFor(logging.INFO):
         return
     emit(

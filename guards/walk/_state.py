@@ -12,7 +12,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ._checkpoints import resumed
-from ._events import RequestEnded, new
 
 if TYPE_CHECKING:
     import asyncio
@@ -25,12 +24,15 @@ if TYPE_CHECKING:
     from .._shared import Shared
     from .._vocabulary import ErrorCode
     from ..stores import Step
+    from ._events import RequestEnded
     from ._observers import Observers
 
 __all__ = ["Note", "RequestState"]
 
 #: What happened to one leg of the walk: (the leg, how it ended, its wait when skipped).
 Note = tuple["Leg", str, "float | None"]
+#: The notes of a request whose walk skipped and lost no leg: shared, never written to.
+_NO_NOTES: list[Note] = []
 #: The longest attempt summary a detail or a log line carries.
 SUMMARY_MAX = 400
 
@@ -92,7 +94,8 @@ class RequestState:
         self.fallback_model: str | None = None
         self.attempt_budget = route.attempt_budget
         self._leg: Leg = route.legs[0]
-        self._notes: list[Note] = []
+        #: Made at the first note (a walk that skips or loses no leg makes none).
+        self._notes: list[Note] = _NO_NOTES
         self._scope: Deadline | None = None
         self._watch: asyncio.Task[None] | None = None
         self._gone = False
@@ -108,6 +111,12 @@ class RequestState:
         self.attempts = 0
         self._cost = 0.0
         self._tokens = 0
+
+    def _note(self, leg: Leg, what: str, wait_s: float | None) -> None:
+        """Note what happened to `leg` in this walk (`_summary`, `_verdicts.exhausted`)."""
+        if self._notes is _NO_NOTES:
+            self._notes = []
+        self._notes.append((leg, what, wait_s))
 
     def _served(self, leg: Leg, model: str | None) -> None:
         """The request was given `leg`'s answer (`model`: as the provider named it)."""
@@ -139,25 +148,20 @@ class RequestState:
         """The record of the request's end (`Observers.request_ended`); `extra`: more fields
         of its log line."""
         route = self._route
-        return new(
-            RequestEnded,
-            (
-                route,
-                self.trace_id,
-                outcome,
-                status,
-                self._started,
-                self.attempts,
-                self.attempt_budget,
-                self.model,
-                self.fallback_model,
-                self._served_leg,
-                tripped,
-                error,
-                (self._summary(True) or None) if tripped is not None and len(route.legs) > 1 else None,
-                (resumed(self._request) or None) if route.task is not None else None,
-                # The level it was served at: read only for the request's span.
-                self._shared.levels.view.level.value if self._observe.trace is not None else None,
-                extra,
-            ),
+        return (
+            route,
+            self.trace_id,
+            outcome,
+            status,
+            self._started,
+            self.attempts,
+            self.attempt_budget,
+            self.model,
+            self.fallback_model,
+            self._served_leg,
+            tripped,
+            error,
+            (self._summary(True) or None) if tripped is not None and len(route.legs) > 1 else None,
+            (resumed(self._request) or None) if route.task is not None else None,
+            extra,
         )

@@ -145,7 +145,7 @@ def admitted(
 
 
 def skip(state: RequestState, leg: Leg, why: str, wait_s: float | None) -> None:
-    state._notes.append((leg, f"skipped ({why})", wait_s))
+    state._note(leg, f"skipped ({why})", wait_s)
     state._observe.skipped(Skipped(state._route, state.trace_id, leg, why, wait_s))
 
 
@@ -171,7 +171,7 @@ def gave_up(state: RequestState, leg: Leg, call: CallFailed) -> GuardTripped:
     """A leg gave up after its retries: noted, and its verdict. A model that answered, just
     not in the shape asked for (JSON mode), served the request all the same."""
     times = f" x{call.attempts}" if call.attempts > 1 else ""
-    state._notes.append((leg, call.verdict.kind.value + times, None))
+    state._note(leg, call.verdict.kind.value + times, None)
     error = call.error
     if isinstance(error, ProviderError) and error.json_mode_failed:
         state._served(leg, None)
