@@ -14,9 +14,9 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from random import getrandbits
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, TypeAdapter
@@ -128,7 +128,7 @@ class GuardedEndpoint:
         request: Request = kwargs.pop(REQUEST_PARAMETER)
         response: Response = kwargs.pop(RESPONSE_PARAMETER)
         request.scope[_ENTERED] = True
-        started = time.perf_counter()
+        started = perf_counter()
         shared, route = self._shared, self._route
         # With tracing on, the request's span (its trace id is the `x-trace-id`), current
         # while the handler runs; ended with the request's outcome (`Observers.request_ended`).

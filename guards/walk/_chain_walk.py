@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from collections.abc import Awaitable, Callable, Mapping
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import anyio
@@ -127,7 +127,7 @@ async def walk(
                     if observe.trace is not None:
                         call = traced(state, call, leg)
                     made = state.attempts  # the request's calls before this leg's
-                    started = time.perf_counter()
+                    started = perf_counter()
                     try:
                         # The leg's first call, made here; `call_model` only retries a
                         # failure (one coroutine less on every request's path).
@@ -173,7 +173,7 @@ async def walk(
                                     "ok",
                                     result.usage,
                                     result.model or leg.ref.model,
-                                    time.perf_counter() - started,
+                                    perf_counter() - started,
                                     None,
                                     None,
                                     None,

@@ -23,8 +23,8 @@ its `RequestTrace`.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable, Mapping
+from logging import INFO
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._ledger import Attempt, LogLedger
@@ -110,7 +110,7 @@ class Observers:
         ledger = shared.ledger
         # `Guards.ledger_enabled`, inline (every request's path): the default ledger writes log
         # lines, so with INFO off no record is built.
-        if not isinstance(ledger, LogLedger) or logger.isEnabledFor(logging.INFO):
+        if not isinstance(ledger, LogLedger) or logger.isEnabledFor(INFO):
             ledger.record(
                 Attempt(
                     trace_id=trace_id,

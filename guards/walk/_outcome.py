@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-import logging
-import time
+from logging import INFO
+from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
 from .._log import emit, logger
@@ -46,7 +46,7 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         resumed_steps,
         extra,
     ) = event
-    now = time.perf_counter()
+    now = perf_counter()
     elapsed = now - started
     metrics = route.metrics
     metrics.seconds.observe(elapsed)
@@ -67,7 +67,7 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
     if trace is not None:
         # The one place the request span learns its outcome, and the level it was served at.
         trace.finish(outcome, status, tripped, error, attempts, service_level=observers.service_level())
-    if not logger.isEnabledFor(logging.INFO):
+    if not logger.isEnabledFor(INFO):
         return
     emit(
         "request",
