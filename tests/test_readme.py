@@ -34,8 +34,8 @@ from app.settings import Settings
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
 from guards import Envelope, StatusReport
 
+from .app.test_ui_stream import check_ui_stream
 from .conftest import LogLines, no_sleep, wait_until, workers_ai_settings
-from .test_ui_stream import check_ui_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -291,9 +291,9 @@ def without_address(words: list[str]) -> list[str]:
 def test_which_server_commands_are_the_served_ones() -> None:
     """The serving page's four commands are the ones the tests serve the example app with:
     `guards.serve` as in the next block (served above), uvicorn, hypercorn and granian as in
-    tests/test_servers.py (served there, each through the Quick start, a stream left early and
+    tests/e2e/test_servers.py (served there, each through the Quick start, a stream left early and
     an oversized body)."""
-    from .test_servers import SERVERS
+    from .e2e.test_servers import SERVERS
 
     commands = [shlex.split(c, comments=True) for c in shell_commands(block("operating/serving.md", "sh"))]
     served = without_address(shlex.split(block("operating/serving.md", "sh", 1)))
