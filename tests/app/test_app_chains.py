@@ -4,34 +4,27 @@ provider without its credentials."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from app.settings import Settings, SettingsError, load_settings
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Reply
 from guards import ConfigurationError
 
-from ..conftest import no_sleep, workers_ai_settings
+from ..conftest import AppClient, ExampleClient, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
 FALLBACK = "gpt-4o-mini"
 
 
 @pytest.fixture
-def client(
-    fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, serve: Callable[[FastAPI], httpx.Client]
-) -> httpx.Client:
-    settings = workers_ai_settings(
-        fake_workers_ai,
+def client(example_client: ExampleClient, fake_openai: FakeOpenAI) -> httpx.Client:
+    return example_client(
         ai_fallback_models=f" openai:{FALLBACK} , ",
         openai_base_url=fake_openai.base_url,
         openai_api_key=fake_openai.api_key,
     )
-    return serve(create_app(settings, sleep=no_sleep))
 
 
 def test_draft_reply_falls_back_to_the_openai_model(
@@ -87,22 +80,24 @@ def test_an_unknown_provider_prefix_fails_start_up(fake_workers_ai: FakeWorkersA
 
 
 def test_attribution_off_sends_no_model_headers(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    client = serve(create_app(workers_ai_settings(fake_workers_ai, ai_attribution="off"), sleep=no_sleep))
+    client = app_client(
+        create_app(workers_ai_settings(fake_workers_ai, ai_attribution="off"), sleep=no_sleep)
+    )
     response = client.post("/draft-reply", json={"message": "Hello"})
     assert response.status_code == 200
     assert not [name for name in response.headers if name.startswith("x-ai-")]
 
 
-def test_the_app_on_openai_alone(fake_openai: FakeOpenAI, serve: Callable[[FastAPI], httpx.Client]) -> None:
+def test_the_app_on_openai_alone(fake_openai: FakeOpenAI, app_client: AppClient) -> None:
     settings = Settings(
         ai_provider="openai",
         ai_model=FALLBACK,
         openai_base_url=fake_openai.base_url,
         openai_api_key=fake_openai.api_key,
     )
-    client = serve(create_app(settings, sleep=no_sleep))
+    client = app_client(create_app(settings, sleep=no_sleep))
     fake_openai.script(FALLBACK, Reply("Hi there."))
     response = client.post("/draft-reply", json={"message": "Hello"})
     assert response.status_code == 200

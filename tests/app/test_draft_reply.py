@@ -4,27 +4,23 @@ number of calls the provider saw."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from fixtures import Drop, Fail, FakeWorkersAI, Hang, Raw, Reply
 from guards import AI, Guards
 
-from ..conftest import assert_error, no_sleep, workers_ai_settings
+from ..conftest import AppClient, ExampleClient, assert_error, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 @pytest.fixture
-def client(fake_workers_ai: FakeWorkersAI, serve: Serve) -> httpx.Client:
-    app = create_app(workers_ai_settings(fake_workers_ai, retry_after_s=17), sleep=no_sleep)
-    return serve(app)
+def client(example_client: ExampleClient) -> httpx.Client:
+    return example_client(retry_after_s=17)
 
 
 def post(client: httpx.Client, message: Any = "Where is my parcel?") -> httpx.Response:
@@ -190,7 +186,9 @@ def test_1200_characters_of_reply_are_accepted(client: httpx.Client, fake_worker
     assert post(client).status_code == 200
 
 
-def test_handler_crash_is_500_application_failure(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
+def test_handler_crash_is_500_application_failure(
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
+) -> None:
     """The model's answer was fine; the route's own code raised: not the model's fault."""
     app = create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep)
 
@@ -200,7 +198,7 @@ def test_handler_crash_is_500_application_failure(fake_workers_ai: FakeWorkersAI
         reply = await ai.run({"prompt": "hello"})
         return {"words": str(len(reply.split()) / 0)}
 
-    client = serve(app)
+    client = app_client(app)
     response = client.post("/crashing-draft")
     assert_error(response, 500, "application_failure", False)
     assert len(fake_workers_ai.calls) == 1
@@ -224,9 +222,9 @@ def test_transient_code_with_http_200_is_retried(
 
 
 def test_hang_answers_by_the_deadline_and_closes_the_connection(
-    fake_workers_ai: FakeWorkersAI, serve: Serve
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    client = serve(create_app(workers_ai_settings(fake_workers_ai, ai_timeout_s=0.5, retry_after_s=9)))
+    client = app_client(create_app(workers_ai_settings(fake_workers_ai, ai_timeout_s=0.5, retry_after_s=9)))
     fake_workers_ai.script(MODEL, Hang())
     response = post(client)
     assert_error(response, 503, "model_temporarily_unavailable", True)
@@ -260,8 +258,8 @@ def test_html_error_page_from_a_proxy_is_transient(
     assert response.json()["attempts"] == 2
 
 
-def test_bad_token_is_503_model_unavailable(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
-    client = serve(
+def test_bad_token_is_503_model_unavailable(fake_workers_ai: FakeWorkersAI, app_client: AppClient) -> None:
+    client = app_client(
         create_app(workers_ai_settings(fake_workers_ai, cloudflare_api_token="wrong"), sleep=no_sleep)
     )
     assert_error(post(client), 503, "model_unavailable", False)

@@ -3,27 +3,21 @@ contract as `POST /draft-reply` before the first event, the same answer once str
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
-from app.service import create_app
 from fixtures import Drop, Fail, FakeWorkersAI, Hang, ManualClock, Reply, Stream, Text
 
-from ..conftest import no_sleep, workers_ai_settings
+from ..conftest import ExampleClient
 
 MODEL = "@cf/test/model"
 
 
 @pytest.fixture
-def client(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], manual_clock: ManualClock
-) -> httpx.Client:
-    settings = workers_ai_settings(fake_workers_ai, ai_timeout_s=0.5, breaker_failure_threshold=1000)
-    return serve(create_app(settings, sleep=no_sleep, clock=manual_clock))
+def client(example_client: ExampleClient, manual_clock: ManualClock) -> httpx.Client:
+    return example_client(ai_timeout_s=0.5, breaker_failure_threshold=1000, clock=manual_clock)
 
 
 def contract(response: httpx.Response) -> tuple[Any, ...]:

@@ -4,7 +4,6 @@ error type, never an input value, at most 10. Over real HTTP against the example
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,11 +18,10 @@ from app.settings import Settings
 from fixtures import FakeWorkersAI
 from guards import AI, Guards
 
-from ..conftest import LogLines, assert_error, no_sleep, problems, workers_ai_settings
+from ..conftest import AppClient, LogLines, assert_error, no_sleep, problems, workers_ai_settings
 
 CANARY = "CANARY-INPUT-4d1e77"
 MEGABYTE = 1_000_000
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 class Wide(BaseModel):
@@ -37,8 +35,8 @@ def app(fake_workers_ai: FakeWorkersAI) -> FastAPI:
 
 
 @pytest.fixture
-def client(app: FastAPI, serve: Serve) -> httpx.Client:
-    return serve(app)
+def client(app: FastAPI, app_client: AppClient) -> httpx.Client:
+    return app_client(app)
 
 
 DRAFT_CASES = [
@@ -91,7 +89,7 @@ def test_a_body_that_is_not_json_is_json_invalid(client: httpx.Client) -> None:
 
 
 def test_problems_are_bounded_and_logged_without_values(
-    app: FastAPI, serve: Serve, guards_log: LogLines
+    app: FastAPI, app_client: AppClient, guards_log: LogLines
 ) -> None:
     @app.post("/wide")
     @Guards.of(app).route(model="@cf/test/model")
@@ -101,7 +99,7 @@ def test_problems_are_bounded_and_logged_without_values(
     # 40 unknown fields and a wrong one: 41 problems, 10 reported.
     body: dict[str, Any] = {f"extra_{i}": CANARY for i in range(40)}
     body["a"] = CANARY
-    response = serve(app).post("/wide", json=body)
+    response = app_client(app).post("/wide", json=body)
     found = problems(response)
     assert len(found) == 10
     assert found[0] == ("body.a", "int_parsing")

@@ -4,18 +4,18 @@ of provider calls; the daily cap and the breaker with a controllable clock."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, Hang, ManualClock, Reply
 from guards import AI, Budget, Guards, header_key
 
-from ..conftest import assert_error, assert_fallback, no_sleep, workers_ai_settings
+from ..conftest import AppClient, ExampleClient, assert_error, assert_fallback, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
 TEXT = "I was charged twice and need a refund for the second invoice."
@@ -23,18 +23,11 @@ TEXT = "I was charged twice and need a refund for the second invoice."
 FALLBACK = {"label": "billing", "confidence": 0.3}
 #: What the model answers in these tests; once it did, the last good answer to TEXT.
 ANSWER = {"label": "billing", "confidence": 0.9}
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 @pytest.fixture
-def make_client(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, manual_clock: ManualClock
-) -> Callable[..., httpx.Client]:
-    def make(**settings: Any) -> httpx.Client:
-        app = create_app(workers_ai_settings(fake_workers_ai, **settings), clock=manual_clock, sleep=no_sleep)
-        return serve(app)
-
-    return make
+def make_client(example_client: ExampleClient, manual_clock: ManualClock) -> ExampleClient:
+    return functools.partial(example_client, clock=manual_clock)
 
 
 @pytest.fixture
@@ -252,7 +245,7 @@ def test_strict_route_answers_circuit_open_with_retry_after(
 
 
 def test_strict_budget_errors(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, manual_clock: ManualClock
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, manual_clock: ManualClock
 ) -> None:
     """A strict route with a budget answers 429 rate_limited / budget_exceeded with Retry-After."""
     app = create_app(workers_ai_settings(fake_workers_ai), clock=manual_clock, sleep=no_sleep)
@@ -262,7 +255,7 @@ def test_strict_budget_errors(
     async def strict_budget(ai: AI[str]) -> str:
         return await ai.run({"prompt": "hi"})
 
-    client = serve(app)
+    client = app_client(app)
     manual_clock.set(86400 * 20000 + 3600)  # 01:00 UTC
     assert client.post("/strict-budget").status_code == 200
     assert client.post("/strict-budget").status_code == 200

@@ -5,19 +5,17 @@ The same route driven by the SDK itself under Node is `tests/e2e/test_ui_stream_
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from app.settings import Settings
 from fixtures import Fail, FakeBinding, FakeWorkersAI, Reasoning, Stream, Text, ToolArgs, ToolName
 from guards import Reason
 
-from ..conftest import assert_error, no_sleep, problems, workers_ai_settings
+from ..conftest import ExampleClient, Serve, assert_error, no_sleep, problems, workers_ai_settings
 
 #: A stream with reasoning, text and a tool call in two pieces (the SDK tests play it too).
 REASONING_AND_TOOL = Stream(
@@ -33,7 +31,6 @@ REASONING_AND_TOOL = Stream(
 
 MODEL = "@cf/test/model"
 BACKUP = "@cf/test/backup"
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 def chat_body(text: str = "Where is my parcel?") -> dict[str, Any]:
@@ -119,11 +116,11 @@ def text_of(chunks: list[dict[str, Any]], kind: str = "text") -> str:
 
 
 @pytest.fixture
-def client(fake_workers_ai: FakeWorkersAI, serve: Serve) -> httpx.Client:
-    settings = workers_ai_settings(
-        fake_workers_ai, ai_timeout_s=0.5, breaker_failure_threshold=1000, ai_fallback_models=BACKUP
+def client(example_client: ExampleClient) -> httpx.Client:
+    """Served for real: a client here leaves a stream in the middle."""
+    return example_client(
+        ai_timeout_s=0.5, breaker_failure_threshold=1000, ai_fallback_models=BACKUP, socket=True
     )
-    return serve(create_app(settings, sleep=no_sleep))
 
 
 def test_a_full_answer_is_a_ui_message_stream(client: httpx.Client, fake_workers_ai: FakeWorkersAI) -> None:

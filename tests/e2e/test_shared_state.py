@@ -27,7 +27,7 @@ from fixtures.redis_server import RedisServer, free_port
 from guards import AI, Breaker, Budget, Guards, Price, Retry, header_key
 from guards.stores import RedisStore, Store
 
-from ..conftest import no_sleep, workers_ai_settings
+from ..conftest import asgi_client, no_sleep, workers_ai_settings
 
 # Bursts of 200 requests across processes, counted exactly. On a machine another test loads,
 # a store round trip can outlast its bound (Redis: 100 ms; the worker's own busy event loop
@@ -175,8 +175,7 @@ def guarded_app(store: Store, fake: FakeBinding, **route: Any) -> FastAPI:
 
 
 async def concurrent_posts(app: FastAPI, count: int) -> list[dict[str, Any]]:
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+    async with asgi_client(app, timeout=30) as client:
         responses = await asyncio.gather(
             *(client.post("/label", headers={"x-user-id": "u"}) for _ in range(count))
         )

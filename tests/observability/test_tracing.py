@@ -13,13 +13,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -29,7 +28,7 @@ from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
 from app.service import create_app
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
 
-from ..conftest import no_sleep, workers_ai_settings
+from ..conftest import AppClient, ExampleClient, no_sleep, workers_ai_settings
 from ..e2e.test_shared_state import AppProcess, app_process_env
 
 MODEL = "@cf/test/model"
@@ -59,20 +58,14 @@ def provider(spans: InMemorySpanExporter) -> Iterator[TracerProvider]:
 
 
 @pytest.fixture
-def client(
-    fake_workers_ai: FakeWorkersAI,
-    fake_openai: FakeOpenAI,
-    provider: TracerProvider,
-    serve: Callable[[FastAPI], httpx.Client],
-) -> httpx.Client:
-    settings = workers_ai_settings(
-        fake_workers_ai,
+def client(example_client: ExampleClient, fake_openai: FakeOpenAI, provider: TracerProvider) -> httpx.Client:
+    return example_client(
         ai_fallback_models=f"openai:{FALLBACK}",
         openai_base_url=fake_openai.base_url,
         openai_api_key=fake_openai.api_key,
         breaker_failure_threshold=1,
+        tracer_provider=provider,
     )
-    return serve(create_app(settings, sleep=no_sleep, tracer_provider=provider))
 
 
 def hex_id(value: int, width: int) -> str:
@@ -318,7 +311,7 @@ def test_without_a_traceparent_each_request_is_a_trace_of_its_own(
 
 @pytest.mark.parametrize("unrecorded", ["no-op API", "sampled out"])
 def test_a_request_no_span_records_keeps_the_callers_trace_id(
-    unrecorded: str, fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    unrecorded: str, fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
     """With the API's no-op tracer (no SDK set up), or a sampler that drops the request, no
     span is recorded and nothing more is done; x-trace-id still follows the caller's trace."""
@@ -328,7 +321,9 @@ def test_a_request_no_span_records_keeps_the_callers_trace_id(
         provider = TracerProvider(sampler=ALWAYS_OFF)
         provider.add_span_processor(SimpleSpanProcessor(spans))
     fake_workers_ai.default = Reply("Sure.")
-    client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep, tracer_provider=provider))
+    client = app_client(
+        create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep, tracer_provider=provider)
+    )
     joined = client.post("/draft-reply", json={"message": "hi"}, headers={"traceparent": TRACEPARENT})
     assert joined.status_code == 200
     assert joined.headers["x-trace-id"] == CALLER_TRACE

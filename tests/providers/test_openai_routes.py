@@ -20,11 +20,10 @@ from fixtures import Drop, Fail, FakeOpenAI, Hang, Raw, Reply
 from guards import AI, Guards
 from guards.providers import OpenAICompatible
 
-from ..conftest import assert_error, assert_fallback, no_sleep
+from ..conftest import AppClient, assert_error, assert_fallback, no_sleep
 
 MODEL = "gpt-4o-mini"
 SERVED = "gpt-4o-mini-2024-07-18"
-Serve = Callable[[FastAPI], httpx.Client]
 MakeClient = Callable[..., httpx.Client]
 GOOD = {"label": "billing", "confidence": 0.9}
 FALLBACK = {"label": "general", "confidence": 0.1}
@@ -74,9 +73,9 @@ def create_app(server: FakeOpenAI, *, timeout_s: float = 2.0, retry_after_s: flo
 
 
 @pytest.fixture
-def make_client(fake_openai: FakeOpenAI, serve: Serve) -> MakeClient:
+def make_client(fake_openai: FakeOpenAI, app_client: AppClient) -> MakeClient:
     def make(**options: Any) -> httpx.Client:
-        return serve(create_app(fake_openai, **options))
+        return app_client(create_app(fake_openai, **options))
 
     return make
 

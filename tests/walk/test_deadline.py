@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from fixtures import FakeBinding, Hang, Reply
 from guards import AI, Attempt, Guards
 
-from ..conftest import LogLines
+from ..conftest import LogLines, asgi_client
 
 MODEL = "@cf/test/model"
 
@@ -56,10 +56,6 @@ def make_app(fake: FakeBinding, timeout_s: float, ledger: CancelOnRecord | None 
     return app
 
 
-def client_for(app: FastAPI) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
 @pytest.fixture
 def fake() -> FakeBinding:
     return FakeBinding(Reply({"label": "billing"}))
@@ -78,7 +74,7 @@ def test_a_walk_cancelled_from_outside_stays_cancelled(fake: FakeBinding) -> Non
     fake.script(MODEL, Hang())
 
     async def scenario() -> None:
-        async with client_for(make_app(fake, timeout_s=5)) as client:
+        async with asgi_client(make_app(fake, timeout_s=5)) as client:
             request = asyncio.create_task(client.post("/label", json={"text": "hi"}))
             await until_called(fake)
             request.cancel()
@@ -100,7 +96,7 @@ def test_an_outside_cancel_as_the_deadline_fires_is_not_turned_into_a_timeout(
     ledger = CancelOnRecord()
 
     async def scenario() -> None:
-        async with client_for(make_app(fake, timeout_s, ledger)) as client:
+        async with asgi_client(make_app(fake, timeout_s, ledger)) as client:
             request = asyncio.create_task(client.post("/label", json={"text": "hi"}))
             ledger.task = request
             with pytest.raises(asyncio.CancelledError):
@@ -121,7 +117,7 @@ def test_a_deadline_fires_on_time_behind_many_finished_walks(fake: FakeBinding) 
         return [(await client.post("/label", json={"text": "hi"})).status_code for _ in range(count)]
 
     async def scenario() -> tuple[int, float, list[int]]:
-        async with client_for(app) as client:
+        async with asgi_client(app) as client:
             before = await quick(client, 1_000)
             fake.script(MODEL, Hang())
             started = time.monotonic()
@@ -157,7 +153,7 @@ def test_steady_quick_walks_share_a_coarse_timer(fake: FakeBinding) -> None:
     async def scenario() -> tuple[int, int]:
         loop = asyncio.get_running_loop()
         assert isinstance(loop, TimerCountingLoop)
-        async with client_for(app) as client:
+        async with asgi_client(app) as client:
             assert (await client.post("/label", json={"text": "hi"})).status_code == 200
             requests, timers, end = 0, loop.timers, time.monotonic() + 0.6
             while time.monotonic() < end:

@@ -5,6 +5,7 @@ rerouted, and the decision's log line and metric. Across the memory, SQLite and 
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from guards import (
 from guards.providers import WorkersAI
 from guards.stores import Store
 
-from ..conftest import LogLines, no_sleep, workers_ai_settings
+from ..conftest import AppClient, ExampleClient, LogLines, no_sleep, workers_ai_settings
 
 LOCAL = "@cf/test/local"
 CLOUD = "@cf/test/cloud"
@@ -36,7 +37,6 @@ PINNED = "@cf/test/model"
 SIMPLE = "Where is my parcel?"
 COMPLEX = "Why was I charged twice? Can you refund me? And how do I stop it happening again?"
 CANARY = "EFFORT-CANARY-51d2"
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 def prose(chars: int) -> str:
@@ -159,17 +159,10 @@ def test_effort_declaration_errors() -> None:
 
 
 @pytest.fixture
-def make_client(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, store: Store, clock: ManualClock
-) -> Callable[..., httpx.Client]:
-    def make(**settings: Any) -> httpx.Client:
-        values = {"ai_local_model": LOCAL, "ai_cloud_model": CLOUD, **settings}
-        app = create_app(
-            workers_ai_settings(fake_workers_ai, **values), store=store, clock=clock, sleep=no_sleep
-        )
-        return serve(app)
-
-    return make
+def make_client(example_client: ExampleClient, store: Store, clock: ManualClock) -> ExampleClient:
+    return functools.partial(
+        example_client, store=store, clock=clock, ai_local_model=LOCAL, ai_cloud_model=CLOUD
+    )
 
 
 def draft(client: httpx.Client, message: str) -> httpx.Response:
@@ -215,7 +208,11 @@ def test_the_stream_route_routes_by_effort_too(
 
 
 def test_the_cloud_model_may_name_its_provider(
-    fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, serve: Serve, store: Store, clock: ManualClock
+    fake_workers_ai: FakeWorkersAI,
+    fake_openai: FakeOpenAI,
+    app_client: AppClient,
+    store: Store,
+    clock: ManualClock,
 ) -> None:
     settings = workers_ai_settings(
         fake_workers_ai,
@@ -225,7 +222,7 @@ def test_the_cloud_model_may_name_its_provider(
         openai_base_url=fake_openai.base_url,
         openai_api_key=fake_openai.api_key,
     )
-    client = serve(create_app(settings, store=store, clock=clock, sleep=no_sleep))
+    client = app_client(create_app(settings, store=store, clock=clock, sleep=no_sleep))
     fake_openai.script("gpt-4o", Reply("From the cloud.", model="gpt-4o-2024-08-06"))
     response = draft(client, COMPLEX)
     assert response.headers["x-ai-model"] == "gpt-4o-2024-08-06"
@@ -301,10 +298,10 @@ def effort_app(server: FakeWorkersAI, store: Store, effort: Effort, *, pinned: b
 
 @pytest.mark.parametrize("escalate", ["auto", "never"])
 def test_both_directions_with_both_escalation_settings(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, store: Store, escalate: str, guards_log: LogLines
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store, escalate: str, guards_log: LogLines
 ) -> None:
     effort = Effort(simple="local", standard="local", complex="cloud", escalate=escalate)  # type: ignore[arg-type]
-    client = serve(effort_app(fake_workers_ai, store, effort))
+    client = app_client(effort_app(fake_workers_ai, store, effort))
     for message in (SIMPLE, COMPLEX):
         response = client.post("/reply", params={"message": message})
         assert response.status_code == 200, response.text
@@ -321,9 +318,9 @@ def test_both_directions_with_both_escalation_settings(
 
 
 def test_a_trusted_override_skips_the_estimator(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, store: Store, guards_log: LogLines
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store, guards_log: LogLines
 ) -> None:
-    client = serve(
+    client = app_client(
         effort_app(fake_workers_ai, store, Effort(simple="local", standard="local", complex="cloud"))
     )
     assert client.post("/reply", params={"message": SIMPLE, "plan": "premium"}).status_code == 200

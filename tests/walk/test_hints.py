@@ -5,25 +5,22 @@ providers, across the memory, SQLite and Redis stores."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
-from app.service import create_app
 from app.settings import Settings, SettingsError, load_settings
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, ManualClock, Reply
 from guards import ConfigurationError, Guards, ModelRef, Profile, flatten_chain
 from guards.providers import WorkersAI
 from guards.stores import Store
 
-from ..conftest import LogLines, assert_error, no_sleep, workers_ai_settings
+from ..conftest import ExampleClient, LogLines, assert_error
 
 PRIMARY = "@cf/test/model"
 BACKUP = "@cf/test/backup"
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 # --- flattening ------------------------------------------------------------------------------
@@ -82,16 +79,15 @@ def test_bad_hints_fail_start_up(hints: dict[str, str], providers: dict[str, str
 
 @pytest.fixture
 def make_client(
-    fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, serve: Serve, store: Store, clock: ManualClock
-) -> Callable[..., httpx.Client]:
-    def make(**settings: Any) -> httpx.Client:
-        values = {"openai_base_url": fake_openai.base_url, "openai_api_key": fake_openai.api_key, **settings}
-        app = create_app(
-            workers_ai_settings(fake_workers_ai, **values), store=store, clock=clock, sleep=no_sleep
-        )
-        return serve(app)
-
-    return make
+    example_client: ExampleClient, fake_openai: FakeOpenAI, store: Store, clock: ManualClock
+) -> ExampleClient:
+    return functools.partial(
+        example_client,
+        store=store,
+        clock=clock,
+        openai_base_url=fake_openai.base_url,
+        openai_api_key=fake_openai.api_key,
+    )
 
 
 def test_ai_model_names_a_hint_at_another_provider(

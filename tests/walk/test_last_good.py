@@ -6,13 +6,13 @@ label; keys hashed before they reach the store; answers never logged. Time moves
 
 from __future__ import annotations
 
+import functools
 import re
 import sqlite3
 import uuid
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -21,13 +21,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, ManualClock, Reply
 from guards import AI, ConfigurationError, Guards, LastGood
 from guards.providers import WorkersAI
 from guards.stores import RedisStore, SQLiteStore, Store
 
-from ..conftest import LogLines, assert_fallback, no_sleep, workers_ai_settings
+from ..conftest import AppClient, ExampleClient, LogLines, assert_fallback, no_sleep
 
 T0 = 86_400.0 * 20_000 + 3_600
 MODEL = "@cf/test/model"
@@ -35,7 +34,6 @@ TEXT = "I was charged twice and need a refund for the second invoice."
 LABEL_CANARY = "LASTGOOD-CANARY-9b1e"
 ANSWER = {"label": LABEL_CANARY, "confidence": 0.92}
 KEYWORD = {"label": "billing", "confidence": 0.3}
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 @pytest.fixture
@@ -47,16 +45,8 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def make_client(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, store: Store, clock: ManualClock
-) -> Callable[..., httpx.Client]:
-    def make(**settings: Any) -> httpx.Client:
-        app = create_app(
-            workers_ai_settings(fake_workers_ai, **settings), store=store, clock=clock, sleep=no_sleep
-        )
-        return serve(app)
-
-    return make
+def make_client(example_client: ExampleClient, store: Store, clock: ManualClock) -> ExampleClient:
+    return functools.partial(example_client, store=store, clock=clock)
 
 
 def summarize(client: httpx.Client, text: str = TEXT) -> httpx.Response:
@@ -165,7 +155,7 @@ def test_last_good_declaration_errors() -> None:
 
 
 def test_a_response_the_handler_builds_itself_is_not_stored(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, store: Store
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store
 ) -> None:
     guards = Guards(
         WorkersAI(
@@ -187,7 +177,7 @@ def test_a_response_the_handler_builds_itself_is_not_stored(
         answer = await ai.run({"prompt": "Label this."})
         return JSONResponse({"label": answer.label.upper()})  # type: ignore[return-value]
 
-    client = serve(app)
+    client = app_client(app)
     fake_workers_ai.script(MODEL, Reply({"label": "billing"}), Fail(code=5007, status=400))
     assert client.post("/label").json() == {"label": "BILLING"}
     assert client.post("/label").json()["data"] == {"label": "none"}  # nothing was stored

@@ -36,7 +36,7 @@ from fixtures import FakeOpenAI, FakeWorkersAI, Raw, Reply
 from guards import AI, AIResult, Guards, ProviderError
 from guards.providers import OpenAICompatible, SSEParser, WorkersAI, parse_workers_ai_response
 
-from ..conftest import workers_ai_settings
+from ..conftest import asgi_client, workers_ai_settings
 
 MIB = 1 << 20
 #: CPU seconds allowed for 1 MiB. Linear code takes milliseconds to tens of them.
@@ -121,8 +121,7 @@ def answered() -> Callable[[str, str], httpx.Response]:
         return await ai.run({"prompt": "write"})
 
     async def call(path: str) -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with asgi_client(app) as client:
             return await client.post(path)
 
     def answer(path: str, text: str) -> httpx.Response:
@@ -226,8 +225,7 @@ def test_an_answer_with_an_error_per_item_stops_at_the_first(case: tuple[Any, st
     app.post("/items")(guards.route(model=MODEL, fallback=None)(items))
 
     async def call() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with asgi_client(app) as client:
             return await client.post("/items")
 
     binding.answer = valid
@@ -312,8 +310,7 @@ def test_trace_ids_and_header_keys_are_linear() -> None:
     headers = {"x-trace-id": "a" * MIB, "x-user-id": "b" * MIB}
 
     async def call() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with asgi_client(app) as client:
             return await client.post("/summary", json={"text": "refund please"}, headers=headers)
 
     responses: list[httpx.Response] = []

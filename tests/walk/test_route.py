@@ -27,6 +27,8 @@ from guards import (
     Throttled,
 )
 
+from ..conftest import asgi_client
+
 MODEL = "@cf/test/model"
 
 
@@ -61,7 +63,7 @@ def app(guards: Guards) -> FastAPI:
 
 @pytest.fixture
 async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+    async with asgi_client(app) as client:
         yield client
 
 
@@ -317,7 +319,7 @@ async def test_retry_waits_with_the_injected_sleep_and_respects_the_deadline(fak
     async def tight(ai: AI[str]) -> str:
         return await ai.run({"prompt": "x"})
 
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+    async with asgi_client(app) as client:
         fake_ai.script(MODEL, Fail(code=3040, status=429), Fail(code=3040, status=429), Reply("third"))
         assert (await client.post("/roomy")).json() == "third"
         assert len(delays) == 2
@@ -348,9 +350,7 @@ def test_use_fake_ai_swaps_the_binding_of_the_example_app(use_fake_ai: Any) -> N
     fake.script("*", Reply("From the fake."))
 
     async def scenario() -> httpx.Response:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://test"
-        ) as client:
+        async with asgi_client(app) as client:
             return await client.post("/draft-reply", json={"message": "hi"})
 
     assert anyio.run(scenario).json()["reply"] == "From the fake."
@@ -370,7 +370,7 @@ async def test_throttled_binding_waits_for_capacity_within_the_deadline(fake_ai:
     async def paced(ai: AI[str]) -> str:
         return await ai.run({"prompt": "x"})
 
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+    async with asgi_client(app) as client:
         answers = [(await client.post("/paced")).json() for _ in range(3)]
     assert [a["fallback"] for a in answers[:2]] == [None, None]
     assert answers[2]["fallback"]["reason"] == "timeout"
@@ -394,7 +394,7 @@ async def test_a_binding_may_flag_moderation_itself(app: FastAPI, guards: Guards
     async def filtered(ai: AI[str]) -> str:
         return await ai.run({"prompt": "x"})
 
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+    async with asgi_client(app) as client:
         response = await client.post("/filtered")
     assert response.status_code == 502
     assert response.json()["error"] == "incompatible_model_response"
@@ -472,6 +472,7 @@ from pydantic import BaseModel
 
 from fixtures import FakeBinding
 from guards import AI, Guards
+
 
 
 class Ask(BaseModel):

@@ -34,7 +34,7 @@ from fixtures import (
 from guards import AI, Attempt, Breaker, EventStream, Guards
 from guards.providers import OpenAICompatible, WorkersAI
 
-from ..conftest import LogLines, no_sleep, wait_until
+from ..conftest import AppClient, LogLines, no_sleep, wait_until
 
 PRIMARY = "@cf/test/model"
 FALLBACK = "gpt-4o-mini"
@@ -98,11 +98,11 @@ Post = Callable[..., Events]
 def client(
     fake_workers_ai: FakeWorkersAI,
     fake_openai: FakeOpenAI,
-    serve: Callable[[FastAPI], httpx.Client],
+    app_client: AppClient,
     ledger: Recorder,
 ) -> httpx.Client:
-    """A client of a served app whose `POST /stream` streams Workers AI first, then the OpenAI
-    model."""
+    """A client of a served app (a socket: clients here leave streams) whose `POST /stream`
+    streams Workers AI first, then the OpenAI model."""
     guards = Guards(
         WorkersAI(
             account_id=fake_workers_ai.account_id,
@@ -128,7 +128,7 @@ def client(
     async def stream(body: Ask, ai: AI[str]) -> EventStream:
         return await ai.stream({"messages": [{"role": "user", "content": body.message}]})
 
-    return serve(app)
+    return app_client(app, socket=True)
 
 
 @pytest.fixture
