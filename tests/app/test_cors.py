@@ -1,24 +1,20 @@
 """Browsers may call the example app when the operator allows their origin
 (`CORS_ALLOW_ORIGINS`): the preflight a page's `fetch` sends, then the streamed answer with the
-headers the page may read. Nothing changes by default. Over real HTTP."""
+headers the page may read. Nothing changes by default."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from app.settings import Settings, SettingsError, load_settings
 from fixtures import FakeWorkersAI, Stream, Text
 
-from ..conftest import no_sleep, workers_ai_settings
+from ..conftest import AppClient, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
 PAGE = "https://support.example.com"
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 def preflight(client: httpx.Client, origin: str, path: str = "/draft-reply/stream") -> httpx.Response:
@@ -35,12 +31,12 @@ def preflight(client: httpx.Client, origin: str, path: str = "/draft-reply/strea
 
 
 def test_allowed_origin_can_stream_from_a_page(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, monkeypatch: pytest.MonkeyPatch
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CORS_ALLOW_ORIGINS", f"{PAGE}, https://admin.example.com")
     settings = load_settings()
     settings = workers_ai_settings(fake_workers_ai, cors_allow_origins=settings.cors_allow_origins)
-    client = serve(create_app(settings, sleep=no_sleep))
+    client = app_client(create_app(settings, sleep=no_sleep))
 
     allowed = preflight(client, PAGE)
     assert allowed.status_code == 200
@@ -68,9 +64,9 @@ def test_allowed_origin_can_stream_from_a_page(
     assert "access-control-allow-origin" not in refused.headers
 
 
-def test_no_cors_by_default(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
+def test_no_cors_by_default(fake_workers_ai: FakeWorkersAI, app_client: AppClient) -> None:
     assert Settings().cors_allow_origins == ""
-    client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
+    client = app_client(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
     assert "access-control-allow-origin" not in preflight(client, PAGE).headers
     answer = client.post("/draft-reply", json={"message": "Hi"}, headers={"origin": PAGE})
     assert answer.status_code == 200

@@ -1,5 +1,5 @@
-"""The strict matrix: `POST /draft-reply` of the example service, served by uvicorn, calling the
-fake Workers AI server over real HTTP. Each case checks the status, the whole body and the
+"""The strict matrix: `POST /draft-reply` of the example service, in process (ASGI), calling
+the fake Workers AI server over real HTTP. Each case checks the status, the whole body and the
 number of calls the provider saw."""
 
 from __future__ import annotations

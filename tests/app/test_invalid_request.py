@@ -1,5 +1,5 @@
 """A 400 says what to fix, not what was sent: `problems` lists each field path and the pydantic
-error type, never an input value, at most 10. Over real HTTP against the example app."""
+error type, never an input value, at most 10. Against the example app."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The degrading matrix: `POST /summary` of the example service, served by uvicorn, calling the
+"""The degrading matrix: `POST /summary` of the example service, in process (ASGI), calling the
 fake Workers AI server over real HTTP. Every envelope reason, with the whole body and the number
 of provider calls; the daily cap and the breaker with a controllable clock."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +25,13 @@ from fixtures import FakeBinding, FakeWorkersAI, Reply
 from guards import AI, ConfigurationError, Guards
 from guards.providers import WorkersAI
 
-from ..conftest import LogLines, assert_error, no_sleep, workers_ai_settings
+from ..conftest import LogLines, Serve, assert_error, no_sleep, workers_ai_settings
 from .test_shared_state import AppProcess, app_process_env
 
 MiB = 1 << 20
 #: How long a client waits for an answer before the test gives up on it.
 ANSWER_LIMIT_S = 30.0
 PREFIX, SUFFIX = b'{"message": "', b'"}'
-
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 def json_body(size: int, piece: int = 64 * 1024) -> Iterator[bytes]:

@@ -27,7 +27,7 @@ from fixtures.redis_server import RedisServer, free_port
 from guards import AI, Breaker, Budget, Guards, Price, Retry, header_key
 from guards.stores import RedisStore, Store
 
-from ..conftest import asgi_client, no_sleep, workers_ai_settings
+from ..conftest import Serve, asgi_client, no_sleep, workers_ai_settings
 
 # Bursts of 200 requests across processes, counted exactly. On a machine another test loads,
 # a store round trip can outlast its bound (Redis: 100 ms; the worker's own busy event loop
@@ -278,7 +278,7 @@ def own_redis() -> Iterator[RedisServer]:
 def test_redis_stopped_mid_traffic_follows_the_failure_mode(
     own_redis: RedisServer,
     fake_workers_ai: FakeWorkersAI,
-    serve: Callable[[FastAPI], httpx.Client],
+    serve: Serve,
     mode: str,
 ) -> None:
     fake_workers_ai.default = Reply({"label": "billing", "confidence": 0.9})

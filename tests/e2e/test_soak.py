@@ -11,12 +11,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from bench.soak import (
@@ -35,9 +32,8 @@ from bench.soak_provider import FAILURES, call_of, shapes, success
 from fixtures import FakeWorkersAI
 from fixtures.script import Outcome
 
-from ..conftest import no_sleep, workers_ai_settings
+from ..conftest import Serve, no_sleep, workers_ai_settings
 
-Serve = Callable[[FastAPI], httpx.Client]
 KINDS = {SUMMARY: "summary", DRAFT: "draft", STREAM: "stream"}
 TIMEOUT_S = 1.0
 

@@ -1,6 +1,6 @@
 """What the logs tell an operator: credentials a provider rejects are named as such (not as an
 outage), each failed attempt carries the provider's status and code, an application failure
-logs where it happened. Over real HTTP against the fake providers."""
+logs where it happened. Against the fake providers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,20 @@ from app.service import create_app
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, ManualClock, Reply
 from guards import AI, Guards
 
-from ..conftest import LogLines, assert_error, capture_guards_log, no_sleep, wait_until, workers_ai_settings
+from ..conftest import (
+    AppClient,
+    LogLines,
+    assert_error,
+    capture_guards_log,
+    no_sleep,
+    wait_until,
+    workers_ai_settings,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = "@cf/test/model"
 CANARY = "CANARY-MESSAGE-0b7e52"
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 class Records(LogLines):
@@ -67,10 +74,10 @@ def warnings(records: Records, event: str) -> list[dict[str, Any]]:
 
 
 def test_a_rejected_token_is_logged_once_per_model_and_minute(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, records: Records, manual_clock: ManualClock
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, records: Records, manual_clock: ManualClock
 ) -> None:
     settings = workers_ai_settings(fake_workers_ai, cloudflare_api_token="wrong-token")
-    client = serve(create_app(settings, sleep=no_sleep, clock=manual_clock))
+    client = app_client(create_app(settings, sleep=no_sleep, clock=manual_clock))
     for _ in range(3):
         assert_error(draft(client), 503, "model_unavailable", False)
     assert warnings(records, "provider_rejected_credentials") == [
@@ -82,9 +89,9 @@ def test_a_rejected_token_is_logged_once_per_model_and_minute(
 
 
 def test_a_403_is_a_rejected_credential_too(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, records: Records
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, records: Records
 ) -> None:
-    client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
+    client = app_client(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
     fake_workers_ai.script(MODEL, Fail(code=3023, status=403, message=CANARY))
     assert_error(draft(client), 502, "model_incompatible", False)
     [warning] = warnings(records, "provider_rejected_credentials")
@@ -93,7 +100,7 @@ def test_a_403_is_a_rejected_credential_too(
 
 
 def test_each_model_of_a_chain_is_named(
-    serve: Serve, records: Records, fake_workers_ai: FakeWorkersAI
+    app_client: AppClient, records: Records, fake_workers_ai: FakeWorkersAI
 ) -> None:
     with FakeOpenAI(api_key="the-right-key") as openai:
         settings = workers_ai_settings(
@@ -103,7 +110,7 @@ def test_each_model_of_a_chain_is_named(
             openai_base_url=openai.base_url,
             openai_api_key="a-wrong-key",
         )
-        client = serve(create_app(settings, sleep=no_sleep))
+        client = app_client(create_app(settings, sleep=no_sleep))
         draft(client)
         draft(client)
     logged = warnings(records, "provider_rejected_credentials")
@@ -111,9 +118,9 @@ def test_each_model_of_a_chain_is_named(
 
 
 def test_failed_attempts_carry_the_provider_status_and_code(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, records: Records
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, records: Records
 ) -> None:
-    client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
+    client = app_client(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
     fake_workers_ai.script(MODEL, Fail(code=3040, status=429, message=CANARY), Reply("Fine."))
     assert draft(client).status_code == 200
     failed, ok = records.events("attempt")
@@ -127,7 +134,7 @@ def test_failed_attempts_carry_the_provider_status_and_code(
 
 
 def test_an_application_failure_logs_its_frames_not_its_message(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, records: Records
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, records: Records
 ) -> None:
     app = create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep)
 
@@ -140,7 +147,7 @@ def test_an_application_failure_logs_its_frames_not_its_message(
         secret = CANARY  # a local value: never logged
         return count_words(await ai.run({"prompt": "hello"}), secret)
 
-    assert_error(serve(app).post("/crashing"), 500, "application_failure", False)
+    assert_error(app_client(app).post("/crashing"), 500, "application_failure", False)
     [failure] = records.at_level("application_failure", logging.ERROR)
     assert failure["route"] == "crashing"
     assert failure["exc_type"] == "ValueError"
@@ -151,7 +158,7 @@ def test_an_application_failure_logs_its_frames_not_its_message(
     assert CANARY not in "".join(records.lines)
 
 
-def test_frames_are_bounded(fake_workers_ai: FakeWorkersAI, serve: Serve, records: Records) -> None:
+def test_frames_are_bounded(fake_workers_ai: FakeWorkersAI, app_client: AppClient, records: Records) -> None:
     app = create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep)
 
     def deep(n: int) -> int:
@@ -163,7 +170,7 @@ def test_frames_are_bounded(fake_workers_ai: FakeWorkersAI, serve: Serve, record
         await ai.run({"prompt": "hello"})
         return deep(200)
 
-    assert_error(serve(app).post("/deep"), 500, "application_failure", False)
+    assert_error(app_client(app).post("/deep"), 500, "application_failure", False)
     [failure] = records.events("application_failure")
     assert len(failure["frames"]) == 20
     assert failure["frames_omitted"] > 180
@@ -243,7 +250,7 @@ def test_an_app_without_logging_config_shows_request_lines_and_failures(
 
 
 def test_an_app_with_its_own_handler_gets_each_line_once(
-    caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str], serve: Serve
+    caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str], app_client: AppClient
 ) -> None:
     app = FastAPI()
     guards = Guards(FakeBinding())
@@ -265,7 +272,7 @@ def test_an_app_with_its_own_handler_gets_each_line_once(
     caplog.set_level(logging.INFO, logger="guards")
     logging.setLogRecordFactory(tagged)
     try:
-        assert serve(app).post("/hello").status_code == 200
+        assert app_client(app).post("/hello").status_code == 200
     finally:
         logging.setLogRecordFactory(factory)
     assert [json.loads(r.getMessage())["event"] for r in caplog.records] == ["attempt", "request"]

@@ -1,4 +1,4 @@
-"""Prometheus metrics: exact counts per label set through real HTTP, in one process and across
+"""Prometheus metrics: exact counts per label set through HTTP requests, in one process and across
 uvicorn worker processes (multiprocess mode), labels free of user data, and alert rules that
 name only metrics and labels guards exports.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from guards import AI, CircuitState, GuardName, Guards, Kind, Price, Reason, Ret
 from guards.providers import WorkersAI
 from guards.stores import MemoryStore
 
-from ..conftest import no_sleep, wait_until, workers_ai_settings
+from ..conftest import AppClient, no_sleep, wait_until, workers_ai_settings
 from ..e2e.test_shared_state import MODEL, AppProcess, app_process_env, burst
 
 ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
@@ -109,13 +109,11 @@ def assert_no_user_data(text: str, *secrets: str) -> None:
             assert "code=" not in value
 
 
-# --- one process, through uvicorn -------------------------------------------------------------
+# --- one process, in process through ASGI ----------------------------------------------------
 
 
-def test_counts_per_label_set_are_exact(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
-    client = serve(create_app(workers_ai_settings(fake_workers_ai, daily_call_limit=3), sleep=no_sleep))
+def test_counts_per_label_set_are_exact(fake_workers_ai: FakeWorkersAI, app_client: AppClient) -> None:
+    client = app_client(create_app(workers_ai_settings(fake_workers_ai, daily_call_limit=3), sleep=no_sleep))
     user = {"x-user-id": f"{CANARY}-user"}
     before = scrape(client)
 
@@ -228,9 +226,9 @@ def priced_chain_app(fake: FakeWorkersAI) -> FastAPI:
 
 
 def test_tokens_cost_and_the_chain_position_that_answered(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    client = serve(priced_chain_app(fake_workers_ai))
+    client = app_client(priced_chain_app(fake_workers_ai))
     before = parse(scrape(client))
     usage = {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}
     fake_workers_ai.script(MODEL, Reply("first", usage=usage), INCOMPATIBLE, Reply("first", usage=usage))
@@ -262,11 +260,11 @@ def test_tokens_cost_and_the_chain_position_that_answered(
 
 
 def test_breaker_transitions_are_counted_once_each(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
     clock = ManualClock()
     settings = workers_ai_settings(fake_workers_ai, breaker_failure_threshold=2, breaker_reset_s=30)
-    client = serve(create_app(settings, store=MemoryStore(clock=clock), sleep=no_sleep))
+    client = app_client(create_app(settings, store=MemoryStore(clock=clock), sleep=no_sleep))
     before = parse(scrape(client))
 
     def draft() -> int:
@@ -565,9 +563,9 @@ def assert_labels_exported(
 
 
 def test_alert_rules_use_only_what_guards_exports(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
+    client = app_client(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
     text = scrape(client)
     exported = exported_series(text)
     assert set(label_names()) == exported

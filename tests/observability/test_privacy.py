@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from app.settings import Settings, SettingsError, load_settings
 from fixtures import Drop, Fail, FakeOpenAI, FakeWorkersAI, Hang, ManualClock, Raw, Reply, Stream, Text
 
-from ..conftest import LogLines, no_sleep, workers_ai_settings
+from ..conftest import AppClient, LogLines, no_sleep, workers_ai_settings
 
 TOKEN = "CANARY-TOKEN-7f3a9e"
 USER = "CANARY-USER-91b2c4"
@@ -83,7 +82,7 @@ def canary_server() -> Iterator[FakeWorkersAI]:
 
 def test_canaries_never_leak(
     canary_server: FakeWorkersAI,
-    serve: Callable[[FastAPI], httpx.Client],
+    app_client: AppClient,
     all_logs: LogLines,
     manual_clock: ManualClock,
 ) -> None:
@@ -95,7 +94,7 @@ def test_canaries_never_leak(
         sleep=no_sleep,
         clock=clock,
     )
-    client = serve(app)
+    client = app_client(app)
     seen: list[str] = []
 
     def record(response: httpx.Response, *, reply_allowed: bool = False) -> None:
@@ -155,7 +154,7 @@ HOSTILE_NAME = "gpt-\x1b[31m\u2028\n\r\t" + "x" * 300 + PROVIDER + "y" * 900_000
 
 
 @pytest.fixture
-def openai_client(serve: Callable[[FastAPI], httpx.Client], fake_openai: FakeOpenAI) -> httpx.Client:
+def openai_client(app_client: AppClient, fake_openai: FakeOpenAI) -> httpx.Client:
     settings = Settings(
         ai_provider="openai",
         openai_base_url=fake_openai.base_url,
@@ -163,7 +162,7 @@ def openai_client(serve: Callable[[FastAPI], httpx.Client], fake_openai: FakeOpe
         ai_model="gpt-4o-mini",
         breaker_failure_threshold=1000,
     )
-    return serve(create_app(settings, sleep=no_sleep))
+    return app_client(create_app(settings, sleep=no_sleep))
 
 
 def assert_bounded_identifier(value: str) -> None:

@@ -1,5 +1,5 @@
-"""OpenTelemetry traces (GenAI semantic conventions) of the example app under uvicorn, through
-real HTTP against the fake providers, collected by the SDK's in-memory exporter: the tree of
+"""OpenTelemetry traces (GenAI semantic conventions) of the example app in process (ASGI), against
+the fake providers over real HTTP, collected by the SDK's in-memory exporter: the tree of
 a fallback chain with a retry, attributes, statuses, skipped models, streams, the caller's
 `traceparent`, `x-trace-id`; no prompt or answer in any span; and, with tracing off, nothing
 of OpenTelemetry imported at all.

@@ -22,7 +22,6 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from app.settings import Settings
@@ -30,7 +29,7 @@ from fixtures import FakeOpenAI, FakeWorkersAI, Raw, Reply, Stream, Text
 from guards import ProviderError, classify
 from guards.providers import OpenAICompatible, WorkersAI
 
-from ..conftest import assert_error, no_sleep, workers_ai_settings
+from ..conftest import Serve, assert_error, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
 MIB = 1 << 20
@@ -111,7 +110,7 @@ def while_health_is_served(url: str, request: Callable[[], httpx.Response]) -> t
 @pytest.mark.parametrize("encoding", BOMBS)
 @pytest.mark.parametrize("path", ["/draft-reply", "/draft-reply/stream"])
 def test_a_compressed_answer_is_refused_unread(
-    provider: Provider, serve: Callable[[FastAPI], httpx.Client], encoding: str, path: str
+    provider: Provider, serve: Serve, encoding: str, path: str
 ) -> None:
     """A bomb on `run` (JSON) and on `stream` (an event stream): 503 `model_unavailable` at
     once, one call, the worker's memory bounded, `/health` served throughout."""
@@ -136,9 +135,7 @@ def test_a_compressed_answer_is_refused_unread(
     assert len(provider.calls) == 1  # model_unavailable is not retried
 
 
-def test_a_degrading_route_answers_its_fallback(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
+def test_a_degrading_route_answers_its_fallback(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
     fake_workers_ai.default = bomb("gzip, gzip", "application/json")
     client = serve(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
     response, elapsed = while_health_is_served(

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from app.settings import Settings
@@ -19,7 +17,7 @@ from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Refusal, Reply, Stream, Te
 from guards import StreamEnd, TextDelta, ToolCallDelta
 from guards.providers import OpenAICompatible, WorkersAI
 
-from ..conftest import assert_error, assert_fallback, run_binding_once
+from ..conftest import AppClient, assert_error, assert_fallback, run_binding_once
 
 OPENAI_MODEL = "gpt-4o-mini"
 WORKERS_MODEL = "@cf/meta/llama-3.3-70b-instruct-fp8-fast"
@@ -138,7 +136,7 @@ def test_a_streamed_refusal_ends_as_filtered(fake_openai: FakeOpenAI) -> None:
 
 
 @pytest.fixture
-def openai_app(fake_openai: FakeOpenAI, serve: Callable[[FastAPI], httpx.Client]) -> httpx.Client:
+def openai_app(fake_openai: FakeOpenAI, app_client: AppClient) -> httpx.Client:
     settings = Settings(
         ai_provider="openai",
         openai_base_url=fake_openai.base_url,
@@ -146,7 +144,7 @@ def openai_app(fake_openai: FakeOpenAI, serve: Callable[[FastAPI], httpx.Client]
         ai_model=OPENAI_MODEL,
         breaker_failure_threshold=1000,
     )
-    return serve(create_app(settings))
+    return app_client(create_app(settings))
 
 
 def test_a_refusal_over_http_is_moderation_blocked(openai_app: httpx.Client, fake_openai: FakeOpenAI) -> None:

@@ -12,7 +12,6 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from fixtures import FakeOpenAI, FakeWorkersAI, Hang, Raw, Reply
@@ -20,7 +19,7 @@ from fixtures.script import openai_wire, workers_ai_wire
 from guards import AIResult, Binding, Kind, ProviderError, classify
 from guards.providers import OpenAICompatible, WorkersAI
 
-from ..conftest import assert_error, workers_ai_settings
+from ..conftest import AppClient, assert_error, workers_ai_settings
 
 INPUTS: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hello."}]}
 
@@ -178,9 +177,9 @@ def test_a_redirect_is_a_failure_never_followed(
 
 
 def test_a_redirect_over_http_is_model_unavailable(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    client = serve(create_app(workers_ai_settings(fake_workers_ai, ai_model="@cf/m")))
+    client = app_client(create_app(workers_ai_settings(fake_workers_ai, ai_model="@cf/m")))
     provider = Provider(fake_workers_ai, "@cf/m", lambda **_: WorkersAI(account_id="a", api_token="t"))
     for path in ("/draft-reply", "/draft-reply/stream"):
         fake_workers_ai.reset()

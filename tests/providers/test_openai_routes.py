@@ -1,5 +1,5 @@
 """The key strict and degrading outcomes with `OpenAICompatible` as the binding: a small app
-served by uvicorn, calling the fake OpenAI-compatible server over real HTTP. Each case checks
+in process (ASGI), calling the fake OpenAI-compatible server over real HTTP. Each case checks
 the status, the whole body and the number of calls the provider saw.
 
 Only single-model behaviour: what a route does for each provider outcome when it has one model.

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import httpx
-from fastapi import FastAPI
 
 from app.service import create_app
 from fixtures import FakeWorkersAI
 
-from ..conftest import no_sleep, workers_ai_settings
+from ..conftest import AppClient, no_sleep, workers_ai_settings
 from ..observability.test_metrics import (
     assert_labels_exported,
     exported_series,
@@ -102,9 +98,9 @@ def test_the_dashboard_is_a_valid_grafana_model() -> None:
 
 
 def test_every_query_names_only_what_guards_exports(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    text = scrape(serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep)))
+    text = scrape(app_client(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep)))
     labels_of = with_pending(label_names())  # guards_service_level: issue 14's, see PENDING
     assert exported_series(text) <= set(labels_of)
     values_of = label_values(text)

@@ -1,10 +1,11 @@
-"""The status page over real HTTP: the example app under uvicorn, against the fake Workers AI
-server. Content negotiation (JSON for machines, HTML for browsers, 406 for neither), the JSON
-shape (the OpenAPI schema's), the operator token (401 with `WWW-Authenticate: Bearer` without it
-or with a wrong one, 200 with it; a browser gets the page that asks for it), each model's breaker,
-cooldown and last failure kind after real failures, shared across two workers on one store, the
-per-route rates, today's spend against the spend caps on an app with prices, and canaries: no
-budget key, user id, prompt, answer, provider message or the token itself, in JSON or HTML."""
+"""The status page of the example app (in process through ASGI; two worker processes where they
+share a store), against the fake Workers AI server. Content negotiation (JSON for machines, HTML
+for browsers, 406 for neither), the JSON shape (the OpenAPI schema's), the operator token (401 with
+`WWW-Authenticate: Bearer` without it or with a wrong one, 200 with it; a browser gets the page
+that asks for it), each model's breaker, cooldown and last failure kind after real failures, shared
+across two workers on one store, the per-route rates, today's spend against the spend caps on an
+app with prices, and canaries: no budget key, user id, prompt, answer, provider message or the
+token itself, in JSON or HTML."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import hashlib
 import json
 import re
 import socket
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from fixtures import Fail, FakeBinding, FakeWorkersAI, Reply
 from guards import AI, Breaker, Budget, ConfigurationError, Guards, Price, bearer_token
 from guards.stores import MemoryStore, RedisStore, SQLiteStore
 
-from ..conftest import LogLines, no_sleep, wait_until, workers_ai_settings
+from ..conftest import AppClient, LogLines, no_sleep, wait_until, workers_ai_settings
 from ..e2e.served import ServedApp
 from ..e2e.test_shared_state import app_process_env
 
@@ -96,9 +96,9 @@ def draft(client: httpx.Client, message: str = "Where is my parcel?", **headers:
     ],
 )
 def test_without_the_token_the_page_answers_401(
-    authorization: str | None, fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    authorization: str | None, fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    client = serve(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
+    client = app_client(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
     headers = {} if authorization is None else {"authorization": authorization}
     for accept in ("application/json", None):
         answer = client.get("/status", headers={**headers, **({"accept": accept} if accept else {})})
@@ -118,10 +118,8 @@ def test_without_the_token_the_page_answers_401(
     assert refused == (authorization is not None and authorization.startswith("Bearer "))
 
 
-def test_with_the_token_the_page_answers(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
-    client = serve(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
+def test_with_the_token_the_page_answers(fake_workers_ai: FakeWorkersAI, app_client: AppClient) -> None:
+    client = app_client(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
     assert client.get("/status", headers=AUTH).status_code == 200
     # Other routes never ask for it.
     assert client.get("/health").status_code == 200
@@ -129,9 +127,9 @@ def test_with_the_token_the_page_answers(
 
 
 def test_without_a_status_token_the_page_is_open(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    client = serve(create_app(settings_for(fake_workers_ai, status_token=""), sleep=no_sleep))
+    client = app_client(create_app(settings_for(fake_workers_ai, status_token=""), sleep=no_sleep))
     answer = client.get("/status")
     assert answer.status_code == 200
     assert answer.json()["level"] == "full"
@@ -187,9 +185,9 @@ def test_the_answer_follows_accept(
     accept: str | None,
     answer: str | int,
     fake_workers_ai: FakeWorkersAI,
-    serve: Callable[[FastAPI], httpx.Client],
+    app_client: AppClient,
 ) -> None:
-    client = serve(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
+    client = app_client(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
     headers = {**AUTH, **({"accept": accept} if accept is not None else {})}
     if accept is None:
         headers["accept"] = ""  # httpx sends */* unless told otherwise; an empty header: none
@@ -209,10 +207,8 @@ def test_the_answer_follows_accept(
         assert got.text.startswith("<!doctype html>")
 
 
-def test_the_html_is_one_self_contained_page(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
-    client = serve(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
+def test_the_html_is_one_self_contained_page(fake_workers_ai: FakeWorkersAI, app_client: AppClient) -> None:
+    client = app_client(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
     page = client.get("/status", headers=HTML)
     text = page.text
     assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in text
@@ -235,11 +231,9 @@ def test_the_html_is_one_self_contained_page(
 # --- what it shows ------------------------------------------------------------------------------
 
 
-def test_the_json_has_the_documented_shape(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
+def test_the_json_has_the_documented_shape(fake_workers_ai: FakeWorkersAI, app_client: AppClient) -> None:
     app = create_app(settings_for(fake_workers_ai), sleep=no_sleep)
-    client = serve(app)
+    client = app_client(app)
     report = status(client)
     assert set(report) == {"level", "time", "store", "refresh_s", "models", "routes", "recent", "today"}
     assert report["level"] == "full"
@@ -296,9 +290,9 @@ def test_the_json_has_the_documented_shape(
 
 
 def test_a_failing_model_shows_its_open_breaker_cooldown_and_last_failure_kind(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    client = serve(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
+    client = app_client(create_app(settings_for(fake_workers_ai), sleep=no_sleep))
     fake_workers_ai.default = Reply("Thank you for your message.")
     # A is down for good: the first request falls back to B, and A's breaker opens.
     fake_workers_ai.script(A, *[DOWN] * 10)
@@ -336,9 +330,9 @@ def test_a_failing_model_shows_its_open_breaker_cooldown_and_last_failure_kind(
 
 
 def test_the_degrading_route_shows_its_fallbacks(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    client = serve(create_app(settings_for(fake_workers_ai, ai_fallback_models=""), sleep=no_sleep))
+    client = app_client(create_app(settings_for(fake_workers_ai, ai_fallback_models=""), sleep=no_sleep))
     fake_workers_ai.script(A, *[DOWN] * 10)
     answer = client.post("/summary", json={"text": "refund please"}, headers={"x-user-id": "ada"})
     assert answer.json()["fallback"] is not None
@@ -349,11 +343,11 @@ def test_the_degrading_route_shows_its_fallbacks(
 
 
 def test_two_workers_on_one_store_show_the_same_breakers(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], tmp_path: Path
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, tmp_path: Path
 ) -> None:
     settings = settings_for(fake_workers_ai)
     first, second = (
-        serve(create_app(settings, sleep=no_sleep, store=SQLiteStore(tmp_path / "guards.db")))
+        app_client(create_app(settings, sleep=no_sleep, store=SQLiteStore(tmp_path / "guards.db")))
         for _ in range(2)
     )
     fake_workers_ai.default = Reply("Thank you for your message.")
@@ -367,9 +361,7 @@ def test_two_workers_on_one_store_show_the_same_breakers(
         assert status(worker)["level"] == "degraded"
 
 
-def test_spend_today_and_the_caps_of_an_app_with_prices(
-    fake_ai: FakeBinding, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
+def test_spend_today_and_the_caps_of_an_app_with_prices(fake_ai: FakeBinding, app_client: AppClient) -> None:
     guards = Guards(
         fake_ai,
         store=MemoryStore(),
@@ -386,7 +378,7 @@ def test_spend_today_and_the_caps_of_an_app_with_prices(
     async def ask(ai: AI[str]) -> str:
         return await ai.run({"prompt": "hello"})
 
-    client = serve(app)
+    client = app_client(app)
     fake_ai.default = Reply("hi", usage={"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110})
     for _ in range(3):
         assert client.post("/ask").status_code == 200
@@ -417,9 +409,9 @@ KEY = "CANARY-KEY-a1b2c3"
 
 
 def test_the_page_never_shows_a_key_a_user_a_prompt_an_answer_a_provider_message_or_the_token(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
-    client = serve(create_app(settings_for(fake_workers_ai, daily_call_limit=1000), sleep=no_sleep))
+    client = app_client(create_app(settings_for(fake_workers_ai, daily_call_limit=1000), sleep=no_sleep))
     fake_workers_ai.default = Reply(f"{REPLY} thanks")
     fake_workers_ai.script(
         A,
@@ -498,14 +490,14 @@ def test_every_worker_shows_the_totals_of_all_in_multiprocess_mode(
         assert model(report, B)["calls"] == requests
 
 
-def test_bearer_token_guards_a_route_of_your_own(serve: Callable[[FastAPI], httpx.Client]) -> None:
+def test_bearer_token_guards_a_route_of_your_own(app_client: AppClient) -> None:
     app = FastAPI()
 
     @app.get("/ops", dependencies=[Depends(bearer_token(TOKEN))])
     async def ops() -> dict[str, bool]:
         return {"ok": True}
 
-    client = serve(app)
+    client = app_client(app)
     for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": f"Basic {TOKEN}"}):
         refused = client.get("/ops", headers=headers)
         assert refused.status_code == 401
@@ -516,7 +508,7 @@ def test_bearer_token_guards_a_route_of_your_own(serve: Callable[[FastAPI], http
 
 
 def test_without_the_store_the_page_says_so_and_shows_no_breakers(
-    fake_ai: FakeBinding, serve: Callable[[FastAPI], httpx.Client], guards_log: LogLines
+    fake_ai: FakeBinding, app_client: AppClient, guards_log: LogLines
 ) -> None:
     """A store that does not answer (Redis on a port nobody listens on): the page still
     answers, with `store: unavailable`, the worker's last level and no breaker or cooldown."""
@@ -533,7 +525,7 @@ def test_without_the_store_the_page_says_so_and_shows_no_breakers(
     async def ask(ai: AI[str]) -> str:
         return await ai.run({"prompt": "hello"})
 
-    report = status(serve(app))
+    report = status(app_client(app))
     assert report["store"] == "unavailable"
     assert report["level"] == "full"
     [shown] = report["models"]
@@ -542,5 +534,5 @@ def test_without_the_store_the_page_says_so_and_shows_no_breakers(
         line["guard"] == "status" and line["op"] == "health"
         for line in guards_log.events("store_unavailable")
     )
-    page = serve(app).get("/status", headers={"accept": "text/html"}).text
+    page = app_client(app).get("/status", headers={"accept": "text/html"}).text
     assert "store unavailable" in page

@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, Reply
 
-from ..conftest import no_sleep
+from ..conftest import Serve, no_sleep
 from .test_status import DOWN, TOKEN, A, B, settings_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +56,7 @@ def chromium() -> str:
 
 
 def test_the_page_shows_a_fallback_and_an_open_breaker_as_they_happen(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], tmp_path: Path
+    fake_workers_ai: FakeWorkersAI, serve: Serve, tmp_path: Path
 ) -> None:
     executable = chromium()
     from playwright.sync_api import expect, sync_playwright

@@ -25,7 +25,6 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import redis
 import trustme
@@ -37,7 +36,7 @@ from fixtures.redis_server import RedisServer, free_port
 from guards import AI, Breaker, Budget, CircuitState, Guards, Outcome, header_key
 from guards.stores import DAILY_TTL_S, MemoryStore, RedisStore, Store, StoreUnavailable, utc_day
 
-from ..conftest import STORE_TIMEOUT_S, RedisReads, wait_until
+from ..conftest import STORE_TIMEOUT_S, AppClient, RedisReads, wait_until
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600
@@ -860,7 +859,7 @@ def resp(*parts: str) -> bytes:
 
 
 def test_a_reply_that_came_while_the_worker_was_busy_is_not_a_timeout(
-    redis_url: str, serve: Callable[[FastAPI], httpx.Client]
+    redis_url: str, app_client: AppClient
 ) -> None:
     """Redis answers a request's operation 50 ms late (another client's slow script) while the
     worker's event loop is held up by other work for 300 ms: when the loop comes back, the
@@ -884,7 +883,7 @@ def test_a_reply_that_came_while_the_worker_was_busy_is_not_a_timeout(
             asyncio.get_running_loop().call_later(0.02, time.sleep, 0.3)
         return await ai.run({"prompt": "label"})
 
-    client = serve(app)
+    client = app_client(app)
     try:
         assert client.post("/label", headers={"x-user-id": "u"}).status_code == 200  # connected
         busy["on"] = True

@@ -13,19 +13,20 @@ import queue
 import sqlite3
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from fastapi import FastAPI
 
 from fixtures import FakeBinding, ManualClock, Reply
 from guards import AI, Breaker, Budget, CircuitState, Guards, Outcome, header_key
 from guards.stores import DAILY_TTL_S, Admission, SQLiteStore, Store, StoreUnavailable
+
+from ..conftest import Serve
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600  # 01:00 UTC
@@ -592,9 +593,7 @@ def test_a_store_never_used_closes(path: Path) -> None:
 # --- the event loop and the WAL ---------------------------------------------------------------
 
 
-def test_a_worker_waiting_for_the_files_lock_keeps_serving(
-    path: Path, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
+def test_a_worker_waiting_for_the_files_lock_keeps_serving(path: Path, serve: Serve) -> None:
     """The store runs a transaction on the worker's event loop only when the file's lock is free
     at once. While another program holds it, a guarded request waits for it on the store's
     thread (and is served once it is released, within the store's timeout), and the worker

@@ -10,7 +10,7 @@ against the fake Workers AI server, with a pool of one connection.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,7 +22,7 @@ from fixtures import FakeWorkersAI, Hang, Reply
 from guards import AI, Breaker, EventStream, Guards
 from guards.providers import WorkersAI, http_client
 
-from ..conftest import LogLines, assert_error, no_sleep
+from ..conftest import LogLines, Serve, assert_error, no_sleep
 
 MODEL = "@cf/test/model"
 INPUTS = {"prompt": "Say hello."}
@@ -66,9 +66,6 @@ def small_pool_app(fake: FakeWorkersAI) -> FastAPI:
         return await ai.run(INPUTS)
 
     return app
-
-
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 async def wait_for_calls(fake: FakeWorkersAI, count: int) -> None:

@@ -3,22 +3,19 @@ fake Workers AI server, and requests that overlap as they do under load (`make s
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, Reply
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
-from ..conftest import no_sleep, workers_ai_settings
+from ..conftest import Serve, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
-Serve = Callable[[FastAPI], httpx.Client]
 #: A failure the breaker counts and the call guard does not retry (model_incompatible).
 INCOMPATIBLE = Fail(code=5007, status=400)
 

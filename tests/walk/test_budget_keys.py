@@ -1,14 +1,12 @@
-"""Budget keys over real HTTP: a client-chosen id cannot grow the store without bound, and the
+"""Budget keys: a client-chosen id cannot grow the store without bound, and the
 example app refuses a malformed or oversized `x-user-id` before any budget is charged."""
 
 from __future__ import annotations
 
 import sqlite3
 import tracemalloc
-from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 from fastapi import FastAPI
 
@@ -17,15 +15,15 @@ from fixtures import FakeBinding, FakeWorkersAI, Reply
 from guards import AI, Budget, Guards, header_key
 from guards.stores import MemoryStore, RedisStore, SQLiteStore
 
-from ..conftest import guards_memory, no_sleep, workers_ai_settings
+from ..conftest import AppClient, guards_memory, no_sleep, workers_ai_settings
 
 
 @pytest.mark.parametrize("user", ["u" * 129, "bad\x01id", "tab\tinside", "x" * 15_000])
 def test_the_app_refuses_a_malformed_user_id_before_any_charge(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], user: str
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, user: str
 ) -> None:
     fake_workers_ai.default = Reply({"label": "billing", "confidence": 0.9})
-    client = serve(create_app(workers_ai_settings(fake_workers_ai, daily_call_limit=1), sleep=no_sleep))
+    client = app_client(create_app(workers_ai_settings(fake_workers_ai, daily_call_limit=1), sleep=no_sleep))
     response = client.post("/summary", json={"text": "refund"}, headers={"x-user-id": user})
     assert response.status_code == 400
     assert response.json()["error"] == "invalid_request"
@@ -61,14 +59,12 @@ def label_app(guards: Guards) -> FastAPI:
     return app
 
 
-def test_long_client_keys_do_not_grow_the_store_without_bound(
-    tmp_path: Path, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
+def test_long_client_keys_do_not_grow_the_store_without_bound(tmp_path: Path, app_client: AppClient) -> None:
     """400 requests with distinct 15 KB ids: the SQLite file stays small (each key is stored
     hashed, at most 201 characters), where it grew by 15 KB a request before."""
     path = tmp_path / "guards.db"
     guards = Guards(FakeBinding(Reply("ok")), store=SQLiteStore(path, timeout_s=2))
-    client = serve(label_app(guards))
+    client = app_client(label_app(guards))
     for i in range(400):
         user = f"{i:05d}" + "k" * 15_000
         assert client.post("/label", headers={"x-user-id": user}).json()["fallback"] is None
@@ -79,7 +75,7 @@ def test_long_client_keys_do_not_grow_the_store_without_bound(
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 def test_long_client_keys_do_not_grow_a_routes_memory_without_bound(
-    kind: str, serve: Callable[[FastAPI], httpx.Client], request: pytest.FixtureRequest
+    kind: str, app_client: AppClient, request: pytest.FixtureRequest
 ) -> None:
     """200 requests with distinct 15 KB ids: what guards holds grows by far less than the ids
     (a route keeps each caller's prepared store step for short keys only; the memory store
@@ -89,7 +85,7 @@ def test_long_client_keys_do_not_grow_a_routes_memory_without_bound(
         MemoryStore() if kind == "memory" else RedisStore(request.getfixturevalue("redis_url"), timeout_s=2)
     )
     guards = Guards(FakeBinding(Reply("ok")), store=store)
-    client = serve(label_app(guards))
+    client = app_client(label_app(guards))
     assert client.post("/label", headers={"x-user-id": "warm-up"}).json()["fallback"] is None
     tracemalloc.start()
     try:

@@ -27,7 +27,7 @@ from guards import (
 from guards.providers import WorkersAI
 from guards.stores import MemoryStore
 
-from ..conftest import LogLines, no_sleep
+from ..conftest import AppClient, LogLines, no_sleep
 
 PRIMARY = "@cf/test/primary"
 BACKUP = "@cf/test/backup"
@@ -86,7 +86,7 @@ Build = Callable[..., httpx.Client]
 def build(
     fake_workers_ai: FakeWorkersAI,
     backup_server: FakeWorkersAI,
-    serve: Callable[[FastAPI], httpx.Client],
+    app_client: AppClient,
     manual_clock: ManualClock,
     sleeps: Sleeps,
     ledger: Recorder,
@@ -133,7 +133,7 @@ def build(
         async def label(body: Ask, ai: AI[Label]) -> Label:
             return await ai.run({"prompt": body.text})
 
-        return serve(app)
+        return app_client(app, socket=True)
 
     return make
 
@@ -531,9 +531,7 @@ def test_a_route_with_no_model_left_fails_start_up(fake_ai: Any) -> None:
             return await ai.run({"prompt": "x"})
 
 
-def test_default_attempt_budget_is_chain_length_plus_one_retry(
-    fake_ai: Any, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
+def test_default_attempt_budget_is_chain_length_plus_one_retry(fake_ai: Any, app_client: AppClient) -> None:
     guards = Guards(fake_ai, providers={"backup": fake_ai})
     seen: list[int] = []
     app = FastAPI()
@@ -545,7 +543,7 @@ def test_default_attempt_budget_is_chain_length_plus_one_retry(
         seen.append(ai.attempt_budget)
         return await ai.run({"prompt": "x"})
 
-    assert serve(app).get("/x").status_code == 200
+    assert app_client(app).get("/x").status_code == 200
     assert seen == [5]  # 3 models + 2 retries in total
 
 
@@ -571,9 +569,7 @@ def test_openapi_documents_the_attribution_headers(fake_ai: Any, mode: Any, head
     assert set(documented) == headers
 
 
-def test_the_attempt_budget_is_per_request_across_calls(
-    fake_ai: Any, serve: Callable[[FastAPI], httpx.Client]
-) -> None:
+def test_the_attempt_budget_is_per_request_across_calls(fake_ai: Any, app_client: AppClient) -> None:
     """A handler that calls the model again after a failure shares the request's budget: once
     it is spent, the next call fails at once, without a provider call."""
     guards = Guards(fake_ai, sleep=no_sleep)
@@ -592,6 +588,6 @@ def test_the_attempt_budget_is_per_request_across_calls(
         return "gave up"
 
     fake_ai.script("@cf/a", Fail(code=3040, status=429), Fail(code=3040, status=429), Reply("late"))
-    assert serve(app).get("/twice").json() == "gave up"
+    assert app_client(app).get("/twice").json() == "gave up"
     assert len(fake_ai.calls) == 2  # the budget: one model, one retry
     assert seen[1] == "the request's attempt budget of 2 provider calls is spent"

@@ -1,4 +1,4 @@
-"""Effort routing: the estimator's rules as a table, then over real HTTP the example app's
+"""Effort routing: the estimator's rules as a table, then through the example app's
 `AI_EFFORT=auto` (simple turns to the local model, complex ones to the cloud model, seen at
 the fake providers), escalation `never`, a trusted override, a pinned route that is never
 rerouted, and the decision's log line and metric. Across the memory, SQLite and Redis stores."""

@@ -1,6 +1,6 @@
 """Routing hints: `hint:name` chain entries resolved at start-up (to a model, at any provider, or
 to a profile), the unknown hint (logged, kept as the literal model, reported as requested), and
-attribution of the entry as written, over real HTTP against the example app and the fake
+attribution of the entry as written, through the example app against the fake
 providers, across the memory, SQLite and Redis stores."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The last good answer over real HTTP: `/summary` of the example app against the fake Workers
+"""The last good answer: `/summary` of the example app against the fake Workers
 AI server, on every store: a validated success stored, served when the model fails (same text,
 whitespace and case normalized; `fallback.detail` says how old), then expired to the keyword
 label; keys hashed before they reach the store; answers never logged. Time moves only through

@@ -36,7 +36,7 @@ from fixtures import FakeOpenAI, FakeWorkersAI, Raw, Reply
 from guards import AI, AIResult, Guards, ProviderError
 from guards.providers import OpenAICompatible, SSEParser, WorkersAI, parse_workers_ai_response
 
-from ..conftest import asgi_client, workers_ai_settings
+from ..conftest import AppClient, asgi_client, workers_ai_settings
 
 MIB = 1 << 20
 #: CPU seconds allowed for 1 MiB. Linear code takes milliseconds to tens of them.
@@ -294,9 +294,9 @@ def test_input_patterns_are_linear(message: str) -> None:
     assert_linear(validate)
 
 
-def test_app_rejects_a_pathological_body_at_once(serve: Callable[[FastAPI], httpx.Client]) -> None:
-    """Over real HTTP: 1 MiB of whitespace, and a 1 MiB message between two words."""
-    client = serve(create_app(Settings(ai_provider="fake")))
+def test_app_rejects_a_pathological_body_at_once(app_client: AppClient) -> None:
+    """Through the app (in process): 1 MiB of whitespace, and a 1 MiB message between two words."""
+    client = app_client(create_app(Settings(ai_provider="fake")))
     for message in (" " * (MIB - 20), "x" + " " * (MIB - 30) + "y"):
         started = time.monotonic()
         response = client.post("/draft-reply", json={"message": message})
@@ -467,13 +467,13 @@ def test_retry_after_parses_in_linear_time(fake_openai: FakeOpenAI, headers: dic
 
 
 def test_a_pathological_answer_does_not_freeze_the_worker(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
 ) -> None:
     """The example app under uvicorn; the model answers `/summary` (JSON mode) with a code fence
     and half a million newlines (1 MB on the wire). `/health` keeps answering within a second
     meanwhile, and `/summary` answers its fallback."""
     fake_workers_ai.default = Reply("```\n" + "\n" * 500_000)
-    client = serve(create_app(workers_ai_settings(fake_workers_ai, ai_timeout_s=30)))
+    client = app_client(create_app(workers_ai_settings(fake_workers_ai, ai_timeout_s=30)), socket=True)
     url = str(client.base_url)
     with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=url, timeout=1.0) as health:
         summary = pool.submit(

@@ -6,7 +6,7 @@ client as the public `Retry-After`. The cooldown, and the public `Retry-After`, 
 `Cooldown.max_s` (600 s by default), settable per model (`Guards(cooldowns=...)`); an HTTP date
 is read against the store's clock, so a worker whose clock is behind does not stretch it.
 
-Over real HTTP: an app under uvicorn whose Workers AI adapter talks to the fake provider, its
+An app in process (ASGI) whose Workers AI adapter talks to the fake provider over HTTP, its
 state in each store (memory, SQLite, Redis) on a `ManualClock`, the cooldown seen through the
 public `Retry-After`, `/health` and the status route.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import email.utils
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -27,7 +27,7 @@ from guards import AI, ConfigurationError, Cooldown, Guards
 from guards.providers import WorkersAI
 from guards.stores import Store
 
-from ..conftest import assert_error, no_sleep, wait_until
+from ..conftest import AppClient, assert_error, no_sleep, wait_until
 
 MODEL = "@cf/test/model"
 OTHER = "@cf/test/other"
@@ -85,13 +85,13 @@ def http_date(epoch: float) -> str:
 )
 def test_a_long_wait_is_a_cooldown_of_at_most_ten_minutes(
     fake_workers_ai: FakeWorkersAI,
-    serve: Callable[[FastAPI], httpx.Client],
+    app_client: AppClient,
     store: Store,
     clock: ManualClock,
     failure: Fail,
 ) -> None:
     clock.set(time.time())  # the store's clock agrees with the worker's
-    client = serve(app_for(fake_workers_ai, store))
+    client = app_client(app_for(fake_workers_ai, store))
     fake_workers_ai.script(MODEL, failure)
     fake_workers_ai.default = Reply("Hello.")
     first = ask(client)
@@ -114,11 +114,11 @@ def test_a_long_wait_is_a_cooldown_of_at_most_ten_minutes(
 
 
 def test_a_transient_failure_s_wait_is_capped_too(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], store: Store, clock: ManualClock
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store, clock: ManualClock
 ) -> None:
     """A 503 asking for a day: too long to retry within the deadline, and the public
     `Retry-After` says at most the maximum."""
-    client = serve(app_for(fake_workers_ai, store))
+    client = app_client(app_for(fake_workers_ai, store))
     fake_workers_ai.default = Fail(status=503, retry_after=str(DAY_S))
     response = ask(client)
     assert_error(response, 503, "model_temporarily_unavailable", True)
@@ -127,10 +127,10 @@ def test_a_transient_failure_s_wait_is_capped_too(
 
 
 def test_the_maximum_is_set_per_model(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], store: Store, clock: ManualClock
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store, clock: ManualClock
 ) -> None:
     short = Cooldown(rate_limited_s=10, quota_s=60, max_s=60)
-    client = serve(app_for(fake_workers_ai, store, cooldowns={MODEL: short}))
+    client = app_client(app_for(fake_workers_ai, store, cooldowns={MODEL: short}))
     fake_workers_ai.default = Fail(status=429, retry_after=str(DAY_S))
     assert int(ask(client, MODEL).headers["retry-after"]) == 60
     assert int(ask(client, OTHER).headers["retry-after"]) == 600  # the default maximum
@@ -144,9 +144,9 @@ def test_the_maximum_is_set_per_model(
 
 
 def test_the_default_maximum_is_set_for_every_model(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], store: Store, clock: ManualClock
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store, clock: ManualClock
 ) -> None:
-    client = serve(
+    client = app_client(
         app_for(fake_workers_ai, store, cooldown=Cooldown(rate_limited_s=5, quota_s=120, max_s=120))
     )
     fake_workers_ai.default = Fail(status=429, retry_after=http_date(time.time() + 365 * DAY_S))
@@ -155,12 +155,12 @@ def test_the_default_maximum_is_set_for_every_model(
 
 
 def test_a_date_is_read_against_the_store_s_clock(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], store: Store, clock: ManualClock
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store, clock: ManualClock
 ) -> None:
     """The worker's clock is 500 s behind the store's (and the provider's): a date 100 s
     ahead reads as 600 s on the worker, and is a 100 s cooldown in the store."""
     clock.set(time.time() + 500)
-    client = serve(app_for(fake_workers_ai, store))
+    client = app_client(app_for(fake_workers_ai, store))
     fake_workers_ai.default = Fail(status=429, retry_after=http_date(clock.time() + 100))
     assert ask(client).status_code == 503
     assert 90 <= cooldown_of(client, MODEL) <= 100
@@ -173,11 +173,11 @@ def test_a_date_is_read_against_the_store_s_clock(
 
 
 def test_a_date_already_past_on_the_store_s_clock_starts_no_cooldown(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], store: Store, clock: ManualClock
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store, clock: ManualClock
 ) -> None:
     """The worker's clock is an hour behind: a date the worker reads as 30 s ahead is past."""
     clock.set(time.time() + 3600)
-    client = serve(app_for(fake_workers_ai, store))
+    client = app_client(app_for(fake_workers_ai, store))
     fake_workers_ai.script(MODEL, Fail(status=429, retry_after=http_date(time.time() + 30)))
     fake_workers_ai.default = Reply("Hello.")
     assert ask(client).status_code == 503

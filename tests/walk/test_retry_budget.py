@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -20,12 +19,11 @@ from guards import AI, Guards, Retry, RetryBudget
 from guards.providers import WorkersAI
 from guards.stores import Store
 
-from ..conftest import LogLines, assert_error, no_sleep, workers_ai_settings
+from ..conftest import LogLines, Serve, assert_error, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
 BACKUP = "@cf/test/backup"
 REQUESTS = 200
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from fixtures import Fail, FakeBinding, FakeWorkersAI, Hang, ManualClock, Reply,
 from guards import AI, Breaker, Guards, Level, ModelDown, ServiceLevel
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
-from ..conftest import STORE_TIMEOUT_S, LogLines, no_sleep, wait_until, workers_ai_settings
+from ..conftest import STORE_TIMEOUT_S, LogLines, Serve, no_sleep, wait_until, workers_ai_settings
 from ..e2e.test_shared_state import AppProcess, _flush, app_process_env
 from ..observability.test_metrics import parse, series
 
@@ -93,7 +92,7 @@ def assert_shed(answer: httpx.Response, level: str) -> None:
 def test_the_level_follows_the_models_and_sheds_the_stream(
     kind: str,
     fake_workers_ai: FakeWorkersAI,
-    serve: Callable[[FastAPI], httpx.Client],
+    serve: Serve,
     tmp_path: Path,
     request: pytest.FixtureRequest,
     guards_log: LogLines,
@@ -253,7 +252,7 @@ def own_app(fake: FakeBinding, store: Store, max_in_flight: int | None = None) -
 
 
 def test_a_degrading_route_is_shed_with_the_envelope_naming_the_level(
-    serve: Callable[[FastAPI], httpx.Client], fake_ai: FakeBinding
+    serve: Serve, fake_ai: FakeBinding
 ) -> None:
     clock = ManualClock()
     app, guards = own_app(fake_ai, MemoryStore(clock=clock))
@@ -276,7 +275,7 @@ def test_a_degrading_route_is_shed_with_the_envelope_naming_the_level(
 
 
 def test_overload_sheds_the_routes_that_declare_a_level_and_serves_the_others(
-    serve: Callable[[FastAPI], httpx.Client], fake_ai: FakeBinding
+    serve: Serve, fake_ai: FakeBinding
 ) -> None:
     """`max_in_flight=2`: with two guarded requests in flight on the worker, a request of a
     route declared `shed_at` is shed at once (no call, no charge), one of a route without it is
@@ -311,9 +310,7 @@ def test_overload_sheds_the_routes_that_declare_a_level_and_serves_the_others(
     assert client.post("/optional").json()["fallback"] is None  # counted out, however they ended
 
 
-def test_a_stream_counts_in_flight_until_it_ends(
-    serve: Callable[[FastAPI], httpx.Client], fake_ai: FakeBinding
-) -> None:
+def test_a_stream_counts_in_flight_until_it_ends(serve: Serve, fake_ai: FakeBinding) -> None:
     guards = Guards(fake_ai, store=MemoryStore(), sleep=no_sleep, max_in_flight=1)
     app = FastAPI()
     guards.install(app)

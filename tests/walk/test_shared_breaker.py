@@ -1,25 +1,23 @@
 """Two apps on one store, calling the same model with different breaker policies: they share the
 model's breaker, and the open period is the one of the app whose failure opened it, stored with
 the breaker's state, so both answer the same reopen time (`Retry-After`). A Redis key prefix of
-their own keeps two apps apart. Real uvicorn servers, real HTTP, the fake Workers AI server."""
+their own keeps two apps apart. Both apps in process (ASGI), the fake Workers AI server over
+real HTTP."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, Reply
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
-from ..conftest import STORE_TIMEOUT_S, no_sleep, workers_ai_settings
+from ..conftest import STORE_TIMEOUT_S, AppClient, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
-Serve = Callable[[FastAPI], httpx.Client]
 INCOMPATIBLE = Fail(code=5007, status=400)
 
 
@@ -52,7 +50,7 @@ def retry_after(response: httpx.Response) -> int:
 @pytest.mark.parametrize("opener_reset_s", [300.0, 30.0])
 def test_two_apps_sharing_a_breaker_agree_on_when_it_reopens(
     fake_workers_ai: FakeWorkersAI,
-    serve: Serve,
+    app_client: AppClient,
     store_kind: str,
     tmp_path: Path,
     prefix: str,
@@ -65,8 +63,8 @@ def test_two_apps_sharing_a_breaker_agree_on_when_it_reopens(
     store_a, store_b = two_stores(store_kind, tmp_path, prefix, request)
     opener = workers_ai_settings(fake_workers_ai, breaker_failure_threshold=1, breaker_reset_s=opener_reset_s)
     other = workers_ai_settings(fake_workers_ai, breaker_failure_threshold=1, breaker_reset_s=other_s)
-    app_a = serve(create_app(opener, store=store_a, sleep=no_sleep))
-    app_b = serve(create_app(other, store=store_b, sleep=no_sleep))
+    app_a = app_client(create_app(opener, store=store_a, sleep=no_sleep))
+    app_b = app_client(create_app(other, store=store_b, sleep=no_sleep))
     fake_workers_ai.script(MODEL, INCOMPATIBLE)
     assert post(app_a).status_code == 502  # app A's failure opens the shared breaker
     seen = [retry_after(post(app_b)), retry_after(post(app_a)), retry_after(post(app_b))]
@@ -75,11 +73,15 @@ def test_two_apps_sharing_a_breaker_agree_on_when_it_reopens(
 
 
 def test_a_redis_prefix_of_its_own_keeps_an_apps_breaker_apart(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, redis_url: str, prefix: str
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, redis_url: str, prefix: str
 ) -> None:
     settings = workers_ai_settings(fake_workers_ai, breaker_failure_threshold=1, breaker_reset_s=300.0)
-    app_a = serve(create_app(settings, store=RedisStore(redis_url, prefix=f"{prefix}a:"), sleep=no_sleep))
-    app_b = serve(create_app(settings, store=RedisStore(f"{redis_url}?prefix={prefix}b:"), sleep=no_sleep))
+    app_a = app_client(
+        create_app(settings, store=RedisStore(redis_url, prefix=f"{prefix}a:"), sleep=no_sleep)
+    )
+    app_b = app_client(
+        create_app(settings, store=RedisStore(f"{redis_url}?prefix={prefix}b:"), sleep=no_sleep)
+    )
     fake_workers_ai.script(MODEL, INCOMPATIBLE, Reply("Still here."))
     assert post(app_a).status_code == 502
     assert retry_after(post(app_a)) >= 298

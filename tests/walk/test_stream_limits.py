@@ -19,12 +19,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.service import create_app
 from fixtures import FakeWorkersAI, Stream, Text
 
-from ..conftest import LogLines, no_sleep, workers_ai_settings
+from ..conftest import LogLines, Serve, no_sleep, workers_ai_settings
 
 MODEL = "@cf/test/model"
 IDLE_S = 0.4
@@ -43,7 +42,7 @@ TRICKLES = {
 
 
 @pytest.fixture
-def post(fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]) -> Post:
+def post(fake_workers_ai: FakeWorkersAI, serve: Serve) -> Post:
     """`post(**settings)`: one `/draft-reply/stream` request to the example app configured with
     `settings` (served once per settings); its events `(name, data)` and its wall time."""
     clients: dict[str, httpx.Client] = {}

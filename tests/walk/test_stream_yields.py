@@ -14,15 +14,15 @@ import asyncio
 import gc
 import json
 import time
-from collections.abc import Callable
 
-import httpx
 import pytest
 from fastapi import FastAPI
 
 from fixtures import FakeOpenAI, FakeWorkersAI, Raw
 from guards import AI, EventStream, Guards
 from guards.providers import OpenAICompatible, WorkersAI
+
+from ..conftest import Serve
 
 MIB = 1 << 20
 MODEL = "@cf/test/model"
@@ -78,7 +78,7 @@ def lag_app(binding: WorkersAI | OpenAICompatible) -> FastAPI:
 @pytest.mark.parametrize("kind", ["empty", "text"])
 @pytest.mark.parametrize("wire", ["workers-ai", "openai"])
 def test_a_read_of_many_tiny_events_lets_the_loop_run(
-    request: pytest.FixtureRequest, serve: Callable[[FastAPI], httpx.Client], wire: str, kind: str
+    request: pytest.FixtureRequest, serve: Serve, wire: str, kind: str
 ) -> None:
     event = EVENTS[wire, kind]
     count = MIB // len(event)

@@ -34,7 +34,7 @@ from fixtures import (
 from guards import AI, Attempt, Breaker, EventStream, Guards
 from guards.providers import OpenAICompatible, WorkersAI
 
-from ..conftest import AppClient, LogLines, no_sleep, wait_until
+from ..conftest import AppClient, LogLines, Serve, no_sleep, wait_until
 
 PRIMARY = "@cf/test/model"
 FALLBACK = "gpt-4o-mini"
@@ -362,7 +362,7 @@ def test_a_client_that_leaves_after_three_deltas_cancels_the_upstream(
 
 
 @pytest.fixture
-def resume_post(fake_gateway: FakeOpenAI, serve: Callable[[FastAPI], httpx.Client], ledger: Recorder) -> Post:
+def resume_post(fake_gateway: FakeOpenAI, serve: Serve, ledger: Recorder) -> Post:
     guards = Guards(
         OpenAICompatible(api_key=fake_gateway.api_key, base_url=fake_gateway.base_url, idle_timeout_s=IDLE_S),
         sleep=no_sleep,

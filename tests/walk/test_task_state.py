@@ -1,4 +1,4 @@
-"""What multi-step tasks leave in the store, over real HTTP on every store (memory, SQLite,
+"""What multi-step tasks leave in the store, through HTTP requests on every store (memory, SQLite,
 Redis): a request refused before any model call (budget, breaker, invalid input) leaves no
 task state at all, however many fresh `Idempotency-Key`s a refused client sends; a caller's
 live tasks are capped per route (`Task.max_live`: 429 `rate_limited` past it, with the wait
@@ -22,11 +22,10 @@ from fixtures import Fail, FakeBinding, ManualClock, Reply
 from guards import AI, Breaker, Budget, Guards, Task, header_key
 from guards.stores import MemoryStore, Store
 
-from ..conftest import no_sleep, wait_until
+from ..conftest import AppClient, no_sleep, wait_until
 
 MODEL = "@cf/test/model"
 T0 = 1_728_000_000.0
-Serve = Callable[[FastAPI], httpx.Client]
 
 
 class Ask(BaseModel):
@@ -120,10 +119,10 @@ def test_two_thousand_refused_requests_with_fresh_keys_leave_no_task_state(
     tmp_path: Path,
     request: pytest.FixtureRequest,
     fake_ai: FakeBinding,
-    serve: Serve,
+    app_client: AppClient,
 ) -> None:
     store = make_store(clock)
-    client = serve(task_app(store, fake_ai, Task()))
+    client = app_client(task_app(store, fake_ai, Task()), socket=True)  # raw requests at its URL
     fake_ai.default = Reply("answered")
     fake_ai.script("@cf/test/other", Fail(code=5007, status=400))
     assert post(client, "/budgeted", "first").status_code == 200  # the day's one unit
@@ -145,10 +144,13 @@ def test_two_thousand_refused_requests_with_fresh_keys_leave_no_task_state(
 
 
 def test_a_callers_live_tasks_are_capped_per_route(
-    make_store: Callable[[ManualClock], Store], clock: ManualClock, fake_ai: FakeBinding, serve: Serve
+    make_store: Callable[[ManualClock], Store],
+    clock: ManualClock,
+    fake_ai: FakeBinding,
+    app_client: AppClient,
 ) -> None:
     store = make_store(clock)
-    client = serve(task_app(store, fake_ai, Task(max_live=3, ttl_s=3_600)))
+    client = app_client(task_app(store, fake_ai, Task(max_live=3, ttl_s=3_600)))
     fake_ai.default = Reply("said")
     for i in range(3):
         assert post(client, "/open", f"k{i}").status_code == 200
@@ -172,12 +174,15 @@ def test_a_callers_live_tasks_are_capped_per_route(
 
 
 def test_a_task_keeps_at_most_max_bytes_of_answers(
-    make_store: Callable[[ManualClock], Store], clock: ManualClock, fake_ai: FakeBinding, serve: Serve
+    make_store: Callable[[ManualClock], Store],
+    clock: ManualClock,
+    fake_ai: FakeBinding,
+    app_client: AppClient,
 ) -> None:
     """Past `max_bytes`, a step is not saved and a response not kept: the request still
     answers; its retry runs again."""
     store = make_store(clock)
-    client = serve(task_app(store, fake_ai, Task(max_bytes=1_000)))
+    client = app_client(task_app(store, fake_ai, Task(max_bytes=1_000)))
     fake_ai.default = Reply("x" * 2_000)
     first = post(client, "/open", "big")
     assert first.status_code == 200

@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from fixtures.redis_server import free_port
 from guards import AI, Budget, Guards, Task, header_key
 from guards.stores import RedisStore, SQLiteStore
 
-from ..conftest import STORE_TIMEOUT_S, LogLines, no_sleep, workers_ai_settings
+from ..conftest import STORE_TIMEOUT_S, LogLines, Serve, no_sleep, workers_ai_settings
 from ..e2e.test_shared_state import MODEL, AppProcess, _flush, app_process_env
 from ..observability.test_metrics import parse, series
 
@@ -162,7 +162,7 @@ def report_scenario(urls: list[str], fake: FakeWorkersAI) -> dict[str, Any]:
 
 
 def test_report_resumes_replays_and_charges_once_on_memory(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client], guards_log: LogLines
+    fake_workers_ai: FakeWorkersAI, serve: Serve, guards_log: LogLines
 ) -> None:
     settings = workers_ai_settings(
         fake_workers_ai, daily_call_limit=CAP, breaker_failure_threshold=1000, ai_timeout_s=TIMEOUT_S
@@ -193,7 +193,7 @@ def test_report_resumes_replays_and_charges_once_on_memory(
 
 
 def test_a_request_cut_between_steps_leaves_a_task_the_next_one_resumes_on_memory(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, serve: Serve
 ) -> None:
     """In one process, a client that leaves during `draft` (the request is cancelled, its lease
     released) leaves the task to the next request: it calls `draft` only."""
@@ -275,7 +275,7 @@ def test_report_resumes_replays_and_charges_once_across_two_processes(
 
 
 def test_a_worker_killed_between_steps_leaves_a_task_the_next_request_resumes(
-    fake_workers_ai: FakeWorkersAI, shared_store: str, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, shared_store: str, serve: Serve
 ) -> None:
     """A worker process is SIGKILLed while `draft` is in flight: `summarize` and `classify`
     were saved. Its lease holds the task (409) until it lapses (2 x timeout_s + 60 s, read on
@@ -336,7 +336,7 @@ def test_a_worker_killed_between_steps_leaves_a_task_the_next_request_resumes(
     ids=["empty", "256-chars", "utf-8", "tab", "del"],
 )
 def test_a_malformed_key_is_400_before_anything_is_called_or_charged(
-    key: bytes, fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    key: bytes, fake_workers_ai: FakeWorkersAI, serve: Serve
 ) -> None:
     settings = workers_ai_settings(fake_workers_ai, daily_call_limit=1)
     client = serve(create_app(settings, sleep=no_sleep))
@@ -352,7 +352,7 @@ def test_a_malformed_key_is_400_before_anything_is_called_or_charged(
 
 
 def test_without_a_key_report_runs_every_step_every_time(
-    fake_workers_ai: FakeWorkersAI, serve: Callable[[FastAPI], httpx.Client]
+    fake_workers_ai: FakeWorkersAI, serve: Serve
 ) -> None:
     client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
     fake_workers_ai.script(MODEL, SUMMARY, LABEL, DRAFT, SUMMARY, LABEL, DRAFT)
@@ -371,9 +371,7 @@ class Answer(BaseModel):
     second: str
 
 
-def test_a_degrading_task_stores_only_an_answer_without_fallback(
-    serve: Callable[[FastAPI], httpx.Client], fake_ai: FakeBinding
-) -> None:
+def test_a_degrading_task_stores_only_an_answer_without_fallback(serve: Serve, fake_ai: FakeBinding) -> None:
     guards = Guards(fake_ai, sleep=no_sleep)
     app = FastAPI()
     guards.install(app)
@@ -413,9 +411,7 @@ def test_only_task_routes_document_the_key_and_its_answers() -> None:
         assert all("x-service-level" in r["headers"] for r in operation["responses"].values())
 
 
-def test_a_task_whose_store_is_down_runs_without_checkpoints(
-    serve: Callable[[FastAPI], httpx.Client], fake_ai: FakeBinding
-) -> None:
+def test_a_task_whose_store_is_down_runs_without_checkpoints(serve: Serve, fake_ai: FakeBinding) -> None:
     """The claim fails open: the request runs as if it had no key (the store's other guards
     decide for themselves: the breaker fails open by default, and this route has no budget)."""
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.1)  # nothing listens
@@ -441,7 +437,7 @@ def test_a_task_whose_store_is_down_runs_without_checkpoints(
 
 
 def test_a_request_that_resumes_every_step_makes_no_call_and_is_not_charged(
-    serve: Callable[[FastAPI], httpx.Client], fake_ai: FakeBinding
+    serve: Serve, fake_ai: FakeBinding
 ) -> None:
     """The charge is in the store step of a request's first call: a request that loads every
     step from the task's checkpoints never reaches it. Here the handler fails after its steps
@@ -485,9 +481,7 @@ class Number(BaseModel):
     number: int
 
 
-def test_a_saved_step_that_no_longer_validates_runs_again(
-    serve: Callable[[FastAPI], httpx.Client], fake_ai: FakeBinding
-) -> None:
+def test_a_saved_step_that_no_longer_validates_runs_again(serve: Serve, fake_ai: FakeBinding) -> None:
     """Between two requests of a task the step's type changed (a new release of the app): the
     saved result is discarded, and the step calls the model again."""
     guards = Guards(fake_ai, sleep=no_sleep)
