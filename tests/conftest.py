@@ -1,5 +1,6 @@
-"""Shared test helpers: a real uvicorn server in a thread, captured `guards` log lines, the
-assertions on the two public answer shapes, bounded polling, and the store fixtures."""
+"""Shared test helpers: the app and client factory (`app_client`, `example_client`, `asgi_client`;
+a real uvicorn server in a thread, `serve`, for what needs a socket), captured `guards` log lines,
+the assertions on the two public answer shapes, bounded polling, and the store fixtures."""
 
 from __future__ import annotations
 
@@ -21,13 +22,15 @@ import pytest
 import redis
 import uvicorn
 from fastapi import FastAPI
+from starlette.testclient import TestClient
 
 import guards
+from app.service import create_app
 from app.settings import Settings
 from fixtures import FakeWorkersAI, ManualClock
 from fixtures.stores import PiecewiseStore
-from guards import AIResult, Binding
-from guards.stores import MemoryStore, RedisStore, SQLiteStore
+from guards import AIResult, Binding, Clock
+from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
 #: The SQLite and Redis store timeout of tests about state, not timeouts: on a loaded machine
 #: an operation can take longer than the default 0.1 s.
@@ -61,8 +64,12 @@ class LiveServer:
         self._sock.close()
 
 
+#: `serve(app)`: a client of `app` served for real.
+Serve = Callable[[FastAPI], httpx.Client]
+
+
 @pytest.fixture
-def serve() -> Iterator[Callable[[FastAPI], httpx.Client]]:
+def serve() -> Iterator[Serve]:
     """`client = serve(app)`: serve `app` for real and get an httpx client bound to it."""
     stack: list[tuple[LiveServer, httpx.Client]] = []
 
@@ -76,6 +83,74 @@ def serve() -> Iterator[Callable[[FastAPI], httpx.Client]]:
     for server, client in reversed(stack):
         client.close()
         server.__exit__()
+
+
+# --- the app and its client ---------------------------------------------------------------------
+#: `app_client(app)`, `app_client(app, socket=True)`: a client of `app`.
+AppClient = Callable[..., httpx.Client]
+#: `example_client(**settings)`: a client of the example app on those settings.
+ExampleClient = Callable[..., httpx.Client]
+
+
+@pytest.fixture
+def app_client(serve: Serve) -> Iterator[AppClient]:
+    """`client = app_client(app)`: an httpx client of `app`, the one way tests get one.
+
+    In process by default: Starlette's `TestClient` (ASGI on an event loop of its own thread),
+    entered so the app's lifespan runs; an exception of the app is its 500 answer, as under a
+    server, and redirects are not followed. With `socket=True` the app is served for real by
+    uvicorn on a loopback port (`serve`), for what only a socket shows: a stream read as it comes,
+    a client that leaves, bodies sent piece by piece, requests in flight at once from threads.
+    Everything is closed at the end of the test."""
+    entered: list[TestClient] = []
+
+    def make(app: FastAPI, *, socket: bool = False) -> httpx.Client:
+        if socket:
+            return serve(app)
+        client = TestClient(app, raise_server_exceptions=False, follow_redirects=False)
+        client.__enter__()
+        entered.append(client)
+        return client
+
+    yield make
+    for client in reversed(entered):
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def example_client(app_client: AppClient, fake_workers_ai: FakeWorkersAI) -> ExampleClient:
+    """`client = example_client(**settings)`: the example app (`app.service.create_app`) on
+    `workers_ai_settings(fake_workers_ai, **settings)`, its retries not waited (`no_sleep`), and
+    a client of it from `app_client`. `store`, `clock`, `binding` and `tracer_provider` go to
+    `create_app`, `socket` to `app_client`. A module fixes its own defaults with
+    `functools.partial(example_client, ...)`."""
+
+    def make(
+        *,
+        store: Store | None = None,
+        clock: Clock | None = None,
+        binding: Binding | None = None,
+        tracer_provider: Any = None,
+        socket: bool = False,
+        **settings: Any,
+    ) -> httpx.Client:
+        app = create_app(
+            workers_ai_settings(fake_workers_ai, **settings),
+            store=store,
+            clock=clock,
+            binding=binding,
+            sleep=no_sleep,
+            tracer_provider=tracer_provider,
+        )
+        return app_client(app, socket=socket)
+
+    return make
+
+
+def asgi_client(app: FastAPI, **options: Any) -> httpx.AsyncClient:
+    """`async with asgi_client(app) as client:` an async httpx client of `app`, in process
+    (`httpx.ASGITransport`; no lifespan); `options` go to `httpx.AsyncClient`."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", **options)
 
 
 class LogLines(logging.Handler):

@@ -41,7 +41,7 @@ def test_help_expands_variables() -> None:
 
 
 def test_make_test_runs_the_suite_and_not_the_soak() -> None:
-    """`make test` is the quick suite (tests/test_soak.py checks the soak's parts in seconds);
+    """`make test` is the quick suite (tests/e2e/test_soak.py checks the soak's parts in seconds);
     the soak itself, many minutes long, runs only when asked for."""
     commands = subprocess.run(
         ["make", "--no-print-directory", "-n", "-C", str(ROOT), "test"],

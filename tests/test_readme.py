@@ -34,13 +34,12 @@ from app.settings import Settings
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
 from guards import Envelope, StatusReport
 
-from .conftest import LogLines, no_sleep, wait_until, workers_ai_settings
-from .test_ui_stream import check_ui_stream
+from .app.test_ui_stream import check_ui_stream
+from .conftest import LogLines, Serve, asgi_client, no_sleep, wait_until, workers_ai_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-Serve = Callable[[FastAPI], httpx.Client]
 
 #: The marker of a block that is not run, with its reason.
 NOT_RUN = re.compile(r"^\s*<!-- not run: (?P<reason>.*\S.*?) -->\s*$")
@@ -291,9 +290,9 @@ def without_address(words: list[str]) -> list[str]:
 def test_which_server_commands_are_the_served_ones() -> None:
     """The serving page's four commands are the ones the tests serve the example app with:
     `guards.serve` as in the next block (served above), uvicorn, hypercorn and granian as in
-    tests/test_servers.py (served there, each through the Quick start, a stream left early and
+    tests/e2e/test_servers.py (served there, each through the Quick start, a stream left early and
     an oversized body)."""
-    from .test_servers import SERVERS
+    from .e2e.test_servers import SERVERS
 
     commands = [shlex.split(c, comments=True) for c in shell_commands(block("operating/serving.md", "sh"))]
     served = without_address(shlex.split(block("operating/serving.md", "sh", 1)))
@@ -463,10 +462,6 @@ def test_workers_ai_with_an_openai_fallback_as_written(run_server: Callable[...,
 
 
 # --- code blocks, executed ------------------------------------------------------------------------
-
-
-def asgi_client(app: FastAPI) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
 def test_readme_example_degrades_as_documented(use_fake_ai: Any) -> None:
@@ -1027,8 +1022,7 @@ def test_readme_task_example_resumes_and_replays(use_fake_ai: Any) -> None:
     )
 
     async def scenario() -> list[httpx.Response]:
-        transport = httpx.ASGITransport(app=example["app"])
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with asgi_client(example["app"]) as client:
             headers = {"Idempotency-Key": "ticket-42", "x-user-id": "ada"}
             answers = [await client.post("/report", json={"text": "Charged twice"}, headers=headers)]
             fake.script("*", Reply("Sorry, refunded."))

@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 from fastapi import FastAPI
 
@@ -19,6 +18,8 @@ import guards.testing.pytest_plugin
 from guards import AI, ConfigurationError, Guards, Level
 from guards.stores import MemoryStore
 from guards.testing import Fail, FakeBinding, ManualClock
+
+from .conftest import asgi_client
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,8 +135,7 @@ def test_replace_store_forgets_the_service_level_and_refuses_another_clock() -> 
     fake.script("*", Fail(code=3036, status=429))
 
     async def scenario() -> Level:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with asgi_client(app) as client:
             await client.post("/ask")
         # The level is read from the store at most once a second: poll it (bounded).
         for _ in range(100):  # at most 5 s

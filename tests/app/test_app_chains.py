@@ -1,0 +1,104 @@
+"""The example app's chain settings: `AI_FALLBACK_MODELS` across providers (Workers AI first,
+an OpenAI-compatible fallback), `AI_ATTRIBUTION`, and start-up failures for chains that name a
+provider without its credentials."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from app.service import create_app
+from app.settings import Settings, SettingsError, load_settings
+from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Reply
+from guards import ConfigurationError
+
+from ..conftest import AppClient, ExampleClient, no_sleep, workers_ai_settings
+
+MODEL = "@cf/test/model"
+FALLBACK = "gpt-4o-mini"
+
+
+@pytest.fixture
+def client(example_client: ExampleClient, fake_openai: FakeOpenAI) -> httpx.Client:
+    return example_client(
+        ai_fallback_models=f" openai:{FALLBACK} , ",
+        openai_base_url=fake_openai.base_url,
+        openai_api_key=fake_openai.api_key,
+    )
+
+
+def test_draft_reply_falls_back_to_the_openai_model(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+) -> None:
+    fake_workers_ai.script(MODEL, Fail(code=5035, status=403))
+    fake_openai.script(FALLBACK, Reply("Your parcel is on its way.", model="gpt-4o-mini-2024-07-18"))
+    response = client.post("/draft-reply", json={"message": "Where is my parcel?"})
+    assert response.status_code == 200
+    assert response.json()["reply"] == "Your parcel is on its way."
+    assert response.json()["model"] == "gpt-4o-mini-2024-07-18"
+    assert response.headers["x-ai-model"] == "gpt-4o-mini-2024-07-18"
+    assert response.headers["x-ai-fallback"] == f"openai:{FALLBACK}"
+    assert len(fake_workers_ai.calls) == 1
+    assert len(fake_openai.calls) == 1
+    assert fake_openai.calls[0].inputs["messages"][-1]["content"] == "Where is my parcel?"
+
+
+def test_summary_uses_json_mode_on_the_fallback_too(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+) -> None:
+    fake_workers_ai.script(MODEL, Fail(status=429, retry_after="30"))
+    fake_openai.script(FALLBACK, Reply({"label": "shipping", "confidence": 0.8}))
+    response = client.post("/summary", json={"text": "Where is my parcel?"})
+    assert response.json() == {"ok": True, "data": {"label": "shipping", "confidence": 0.8}, "fallback": None}
+    assert fake_openai.calls[0].inputs["response_format"]["type"] == "json_schema"
+
+
+def test_an_openai_fallback_without_a_key_fails_start_up(
+    fake_workers_ai: FakeWorkersAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AI_PROVIDER", "workers-ai")
+    monkeypatch.setenv("CLOUDFLARE_ACCOUNT_ID", "acc")
+    monkeypatch.setenv("CLOUDFLARE_API_TOKEN", "tok")
+    monkeypatch.setenv("AI_FALLBACK_MODELS", "openai:gpt-4o-mini")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    with pytest.raises(SettingsError, match="AI_FALLBACK_MODELS uses openai, which needs OPENAI_API_KEY"):
+        load_settings()
+
+
+def test_a_local_openai_compatible_server_needs_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AI_PROVIDER", "openai")
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:11434/v1")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert load_settings().ai_provider == "openai"
+
+
+def test_an_unknown_provider_prefix_fails_start_up(fake_workers_ai: FakeWorkersAI) -> None:
+    settings = workers_ai_settings(fake_workers_ai, ai_fallback_models="anthropic:claude-haiku")
+    with pytest.raises(ConfigurationError, match="provider 'anthropic', which is not configured"):
+        create_app(settings)
+
+
+def test_attribution_off_sends_no_model_headers(
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
+) -> None:
+    client = app_client(
+        create_app(workers_ai_settings(fake_workers_ai, ai_attribution="off"), sleep=no_sleep)
+    )
+    response = client.post("/draft-reply", json={"message": "Hello"})
+    assert response.status_code == 200
+    assert not [name for name in response.headers if name.startswith("x-ai-")]
+
+
+def test_the_app_on_openai_alone(fake_openai: FakeOpenAI, app_client: AppClient) -> None:
+    settings = Settings(
+        ai_provider="openai",
+        ai_model=FALLBACK,
+        openai_base_url=fake_openai.base_url,
+        openai_api_key=fake_openai.api_key,
+    )
+    client = app_client(create_app(settings, sleep=no_sleep))
+    fake_openai.script(FALLBACK, Reply("Hi there."))
+    response = client.post("/draft-reply", json={"message": "Hello"})
+    assert response.status_code == 200
+    assert response.headers["x-ai-model"] == FALLBACK

@@ -1,0 +1,84 @@
+"""`python -m guards.serve` in a process of its own, for the tests of serving: started on a free
+port, its log (stdout and stderr) in a file, stopped by signal."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Runs `guards.serve`'s command line under an open file limit (argv[1]; 0: unchanged).
+_LAUNCH = (
+    "import resource, sys\n"
+    "limit = int(sys.argv[1])\n"
+    "if limit:\n"
+    "    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))\n"
+    "from guards.serve import main\n"
+    "sys.exit(main(sys.argv[2:]))\n"
+)
+
+
+class ServedApp:
+    """`with ServedApp(log, "module:app", "--workers", "2") as served:` serves on `served.url`."""
+
+    def __init__(
+        self, log: Path, app: str, *args: str, env: dict[str, str] | None = None, open_files: int = 0
+    ) -> None:
+        self.log_path = log
+        command = [sys.executable, "-c", _LAUNCH, str(open_files), app, "--port", "0", *args]
+        with log.open("wb") as out:
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT
+            )
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def started_pids(self) -> list[int]:
+        """The process id of every worker started so far, in order."""
+        return [int(pid) for pid in re.findall(r"Started server process \[(\d+)\]", self.log)]
+
+    def wait_started(self, workers: int, timeout_s: float = 30.0) -> None:
+        """Until `workers` workers in all have completed their start-up (bounded poll)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            log = self.log
+            found = re.search(r"guards\.serve: http://127\.0\.0\.1:(\d+)", log)
+            if found and log.count("Application startup complete.") >= workers:
+                self.port = int(found.group(1))
+                return
+            if self.process.poll() is not None:
+                raise RuntimeError(f"guards.serve exited with {self.process.returncode}:\n{log}")
+            time.sleep(0.05)  # polling the log, bounded by the deadline
+        raise RuntimeError(f"guards.serve did not start {workers} worker(s) in {timeout_s} s:\n{self.log}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        """Send `sig` to the supervisor; its exit status (it must exit within `timeout_s`)."""
+        self.process.send_signal(sig)
+        return self.process.wait(timeout_s)
+
+    def __enter__(self) -> ServedApp:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)

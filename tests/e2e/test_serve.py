@@ -1,0 +1,235 @@
+"""`python -m guards.serve`: n uvicorn workers, each on a SO_REUSEPORT socket of its own.
+
+Real processes and real TCP: the supervisor is started as a user starts it, and what a worker
+did with a connection is read from inside the worker (`tests/e2e/serve_probe.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .served import ServedApp
+
+PROBE = "tests.e2e.serve_probe:app"
+#: Connections opened at once (with two workers, all on one by chance: probability 2 / 2**20).
+CLIENTS = 20
+
+
+def get(sock: socket.socket, path: str) -> tuple[int, dict[str, object]]:
+    """One keep-alive request on `sock`; the status and the JSON body."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nhost: test\r\n\r\n".encode())
+    return read_response(sock)
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, object]]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed after {data!r}")
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(
+        next(
+            line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+        )
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split(b" ")[1]), json.loads(body) if body else {}
+
+
+class Clients:
+    """Client sockets of a test, all closed at its end."""
+
+    def __init__(self) -> None:
+        self.sockets: list[socket.socket] = []
+
+    def connect(self, port: int, count: int = 1) -> list[socket.socket]:
+        """`count` connections opened at once, before any request (the way a loaded server
+        sees a client pool open)."""
+        new = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(count)]
+        self.sockets += new
+        return new
+
+
+@pytest.fixture
+def clients() -> Iterator[Clients]:
+    opened = Clients()
+    yield opened
+    for sock in opened.sockets:
+        sock.close()
+
+
+def closed_by_server(sock: socket.socket, timeout_s: float) -> bytes:
+    """What the server sent before closing `sock` (raises TimeoutError if it stays open)."""
+    sock.settimeout(timeout_s)  # a bound, not a wait: recv returns as soon as the server closes
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def wait_for_files(folder: Path, pattern: str, count: int, timeout_s: float = 10.0) -> None:
+    """Until the probe app has written `count` files matching `pattern` (bounded poll)."""
+    deadline = time.monotonic() + timeout_s
+    while len(list(folder.glob(pattern))) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} {pattern} in {timeout_s} s"
+        time.sleep(0.02)  # polling for the app to have the requests, bounded by the deadline
+
+
+def test_every_accepted_connection_has_tcp_nodelay(tmp_path: Path, clients: Clients) -> None:
+    with ServedApp(tmp_path / "log", PROBE, "--workers", "2") as served:
+        served.wait_started(2)
+        probes = [get(sock, "/probe") for sock in clients.connect(served.port, CLIENTS)]
+    assert [status for status, _ in probes] == [200] * CLIENTS
+    assert [body["nodelay"] for _, body in probes] == [True] * CLIENTS
+
+
+def test_workers_freeze_what_start_up_made_out_of_the_garbage_collector(
+    tmp_path: Path, clients: Clients
+) -> None:
+    """Each worker freezes the objects its start-up made (the app's modules, classes, schemas)
+    once the app has started, so a full collection does not walk them again (see README)."""
+    with ServedApp(tmp_path / "log", PROBE, "--workers", "2") as served:
+        served.wait_started(2)
+        probes = [get(sock, "/probe") for sock in clients.connect(served.port, CLIENTS)]
+    frozen = {body["pid"]: body["frozen"] for _, body in probes}
+    assert len(frozen) == 2
+    assert all(isinstance(count, int) and count > 10_000 for count in frozen.values()), frozen
+
+
+def test_keep_alive_connections_are_spread_across_workers(tmp_path: Path, clients: Clients) -> None:
+    """The kernel hashes each connection to one worker's socket: of 40 connections opened at
+    once, each of two workers serves at least 8 (by chance fewer: probability 4e-5). uvicorn's
+    shared socket gave all 40 to one worker in 6 of 8 tries."""
+    with ServedApp(tmp_path / "log", PROBE, "--workers", "2") as served:
+        served.wait_started(2)
+        sockets = clients.connect(served.port, 40)
+        # Three requests per connection: a kept-alive connection stays with its worker.
+        pids = [{get(sock, "/probe")[1]["pid"] for _ in range(3)} for sock in sockets]
+        workers = served.started_pids()
+    assert all(len(per_connection) == 1 for per_connection in pids)
+    served_by = [pid for per_connection in pids for pid in per_connection]
+    assert sorted(set(served_by)) == sorted(workers)
+    assert min(served_by.count(pid) for pid in workers) >= 8, served_by
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_gracefully(tmp_path: Path, clients: Clients, sig: signal.Signals) -> None:
+    """The supervisor forwards the stop: the request in flight is answered, each worker runs
+    its lifespan shutdown, the port closes, and the exit status is 0."""
+    probe_dir = tmp_path / "probe"
+    probe_dir.mkdir()
+    with ServedApp(tmp_path / "log", PROBE, "--workers", "2", env={"PROBE_DIR": str(probe_dir)}) as served:
+        served.wait_started(2)
+        [holding] = clients.connect(served.port)
+        holding.sendall(b"GET /hold?s=1.5 HTTP/1.1\r\nhost: test\r\n\r\n")
+        wait_for_files(probe_dir, "held-*", 1)
+        status = served.stop(sig, timeout_s=15)
+        answered = read_response(holding)
+    assert status == 0
+    assert answered[0] == 200
+    assert sorted(p.name for p in probe_dir.glob("shutdown-*")) == sorted(
+        f"shutdown-{pid}" for pid in served.started_pids()
+    )
+    with pytest.raises(ConnectionRefusedError):
+        clients.connect(served.port)
+
+
+def test_a_killed_worker_is_replaced(tmp_path: Path, clients: Clients) -> None:
+    with ServedApp(tmp_path / "log", PROBE, "--workers", "2") as served:
+        served.wait_started(2)
+        first, second = served.started_pids()
+        os.kill(first, signal.SIGKILL)
+        served.wait_started(3)  # the replacement has started
+        replacement = served.started_pids()[2]
+        pids = {get(sock, "/probe")[1]["pid"] for sock in clients.connect(served.port, CLIENTS)}
+        assert served.process.poll() is None
+        assert f"Worker [{first}] died" in served.log
+    assert pids == {second, replacement}
+
+
+def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path) -> None:
+    with ServedApp(tmp_path / "log", PROBE, "--workers", "2") as served:
+        served.wait_started(2)
+        served.process.kill()
+        served.process.wait(5)
+        deadline = time.monotonic() + 10  # each worker checks its parent once a second
+        while alive := [pid for pid in served.started_pids() if Path(f"/proc/{pid}").exists()]:
+            assert time.monotonic() < deadline, f"workers {alive} outlived their supervisor"
+            time.sleep(0.05)  # polling for the workers to exit, bounded by the deadline
+
+
+def test_a_worker_that_cannot_start_stops_the_server(tmp_path: Path) -> None:
+    with ServedApp(tmp_path / "log", "tests.e2e.serve_probe:no_such_app", "--workers", "2") as served:
+        assert served.process.wait(30) == 3
+    assert "failed to start" in served.log
+
+
+def test_a_request_head_must_arrive_within_the_header_timeout(tmp_path: Path, clients: Clients) -> None:
+    """uvicorn alone waits forever for a head; here a partial head gets 408 and a connection
+    that sends nothing is closed, both after `--timeout-header`, also on a kept-alive
+    connection; a head sent in many small pieces within the timeout is served."""
+    timeout_s = 1.0
+    with ServedApp(tmp_path / "log", PROBE, "--timeout-header", str(timeout_s)) as served:
+        served.wait_started(1)
+        start = time.monotonic()
+        partial, silent, kept, trickled = clients.connect(served.port, 4)
+        partial.sendall(b"GET /probe HTTP/1.1\r\nhost: te")
+        assert get(kept, "/probe")[0] == 200
+        kept.sendall(b"GET /probe HTTP/1.1\r\n")
+        trickled.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for byte in b"GET /probe HTTP/1.1\r\nhost: test\r\n\r\n":
+            trickled.send(bytes([byte]))
+        assert read_response(trickled)[0] == 200
+        answers = [closed_by_server(sock, timeout_s + 5) for sock in (partial, silent, kept)]
+        elapsed = time.monotonic() - start
+    assert answers[0].startswith(b"HTTP/1.1 408 ")
+    assert answers[1] == b""
+    assert answers[2].startswith(b"HTTP/1.1 408 ")
+    assert timeout_s <= elapsed < timeout_s + 5
+
+
+def test_past_the_limit_requests_get_503_and_waiting_connections_make_room(
+    tmp_path: Path, clients: Clients
+) -> None:
+    """`--limit-concurrency 4`: idle connections never keep a request out (the longest
+    waiting is closed to make room), while requests in flight at the limit get 503."""
+    probe_dir = tmp_path / "probe"
+    probe_dir.mkdir()
+    env = {"PROBE_DIR": str(probe_dir)}
+    with ServedApp(tmp_path / "log", PROBE, "--limit-concurrency", "4", env=env) as served:
+        served.wait_started(1)
+        idle = clients.connect(served.port, 10)
+        [ready] = clients.connect(served.port)
+        assert get(ready, "/probe")[0] == 200
+        # The open connections stay below 4: the oldest waiting ones were closed, silently.
+        assert [closed_by_server(sock, 5) for sock in idle[:-2]] == [b""] * 8
+
+        holders = clients.connect(served.port, 3)
+        for sock in holders:
+            sock.sendall(b"GET /hold?s=2 HTTP/1.1\r\nhost: test\r\n\r\n")
+        wait_for_files(probe_dir, "held-*", 3)
+        refused = httpx.get(f"{served.url}/probe", timeout=5)
+        held = [read_response(sock)[0] for sock in holders]
+    assert refused.status_code == 503
+    assert held == [200, 200, 200]
+
+
+def test_an_explicit_limit_the_open_file_limit_cannot_hold_is_refused(tmp_path: Path) -> None:
+    with ServedApp(tmp_path / "log", PROBE, "--limit-concurrency", "2000", open_files=1024) as served:
+        assert served.process.wait(30) == 2
+    assert "needs an open file limit of 2384" in served.log

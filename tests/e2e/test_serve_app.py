@@ -1,0 +1,199 @@
+"""The example app under `python -m guards.serve`, as an operator runs it: what a stopping
+server does to the streams it relays, and what clients can put into its log.
+
+Real processes and real HTTP: the app is served by the supervisor with the fake Workers AI as
+its provider.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from fixtures import FakeWorkersAI, Stream, Text
+from guards.stores import open_store
+
+from .served import ServedApp
+
+#: Streams in flight when the server is told to stop.
+STREAMS = 20
+#: `tests/e2e/serve_spend.py`'s price of a call, and the spend key of its caller `ada`.
+CALL_PRICE = 1.0
+ADA = "guards:stream:ada"
+MESSAGE = {"message": "Where is my order?"}
+#: A control character in a log line (the newline and the tab aside).
+CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def app_env(fake: FakeWorkersAI, **extra: str) -> dict[str, str]:
+    return {
+        "AI_PROVIDER": "workers-ai",
+        "CLOUDFLARE_ACCOUNT_ID": fake.account_id,
+        "CLOUDFLARE_API_TOKEN": fake.api_token,
+        "CLOUDFLARE_API_BASE": fake.base_url,
+        "AI_MODEL": "@cf/meta/llama-3.1-8b-instruct",
+        "GUARDS_STORE": "memory://",
+        **extra,
+    }
+
+
+def events_of(lines: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The Server-Sent Events of a stream's lines, as (event, data)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    name = None
+    for line in lines:
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: ") and name is not None:
+            found.append((name, json.loads(line.removeprefix("data: "))))
+            name = None
+    return found
+
+
+def json_lines(log: str) -> list[dict[str, Any]]:
+    lines = []
+    for line in log.splitlines():
+        if line.startswith("{"):
+            lines.append(json.loads(line))
+    return lines
+
+
+def raw_get(port: int, target: str, headers: dict[str, str]) -> bytes:
+    """One GET over a socket of its own, header values sent as given (an HTTP client would
+    refuse to send control characters); the answer's first bytes."""
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    request = f"GET {target} HTTP/1.1\r\nhost: test\r\nconnection: close\r\n{head}\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request.encode("latin-1"))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_stream_cut_by_a_shutdown_ends_with_an_error_event_and_no_traceback(
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path
+) -> None:
+    """Twenty streams from a slow provider, then SIGTERM with a one-second graceful period:
+    past it, every stream ends with one `error` event (`call`/`timeout`, the server stopping),
+    each request's spend is settled (a cut stream costs its call: 1 unit, not its 2-unit
+    hold), the request log says each was cut by the shutdown (not that its client left), and
+    the server writes no traceback; the supervisor exits 0 (no worker had to be killed)."""
+    fake_workers_ai.default = Stream(parts=[Text("word ")] * 200, interval_s=0.1)
+    started = threading.Barrier(STREAMS + 1, timeout=20)
+
+    def stream(client: httpx.Client) -> list[str]:
+        lines: list[str] = []
+        ask = {"message": "Where is my order?"}
+        with client.stream("POST", "/stream", json=ask, headers={"x-user-id": "ada"}) as answer:
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                lines.append(line)
+                if line.startswith("data: ") and len(lines) == 2:
+                    started.wait()  # the first delta is here: the stream is committed
+        return lines
+
+    database = tmp_path / "guards.db"
+    env = {
+        "FAKE_ACCOUNT_ID": fake_workers_ai.account_id,
+        "FAKE_API_TOKEN": fake_workers_ai.api_token,
+        "FAKE_BASE_URL": fake_workers_ai.base_url,
+        "SPEND_DB": str(database),
+    }
+    args = ("--timeout-graceful-shutdown", "1")
+    with ServedApp(tmp_path / "log", "tests.e2e.serve_spend:app", *args, env=env) as served:
+        served.wait_started(1)
+        limits = httpx.Limits(max_connections=STREAMS)
+        with (
+            httpx.Client(base_url=served.url, timeout=20, limits=limits) as client,
+            ThreadPoolExecutor(STREAMS) as pool,
+        ):
+            futures = [pool.submit(stream, client) for _ in range(STREAMS)]
+            started.wait()
+            served.process.send_signal(signal.SIGTERM)
+            streams = [events_of(future.result(timeout=30)) for future in futures]
+        assert served.process.wait(30) == 0
+        log = served.log
+    for events in streams:
+        names = [name for name, _ in events]
+        assert names[:-1] == ["delta"] * (len(names) - 1)
+        assert names[-1] == "error", names[-3:]
+        data = events[-1][1]
+        assert (data["guard"], data["reason"]) == ("call", "timeout")
+        assert "server is stopping" in data["detail"]
+    requests = [line for line in json_lines(log) if line.get("event") == "request"]
+    assert len(requests) == STREAMS
+    for line in requests:
+        assert (line["outcome"], line["reason"], line["cut"]) == ("error", "timeout", "shutdown")
+    assert "Traceback" not in log
+    assert "Exception in ASGI application" not in log
+    assert "CancelledError" not in log
+
+    async def spent() -> float:
+        store = open_store(f"sqlite:///{database}")
+        try:
+            return await store.spent(ADA)
+        finally:
+            await store.aclose()
+
+    assert anyio.run(spent) == STREAMS * CALL_PRICE
+
+
+def test_forwarded_headers_are_not_trusted_and_the_log_is_escaped(
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path
+) -> None:
+    """A client's `X-Forwarded-For` carrying terminal escapes: by default no proxy is trusted,
+    so the address logged is the peer's, and no raw control character reaches the log."""
+    escape = "\x1b[2J\x1b[31m"
+    hostile = {"x-forwarded-for": f"6.6.6.6{escape}", "x-forwarded-proto": f"https{escape}"}
+    env = app_env(fake_workers_ai)
+    with ServedApp(tmp_path / "log", "app.main:app", env=env) as served:
+        served.wait_started(1)
+        assert raw_get(served.port, "/health", hostile).startswith(b"HTTP/1.1 200")
+        # The path and query are the client's too.
+        raw_get(served.port, f"/nowhere%1b[2J?q=%1b[2J{escape}", hostile)
+        assert served.stop() == 0
+        log = served.log
+    assert "6.6.6.6" not in log
+    assert re.search(r'127\.0\.0\.1:\d+ - "GET /health HTTP/1\.1" 200', log)
+    assert not re.search(CONTROLS, log), repr(log[-400:])
+
+
+def test_forwarded_headers_of_a_trusted_proxy_name_the_client(
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path
+) -> None:
+    """`--forwarded-allow-ips 127.0.0.1`: the proxy on loopback is trusted, so the client it
+    names is the one logged, its escapes still escaped."""
+    env = app_env(fake_workers_ai)
+    args = ("--forwarded-allow-ips", "127.0.0.1")
+    with ServedApp(tmp_path / "log", "app.main:app", *args, env=env) as served:
+        served.wait_started(1)
+        assert raw_get(served.port, "/health", {"x-forwarded-for": "6.6.6.6"}).startswith(b"HTTP/1.1 200")
+        raw_get(served.port, "/health", {"x-forwarded-for": "7.7.7.7\x1b[2J"})
+        assert served.stop() == 0
+        log = served.log
+    assert '6.6.6.6:0 - "GET /health HTTP/1.1" 200' in log
+    assert not re.search(CONTROLS, log), repr(log[-400:])
+
+
+def test_a_traceback_quoting_a_client_is_escaped(tmp_path: Path) -> None:
+    """An app that crashes with a client's header in its exception: uvicorn logs the
+    traceback, its last line escaped."""
+    with ServedApp(tmp_path / "log", "tests.e2e.serve_probe:app") as served:
+        served.wait_started(1)
+        answer = raw_get(served.port, "/raise", {"x-say": "hello\x1b[2J\x1b[31m"})
+        assert answer.startswith(b"HTTP/1.1 500")
+        assert served.stop() == 0
+        log = served.log
+    assert "Exception in ASGI application" in log
+    assert "RuntimeError: the client said hello\\x1b[2J\\x1b[31m" in log
+    assert not re.search(CONTROLS, log), repr(log[-400:])

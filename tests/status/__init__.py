@@ -1,0 +1,1 @@
+"""The status page, its HTML in a browser, and the Grafana dashboard."""
