@@ -8,7 +8,6 @@ path to one allocation (`make bench-instructions` is the guard).
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from ._checkpoints import resumed
@@ -78,14 +77,15 @@ class RequestState:
         first: Step | None,
         trace_id: str,
         request: Request | None,
-        started: float | None,
+        started: float,
         observe: Observers,
     ) -> None:
         self._shared = shared
         self._route = route
         #: The client's request (None outside a route), watched for a disconnect during calls.
         self._request = request
-        self._started = time.perf_counter() if started is None else started
+        #: When the request began (`time.perf_counter()`).
+        self._started = started
         self._observe = observe
         #: The leg whose answer the request was last given (`guards_served_total`).
         self._served_leg: Leg | None = None
