@@ -241,7 +241,7 @@ class GuardedEndpoint:
         (emptied when full; a long caller key is not kept). Budget keys are scoped to the
         route (or the budget's scope): `guards:{scope}:{caller}`."""
         route = self._route
-        budget = route.budget
+        budget = self._budget
         assert budget is not None
         charge = Charge(
             f"{self._budget_prefix}{caller}",
