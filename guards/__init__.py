@@ -23,6 +23,7 @@ from ._guards import Guards
 from ._last_good import LastGood
 from ._ledger import Attempt, Ledger, LogLedger
 from ._levels import ModelDown, ServiceLevel
+from ._log import flush_logs
 from ._metrics import render_metrics
 from ._output import Moderation
 from ._responses import PublicError, public_error
@@ -112,6 +113,7 @@ __all__ = [
     "client_key",
     "estimate_effort",
     "flatten_chain",
+    "flush_logs",
     "header_key",
     "is_output",
     "override_effort",

@@ -208,6 +208,7 @@ class GuardedEndpoint:
                         None,
                         (resumed(request) or None) if route.task is not None else None,
                         None,
+                        ai._held,
                     )
                 )
         finally:

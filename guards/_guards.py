@@ -31,7 +31,7 @@ from ._errors import ConfigurationError
 from ._event_stream import GUARDS_EVENTS, StreamFormat
 from ._ledger import Ledger, LogLedger
 from ._levels import LevelMiddleware, Levels, ServiceLevel
-from ._log import emit, logger, show_logs
+from ._log import emit, flush_logs, logger, show_logs
 from ._metrics import flush_metrics, flush_soon
 from ._openapi import document_guarded_routes
 from ._output import Moderation
@@ -77,6 +77,11 @@ class Guards:
     minutes by default); `cooldowns` says it per model key (`model` or `provider:model`),
     for the models that differ; `attribution` how responses name the model that served
     (`x-ai-model`, `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
+    `log_attempts` says which provider calls the default ledger writes an `attempt` line for:
+    `"retries"` (default) those of requests that made more than one (a request's only call is
+    on its `request` line), `"all"` every one. `log_sample` is the share of successful requests
+    that write their `request` line (default 1.0: all; a request that fell back, failed or was
+    cancelled always does).
     `tracing` turns on OpenTelemetry traces (GenAI semantic conventions; needs `route-guards[otel]`):
     True traces with OpenTelemetry's global tracer provider, a `TracerProvider` with that one;
     False (default) imports nothing of OpenTelemetry and costs nothing.
@@ -105,11 +110,17 @@ class Guards:
         tracing: bool | TracerProvider = False,
         hints: Mapping[str, str] | None = None,
         max_in_flight: int | None = None,
+        log_attempts: Literal["retries", "all"] = "retries",
+        log_sample: float = 1.0,
     ) -> None:
         if attribution not in ("off", "redacted", "detailed"):
             raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
         if not cost_unit_usd > 0:
             raise ConfigurationError("cost_unit_usd must be positive (US dollars per cost unit)")
+        if log_attempts not in ("retries", "all"):
+            raise ConfigurationError('log_attempts must be "retries" or "all"')
+        if not 0.0 <= log_sample <= 1.0:
+            raise ConfigurationError("log_sample must be between 0.0 and 1.0 (the share of successes logged)")
         if max_in_flight is not None and max_in_flight < 1:
             raise ConfigurationError("max_in_flight must be at least 1 (or None: no limit)")
         if DEFAULT_PROVIDER in (providers or {}):
@@ -128,6 +139,8 @@ class Guards:
         self.cooldowns: Mapping[str, Cooldown] = _checked_cooldowns(cooldown, cooldowns or {})
         self.attribution: Attribution = attribution
         self.ledger: Ledger = ledger if ledger is not None else LogLedger()
+        self.log_attempts: Literal["retries", "all"] = log_attempts
+        self.log_sample = log_sample
         self.store: Store = store if store is not None else MemoryStore()
         self.sleep = sleep
         self.retry_after_s = retry_after_s
@@ -361,8 +374,9 @@ class Guards:
         return guards
 
     async def aclose(self) -> None:
-        """Close the bindings and the store, and write this process's metrics."""
+        """Close the bindings and the store, and write this process's metrics and log lines."""
         flush_metrics()
+        await anyio.to_thread.run_sync(flush_logs)
         self.levels.close()
         try:
             # A binding may serve under several names: close each once.

@@ -8,56 +8,265 @@ Lines show up without any logging set-up: `Guards.install` puts a console handle
 `guards` logger (`show_logs`) that writes to stderr only while no other handler would receive
 the line, i.e. until the app configures logging of its own (a handler on `guards` or on an
 ancestor it propagates to, such as the root logger: then each line is written once, there).
+
+No line is formatted or written on the request's thread. `emit` checks the level, then hands
+the event's fields to this process's `LineWriter`, a queue read by one writer thread, which
+builds each line and writes it: straight to stderr (in batches) when the console handler is the
+only receiver, else as a `LogRecord` through the `guards` logger, so the app's handlers run
+there too, never on the event loop. The queue is bounded (`GUARDS_LOG_BUFFER_LINES`, 10,000 by
+default): when the writer falls behind (a full pipe to a log shipper, a paused container
+runtime), new lines are dropped and counted, never waited for (`guards_log_lines_dropped_total`,
+and a `log_lines_dropped` warning line once the writer catches up). `skip` lines are summarized
+there as well: at most one per route, reason and second, with a `count`. `flush_logs()` waits,
+for a bounded time, until what was emitted before it is written (the tests, a serverless
+handler before its process is frozen, shutdown: it also runs at interpreter exit).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
 import sys
+import threading
+import time
+from collections.abc import Mapping
+from queue import Empty, SimpleQueue
 from types import TracebackType
 from typing import Any
 
-__all__ = ["logger", "show_logs"]
+from ._errors import ConfigurationError
+
+__all__ = ["flush_logs", "logger", "show_logs"]
 
 logger = logging.getLogger("guards")
 
 #: The most stack frames an application failure logs (the innermost ones).
 MAX_FRAMES = 20
-
+#: Lines waiting for the writer at most (`GUARDS_LOG_BUFFER_LINES`): past it, lines are dropped.
+BUFFER_LINES = 10_000
+#: Lines the writer takes off its queue at a time (written with one `write` and one `flush`).
+BATCH_LINES = 256
+#: `flush_logs()`'s wait at most, by default (and at interpreter exit).
+FLUSH_TIMEOUT_S = 1.0
 
 #: One encoder for every line (`json.dumps` with options builds a new one per call).
 _encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
 
+#: What the queue carries: (level, event, fields, time.time() when emitted, summary key): the
+#: key is None for a line written as it is, else the (route, reason) its second's `skip` line
+#: summarizes. An empty event: a line already made (`fields["text"]`, another module's record).
+_Item = tuple[int, str, Mapping[str, Any], float, "tuple[str, str] | None"]
+
 
 def emit(event: str, /, **fields: Any) -> None:
     if logger.isEnabledFor(logging.INFO):
-        _emit_at(logging.INFO, event, fields)
+        _writer.put((logging.INFO, event, fields, time.time(), None))
 
 
 def emit_warning(event: str, /, **fields: Any) -> None:
     if logger.isEnabledFor(logging.WARNING):
-        _emit_at(logging.WARNING, event, fields)
+        _writer.put((logging.WARNING, event, fields, time.time(), None))
 
 
 def emit_error(event: str, /, **fields: Any) -> None:
     if logger.isEnabledFor(logging.ERROR):
-        _emit_at(logging.ERROR, event, fields)
+        _writer.put((logging.ERROR, event, fields, time.time(), None))
 
 
-def _emit_at(level: int, event: str, fields: dict[str, Any]) -> None:
-    """The line as `logger.log` would make it, without `findCaller`'s walk up the stack, which
-    would find this function every time: the record names it."""
+def emit_skip(route: str, reason: str, /, **fields: Any) -> None:
+    """A `skip` line, summarized with the other skips of `route` for `reason` in its second."""
+    if logger.isEnabledFor(logging.INFO):
+        fields["route"], fields["reason"] = route, reason
+        _writer.put((logging.INFO, "skip", fields, time.time(), (route, reason)))
+
+
+def flush_logs(timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+    """Wait until every guards line emitted so far is written (the `skip` summaries of the
+    current second too), for `timeout_s` at most. True when they were; False when the writer
+    is stuck (its stream does not take them) and the wait ran out. Call it from a thread, or
+    before an event loop stops, not from a coroutine that the writer may wait for."""
+    return _writer.flush(timeout_s)
+
+
+def dropped_lines() -> int:
+    """Lines this process dropped because its writer was behind (only grows)."""
+    return _writer.dropped
+
+
+class LineWriter:
+    """The process's queue of lines and the thread that writes them (started with the first
+    line, and again in a forked child)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.dropped = 0
+        self._queue: SimpleQueue[_Item | threading.Event] = SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        #: The dropped lines already said so in a `log_lines_dropped` line (writer thread).
+        self._reported = 0
+        #: Open `skip` summaries: (route, reason) -> [second, first fields, count, models].
+        self._skips: dict[tuple[str, str], list[Any]] = {}
+
+    def put(self, item: _Item) -> None:
+        if self._thread is None:
+            self._start()
+        queue = self._queue
+        if queue.qsize() >= self.capacity:
+            self.dropped += 1
+            return
+        queue.put(item)
+
+    def flush(self, timeout_s: float) -> bool:
+        if self._thread is None or threading.current_thread() is self._thread:
+            return True
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name="guards-log-writer", daemon=True)
+                thread.start()
+                self._thread = thread
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's thread is not there; the parent writes its lines."""
+        self._queue = SimpleQueue()
+        self._thread = None
+        self._start_lock = threading.Lock()
+        self._skips = {}
+
+    def _run(self) -> None:
+        queue = self._queue
+        while True:
+            timeout = None
+            if self._skips:  # wake when the oldest open second ends
+                oldest = min(entry[0] for entry in self._skips.values())
+                timeout = max(0.0, oldest + 1 - time.time())
+            try:
+                first = queue.get(timeout=timeout)
+            except Empty:
+                self._write(self._close_skips(time.time()))
+                continue
+            items = [first]
+            try:
+                while len(items) < BATCH_LINES:
+                    items.append(queue.get_nowait())
+            except Empty:
+                pass
+            self._take(items)
+
+    def _take(self, items: list[_Item | threading.Event]) -> None:
+        lines: list[tuple[int, str, float]] = []
+        for item in items:
+            if isinstance(item, threading.Event):
+                lines += self._close_skips(None)
+                self._write(lines)
+                lines = []
+                item.set()
+                continue
+            level, event, fields, created, summary = item
+            if summary is not None:
+                lines += self._summarize(summary, fields, created)
+            else:
+                lines.append((level, _line(event, fields) if event else fields["text"], created))
+        lines += self._close_skips(time.time())
+        self._write(lines)
+
+    def _summarize(
+        self, key: tuple[str, str], fields: Mapping[str, Any], created: float
+    ) -> list[tuple[int, str, float]]:
+        """Count a skip into its second's summary (closing the summary of an earlier second)."""
+        second = int(created)
+        entry = self._skips.get(key)
+        closed = []
+        if entry is not None and entry[0] != second:
+            closed.append(_skip_line(entry))
+            entry = None
+        if entry is None:
+            self._skips[key] = [second, fields, 1, {fields.get("model")}]
+        else:
+            entry[2] += 1
+            if len(entry[3]) < 16:  # a route's chain, not input: bounded all the same
+                entry[3].add(fields.get("model"))
+        return closed
+
+    def _close_skips(self, now: float | None) -> list[tuple[int, str, float]]:
+        """The summaries of seconds that ended before `now` (None: every one)."""
+        closed = []
+        for key, entry in list(self._skips.items()):
+            if now is None or entry[0] + 1 <= now:
+                closed.append(_skip_line(entry))
+                del self._skips[key]
+        return closed
+
+    def _write(self, lines: list[tuple[int, str, float]]) -> None:
+        dropped = self.dropped
+        if dropped != self._reported:
+            count, self._reported = dropped - self._reported, dropped
+            lines.append((logging.WARNING, _line("log_lines_dropped", {"count": count}), time.time()))
+        if not lines:
+            return
+        if _console_only():
+            stream = sys.stderr  # as it is now (servers and test tools may swap it)
+            if stream is None:
+                return
+            try:
+                stream.write("".join(text + "\n" for _, text, _ in lines))
+                stream.flush()
+            except Exception:  # a closed or broken stream: nothing to tell it with
+                pass
+            return
+        for level, text, created in lines:
+            record = logger.makeRecord(logger.name, level, *_SOURCE, text, (), None, _SOURCE_FUNCTION)
+            record.created, record.msecs = created, (created - int(created)) * 1000
+            logger.handle(record)
+
+
+def _line(event: str, fields: Mapping[str, Any]) -> str:
     line = {"event": event}
     for name, value in fields.items():
         if value is not None:
             line[name] = value
-    logger.handle(logger.makeRecord(logger.name, level, *_SOURCE, _encode(line), (), None, _SOURCE_FUNCTION))
+    return _encode(line)
 
 
-#: Where `_emit_at`'s records say they come from (file, line; function), as `findCaller` would.
-_SOURCE = (_emit_at.__code__.co_filename, _emit_at.__code__.co_firstlineno)
-_SOURCE_FUNCTION = _emit_at.__code__.co_name
+def _skip_line(entry: list[Any]) -> tuple[int, str, float]:
+    second, fields, count, models = entry
+    line = dict(fields, count=count)
+    if len(models) > 1:
+        line["models"] = sorted(str(model) for model in models)
+    return logging.INFO, _line("skip", line), float(second)
+
+
+#: Where the records of the app's handlers say they come from (file, line; function): the
+#: writer, as `findCaller` would find it.
+_SOURCE = (LineWriter._write.__code__.co_filename, LineWriter._write.__code__.co_firstlineno)
+_SOURCE_FUNCTION = LineWriter._write.__code__.co_name
+
+
+def _buffer_lines() -> int:
+    value = os.environ.get("GUARDS_LOG_BUFFER_LINES", "")
+    if not value:
+        return BUFFER_LINES
+    try:
+        lines = int(value)
+    except ValueError:
+        lines = 0
+    if lines < 1:
+        raise ConfigurationError(
+            f"GUARDS_LOG_BUFFER_LINES must be a whole number of lines, at least 1 (got {value!r})"
+        )
+    return lines
+
+
+_writer = LineWriter(_buffer_lines())
+os.register_at_fork(after_in_child=_writer._forked)
+atexit.register(flush_logs)
 
 
 def frames(tb: TracebackType | None) -> tuple[list[dict[str, Any]], int]:
@@ -72,26 +281,34 @@ def frames(tb: TracebackType | None) -> tuple[list[dict[str, Any]], int]:
 
 
 class _ConsoleFallback(logging.Handler):
-    """Writes a `guards` line to stderr unless another handler receives it (the app's own)."""
+    """Writes a `guards` line to stderr unless another handler receives it (the app's own).
+    guards' own lines reach it only through the writer; a record logged on `guards` by other
+    code goes to the writer's queue from here."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self._handled_elsewhere():
+        if threading.current_thread() is _writer._thread or _handled_elsewhere(self):
             return
-        try:
-            # sys.stderr as it is now (servers and test tools may swap it after start-up).
-            sys.stderr.write(record.getMessage() + "\n")
-            sys.stderr.flush()
-        except Exception:
-            self.handleError(record)
+        _writer.put((record.levelno, "", {"text": record.getMessage()}, record.created, None))
 
-    def _handled_elsewhere(self) -> bool:
-        # The walk `Logger.callHandlers` makes: up the hierarchy while loggers propagate.
-        current: logging.Logger | None = logger
-        while current is not None:
-            if any(handler is not self for handler in current.handlers):
-                return True
-            current = current.parent if current.propagate else None
+
+def _handled_elsewhere(console: logging.Handler | None) -> bool:
+    """Whether a handler other than `console` receives the `guards` logger's records (the walk
+    `Logger.callHandlers` makes: up the hierarchy while loggers propagate)."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        if any(handler is not console for handler in current.handlers):
+            return True
+        current = current.parent if current.propagate else None
+    return False
+
+
+def _console_only() -> bool:
+    """Whether the console fallback is the only receiver of guards' lines (and no filter or
+    switch on the logger would change that): then the writer writes to stderr itself."""
+    if logger.disabled or logger.filters:
         return False
+    console = next((h for h in logger.handlers if isinstance(h, _ConsoleFallback)), None)
+    return console is not None and not _handled_elsewhere(console)
 
 
 def show_logs() -> None:

@@ -43,6 +43,7 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from ._breaker import CircuitState
+from ._log import dropped_lines
 
 __all__ = [
     "ATTEMPTS",
@@ -180,6 +181,11 @@ TASK_STEPS = Counter(
     "idempotency_key_reused, or 429 rate_limited for too many live tasks).",
     ["route", "outcome"],
 )
+LOG_LINES_DROPPED = Counter(
+    "guards_log_lines_dropped",
+    "Log lines dropped because the writer of guards' lines was behind (a stderr or log "
+    "handler that does not keep up): never waited for (see docs/operating/logs.md).",
+)
 
 
 class Tally:
@@ -260,6 +266,8 @@ class HistogramTally:
 
 
 _tallies: dict[tuple[Counter | Histogram, tuple[str, ...]], Tally | HistogramTally] = {}
+#: The log lines this process dropped (`guards._log`: counted there, written at each flush).
+_dropped_lines = Tally(LOG_LINES_DROPPED)
 _flush_lock = threading.Lock()
 #: When the scheduled flush is overdue (`time.perf_counter()`); 0.0: none scheduled.
 _flush_due = 0.0
@@ -340,6 +348,8 @@ def flush_metrics() -> None:
     with _flush_lock:
         for tally in list(_tallies.values()):
             tally._flush()
+        _dropped_lines.count = dropped_lines()
+        _dropped_lines._flush()
 
 
 def flush_soon(now: float) -> None:

@@ -9,7 +9,7 @@ these names, so it can be built and tested without the whole facade, and no modu
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from typing import Literal, Protocol
 
 from ._binding import Binding
 from ._budget import Price
@@ -44,6 +44,9 @@ class Shared(Protocol):
     cost_unit_usd: float
     attribution: Attribution
     ledger: Ledger
+    #: Which calls the default ledger writes a line for; the share of successes logged.
+    log_attempts: Literal["retries", "all"]
+    log_sample: float
     #: The tracer when tracing is on, else None.
     tracing: Tracing | None
     retry_windows: RetryWindows

@@ -221,4 +221,5 @@ def _ended(
         None,
         None,
         extra,
+        None,
     )

@@ -44,7 +44,11 @@ class LiveServer:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        # asyncio and h11 whatever is installed: uvloop's loop refuses to close while a client
+        # still holds a connection (EBUSY), which a test's client may well do at the end.
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2, loop="asyncio", http="h11"
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
@@ -154,26 +158,51 @@ def asgi_client(app: FastAPI, **options: Any) -> httpx.AsyncClient:
 
 
 class LogLines(logging.Handler):
-    """Every record of the `guards` logger, as text and parsed JSON."""
+    """Every record of the `guards` logger, as text and parsed JSON. guards writes its lines
+    from a thread of its own: reading `lines` first waits until every line emitted so far was
+    written (`guards.flush_logs`)."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
+        self._lines: list[str] = []
         self._changed = threading.Condition()
+
+    @property
+    def lines(self) -> list[str]:
+        assert guards.flush_logs(5.0), "guards' log writer did not catch up"
+        return self._lines
 
     def emit(self, record: logging.LogRecord) -> None:
         with self._changed:
-            self.lines.append(record.getMessage())
+            self._lines.append(record.getMessage())
             self._changed.notify_all()
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float = 5.0) -> bool:
-        """Block until `predicate()` is true (a line arrived from a server thread) or `timeout`."""
-        with self._changed:
-            return bool(self._changed.wait_for(predicate, timeout))
+        """Block until `predicate()` is true (a line arrived from a server thread) or `timeout`.
+        `predicate` runs without the lock held: it may read `lines`, which waits for guards'
+        writer, whose lines come through `emit`."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            with self._changed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.05))
+        return True
 
     def events(self, event: str | None = None) -> list[dict[str, Any]]:
         parsed = [json.loads(line) for line in self.lines]
         return [p for p in parsed if event is None or p["event"] == event]
+
+    def skips(self) -> dict[tuple[str, str], int]:
+        """How many skips the `skip` lines count, by (models, reason): a line summarizes its
+        route's skips for one reason in one second (`models`: the models skipped, comma-joined,
+        when more than one)."""
+        counted: dict[tuple[str, str], int] = {}
+        for line in self.events("skip"):
+            key = (",".join(line.get("models", [line["model"]])), line["reason"])
+            counted[key] = counted.get(key, 0) + line["count"]
+        return counted
 
 
 _Lines = TypeVar("_Lines", bound=LogLines)

@@ -932,19 +932,33 @@ def test_log_samples_have_the_fields_of_real_lines(
     fake_workers_ai: FakeWorkersAI, serve: Serve, guards_log: LogLines
 ) -> None:
     client = serve(create_app(workers_ai_settings(fake_workers_ai), sleep=no_sleep))
-    fake_workers_ai.script("*", Fail(code=3040, status=429), Reply("Fine."))
-    assert client.post("/draft-reply", json={"message": "Where is my parcel?"}).status_code == 200
+    # A request's only call, on its request line; then one retried: two attempt lines.
+    fake_workers_ai.script("*", Reply("Fine."), Fail(code=3040, status=429), Reply("Fine."))
+    for _ in range(2):
+        assert client.post("/draft-reply", json={"message": "Where is my parcel?"}).status_code == 200
     # Effort routing on, and a model failing every call: the effort decision, and retries until
     # the retry budget (at least 3 per window) refuses one.
     routed = serve(create_app(workers_ai_settings(fake_workers_ai, ai_effort="auto"), sleep=no_sleep))
     fake_workers_ai.script("*", *[Fail(code=3040, status=429)] * 10)
     for _ in range(5):
         routed.post("/draft-reply", json={"message": "Where is my parcel?"})
+    # A breaker open on the only model: a skip line (its second's summary).
+    fake_workers_ai.script("*", *[Fail(code=5035, status=403)] * 10)
+    for _ in range(6):
+        client.post("/draft-reply", json={"message": "Where is my parcel?"})
     real: dict[str, list[set[str]]] = {}
     for line in guards_log.events():
         real.setdefault(line["event"], []).append(set(line))
     samples = json_values(block("operating/logs.md", "json"))
-    assert [s["event"] for s in samples] == ["effort", "attempt", "retry", "retry", "request"]
+    assert [s["event"] for s in samples] == [
+        "request",
+        "effort",
+        "attempt",
+        "retry",
+        "retry",
+        "request",
+        "skip",
+    ]
     for sample in samples:
         assert set(sample) in real[sample["event"]], sample["event"]
 

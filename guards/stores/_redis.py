@@ -1264,7 +1264,8 @@ class _Wire(asyncio.Protocol):
     # --- asyncio's side ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A stream transport, though not always an `asyncio.Transport` (uvloop's are not).
+        transport = cast("asyncio.Transport", transport)
         self._made = True
         if self.failure is not None:  # given up meanwhile
             transport.abort()

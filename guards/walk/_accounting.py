@@ -80,7 +80,7 @@ def account(
             state._cost += cost
         elif billed and route.spend_capped:
             state._cost += worst(leg, state._tokens, route.max_tokens)
-    state._observe.attempt_ended(
+    state._held = state._observe.attempt_ended(
         (
             route,
             state.trace_id,
@@ -95,7 +95,8 @@ def account(
             status,
             code,
             resumed(state._request) if route.task is not None else (),
-        )
+        ),
+        state._held,
     )
 
 

@@ -164,7 +164,7 @@ async def walk(
                             # `on_attempt`'s usual case, inline (every request's path): a
                             # success with no price, so no cost to add.
                             state.attempts += 1
-                            observe.attempt_ended(
+                            state._held = observe.attempt_ended(
                                 (
                                     route,
                                     state.trace_id,
@@ -179,7 +179,8 @@ async def walk(
                                     None,
                                     None,
                                     resumed(state._request) if route.task is not None else (),
-                                )
+                                ),
+                                state._held,
                             )
                         else:
                             on_attempt(state, result, started)

@@ -109,12 +109,14 @@ class BreakerMoved(NamedTuple):
 
 #: A guarded request ended: `(route, trace_id, outcome, status, started, attempts,
 #: attempt_budget, model, fallback_model, served_leg, tripped, error, legs, resumed_steps,
-#: extra)`. `outcome`: `ok`, `fallback`, `error` or `cancelled`; `started`: its
+#: extra, held)`. `outcome`: `ok`, `fallback`, `error` or `cancelled`; `started`: its
 #: `time.perf_counter()` start; `served_leg`: the leg whose answer was served (None: the
 #: handler's own value), for `guards_served_total`; `legs`: each model tried or skipped and how
 #: it ended, when the request failed on a chain; `extra`: more fields of its log line
-#: (`replayed`, `exc_type`, `where`, `cut`).
+#: (`replayed`, `exc_type`, `where`, `cut`); `held`: the record of the request's only attempt,
+#: when no `attempt` line was written for it (`Observers.attempt_ended`): its line carries it.
 RequestEnded: TypeAlias = """tuple[
     GuardedRoute, str, str, int, float, int, int, str | None, str | None, Leg | None,
-    GuardTripped | None, ErrorCode | None, str | None, tuple[str, ...] | None, dict[str, Any] | None
+    GuardTripped | None, ErrorCode | None, str | None, tuple[str, ...] | None, dict[str, Any] | None,
+    AttemptEnded | None
 ]"""

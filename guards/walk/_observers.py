@@ -9,13 +9,17 @@ method below is where that event's subscribers are listed, in the order they run
     attempt started                                                        attempt span opens
     attempt ended     attempts, seconds, tokens,                 record    (span ends with
                       cost                                                  its call)
-    skipped           guards_skips_total           skip                    route span event
+    skipped           guards_skips_total           skip (1/s)              route span event
     retried           retry budget exhausted       retry
     store failed      guards_store_unavailable     store_unavailable
     cooldown started                               cooldown
     breaker moved     breaker transitions
     step checkpointed task steps
     request ended     requests, seconds, fallbacks request                  route span ends
+
+The default ledger is the `attempt` lines, and a request's only attempt has none: its fields are
+on the `request` line (`attempt_ended` hands the record back for the request to hold). `skip`
+lines are summarized per route, reason and second by the log writer (`guards._log`).
 
 One `Observers` serves every untraced request of an app; a traced request gets its own, with
 its `RequestTrace`.
@@ -28,7 +32,7 @@ from logging import INFO
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._ledger import Attempt, LogLedger
-from .._log import emit, emit_warning, logger
+from .._log import emit, emit_skip, emit_warning, logger
 from .._metrics import RETRY_BUDGET_EXHAUSTED, SKIPS, STORE_UNAVAILABLE, TASK_STEPS, counter
 from ._events import (
     AttemptEnded,
@@ -58,11 +62,13 @@ class Observers:
     """Where a request's events go (see the module's table). `shared`: the app's ledger and
     cost unit; `trace`: the request's spans, when it is traced."""
 
-    __slots__ = ("_shared", "trace")
+    __slots__ = ("_shared", "log_sample", "trace")
 
     def __init__(self, shared: Shared, trace: RequestTrace | None = None) -> None:
         self._shared = shared
         self.trace = trace
+        #: The share of successful requests that write their `request` line.
+        self.log_sample = shared.log_sample
 
     def traced(
         self,
@@ -80,21 +86,26 @@ class Observers:
             return call
         return trace.traced(call, leg, binding, fallback=fallback, attempts=attempts, retry=retry)
 
-    def attempt_ended(self, event: AttemptEnded) -> None:
+    def attempt_ended(self, event: AttemptEnded, held: AttemptEnded | None) -> AttemptEnded | None:
+        """An attempt ended: its metrics, and its ledger record. `held`: the request's record
+        not written yet. Returns the record the request holds now: the default ledger (log
+        lines) writes no `attempt` line for a request's first attempt, whose fields ride on its
+        `request` line, unless a second attempt follows (then both are written) or the app
+        asked for every attempt (`Guards(log_attempts="all")`)."""
         (
-            route,
-            trace_id,
+            _,
+            _,
             leg,
             attempt,
             outcome,
             usage,
-            served,
+            _,
             elapsed_s,
             cost,
-            delivered,
-            status,
-            code,
-            steps,
+            _,
+            _,
+            _,
+            _,
         ) = event
         leg.seconds.observe(elapsed_s)
         if outcome == "ok":
@@ -108,27 +119,17 @@ class Observers:
         if cost is not None and leg.cost_usd is not None:
             leg.cost_usd.add(cost * shared.cost_unit_usd)
         ledger = shared.ledger
-        # `Guards.ledger_enabled`, inline (every request's path): the default ledger writes log
-        # lines, so with INFO off no record is built.
-        if not isinstance(ledger, LogLedger) or logger.isEnabledFor(INFO):
-            ledger.record(
-                Attempt(
-                    trace_id=trace_id,
-                    route=route.name,
-                    attempt=attempt,
-                    requested_model=route.model,
-                    model=leg.ref.key,
-                    entry=leg.ref.entry,
-                    served_model=served,
-                    outcome=outcome,
-                    latency_ms=round(elapsed_s * 1000, 2),
-                    usage=usage,
-                    delivered_chars=delivered,
-                    status=status,
-                    code=code,
-                    resumed_steps=steps,
-                )
-            )
+        if type(ledger) is not LogLedger:  # the app's ledger: every record, as it ends
+            ledger.record(_attempt(event))
+            return None
+        if not logger.isEnabledFor(INFO):  # lines off: no record to build
+            return None
+        if attempt == 1 and held is None and shared.log_attempts != "all":
+            return event  # the request's line carries it, unless another attempt follows
+        if held is not None:
+            ledger.record(_attempt(held))
+        ledger.record(_attempt(event))
+        return None
 
     def stream_ended(self, opened: Opened, kind: str, end: StreamEnd | None, delivered: int) -> None:
         """A committed stream ended (its attempt span ends; its record follows)."""
@@ -145,12 +146,11 @@ class Observers:
         counter(SKIPS, key, reason).add()
         if self.trace is not None:
             self.trace.skipped(key, reason, wait_s)
-        emit(
-            "skip",
-            route=event.route.name,
+        emit_skip(
+            event.route.name,
+            reason,
             trace_id=event.trace_id,
             model=key,
-            reason=reason,
             retry_after_s=round(wait_s, 3) if wait_s is not None else None,
         )
 
@@ -198,3 +198,26 @@ class Observers:
 
     #: `request_ended(event)`: the request's metrics, span end and log line (`_outcome`).
     request_ended = request_ended
+
+
+def _attempt(event: AttemptEnded) -> Attempt:
+    """The ledger's record of an attempt."""
+    route, trace_id, leg, attempt, outcome, usage, served, elapsed_s, _, delivered, status, code, steps = (
+        event
+    )
+    return Attempt(
+        trace_id=trace_id,
+        route=route.name,
+        attempt=attempt,
+        requested_model=route.model,
+        model=leg.ref.key,
+        entry=leg.ref.entry,
+        served_model=served,
+        outcome=outcome,
+        latency_ms=round(elapsed_s * 1000, 2),
+        usage=usage,
+        delivered_chars=delivered,
+        status=status,
+        code=code,
+        resumed_steps=steps,
+    )

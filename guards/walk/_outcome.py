@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from logging import INFO
+from random import random
 from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,6 +23,8 @@ class Traced(Protocol):
     service level it was served at."""
 
     trace: RequestTrace | None
+    #: The share of successful requests that write their `request` line (`Guards(log_sample)`).
+    log_sample: float
 
     def service_level(self) -> str: ...
 
@@ -45,6 +48,7 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         legs,
         resumed_steps,
         extra,
+        held,
     ) = event
     now = perf_counter()
     elapsed = now - started
@@ -69,6 +73,25 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         trace.finish(outcome, status, tripped, error, attempts, service_level=observers.service_level())
     if not logger.isEnabledFor(INFO):
         return
+    if outcome == "ok" and observers.log_sample < 1.0 and random() >= observers.log_sample:
+        return  # sampled out: a success (every other outcome keeps its line)
+    if held is not None:  # the request's only attempt: no `attempt` line was written for it
+        usage, elapsed_s, delivered, provider_status, provider_code = (
+            held[5],
+            held[7],
+            held[9],
+            held[10],
+            held[11],
+        )
+        attempt = {
+            "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+            "completion_tokens": usage.completion_tokens if usage is not None else None,
+            "call_ms": round(elapsed_s * 1000, 2),
+            "delivered_chars": delivered,
+            "provider_status": provider_status,
+            "provider_code": provider_code,
+        }
+        extra = attempt if extra is None else {**attempt, **extra}
     emit(
         "request",
         route=route.name,

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .._shared import Shared
     from .._vocabulary import ErrorCode
     from ..stores import Step
-    from ._events import RequestEnded
+    from ._events import AttemptEnded, RequestEnded
     from ._observers import Observers
 
 __all__ = ["Note", "RequestState"]
@@ -64,10 +64,12 @@ class RequestState:
         "_charged",
         "_hold",
         "_waits",
-        # Accounting (`_accounting`): calls made, their cost, the input tokens' bound.
+        # Accounting (`_accounting`): calls made, their cost, the input tokens' bound, the
+        # record of an attempt whose log line the request's line carries (`_observers`).
         "attempts",
         "_cost",
         "_tokens",
+        "_held",
     )
 
     def __init__(
@@ -111,6 +113,7 @@ class RequestState:
         self.attempts = 0
         self._cost = 0.0
         self._tokens = 0
+        self._held: AttemptEnded | None = None
 
     def _note(self, leg: Leg, what: str, wait_s: float | None) -> None:
         """Note what happened to `leg` in this walk (`_summary`, `_verdicts.exhausted`)."""
@@ -164,4 +167,5 @@ class RequestState:
             (self._summary(True) or None) if tripped is not None and len(route.legs) > 1 else None,
             (resumed(self._request) or None) if route.task is not None else None,
             extra,
+            self._held,
         )

@@ -199,8 +199,9 @@ def test_provider_identifiers_are_bounded_and_printable(
     for line in all_logs.lines:
         assert len(line) < 2_000
         assert PROVIDER not in line
-    attempts = [json.loads(line) for line in all_logs.lines if line.startswith('{"event":"attempt"')]
-    served = [attempt["served_model"] for attempt in attempts]
+    # Each request made one call: the model that served is named on its request line.
+    requests = [json.loads(line) for line in all_logs.lines if line.startswith('{"event":"request"')]
+    served = [request["model"] for request in requests]
     assert len(served) == 2
     for name in served:
         assert_bounded_identifier(name)

@@ -144,9 +144,10 @@ def test_an_unknown_hint_is_logged_called_literally_and_reported_as_requested(
     response = client.post("/draft-reply", json={"message": "Where is my parcel?"})
     assert_error(response, 502, "model_incompatible", False)
     assert [call.model for call in fake_workers_ai.calls] == ["hint:nope"]
-    [attempt] = guards_log.events("attempt")
-    assert (attempt["requested_model"], attempt["model"]) == ("hint:nope", "hint:nope")
-    assert guards_log.events("request")[-1]["model"] == "hint:nope"
+    # Its only call is on the request's line (no `attempt` line for a request's only call).
+    assert guards_log.events("attempt") == []
+    request = guards_log.events("request")[-1]
+    assert (request["model"], request["attempts"], request["provider_status"]) == ("hint:nope", 1, 400)
 
 
 def test_ai_hints_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
