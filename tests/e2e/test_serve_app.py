@@ -18,11 +18,12 @@ from typing import Any
 
 import anyio
 import httpx
+import pytest
 
 from fixtures import FakeWorkersAI, Stream, Text
 from guards.stores import open_store
 
-from .served import ServedApp
+from .served import STACKS, ServedApp
 
 #: Streams in flight when the server is told to stop.
 STREAMS = 20
@@ -80,8 +81,9 @@ def raw_get(port: int, target: str, headers: dict[str, str]) -> bytes:
     return answer
 
 
+@pytest.mark.parametrize("stack", STACKS)
 def test_a_stream_cut_by_a_shutdown_ends_with_an_error_event_and_no_traceback(
-    fake_workers_ai: FakeWorkersAI, tmp_path: Path
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path, stack: tuple[str, ...]
 ) -> None:
     """Twenty streams from a slow provider, then SIGTERM with a one-second graceful period:
     past it, every stream ends with one `error` event (`call`/`timeout`, the server stopping),
@@ -109,7 +111,7 @@ def test_a_stream_cut_by_a_shutdown_ends_with_an_error_event_and_no_traceback(
         "FAKE_BASE_URL": fake_workers_ai.base_url,
         "SPEND_DB": str(database),
     }
-    args = ("--timeout-graceful-shutdown", "1")
+    args = ("--timeout-graceful-shutdown", "1", *stack)
     with ServedApp(tmp_path / "log", "tests.e2e.serve_spend:app", *args, env=env) as served:
         served.wait_started(1)
         limits = httpx.Limits(max_connections=STREAMS)
