@@ -9,7 +9,8 @@ what the server did with the connection it came on.
   worker (found among the garbage collector's objects);
 - `GET /hold?s=...`: answers after `s` seconds, writing `held-<pid>-<n>` into `$PROBE_DIR`
   first;
-- `GET /raise`: fails with an exception whose message quotes the request's `x-say` header;
+- `GET /raise/<words>`: fails with an exception whose message quotes the client's `<words>` (the
+  path, percent-decoded: it may carry any character);
 - the lifespan shutdown writes `shutdown-<pid>` into `$PROBE_DIR`.
 """
 
@@ -74,9 +75,9 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
                 {type(o).__name__ for o in gc.get_objects() if type(o).__name__.endswith("Protocol")}
             ),
         }
-    elif scope["path"] == "/raise":
-        # A crash whose message quotes the client (the `x-say` header): the traceback logged.
-        said = dict(scope["headers"]).get(b"x-say", b"").decode("latin-1")
+    elif scope["path"].startswith("/raise/"):
+        # A crash whose message quotes the client (its path): the traceback logged.
+        said = scope["path"].removeprefix("/raise/")
         raise RuntimeError(f"the client said {said}")
     elif scope["path"] == "/hold":
         _mark("held", f"-{next(_held)}")
