@@ -69,7 +69,7 @@ docs-build: install ## build the docs site into site/, every warning an error (m
 bench: install ## print the performance figures (name = value unit)
 	$(BIN)/python bench/bench.py
 
-bench-http: install ## requests per second over HTTP (uvicorn, wrk, $(HTTP_ROUNDS) rounds): guarded vs bare, 2 workers vs 1
+bench-http: install ## over HTTP (wrk, $(HTTP_ROUNDS) rounds, asyncio+h11 and uvloop+httptools): guarded vs bare (success, outage, capacity), 2 workers vs 1
 	@command -v wrk >/dev/null || { echo "bench-http: wrk is missing; installing it: apt-get update && apt-get install -y wrk"; \
 		apt-get update && apt-get install -y wrk; }
 	$(BIN)/python bench/http_bench.py --rounds $(HTTP_ROUNDS)

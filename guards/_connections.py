@@ -3,7 +3,7 @@
 uvicorn accepts every connection and waits forever for a request head: a client that opens a
 connection and sends its head a byte at a time (or never) holds a descriptor until the worker
 has none left. `limit_concurrency` does not help, because uvicorn only checks it once a head is
-complete. This module adds, on top of uvicorn's h11 protocol:
+complete. This module adds, on top of either of uvicorn's HTTP/1.1 protocols (h11, httptools):
 
 - a header-read timeout: a request head must arrive whole within `timeout_header_s` of the
   connection's start (or of its first byte, on a kept-alive connection), else the connection is
@@ -18,13 +18,18 @@ Invariant: a connection is in `Bounds.waiting` exactly while it has no request i
 (no head received since its start or its last response); the dict is ordered by last activity,
 quietest first. A request whose head arrives in one packet costs one dict insert (at its
 connection's start, or at the previous response's end) and one delete.
+
+The two protocols differ only in how a connection tells that it awaits a head (`_awaits_head`):
+h11 says so by its state machine; the httptools one keeps a flag, set at the connection's start
+and at each response's end (no pipelined request left), cleared when a head is complete.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import h11
 import uvicorn
@@ -37,6 +42,18 @@ logger = logging.getLogger("uvicorn.error")
 REPORT_INTERVAL_S = 10.0
 _REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
+Http = Literal["h11", "httptools"]
+Loop = Literal["asyncio", "uvloop"]
+
+
+def installed(module: str) -> bool:
+    """Whether `module` (uvloop, httptools) can be imported."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
 
 class Bounds:
     """One server's connection bounds and the connections waiting for a request head."""
@@ -44,7 +61,7 @@ class Bounds:
     def __init__(self, *, limit_concurrency: int | None, timeout_header_s: float) -> None:
         self.limit_concurrency = limit_concurrency
         self.timeout_header_s = timeout_header_s
-        self.waiting: dict[BoundedH11Protocol, None] = {}
+        self.waiting: dict[_HeadBounds, None] = {}
         self.timed_out = 0
         self.evicted = 0
         self._report: asyncio.TimerHandle | None = None
@@ -79,52 +96,55 @@ class Bounds:
 
 
 class BoundedConfig(uvicorn.Config):
-    """`uvicorn.Config` serving HTTP/1.1 with `BoundedH11Protocol`."""
+    """`uvicorn.Config` serving HTTP/1.1 with the bounded protocol of `http`, on `loop`."""
 
-    def __init__(self, app: str, *, timeout_header_s: float, **kwargs: Any) -> None:
-        super().__init__(app, http=BoundedH11Protocol, **kwargs)
+    def __init__(self, app: str, *, timeout_header_s: float, http: Http, loop: Loop, **kwargs: Any) -> None:
+        protocol: type[asyncio.Protocol] = BoundedH11Protocol
+        if http == "httptools":
+            from ._connections_httptools import BoundedHttpToolsProtocol
+
+            protocol = BoundedHttpToolsProtocol
+        super().__init__(app, http=protocol, loop=loop, **kwargs)
         self.bounds = Bounds(limit_concurrency=self.limit_concurrency, timeout_header_s=timeout_header_s)
 
 
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header-read timeout and eviction of waiting connections."""
+class _HeadBounds:
+    """A connection's part in its server's `Bounds`: the helpers both protocols call from their
+    own `connection_made`, `data_received`, `on_response_complete` and `connection_lost`."""
 
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        server_state: ServerState,
-        app_state: dict[str, Any],
-        _loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
-        super().__init__(config, server_state, app_state, _loop)
+    # Set by the protocol class this is mixed into (uvicorn's).
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    connections: set[Any]
+
+    def _init_bounds(self, config: uvicorn.Config) -> None:
         if not isinstance(config, BoundedConfig):
-            raise TypeError("BoundedH11Protocol needs a BoundedConfig")
+            raise TypeError(f"{type(self).__name__} needs a BoundedConfig")
         self._bounds = config.bounds
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_started = False  # some bytes of the awaited head have arrived
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self._bounds.make_room(len(self.connections))
-        super().connection_made(transport)
-        self._wait_for_head(timed=True)
+    def _awaits_head(self) -> bool:
+        """No request in progress: no head complete since the start or the last response."""
+        raise NotImplementedError
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+    def _made(self) -> None:
+        """Before the protocol counts the new connection."""
+        self._bounds.make_room(len(self.connections))
+
+    def _received(self) -> None:
+        """After the protocol parsed what arrived."""
+        if self._awaits_head() and not self.transport.is_closing():
             self._head_started = True
             self._wait_for_head(timed=True)
         elif self in self._bounds.waiting:
             self._stop_waiting()
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        # Idle until the next head (uvicorn's keep-alive timeout runs): evictable, not timed.
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+    def _responded(self) -> None:
+        """After a response's end: idle until the next head (uvicorn's keep-alive timeout
+        runs), evictable, not timed."""
+        if self._awaits_head() and not self.transport.is_closing():
             self._wait_for_head(timed=False)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_waiting()
-        super().connection_lost(exc)
 
     def close_waiting(self, *, timed_out: bool) -> None:
         """Close this connection, which is waiting for a head (408 if part of one came)."""
@@ -134,7 +154,7 @@ class BoundedH11Protocol(H11Protocol):
         if started and timed_out:
             self.transport.write(_REQUEST_TIMEOUT)
         self.transport.close()
-        # Closed now, not when asyncio reports it lost (a later turn of the loop): a request
+        # Closed now, not when the loop reports it lost (a later turn of the loop): a request
         # read before then must not count it against `limit_concurrency` (uvicorn would answer
         # 503 with room made). uvicorn's own `connection_lost` discards it again, harmlessly.
         self.connections.discard(self)
@@ -156,3 +176,37 @@ class BoundedH11Protocol(H11Protocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+
+class BoundedH11Protocol(_HeadBounds, H11Protocol):
+    """uvicorn's h11 protocol with a header-read timeout and eviction of waiting connections."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._init_bounds(config)
+
+    def _awaits_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._made()
+        super().connection_made(transport)
+        self._wait_for_head(timed=True)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._received()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._responded()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_waiting()
+        super().connection_lost(exc)

@@ -10,9 +10,11 @@ slow clients can hold every descriptor a worker has.
 
 Here each worker listens on a socket of its own, bound with `SO_REUSEPORT` and created with
 `IPPROTO_TCP`: the kernel spreads connections across the workers, and every accepted connection
-has `TCP_NODELAY`. Each worker is a `uvicorn.Server` (HTTP/1.1 with h11) bounded as
+has `TCP_NODELAY`. Each worker is a `uvicorn.Server` (HTTP/1.1) bounded as
 `guards._connections` describes: a header-read timeout, and at most about `limit_concurrency`
-open connections, with 503 past it. The open file limit is checked, and raised up to its hard
+open connections, with 503 past it. As uvicorn does, a worker runs on uvloop and parses HTTP
+with httptools when they are installed (the extra [serve] installs them where they build), else
+on asyncio's loop with h11; `--loop` and `--http` choose, and the start-up line says which. The open file limit is checked, and raised up to its hard
 limit, before any worker starts.
 
 The parent process supervises: SIGINT or SIGTERM stops the workers gracefully (uvicorn finishes
@@ -41,6 +43,7 @@ import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from typing import TypeVar
 
 from ._extras import missing_extra
 from ._relay import stop_streams
@@ -48,7 +51,7 @@ from ._relay import stop_streams
 try:
     import uvicorn
 
-    from ._connections import BoundedConfig
+    from ._connections import BoundedConfig, Http, Loop, installed
 except ModuleNotFoundError as _error:  # the extra [serve]
     if (_error.name or "").partition(".")[0] != "uvicorn":
         raise
@@ -84,6 +87,10 @@ _STARTUP_FAILURE = 3
 #: Seconds the streams told to stop at the end of the graceful period have to send their
 #: `error` event and settle, before uvicorn cancels the requests still in flight.
 _STREAMS_STOP_S = 1
+#: `--loop` and `--http`: "auto" takes the first one installed (uvicorn's choice).
+_LOOPS: tuple[Loop, ...] = ("uvloop", "asyncio")
+_HTTPS: tuple[Http, ...] = ("httptools", "h11")
+_Name = TypeVar("_Name", Loop, Http)
 
 
 class ServeError(Exception):
@@ -103,6 +110,8 @@ class _Options:
     log_level: str
     access_log: bool
     forwarded_allow_ips: str | None
+    loop: Loop
+    http: Http
 
 
 def serve(
@@ -119,6 +128,8 @@ def serve(
     log_level: str = "info",
     access_log: bool = True,
     forwarded_allow_ips: str | None = None,
+    loop: str = "auto",
+    http: str = "auto",
 ) -> int:
     """Serve `app` ("module:attribute", imported by each worker) until SIGINT or SIGTERM
     (from the main thread: it handles those signals while it runs).
@@ -133,11 +144,16 @@ def serve(
     default) trusts no one: the client is the connection's peer, whatever headers it sends.
     Whatever the workers and the supervisor log through uvicorn's loggers is escaped: no raw
     control character of a client's (a header, a path) reaches the log.
+
+    `loop` ("auto", "uvloop", "asyncio") and `http` ("auto", "httptools", "h11"): the event
+    loop and HTTP parser of the workers; "auto" takes uvloop and httptools when they are
+    installed, asyncio and h11 otherwise.
     """
     if workers < 1 or backlog < 1 or timeout_header_s <= 0 or timeout_keep_alive_s < 1:
         raise ServeError("workers, backlog, timeout_header_s and timeout_keep_alive_s must be positive")
     if limit_concurrency is not None and limit_concurrency < 2:
         raise ServeError("limit_concurrency must be at least 2")
+    chosen_loop, chosen_http = _stack(loop, http)
     uvicorn.Config(app, log_level=log_level)  # configures uvicorn's loggers in this process too
     _escape_uvicorn_logs()
     options = _Options(
@@ -152,12 +168,33 @@ def serve(
         log_level=log_level,
         access_log=access_log,
         forwarded_allow_ips=forwarded_allow_ips or None,
+        loop=chosen_loop,
+        http=chosen_http,
     )
     # Held (bound, never listening) for the server's lifetime: it fixes the port when 0 is
     # asked and keeps it ours while workers come and go; the kernel routes no connection to it.
     with _bound_socket(host, port) as reserved:
         options = dataclasses.replace(options, port=reserved.getsockname()[1])
         return _Supervisor(options, workers).run()
+
+
+def _stack(loop: str, http: str) -> tuple[Loop, Http]:
+    """The event loop and HTTP parser asked, "auto" resolved as uvicorn resolves it."""
+    return _choose("loop", loop, _LOOPS), _choose("http", http, _HTTPS)
+
+
+def _choose(option: str, asked: str, known: tuple[_Name, ...]) -> _Name:
+    """`asked` among `known` (the fast one first, then the one uvicorn always has)."""
+    fast, fallback = known
+    if asked == "auto":
+        return fast if installed(fast) else fallback
+    if asked == fallback:
+        return fallback
+    if asked != fast:
+        raise ServeError(f"{option} must be auto, {fast} or {fallback}, not {asked!r}")
+    if not installed(fast):
+        raise ServeError(f"--{option} {fast} needs {fast}: pip install 'route-guards[serve]'")
+    return fast
 
 
 def _fit_open_files(limit: int | None, backlog: int) -> int:
@@ -258,6 +295,8 @@ def _run_worker(options: _Options, ready: Connection) -> None:
         # Forwarded headers name the client only when they come from a trusted proxy.
         proxy_headers=options.forwarded_allow_ips is not None,
         forwarded_allow_ips=options.forwarded_allow_ips or "",
+        loop=options.loop,
+        http=options.http,
     )
     _escape_uvicorn_logs()  # after the config: it (re)configures uvicorn's loggers
     _Worker(config, options, ready).run()
@@ -286,11 +325,13 @@ class _Supervisor:
         old_wakeup = signal.set_wakeup_fd(wake_w)  # a signal's number is written there
         try:
             logger.info(
-                "guards.serve: http://%s:%d, %d worker(s), limit_concurrency %d, timeout_header %g s "
-                "(Press CTRL+C to quit)",
+                "guards.serve: http://%s:%d, %d worker(s), %s + %s, limit_concurrency %d, "
+                "timeout_header %g s (Press CTRL+C to quit)",
                 self.options.host,
                 self.options.port,
                 self.workers,
+                self.options.loop,
+                self.options.http,
                 self.options.limit_concurrency,
                 self.options.timeout_header_s,
             )
@@ -455,6 +496,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the proxies (comma-separated addresses or networks, * for any) trusted to name the "
         "client in X-Forwarded-For and X-Forwarded-Proto (default: none; the client is the peer)",
     )
+    parser.add_argument(
+        "--loop",
+        default="auto",
+        choices=["auto", *_LOOPS],
+        help="the event loop (default auto: uvloop when installed, else asyncio)",
+    )
+    parser.add_argument(
+        "--http",
+        default="auto",
+        choices=["auto", *_HTTPS],
+        help="the HTTP/1.1 parser (default auto: httptools when installed, else h11)",
+    )
     args = parser.parse_args(argv)
     try:
         return serve(
@@ -470,6 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_level=args.log_level,
             access_log=args.access_log,
             forwarded_allow_ips=args.forwarded_allow_ips,
+            loop=args.loop,
+            http=args.http,
         )
     except ServeError as exc:
         print(f"guards.serve: {exc}", file=sys.stderr)

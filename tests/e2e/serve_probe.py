@@ -1,13 +1,16 @@
 """A test-only ASGI app for `guards.serve`: it reports, from inside the worker that answers,
 what the server did with the connection it came on.
 
-- `GET /probe`: `{"pid", "nodelay", "frozen"}`: the worker's process id, whether the accepted
-  socket this request came on has `TCP_NODELAY` set (read with `getsockopt` on the worker's own
-  descriptor, found by its peer address), and how many objects the garbage collector leaves
-  out for good (`gc.get_freeze_count()`);
+- `GET /probe`: `{"pid", "nodelay", "frozen", "loop", "protocols"}`: the worker's process id,
+  whether the accepted socket this request came on has `TCP_NODELAY` set (read with
+  `getsockopt` on the worker's own descriptor, found by its peer address), how many objects
+  the garbage collector leaves out for good (`gc.get_freeze_count()`), the module of the
+  running event loop's class, and the names of the connection protocol classes alive in the
+  worker (found among the garbage collector's objects);
 - `GET /hold?s=...`: answers after `s` seconds, writing `held-<pid>-<n>` into `$PROBE_DIR`
   first;
-- `GET /raise`: fails with an exception whose message quotes the request's `x-say` header;
+- `GET /raise/<words>`: fails with an exception whose message quotes the client's `<words>` (the
+  path, percent-decoded: it may carry any character);
 - the lifespan shutdown writes `shutdown-<pid>` into `$PROBE_DIR`.
 """
 
@@ -67,10 +70,14 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
             "pid": os.getpid(),
             "nodelay": accepted_socket_nodelay(scope["client"]),
             "frozen": gc.get_freeze_count(),
+            "loop": type(asyncio.get_running_loop()).__module__,
+            "protocols": sorted(
+                {type(o).__name__ for o in gc.get_objects() if type(o).__name__.endswith("Protocol")}
+            ),
         }
-    elif scope["path"] == "/raise":
-        # A crash whose message quotes the client (the `x-say` header): the traceback logged.
-        said = dict(scope["headers"]).get(b"x-say", b"").decode("latin-1")
+    elif scope["path"].startswith("/raise/"):
+        # A crash whose message quotes the client (its path): the traceback logged.
+        said = scope["path"].removeprefix("/raise/")
         raise RuntimeError(f"the client said {said}")
     elif scope["path"] == "/hold":
         _mark("held", f"-{next(_held)}")

@@ -3,6 +3,7 @@ port, its log (stdout and stderr) in a file, stopped by signal."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -11,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Runs `guards.serve`'s command line under an open file limit (argv[1]; 0: unchanged).
@@ -22,6 +25,21 @@ _LAUNCH = (
     "from guards.serve import main\n"
     "sys.exit(main(sys.argv[2:]))\n"
 )
+
+
+#: The two serving stacks, as `guards.serve` options: every protection is tested on each. The
+#: second is what "auto" serves where the extra [serve] installed uvloop and httptools.
+STACKS = [
+    pytest.param(("--loop", "asyncio", "--http", "h11"), id="asyncio-h11"),
+    pytest.param(
+        ("--loop", "uvloop", "--http", "httptools"),
+        id="uvloop-httptools",
+        marks=pytest.mark.skipif(
+            not (importlib.util.find_spec("uvloop") and importlib.util.find_spec("httptools")),
+            reason="uvloop or httptools is not installed (they do not build here)",
+        ),
+    ),
+]
 
 
 class ServedApp:

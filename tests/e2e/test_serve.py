@@ -6,10 +6,12 @@ did with a connection is read from inside the worker (`tests/e2e/serve_probe.py`
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .served import ServedApp
+from guards.serve import ServeError, serve
+
+from .served import STACKS, ServedApp
 
 PROBE = "tests.e2e.serve_probe:app"
 #: Connections opened at once (with two workers, all on one by chance: probability 2 / 2**20).
@@ -90,8 +94,11 @@ def wait_for_files(folder: Path, pattern: str, count: int, timeout_s: float = 10
         time.sleep(0.02)  # polling for the app to have the requests, bounded by the deadline
 
 
-def test_every_accepted_connection_has_tcp_nodelay(tmp_path: Path, clients: Clients) -> None:
-    with ServedApp(tmp_path / "log", PROBE, "--workers", "2") as served:
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_accepted_connection_has_tcp_nodelay(
+    tmp_path: Path, clients: Clients, stack: tuple[str, ...]
+) -> None:
+    with ServedApp(tmp_path / "log", PROBE, "--workers", "2", *stack) as served:
         served.wait_started(2)
         probes = [get(sock, "/probe") for sock in clients.connect(served.port, CLIENTS)]
     assert [status for status, _ in probes] == [200] * CLIENTS
@@ -111,11 +118,14 @@ def test_workers_freeze_what_start_up_made_out_of_the_garbage_collector(
     assert all(isinstance(count, int) and count > 10_000 for count in frozen.values()), frozen
 
 
-def test_keep_alive_connections_are_spread_across_workers(tmp_path: Path, clients: Clients) -> None:
+@pytest.mark.parametrize("stack", STACKS)
+def test_keep_alive_connections_are_spread_across_workers(
+    tmp_path: Path, clients: Clients, stack: tuple[str, ...]
+) -> None:
     """The kernel hashes each connection to one worker's socket: of 40 connections opened at
     once, each of two workers serves at least 8 (by chance fewer: probability 4e-5). uvicorn's
     shared socket gave all 40 to one worker in 6 of 8 tries."""
-    with ServedApp(tmp_path / "log", PROBE, "--workers", "2") as served:
+    with ServedApp(tmp_path / "log", PROBE, "--workers", "2", *stack) as served:
         served.wait_started(2)
         sockets = clients.connect(served.port, 40)
         # Three requests per connection: a kept-alive connection stays with its worker.
@@ -127,13 +137,17 @@ def test_keep_alive_connections_are_spread_across_workers(tmp_path: Path, client
     assert min(served_by.count(pid) for pid in workers) >= 8, served_by
 
 
+@pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_gracefully(tmp_path: Path, clients: Clients, sig: signal.Signals) -> None:
+def test_a_signal_stops_gracefully(
+    tmp_path: Path, clients: Clients, sig: signal.Signals, stack: tuple[str, ...]
+) -> None:
     """The supervisor forwards the stop: the request in flight is answered, each worker runs
     its lifespan shutdown, the port closes, and the exit status is 0."""
     probe_dir = tmp_path / "probe"
     probe_dir.mkdir()
-    with ServedApp(tmp_path / "log", PROBE, "--workers", "2", env={"PROBE_DIR": str(probe_dir)}) as served:
+    env = {"PROBE_DIR": str(probe_dir)}
+    with ServedApp(tmp_path / "log", PROBE, "--workers", "2", *stack, env=env) as served:
         served.wait_started(2)
         [holding] = clients.connect(served.port)
         holding.sendall(b"GET /hold?s=1.5 HTTP/1.1\r\nhost: test\r\n\r\n")
@@ -179,12 +193,15 @@ def test_a_worker_that_cannot_start_stops_the_server(tmp_path: Path) -> None:
     assert "failed to start" in served.log
 
 
-def test_a_request_head_must_arrive_within_the_header_timeout(tmp_path: Path, clients: Clients) -> None:
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_request_head_must_arrive_within_the_header_timeout(
+    tmp_path: Path, clients: Clients, stack: tuple[str, ...]
+) -> None:
     """uvicorn alone waits forever for a head; here a partial head gets 408 and a connection
     that sends nothing is closed, both after `--timeout-header`, also on a kept-alive
     connection; a head sent in many small pieces within the timeout is served."""
     timeout_s = 1.0
-    with ServedApp(tmp_path / "log", PROBE, "--timeout-header", str(timeout_s)) as served:
+    with ServedApp(tmp_path / "log", PROBE, "--timeout-header", str(timeout_s), *stack) as served:
         served.wait_started(1)
         start = time.monotonic()
         partial, silent, kept, trickled = clients.connect(served.port, 4)
@@ -203,15 +220,16 @@ def test_a_request_head_must_arrive_within_the_header_timeout(tmp_path: Path, cl
     assert timeout_s <= elapsed < timeout_s + 5
 
 
+@pytest.mark.parametrize("stack", STACKS)
 def test_past_the_limit_requests_get_503_and_waiting_connections_make_room(
-    tmp_path: Path, clients: Clients
+    tmp_path: Path, clients: Clients, stack: tuple[str, ...]
 ) -> None:
     """`--limit-concurrency 4`: idle connections never keep a request out (the longest
     waiting is closed to make room), while requests in flight at the limit get 503."""
     probe_dir = tmp_path / "probe"
     probe_dir.mkdir()
     env = {"PROBE_DIR": str(probe_dir)}
-    with ServedApp(tmp_path / "log", PROBE, "--limit-concurrency", "4", env=env) as served:
+    with ServedApp(tmp_path / "log", PROBE, "--limit-concurrency", "4", *stack, env=env) as served:
         served.wait_started(1)
         idle = clients.connect(served.port, 10)
         [ready] = clients.connect(served.port)
@@ -233,3 +251,60 @@ def test_an_explicit_limit_the_open_file_limit_cannot_hold_is_refused(tmp_path: 
     with ServedApp(tmp_path / "log", PROBE, "--limit-concurrency", "2000", open_files=1024) as served:
         assert served.process.wait(30) == 2
     assert "needs an open file limit of 2384" in served.log
+
+
+@pytest.mark.parametrize(
+    ("args", "loop", "protocol"),
+    [
+        pytest.param((), "uvloop", "BoundedHttpToolsProtocol", id="auto", marks=STACKS[1].marks),
+        (("--loop", "asyncio", "--http", "h11"), "asyncio.unix_events", "BoundedH11Protocol"),
+        pytest.param(
+            ("--loop", "uvloop", "--http", "h11"), "uvloop", "BoundedH11Protocol", marks=STACKS[1].marks
+        ),
+    ],
+)
+def test_the_stack_is_chosen_and_named_at_start_up(
+    tmp_path: Path, clients: Clients, args: tuple[str, ...], loop: str, protocol: str
+) -> None:
+    """By default uvloop and httptools, as uvicorn chooses when they are installed (the extra
+    [serve] installs them); `--loop` and `--http` force either. The start-up line names the
+    stack, and the worker runs it: its event loop's class, its connections' protocol."""
+    with ServedApp(tmp_path / "log", PROBE, *args) as served:
+        served.wait_started(1)
+        [sock] = clients.connect(served.port)
+        status, body = get(sock, "/probe")
+        log = served.log
+    assert status == 200
+    assert body["loop"] == loop
+    assert body["protocols"] == [protocol]
+    http = "httptools" if protocol == "BoundedHttpToolsProtocol" else "h11"
+    assert f"1 worker(s), {loop.partition('.')[0]} + {http}, limit_concurrency" in log
+
+
+@pytest.mark.parametrize(("option", "module"), [("loop", "uvloop"), ("http", "httptools")])
+def test_a_stack_that_is_not_installed_is_refused(
+    monkeypatch: pytest.MonkeyPatch, option: str, module: str
+) -> None:
+    """Forced but missing: refused before anything starts, naming what to install."""
+    monkeypatch.setitem(sys.modules, module, None)  # importing it fails, as where it is missing
+    expected = rf"^--{option} {module} needs {module}: pip install 'route-guards\[serve\]'$"
+    with pytest.raises(ServeError, match=expected):
+        serve("tests.e2e.serve_probe:app", **{option: module})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("httptools") is None, reason="httptools is not installed")
+def test_auto_falls_back_to_what_uvicorn_always_has(tmp_path: Path, clients: Clients) -> None:
+    """Where uvloop is missing (a module of that name that fails to import, first on the path
+    of the supervisor and its workers), "auto" serves on asyncio's loop, still with httptools."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "uvloop.py").write_text("raise ImportError('not installed here')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(shadow), os.environ.get("PYTHONPATH", "")])}
+    with ServedApp(tmp_path / "log", PROBE, env=env) as served:
+        served.wait_started(1)
+        [sock] = clients.connect(served.port)
+        status, body = get(sock, "/probe")
+        log = served.log
+    assert status == 200
+    assert body["loop"] == "asyncio.unix_events"
+    assert "1 worker(s), asyncio + httptools, limit_concurrency" in log
