@@ -46,6 +46,7 @@ from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
 from ._extras import missing_extra
+from ._log import flush_logs
 from ._relay import stop_streams
 
 try:
@@ -299,7 +300,11 @@ def _run_worker(options: _Options, ready: Connection) -> None:
         http=options.http,
     )
     _escape_uvicorn_logs()  # after the config: it (re)configures uvicorn's loggers
-    _Worker(config, options, ready).run()
+    try:
+        _Worker(config, options, ready).run()
+    finally:
+        # A worker process ends without running `atexit`: guards' last log lines, now.
+        flush_logs()
 
 
 @dataclasses.dataclass

@@ -208,3 +208,23 @@ def test_a_traceback_quoting_a_client_is_escaped(tmp_path: Path, stack: tuple[st
     assert "Exception in ASGI application" in log
     assert "RuntimeError: the client said hello\\x1b[2J\\x1b[31m" in log
     assert not re.search(CONTROLS, log), repr(log[-400:])
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_redis_store_answers_on_each_stack(
+    fake_workers_ai: FakeWorkersAI, redis_url: str, tmp_path: Path, stack: tuple[str, ...]
+) -> None:
+    """The example app on Redis, served on asyncio and on uvloop (whose transports are not
+    asyncio's classes): its store steps answer, and the model's answers are served."""
+    env = app_env(fake_workers_ai, GUARDS_STORE=redis_url)
+    with ServedApp(tmp_path / "log", "app.main:app", *stack, env=env) as served:
+        served.wait_started(1)
+        with httpx.Client(base_url=served.url, timeout=20) as client:
+            for _ in range(3):
+                answer = client.post("/draft-reply", json=MESSAGE, headers={"x-user-id": "ada"})
+                assert answer.status_code == 200, answer.text
+                assert answer.headers["x-ai-model"] == env["AI_MODEL"]
+        assert served.stop() == 0
+        log = served.log
+    assert "store_unavailable" not in log
+    assert len([line for line in json_lines(log) if line.get("event") == "request"]) == 3
