@@ -67,15 +67,17 @@ docs-build: install ## build the docs site into site/, every warning an error (m
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: install ## print the performance figures (name = value unit)
-	$(BIN)/python bench/bench.py
+	PYTHONPATH=$(CURDIR) $(BIN)/python bench/bench.py
 
 bench-http: install ## over HTTP (wrk, $(HTTP_ROUNDS) rounds, asyncio+h11 and uvloop+httptools): guarded vs bare (success, outage, capacity), 2 workers vs 1
 	@command -v wrk >/dev/null || { echo "bench-http: wrk is missing; installing it: apt-get update && apt-get install -y wrk"; \
 		apt-get update && apt-get install -y wrk; }
-	$(BIN)/python bench/http_bench.py --rounds $(HTTP_ROUNDS)
+	PYTHONPATH=$(CURDIR) $(BIN)/python bench/http_bench.py --rounds $(HTTP_ROUNDS)
 
 bench-instructions: install ## the guard pipeline's cost in CPU instructions (valgrind: deterministic)
-	$(BIN)/python bench/instructions.py
+	@command -v valgrind >/dev/null || { echo "bench-instructions: valgrind is missing; installing it: apt-get update && apt-get install -y valgrind"; \
+		apt-get update && apt-get install -y valgrind; }
+	PYTHONPATH=$(CURDIR) $(BIN)/python bench/instructions.py
 
 soak: install ## $(SOAK_REQUESTS) requests against the app (4 workers on SQLite, 2 processes on Redis), a tenth of provider calls failing
 	$(BIN)/python -m bench.soak --requests $(SOAK_REQUESTS) $(SOAK_ARGS)
