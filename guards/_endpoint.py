@@ -172,17 +172,22 @@ class GuardedEndpoint:
                 answer = error_response(error, trace_id)
                 _attribution(answer.raw_headers, ai, shared.attribution)
                 return answer
-            try:
-                data, detail = await self._fallback(kwargs, tripped, trace_id)
-            except Exception as exc:
-                return _application_failure(ai, exc, shared.attribution)
+            if self._last_good is None and not callable(self._plain):
+                data, detail = self._plain, tripped.detail  # `_fallback`'s plain value, inline
+            else:
+                try:
+                    data, detail = await self._fallback(kwargs, tripped, trace_id)
+                except Exception as exc:
+                    return _application_failure(ai, exc, shared.attribution)
             observe.request_ended(
                 ai._ended("fallback" if outcome == "error" else outcome, 200, tripped=tripped)
             )
             # A model that answered is named even when its answer was rejected.
             _attribution(response.raw_headers, ai, shared.attribution)
             response.raw_headers.append((b"x-trace-id", trace_id.encode()))
-            info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=detail)
+            # Its fields are of their types already (a guard, a reason, text): not validated.
+            reason = tripped.reason
+            info = FallbackInfo.model_construct(guard=reason.guard, reason=reason, detail=detail)
             return self._envelope_type(ok=True, data=data, fallback=info)
         except HTTPException:
             raise  # the handler's own deliberate HTTP answer
