@@ -99,8 +99,8 @@ async def walk(
                     left = start < count and state.attempts > 0 and await client_gone(state)
                     if left or start >= count:
                         # The walk is over: the report settles the spend too.
-                        if (made := settled(state, report)) is not None:
-                            await send(state, made)
+                        if (ending := settled(state, report)) is not None:
+                            await send(state, ending)
                         if left:
                             raise gone(state, legs[start])
                         break
