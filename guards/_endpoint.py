@@ -30,7 +30,7 @@ from ._event_stream import EventStream
 from ._last_good import LastGoodCache
 from ._log import emit_error, frames
 from ._responses import PublicError, error_response, public_error
-from ._vocabulary import ErrorCode, Kind
+from ._vocabulary import ErrorCode, Kind, Reason
 from .stores import Charge, Step
 from .walk import AI, TASK_SCOPE, Observers, walk_step
 from .walk._checkpoints import resumed
@@ -57,6 +57,8 @@ _UNSAFE_HEADER = re.compile(r"[^\x21-\x7e]")
 #: key kept.
 _MAX_FIRST_STEPS = 1024
 _MAX_KEPT_CALLER = 128
+#: The most fallback details an endpoint keeps (`_fallback_info`).
+_MAX_FALLBACK_INFOS = 64
 
 
 class GuardedEndpoint:
@@ -121,6 +123,8 @@ class GuardedEndpoint:
         # each built once and kept, bounded (`_first_step`).
         self._unbudgeted = walk_step(route, 0, None, None)
         self._first_steps: dict[str, Step] = {}
+        #: The envelope's `fallback` per (reason, detail), kept (`_fallback_info`).
+        self._fallback_infos: dict[tuple[Reason, str], FallbackInfo] = {}
         # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
         self._enter_levels = route.shed_at is not None or shared.levels.max_in_flight is not None
 
@@ -185,9 +189,7 @@ class GuardedEndpoint:
             # A model that answered is named even when its answer was rejected.
             _attribution(response.raw_headers, ai, shared.attribution)
             response.raw_headers.append((b"x-trace-id", trace_id.encode()))
-            # Its fields are of their types already (a guard, a reason, text): not validated.
-            reason = tripped.reason
-            info = FallbackInfo.model_construct(guard=reason.guard, reason=reason, detail=detail)
+            info = self._fallback_infos.get((tripped.reason, detail)) or self._fallback_info(tripped, detail)
             return self._envelope_type(ok=True, data=data, fallback=info)
         except HTTPException:
             raise  # the handler's own deliberate HTTP answer
@@ -240,6 +242,17 @@ class GuardedEndpoint:
         if inspect.isawaitable(value):
             value = await value
         return self._data_adapter.validate_python(value), tripped.detail
+
+    def _fallback_info(self, tripped: GuardTripped, detail: str) -> FallbackInfo:
+        """The envelope's `fallback` for `tripped`, built and kept: frozen, so the requests
+        refused alike (an outage's) share one (emptied when full)."""
+        reason = tripped.reason
+        info = FallbackInfo(guard=reason.guard, reason=reason, detail=detail)
+        infos = self._fallback_infos
+        if len(infos) >= _MAX_FALLBACK_INFOS:
+            infos.clear()
+        infos[(reason, detail)] = info
+        return info
 
     def _first_step(self, caller: str) -> Step:
         """The walk's first store step for `caller`, with their budget's charge, built and kept
