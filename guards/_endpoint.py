@@ -57,8 +57,8 @@ _UNSAFE_HEADER = re.compile(r"[^\x21-\x7e]")
 #: key kept.
 _MAX_FIRST_STEPS = 1024
 _MAX_KEPT_CALLER = 128
-#: The most fallback details an endpoint keeps (`_fallback_info`).
-_MAX_FALLBACK_INFOS = 64
+#: The most fallback envelopes an endpoint keeps (`_fallback_answer`).
+_MAX_FALLBACK_ANSWERS = 64
 
 
 class GuardedEndpoint:
@@ -123,8 +123,8 @@ class GuardedEndpoint:
         # each built once and kept, bounded (`_first_step`).
         self._unbudgeted = walk_step(route, 0, None, None)
         self._first_steps: dict[str, Step] = {}
-        #: The envelope's `fallback` per (reason, detail), kept (`_fallback_info`).
-        self._fallback_infos: dict[tuple[Reason, str], FallbackInfo] = {}
+        #: The last fallback envelope per (reason, detail), kept (`_fallback_answer`).
+        self._fallback_answers: dict[tuple[Reason, str], Any] = {}
         # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
         self._enter_levels = route.shed_at is not None or shared.levels.max_in_flight is not None
 
@@ -189,8 +189,10 @@ class GuardedEndpoint:
             # A model that answered is named even when its answer was rejected.
             _attribution(response.raw_headers, ai, shared.attribution)
             response.raw_headers.append((b"x-trace-id", trace_id.encode()))
-            info = self._fallback_infos.get((tripped.reason, detail)) or self._fallback_info(tripped, detail)
-            return self._envelope_type(ok=True, data=data, fallback=info)
+            kept = self._fallback_answers.get((tripped.reason, detail))
+            if kept is None or kept.data is not data:
+                kept = self._fallback_answer(tripped.reason, detail, data)
+            return kept
         except HTTPException:
             raise  # the handler's own deliberate HTTP answer
         except Exception as exc:
@@ -243,16 +245,18 @@ class GuardedEndpoint:
             value = await value
         return self._data_adapter.validate_python(value), tripped.detail
 
-    def _fallback_info(self, tripped: GuardTripped, detail: str) -> FallbackInfo:
-        """The envelope's `fallback` for `tripped`, built and kept: frozen, so the requests
-        refused alike (an outage's) share one (emptied when full)."""
-        reason = tripped.reason
+    def _fallback_answer(self, reason: Reason, detail: str, data: Any) -> Any:
+        """The envelope of `data` substituted for `reason` (`detail`), built and kept, never
+        written after: the requests refused alike (an outage's, served a plain fallback)
+        share one (emptied when full)."""
+        assert self._envelope_type is not None
         info = FallbackInfo(guard=reason.guard, reason=reason, detail=detail)
-        infos = self._fallback_infos
-        if len(infos) >= _MAX_FALLBACK_INFOS:
-            infos.clear()
-        infos[(reason, detail)] = info
-        return info
+        answer = self._envelope_type(ok=True, data=data, fallback=info)
+        answers = self._fallback_answers
+        if len(answers) >= _MAX_FALLBACK_ANSWERS:
+            answers.clear()
+        answers[(reason, detail)] = answer
+        return answer
 
     def _first_step(self, caller: str) -> Step:
         """The walk's first store step for `caller`, with their budget's charge, built and kept
