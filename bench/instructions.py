@@ -9,7 +9,11 @@ instruction the process executes, whatever else the machine does. Each side runs
 or two (the runs go two at a time).
 
 Prints `guard_overhead_instructions` (guarded minus bare, per request) for the fixtures'
-`FakeBinding` and `const_guard_overhead_instructions` for a binding that returns a ready result.
+`FakeBinding` and `const_guard_overhead_instructions` for a binding that returns a ready result;
+then, beside the success path's whole count (`success_request_instructions`: the guarded route
+answering with the ready result), `refused_request_instructions`: the same request on a
+degrading route in an outage (its model failed, its breaker is open for the whole run), served
+its fallback without a call, and `refused_over_success` (their ratio).
 """
 
 from __future__ import annotations
@@ -20,7 +24,12 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from bench import Label
+from guards import AI
 
 SHORT = 1_000
 LONG = 3_000
@@ -35,16 +44,23 @@ def run_requests(side: str, binding_kind: str, count: int) -> None:
     from fixtures import FakeBinding, Reply
 
     logging.getLogger("guards").setLevel(logging.WARNING)
-    fake = (
+    fake: Any = (
         FakeBinding(Reply({"label": "billing", "confidence": 0.9}))
         if binding_kind == "fake"
         else ConstantBinding()
     )
-    endpoint, request_param, response_param = guarded_endpoint(fake)
+    if binding_kind == "refused":
+        fake = FailingBinding()
+        endpoint, request_param, response_param = refused_endpoint(fake)
+    else:
+        endpoint, request_param, response_param = guarded_endpoint(fake)
     requests = [Request(scope_for(f"user-{i}")) for i in range(USERS)]
     response = Response()
 
     async def main() -> None:
+        if binding_kind == "refused":  # the outage: one failure opens the breaker
+            await endpoint(**{request_param: requests[0], response_param: response})
+            assert fake.calls == 1
         for i in range(count):
             if side == "bare":
                 result = await fake.run(MODEL, INPUTS)
@@ -57,6 +73,56 @@ def run_requests(side: str, binding_kind: str, count: int) -> None:
                 fake.reset()  # the fake's call record is not what is measured
 
     asyncio.run(main())
+    if binding_kind == "refused":
+        assert fake.calls == 1, "the breaker let a call through: not the refused path"
+
+
+class FailingBinding:
+    """Every call fails (a provider's 500): the outage."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def run(self, model: str, inputs: Mapping[str, Any]) -> Any:
+        from guards import ProviderError
+
+        self.calls += 1
+        raise ProviderError("bench", status=500)
+
+    async def aclose(self) -> None:
+        return None
+
+    def reset(self) -> None:
+        return None
+
+
+def refused_endpoint(fake: FailingBinding) -> tuple[Callable[..., Awaitable[Any]], str, str]:
+    """`bench.guarded_endpoint`'s route, degrading (a static fallback), its breaker opened by
+    one failure and open for longer than any run."""
+    import inspect
+
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from bench import INPUTS, MODEL
+    from guards import Breaker, Budget, Guards, Retry, header_key
+
+    guards = Guards(fake)
+
+    @guards.route(
+        model=MODEL,
+        budget=Budget(per_minute=10**9, per_day=10**9, key=header_key("x-user-id")),
+        breaker=Breaker(failure_threshold=1, reset_timeout_s=86_400.0),
+        retry=Retry(attempts=1),
+        fallback=Label(label="unknown", confidence=0.0),
+    )
+    async def label(ai: AI[Label]) -> Label:
+        return await ai.run(INPUTS)
+
+    params = inspect.signature(label).parameters.values()
+    request_param = next(p.name for p in params if p.annotation is Request)
+    response_param = next(p.name for p in params if p.annotation is Response)
+    return label, request_param, response_param
 
 
 def count(side: str, binding_kind: str, requests: int) -> int:
@@ -95,6 +161,13 @@ def main() -> None:
             bare = per_request("bare", binding_kind, pool)
             guarded = per_request("guarded", binding_kind, pool)
             print(f"{name}_instructions = {guarded - bare:.0f} instructions")
+        # The whole request (nothing subtracted): the const binding's success, and the outage's
+        # refusal served its fallback.
+        success = guarded
+        refused = per_request("guarded", "refused", pool)
+        print(f"success_request_instructions = {success:.0f} instructions")
+        print(f"refused_request_instructions = {refused:.0f} instructions")
+        print(f"refused_over_success = {refused / success:.3f} x")
 
 
 if __name__ == "__main__":

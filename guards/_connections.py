@@ -96,14 +96,18 @@ class Bounds:
 
 
 class BoundedConfig(uvicorn.Config):
-    """`uvicorn.Config` serving HTTP/1.1 with the bounded protocol of `http`, on `loop`."""
+    """`uvicorn.Config` serving HTTP/1.1 with a bounded `protocol` (`BoundedH11Protocol`, or
+    `guards._connections_httptools`' one), on `loop`."""
 
-    def __init__(self, app: str, *, timeout_header_s: float, http: Http, loop: Loop, **kwargs: Any) -> None:
-        protocol: type[asyncio.Protocol] = BoundedH11Protocol
-        if http == "httptools":
-            from ._connections_httptools import BoundedHttpToolsProtocol
-
-            protocol = BoundedHttpToolsProtocol
+    def __init__(
+        self,
+        app: str,
+        *,
+        timeout_header_s: float,
+        protocol: type[asyncio.Protocol],
+        loop: Loop,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(app, http=protocol, loop=loop, **kwargs)
         self.bounds = Bounds(limit_concurrency=self.limit_concurrency, timeout_header_s=timeout_header_s)
 

@@ -30,7 +30,7 @@ from ._event_stream import EventStream
 from ._last_good import LastGoodCache
 from ._log import emit_error, frames
 from ._responses import PublicError, error_response, public_error
-from ._vocabulary import ErrorCode, Kind
+from ._vocabulary import ErrorCode, Kind, Reason
 from .stores import Charge, Step
 from .walk import AI, TASK_SCOPE, Observers, walk_step
 from .walk._checkpoints import resumed
@@ -57,6 +57,8 @@ _UNSAFE_HEADER = re.compile(r"[^\x21-\x7e]")
 #: key kept.
 _MAX_FIRST_STEPS = 1024
 _MAX_KEPT_CALLER = 128
+#: The most fallback envelopes an endpoint keeps (`_fallback_answer`).
+_MAX_FALLBACK_ANSWERS = 64
 
 
 class GuardedEndpoint:
@@ -121,6 +123,8 @@ class GuardedEndpoint:
         # each built once and kept, bounded (`_first_step`).
         self._unbudgeted = walk_step(route, 0, None, None)
         self._first_steps: dict[str, Step] = {}
+        #: The last fallback envelope per (reason, detail), kept (`_fallback_answer`).
+        self._fallback_answers: dict[tuple[Reason, str], Any] = {}
         # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
         self._enter_levels = route.shed_at is not None or shared.levels.max_in_flight is not None
 
@@ -172,18 +176,23 @@ class GuardedEndpoint:
                 answer = error_response(error, trace_id)
                 _attribution(answer.raw_headers, ai, shared.attribution)
                 return answer
-            try:
-                data, detail = await self._fallback(kwargs, tripped, trace_id)
-            except Exception as exc:
-                return _application_failure(ai, exc, shared.attribution)
+            if self._last_good is None and not callable(self._plain):
+                data, detail = self._plain, tripped.detail  # `_fallback`'s plain value, inline
+            else:
+                try:
+                    data, detail = await self._fallback(kwargs, tripped, trace_id)
+                except Exception as exc:
+                    return _application_failure(ai, exc, shared.attribution)
             observe.request_ended(
                 ai._ended("fallback" if outcome == "error" else outcome, 200, tripped=tripped)
             )
             # A model that answered is named even when its answer was rejected.
             _attribution(response.raw_headers, ai, shared.attribution)
             response.raw_headers.append((b"x-trace-id", trace_id.encode()))
-            info = FallbackInfo(guard=tripped.guard, reason=tripped.reason, detail=detail)
-            return self._envelope_type(ok=True, data=data, fallback=info)
+            kept = self._fallback_answers.get((tripped.reason, detail))
+            if kept is None or kept.data is not data:
+                kept = self._fallback_answer(tripped.reason, detail, data)
+            return kept
         except HTTPException:
             raise  # the handler's own deliberate HTTP answer
         except Exception as exc:
@@ -236,6 +245,19 @@ class GuardedEndpoint:
         if inspect.isawaitable(value):
             value = await value
         return self._data_adapter.validate_python(value), tripped.detail
+
+    def _fallback_answer(self, reason: Reason, detail: str, data: Any) -> Any:
+        """The envelope of `data` substituted for `reason` (`detail`), built and kept, never
+        written after: the requests refused alike (an outage's, served a plain fallback)
+        share one (emptied when full)."""
+        assert self._envelope_type is not None
+        info = FallbackInfo(guard=reason.guard, reason=reason, detail=detail)
+        answer = self._envelope_type(ok=True, data=data, fallback=info)
+        answers = self._fallback_answers
+        if len(answers) >= _MAX_FALLBACK_ANSWERS:
+            answers.clear()
+        answers[(reason, detail)] = answer
+        return answer
 
     def _first_step(self, caller: str) -> Step:
         """The walk's first store step for `caller`, with their budget's charge, built and kept

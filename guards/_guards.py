@@ -39,7 +39,7 @@ from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
 from ._retry_budget import RetryWindows
 from ._route import guard_route
-from ._route_spec import NO_FALLBACK, GuardedRoute, route_of
+from ._route_spec import NO_FALLBACK, GuardedRoute, KnownRefusal, route_of
 from ._tasks import Task
 from ._tracing import Tracing
 from ._vocabulary import Attribution, ErrorCode
@@ -156,6 +156,10 @@ class Guards:
         #: `guards.stores.Step.success_ages`). One cell per model its routes call.
         self.last_success: dict[str, list[float | None]] = {}
         self.success_clock = _success_clock(self.store)
+        #: What this worker last heard from the store refusing each model (its breaker open,
+        #: a cooldown), until when on `success_clock`: a request refused by it makes no store
+        #: operation (see `guards.walk._known`). One per model its routes call.
+        self.known_refusals: dict[str, KnownRefusal] = {}
         #: The service level of this worker, and its guarded requests in flight.
         self.levels = Levels(self, max_in_flight)
         #: Every route guarded by this instance, in the order they were declared.
@@ -351,7 +355,8 @@ class Guards:
     def replace_store(self, store: Store) -> Store:
         """Make `store` the store of every route of this instance from now on, and forget what
         this worker kept from the old one: the service level, the retry budget's windows, the
-        last success on each model and the credential warnings already logged. Returns the old
+        last success on each model, the refusals it knew of (open breakers, cooldowns) and the
+        credential warnings already logged. Returns the old
         store (not closed). For tests: `guards.testing`'s `use_fake_ai` gives each test a fresh
         `MemoryStore` this way. Raises `ConfigurationError` when `store` reads another clock
         than the old one (the routes measure success ages on it)."""
@@ -362,6 +367,8 @@ class Guards:
         self.credential_warnings = CredentialWarnings()
         for cell in self.last_success.values():  # the routes' legs hold these cells
             cell[0] = None
+        for known in self.known_refusals.values():
+            known.until = 0.0
         self.levels.reset()
         return old
 

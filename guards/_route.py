@@ -124,7 +124,14 @@ def guard_route(
                 + ", ".join(unpriced)
             )
         legs = tuple(
-            Leg.of(ref, guards.prices.get(ref.key), route_name, index == 0, guards.last_success)
+            Leg.of(
+                ref,
+                guards.prices.get(ref.key),
+                route_name,
+                index == 0,
+                guards.last_success,
+                guards.known_refusals,
+            )
             for index, ref in enumerate(chain.models)
         )
         return legs, attempt_budget

@@ -47,10 +47,24 @@ if typing.TYPE_CHECKING:
     from ._tasks import Task
     from ._vocabulary import Level
 
-__all__ = ["NO_FALLBACK", "EffortChoice", "GuardedRoute", "Leg", "SuccessAges", "route_of"]
+__all__ = ["NO_FALLBACK", "EffortChoice", "GuardedRoute", "KnownRefusal", "Leg", "SuccessAges", "route_of"]
 
 #: A route declared without `fallback=`: a strict route.
 NO_FALLBACK: Any = object()
+
+
+class KnownRefusal:
+    """What this worker last heard from its store that refuses a model without a call: its
+    breaker open (`why`: `circuit_open`) or a cooldown (`cooldown`), until `until` (on
+    `Guards.success_clock`; 0.0: nothing known). One per model (`Guards.known_refusals`),
+    shared by every route of the instance that calls it; written and read by
+    `guards.walk._known`."""
+
+    __slots__ = ("until", "why")
+
+    def __init__(self) -> None:
+        self.until = 0.0
+        self.why = "cooldown"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -78,6 +92,9 @@ class Leg:
     #: When this process's last success on the model ended (`Guards.last_success`: one cell
     #: per model, shared by every route that calls it), None before the first.
     last_success: list[float | None]
+    #: The store's last word refusing the model, while it holds (`KnownRefusal`: one per
+    #: model, shared by every route that calls it).
+    known: KnownRefusal
 
     @classmethod
     def of(
@@ -87,6 +104,7 @@ class Leg:
         route: str,
         first: bool,
         successes: dict[str, list[float | None]],
+        known: dict[str, KnownRefusal],
     ) -> Leg:
         breaker_key = f"guards:breaker:{ref.key}"
         return cls(
@@ -107,6 +125,7 @@ class Leg:
             cost_usd=counter(COST, route, ref.key) if price is not None else None,
             transitions={state: counter(BREAKER_TRANSITIONS, ref.key, state.value) for state in CircuitState},
             last_success=successes.setdefault(breaker_key, [None]),
+            known=known.get(ref.key) or known.setdefault(ref.key, KnownRefusal()),
         )
 
     def saw(self, state: CircuitState) -> None:

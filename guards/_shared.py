@@ -19,7 +19,7 @@ from ._credentials import CredentialWarnings
 from ._ledger import Ledger
 from ._levels import Levels, ServiceLevel
 from ._retry_budget import RetryWindows
-from ._route_spec import GuardedRoute
+from ._route_spec import GuardedRoute, KnownRefusal
 from ._tracing import Tracing
 from ._vocabulary import Attribution
 from .stores import Store
@@ -54,6 +54,9 @@ class Shared(Protocol):
     #: This worker's last success per model (breaker key) on `success_clock`.
     last_success: dict[str, list[float | None]]
     success_clock: Callable[[], float]
+    #: What this worker last heard refuses each model (model key), until when, on
+    #: `success_clock` (see `guards.walk._known`).
+    known_refusals: dict[str, KnownRefusal]
     levels: Levels
     #: Every guarded route, in the order declared.
     routes: list[GuardedRoute]

@@ -52,7 +52,7 @@ from ._relay import stop_streams
 try:
     import uvicorn
 
-    from ._connections import BoundedConfig, Http, Loop, installed
+    from ._connections import BoundedConfig, BoundedH11Protocol, Http, Loop, installed
 except ModuleNotFoundError as _error:  # the extra [serve]
     if (_error.name or "").partition(".")[0] != "uvicorn":
         raise
@@ -62,6 +62,11 @@ except ModuleNotFoundError as _error:  # the extra [serve]
     if __name__ == "__main__":
         sys.exit(str(_missing))
     raise _missing from None
+
+try:
+    from ._connections_httptools import BoundedHttpToolsProtocol
+except ImportError:  # httptools is not installed (it does not build everywhere): h11 only
+    BoundedHttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 __all__ = [
     "DEFAULT_LIMIT_CONCURRENCY",
@@ -297,7 +302,7 @@ def _run_worker(options: _Options, ready: Connection) -> None:
         proxy_headers=options.forwarded_allow_ips is not None,
         forwarded_allow_ips=options.forwarded_allow_ips or "",
         loop=options.loop,
-        http=options.http,
+        protocol=BoundedH11Protocol if options.http == "h11" else BoundedHttpToolsProtocol,
     )
     _escape_uvicorn_logs()  # after the config: it (re)configures uvicorn's loggers
     try:

@@ -32,6 +32,7 @@ from .._errors import GuardTripped
 from ..stores import Passage, StoreUnavailable
 from ._accounting import on_attempt
 from ._checkpoints import resumed
+from ._known import known_refused
 from ._retries import before_retry, leg_limit
 from ._store_steps import admitted, leg_down, next_step, record, send, settle
 from ._store_steps import report_end as settled
@@ -71,6 +72,14 @@ async def walk(
     if state._notes:
         state._notes = []  # the notes of this walk only
     state._waits = None
+    start = 0
+    if route.legs[0].known.until and not state.attempts:
+        # The request's first walk, its first model known refused (`_known`): skipped as the
+        # store would. When every model is, the walk ends as when the store refuses them all,
+        # with nothing to report, charge or settle, and no deadline to keep.
+        start = known_refused(state, 0)
+        if start == len(route.legs):
+            raise exhausted(state, None, False, state._shared.attribution == "detailed")
     inflight: Leg | None = None  # the leg being called (its probe ticket: `probe`)
     probe: float | None = None
     last: GuardTripped | None = None
@@ -81,7 +90,7 @@ async def walk(
             state._scope = scope
             deadline = scope.when
             try:
-                legs, start, report = route.legs, 0, None
+                legs, report = route.legs, None
                 count = len(legs)
                 while True:
                     # One store operation: the last call's report, then the next admission.
@@ -90,10 +99,18 @@ async def walk(
                     left = start < count and state.attempts > 0 and await client_gone(state)
                     if left or start >= count:
                         # The walk is over: the report settles the spend too.
-                        await send(state, settled(state, report))
+                        if (ending := settled(state, report)) is not None:
+                            await send(state, ending)
                         if left:
                             raise gone(state, legs[start])
                         break
+                    if state.attempts and legs[start].known.until:
+                        # After a call, a model known refused (`_known`, as above): skipped
+                        # as the store would, with no store operation.
+                        known = known_refused(state, start)
+                        if known != start:
+                            start = known
+                            continue
                     first = state._first
                     if (
                         first is not None
@@ -216,7 +233,8 @@ async def walk(
                 await record(state, inflight, Outcome.released, probe)
             await settle(state)
         raise
-    await settle(state)
+    if state._hold is not None:
+        await settle(state)
     raise exhausted(state, last, spent, state._shared.attribution == "detailed")
 
 

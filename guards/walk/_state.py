@@ -131,11 +131,11 @@ class RequestState:
     def _summary(self, detailed: bool) -> str:
         """Each model tried or skipped by the last walk, and how it ended; model ids when
         `detailed` (else `model 1`, `model 2`...). Bounded, no provider text."""
-        index = {id(leg): n for n, leg in enumerate(self._route.legs, 1)}
-        parts = [
-            f"{leg.ref.key if detailed else f'model {index[id(leg)]}'}: {what}"
-            for leg, what, _ in self._notes
-        ]
+        if detailed:
+            parts = [f"{leg.ref.key}: {what}" for leg, what, _ in self._notes]
+        else:
+            index = {id(leg): n for n, leg in enumerate(self._route.legs, 1)}
+            parts = [f"model {index[id(leg)]}: {what}" for leg, what, _ in self._notes]
         text = "; ".join(parts)
         return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 3] + "..."
 

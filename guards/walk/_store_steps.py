@@ -21,7 +21,8 @@ from .._errors import GuardTripped, ProviderError
 from .._vocabulary import Reason
 from ..stores import Charge, Passage, Report, Step, StoreUnavailable
 from ._accounting import worst
-from ._events import BreakerMoved, CooldownStarted, Skipped, StoreFailed
+from ._events import BreakerMoved, CooldownStarted, StoreFailed
+from ._known import forget, remember, skip
 from ._verdicts import COOLDOWN_KINDS, failed
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ def admitted(
         leg = legs[start + offset]
         if wait > 0:
             skip(state, leg, "cooldown", wait)
+            remember(state, leg, "cooldown", wait)
             continue
         decision = decisions[offset] if offset < len(decisions) else None
         if decision is not None:
@@ -127,7 +129,11 @@ def admitted(
                 leg.saw(decision.state)
             if not decision.allowed:
                 skip(state, leg, "circuit_open", decision.retry_after_s)
+                if decision.state is CircuitState.open:  # (half-open: a probe may close it sooner)
+                    remember(state, leg, "circuit_open", decision.retry_after_s)
                 continue
+        if leg.known.until:
+            forget(leg)  # admitted (or its charge refused): the store let it through
         break  # the leg admitted, or the one whose charge was refused
     if passage.refusal is not None:
         assert route.budget is not None
@@ -142,11 +148,6 @@ def admitted(
     if decision is None:
         return start + index, None, False
     return start + index, decision.probe, decision.record_success
-
-
-def skip(state: RequestState, leg: Leg, why: str, wait_s: float | None) -> None:
-    state._note(leg, f"skipped ({why})", wait_s)
-    state._observe.skipped(Skipped(state._route, state.trace_id, leg, why, wait_s))
 
 
 async def leg_down(
@@ -261,11 +262,17 @@ async def send(state: RequestState, made: Report | None) -> None:
 
 def saw_transitions(state: RequestState, transitions: Sequence[tuple[str, CircuitState]]) -> None:
     """The breaker state changes a store step made (the store tells exactly one caller of
-    each, so every worker together counts each once)."""
+    each, so every worker together counts each once). A breaker this step's report opened is
+    open for the reporting route's `reset_timeout_s` from now (`_known`)."""
     for key, moved in transitions:
         for leg in state._route.legs:
             if leg.breaker_key == key:
                 state._observe.breaker_moved(BreakerMoved(leg, moved))
+                if moved is CircuitState.open:
+                    breaker = state._route.breaker
+                    remember(state, leg, "circuit_open", breaker.reset_timeout_s if breaker else None)
+                elif moved is CircuitState.closed:
+                    forget(leg)
                 break
 
 
@@ -277,8 +284,12 @@ def saw_report(state: RequestState, made: Report, recorded: CircuitState) -> Non
             leg.saw(recorded)
             break
     if made.cooldown_key is not None:
-        model = next(leg.ref.key for leg in route.legs if leg.cooldown_key == made.cooldown_key)
-        state._observe.cooldown_started(CooldownStarted(route, state.trace_id, model, made.cooldown_s))
+        cooled = next(leg for leg in route.legs if leg.cooldown_key == made.cooldown_key)
+        state._observe.cooldown_started(
+            CooldownStarted(route, state.trace_id, cooled.ref.key, made.cooldown_s)
+        )
+        if made.cooldown_until is None:  # (a provider's date ends it by the store's clock)
+            remember(state, cooled, "cooldown", made.cooldown_s)
 
 
 def report_lost(state: RequestState, made: Report | None) -> None:

@@ -1,0 +1,75 @@
+"""What this worker knows its store would refuse: a refusal cheaper than a call.
+
+A store step's answer that refuses a model says until when: its breaker is open until it
+half-opens (`BreakerDecision.retry_after_s`), its cooldown runs for `wait` more seconds. Neither
+can end sooner for any worker: an open breaker half-opens only at the time it was opened for
+(`BreakerState.open_s`), and a cooldown is never shortened. So each worker remembers, per model
+(`Leg.known`, shared by every route of the instance that calls it), the last such answer until
+that time, on the clock the success ages use (`Shared.success_clock`: the store's own when a
+test gives it one, else `time.monotonic`; read when the answer arrives, so a memory ends at
+most one store round trip after the store's time). A walk skips a leg known refused without
+asking the store, noted and told to the observers as a store skip (same reason, the wait
+left); when every leg left is known refused, the walk ends as when the store refuses them all,
+with no store operation: no charge, nothing written. After that time the store is asked again,
+and it alone decides the half-open probe (one across every worker). An answer admitting the
+model replaces what was known; so does a breaker this worker's report opened or closed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._events import Skipped
+
+if TYPE_CHECKING:
+    from .._route_spec import Leg
+    from ._state import RequestState
+
+__all__ = ["forget", "known_refused", "remember", "skip"]
+
+#: A skip's note, by reason (the text built once).
+_SKIPPED = {why: f"skipped ({why})" for why in ("cooldown", "circuit_open")}
+
+
+def known_refused(state: RequestState, start: int) -> int:
+    """The first leg from `start` this worker does not know refused (the walk's next store
+    step starts there; `len(legs)`: every leg left is known refused). Each leg before it is
+    skipped as the store would skip it: `skip`'s note and event, with the wait left."""
+    route = state._route
+    legs = route.legs
+    now = state._shared.success_clock()
+    while start < len(legs):
+        leg = legs[start]
+        known = leg.known
+        left = known.until - now
+        if left <= 0:
+            known.until = 0.0  # lapsed: ask the store
+            break
+        if known.why == "circuit_open" and route.breaker is None:
+            break  # a route without a breaker does not read it
+        skip(state, leg, known.why, left)
+        start += 1
+    return start
+
+
+def remember(state: RequestState, leg: Leg, why: str, seconds: float | None) -> None:
+    """The store refused `leg` for `why` (`circuit_open`, `cooldown`) for `seconds` more."""
+    if seconds is None or seconds <= 0:
+        return
+    known, now = leg.known, state._shared.success_clock()
+    if why == "circuit_open" and known.why == "cooldown" and known.until > now:
+        return  # the store answers a running cooldown first
+    known.until = now + seconds
+    known.why = why
+
+
+def forget(leg: Leg) -> None:
+    """The store admitted `leg`, or closed its breaker: nothing known."""
+    leg.known.until = 0.0
+
+
+def skip(state: RequestState, leg: Leg, why: str, wait_s: float | None) -> None:
+    """`leg` is skipped without a call (`why`: `cooldown`, `circuit_open`): noted, and told to
+    the observers."""
+    state._note(leg, _SKIPPED.get(why) or f"skipped ({why})", wait_s)
+    state._observe.skipped(Skipped(state._route, state.trace_id, leg, why, wait_s))
