@@ -372,7 +372,7 @@ def _timed_flush() -> None:
 class RouteMetrics:
     """The tallies of one route's series, bound once at start-up."""
 
-    __slots__ = ("_route", "cancelled", "error", "fallback", "invalid", "ok", "seconds")
+    __slots__ = ("_route", "_tripped", "cancelled", "error", "fallback", "invalid", "ok", "seconds")
 
     def __init__(self, route: str) -> None:
         self._route = route
@@ -382,9 +382,14 @@ class RouteMetrics:
         self.cancelled = counter(REQUESTS, route, "cancelled")
         self.invalid = counter(REQUESTS, route, "invalid")
         self.seconds = histogram(REQUEST_SECONDS, route)
+        #: `guards_fallbacks_total` by (guard, reason), each bound at its first count.
+        self._tripped: dict[tuple[str, str], Tally] = {}
 
     def tripped(self, guard: str, reason: str) -> None:
-        counter(FALLBACKS, self._route, guard, reason).add()
+        tally = self._tripped.get((guard, reason))
+        if tally is None:
+            tally = self._tripped[guard, reason] = counter(FALLBACKS, self._route, guard, reason)
+        tally.count += 1
 
 
 def render_metrics() -> tuple[bytes, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, overload
 
 from ._breaker import CircuitState
@@ -95,6 +95,8 @@ class Leg:
     #: The store's last word refusing the model, while it holds (`KnownRefusal`: one per
     #: model, shared by every route that calls it).
     known: KnownRefusal
+    #: Skips of the model by reason (`guards_skips_total`), each bound at its first skip.
+    skips: dict[str, Tally] = field(default_factory=dict)
 
     @classmethod
     def of(

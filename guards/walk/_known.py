@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._events import Skipped
-
 if TYPE_CHECKING:
     from .._route_spec import Leg
     from ._state import RequestState
@@ -72,4 +70,4 @@ def skip(state: RequestState, leg: Leg, why: str, wait_s: float | None) -> None:
     """`leg` is skipped without a call (`why`: `cooldown`, `circuit_open`): noted, and told to
     the observers."""
     state._note(leg, _SKIPPED.get(why) or f"skipped ({why})", wait_s)
-    state._observe.skipped(Skipped(state._route, state.trace_id, leg, why, wait_s))
+    state._observe.skipped((state._route, state.trace_id, leg, why, wait_s))

@@ -142,17 +142,22 @@ class Observers:
             self.trace.streaming = True
 
     def skipped(self, event: Skipped) -> None:
-        key, reason, wait_s = event.leg.ref.key, event.reason, event.wait_s
-        counter(SKIPS, key, reason).add()
+        route, trace_id, leg, reason, wait_s = event
+        key = leg.ref.key
+        tally = leg.skips.get(reason)  # bound at the leg's first skip for `reason`
+        if tally is None:
+            tally = leg.skips[reason] = counter(SKIPS, key, reason)
+        tally.count += 1  # `Tally.add`, in place: every refused request's path
         if self.trace is not None:
             self.trace.skipped(key, reason, wait_s)
-        emit_skip(
-            event.route.name,
-            reason,
-            trace_id=event.trace_id,
-            model=key,
-            retry_after_s=round(wait_s, 3) if wait_s is not None else None,
-        )
+        if logger.isEnabledFor(INFO):
+            emit_skip(
+                route.name,
+                reason,
+                trace_id=trace_id,
+                model=key,
+                retry_after_s=round(wait_s, 3) if wait_s is not None else None,
+            )
 
     def retried(self, event: Retried) -> None:
         model, delay_s = event.leg.ref.key, event.delay_s

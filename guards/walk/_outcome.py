@@ -59,7 +59,7 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         if served is not None:  # a model's answer served (not the handler's own value)
             served.served.count += 1
     elif outcome == "fallback":
-        metrics.fallback.add()
+        metrics.fallback.count += 1  # `Tally.add`, in place: every refused request's path
     elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback
         metrics.cancelled.add()
     else:
