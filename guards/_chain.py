@@ -57,11 +57,13 @@ class ModelRef:
     provider: str | None
     model: str
     hint: str | None = field(default=None, compare=False)
+    #: How the model is named in keys, logs and headers: `model` or `provider:model` (made
+    #: once: read on every request's path).
+    key: str = field(init=False, compare=False, repr=False)
 
-    @property
-    def key(self) -> str:
-        """How the model is named in keys, logs and headers: `model` or `provider:model`."""
-        return self.model if self.provider is None else f"{self.provider}:{self.model}"
+    def __post_init__(self) -> None:
+        key = self.model if self.provider is None else f"{self.provider}:{self.model}"
+        object.__setattr__(self, "key", key)
 
     @property
     def entry(self) -> str:

@@ -115,7 +115,11 @@ class GuardTripped(GuardsError):
         self.attempts = attempts
         self.retry_after_s = retry_after_s
         self.model = model
-        super().__init__(f"{reason.guard.value}/{reason.value}: {detail}")
+        super().__init__(detail)
+
+    def __str__(self) -> str:
+        # Made when read (a log, a traceback), not on every refused request.
+        return f"{self.reason.guard.value}/{self.reason.value}: {self.detail}"
 
     @property
     def guard(self) -> GuardName:

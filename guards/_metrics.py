@@ -44,6 +44,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from ._breaker import CircuitState
 from ._log import dropped_lines
+from ._vocabulary import Reason
 
 __all__ = [
     "ATTEMPTS",
@@ -382,13 +383,13 @@ class RouteMetrics:
         self.cancelled = counter(REQUESTS, route, "cancelled")
         self.invalid = counter(REQUESTS, route, "invalid")
         self.seconds = histogram(REQUEST_SECONDS, route)
-        #: `guards_fallbacks_total` by (guard, reason), each bound at its first count.
-        self._tripped: dict[tuple[str, str], Tally] = {}
+        #: `guards_fallbacks_total` by reason (its guard follows), each bound at its first count.
+        self._tripped: dict[Reason, Tally] = {}
 
-    def tripped(self, guard: str, reason: str) -> None:
-        tally = self._tripped.get((guard, reason))
+    def tripped(self, reason: Reason) -> None:
+        tally = self._tripped.get(reason)
         if tally is None:
-            tally = self._tripped[guard, reason] = counter(FALLBACKS, self._route, guard, reason)
+            tally = self._tripped[reason] = counter(FALLBACKS, self._route, reason.guard.value, reason.value)
         tally.count += 1
 
 

@@ -65,7 +65,7 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
     else:
         metrics.error.add()
     if tripped is not None and outcome != "cancelled":
-        metrics.tripped(tripped.guard.value, tripped.reason.value)
+        metrics.tripped(tripped.reason)
     flush_soon(now)
     trace = observers.trace
     if trace is not None:

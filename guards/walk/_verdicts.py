@@ -72,12 +72,29 @@ def failed(state: RequestState, leg: Leg, call: CallFailed, cooldown: Cooldown) 
     )
 
 
+#: `exhausted`'s detail when one model was skipped, by (model, note, detailed): the same text
+#: for every request refused alike, made once (a model and reason of the routes: bounded).
+_ONE_SKIP: dict[tuple[str, str, bool], str] = {}
+_MAX_ONE_SKIP = 256
+
+
 def exhausted(state: RequestState, last: GuardTripped | None, spent: bool, detailed: bool) -> GuardTripped:
     """No leg answered: the last failure; else the attempt budget, when an earlier call of
     the request spent it; else `circuit_open` (every leg was skipped)."""
     legs = state._route.legs
     if last is not None and len(legs) == 1:
         return last
+    notes = state._notes
+    if last is None and len(notes) == 1 and not spent:  # an outage's usual refusal: one skip
+        leg, what, wait = notes[0]
+        detail = _ONE_SKIP.get((leg.ref.key, what, detailed))
+        if detail is None:
+            if len(_ONE_SKIP) >= _MAX_ONE_SKIP:
+                _ONE_SKIP.clear()
+            detail = _ONE_SKIP[leg.ref.key, what, detailed] = (
+                f"every model was skipped: {state._summary(detailed)}"
+            )
+        return GuardTripped(Reason.circuit_open, detail, retry_after_s=wait, model=legs[0].ref.key)
     text = state._summary(detailed)
     if last is None and spent:
         return GuardTripped(
