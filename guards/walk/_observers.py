@@ -122,10 +122,10 @@ class Observers:
         if type(ledger) is not LogLedger:  # the app's ledger: every record, as it ends
             ledger.record(_attempt(event))
             return None
-        if not logger.isEnabledFor(INFO):  # lines off: no record to build
-            return None
         if attempt == 1 and held is None and shared.log_attempts != "all":
             return event  # the request's line carries it, unless another attempt follows
+        if not logger.isEnabledFor(INFO):  # lines off: no record to build
+            return None
         if held is not None:
             ledger.record(_attempt(held))
         ledger.record(_attempt(event))
