@@ -212,6 +212,7 @@ def capture_guards_log(handler: _Lines) -> Iterator[_Lines]:
     """`handler` on the `guards` logger at INFO for the test's duration (a fixture's body)."""
     logger = logging.getLogger("guards")
     previous = logger.level
+    assert guards.flush_logs(5.0), "guards' log writer did not catch up"  # earlier tests' lines
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     yield handler
