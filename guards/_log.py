@@ -161,7 +161,14 @@ class LineWriter:
                     items.append(queue.get_nowait())
             except Empty:
                 pass
-            self._take(items)
+            try:
+                self._take(items)
+            except Exception:  # a bug here must not stop every later line: this batch is lost
+                for item in items:
+                    if isinstance(item, threading.Event):
+                        item.set()
+                    else:
+                        self.dropped += 1
             time.sleep(GATHER_S)
 
     def _take(self, items: list[_Item | threading.Event]) -> None:
