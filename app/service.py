@@ -41,7 +41,6 @@ from guards import (
     header_key,
     render_metrics,
 )
-from guards.providers import OpenAICompatible, WorkersAI
 from guards.stores import Store, open_store
 
 from .labels import keyword_label, mentions_personal_data
@@ -462,8 +461,11 @@ def chat_inputs(body: UIChatRequest) -> dict[str, Any]:
 
 
 def make_binding(settings: Settings, provider: str) -> Binding:
-    """The binding of one provider the settings name (`fake`, `workers-ai`, `openai`)."""
+    """The binding of one provider the settings name (`fake`, `workers-ai`, `openai`). The
+    HTTP providers (and their HTTP client) are imported only by an app that calls them."""
     if provider == "workers-ai":
+        from guards.providers import WorkersAI
+
         return WorkersAI(
             account_id=settings.cloudflare_account_id,
             api_token=settings.cloudflare_api_token.get_secret_value(),
@@ -471,6 +473,8 @@ def make_binding(settings: Settings, provider: str) -> Binding:
             idle_timeout_s=settings.ai_stream_idle_timeout_s,
         )
     if provider == "openai":
+        from guards.providers import OpenAICompatible
+
         return OpenAICompatible(
             api_key=settings.openai_api_key.get_secret_value() or None,
             base_url=settings.openai_base_url,

@@ -15,6 +15,11 @@ pipeline from the fake's own work.
 Tracing (`tracing_*`): the same guarded route with tracing off (the default), with the
 OpenTelemetry API's no-op tracer (tracing on, no SDK set up) and with the SDK, interleaved.
 
+Cold start (`import_*`, `first_answer_*`): what `from guards import AI, Guards` costs after
+`import fastapi`, and the example app's time from its process's start to its first answer,
+next to a bare FastAPI app's (`bench/bare_app.py`), each in fresh processes (see
+`import_costs` and `first_answer_times`).
+
 Each figure is printed on its own line as `name = value unit`. The same pipeline's cost in
 CPU instructions, which the machine's noise does not move: `make bench-instructions`.
 """
@@ -23,12 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import http.client
 import inspect
 import logging
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -36,7 +46,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fixtures import FakeBinding, FakeWorkersAI, Reply, Stream, Text
-from fixtures.redis_server import RedisServer
+from fixtures.redis_server import RedisServer, free_port
 from fixtures.stores import PiecewiseStore
 from guards import (
     AI,
@@ -633,7 +643,149 @@ def effort_estimate() -> float:
     return statistics.median(samples)
 
 
+# --- cold start ----------------------------------------------------------------------------
+#
+# Fresh processes, run with the repository first on their path and with Python's bytecode cache
+# on (`PYTHONDONTWRITEBYTECODE` removed): an installed wheel's modules are compiled once, so a
+# start that compiled guards from source would measure the compiler. One process of each kind
+# runs first, unmeasured, to fill the cache.
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Fresh processes per import figure.
+IMPORT_RUNS = 9
+#: Starts per app for the time to first answer (interleaved: bare, app, bare, app...).
+START_RUNS = 5
+START_TIMEOUT_S = 60.0
+
+_IMPORT = """
+import time
+t0 = time.perf_counter()
+import fastapi
+t1 = time.perf_counter()
+import guards
+t2 = time.perf_counter()
+from guards import AI, Guards
+t3 = time.perf_counter()
+print((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t1) * 1e3)
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    return {**env, **extra}
+
+
+def import_costs(runs: int = IMPORT_RUNS) -> dict[str, float]:
+    """Medians over `runs` fresh processes, in milliseconds: `fastapi` (`import fastapi`), then
+    after it `package` (`import guards`, which imports its names on first use: nothing else)
+    and `guards` (`import guards` and `from guards import AI, Guards`: what every guarded app
+    imports, the engine with it); and `ratio`, the median of each process's `guards` over its
+    `fastapi`."""
+
+    def once() -> tuple[float, ...]:
+        out = subprocess.run(
+            [sys.executable, "-c", _IMPORT], cwd=ROOT, env=_env(), capture_output=True, text=True, check=True
+        )
+        return tuple(float(ms) for ms in out.stdout.split())
+
+    once()  # fills the bytecode cache
+    samples = [once() for _ in range(runs)]
+    medians = {
+        name: statistics.median(sample[index] for sample in samples)
+        for index, name in enumerate(("fastapi", "package", "guards"))
+    }
+    # Each process's own ratio: a slow moment of the machine slows both of its imports.
+    medians["ratio"] = statistics.median(guards / fastapi for fastapi, _, guards in samples)
+    return medians
+
+
+#: The served apps: (module:attribute, method, path, body, extra environment).
+_APPS: dict[str, tuple[str, str, str, bytes | None, dict[str, str]]] = {
+    "bare": ("bench.bare_app:app", "GET", "/hello", None, {}),
+    "app": (
+        "app.main:app",
+        "POST",
+        "/draft-reply",
+        b'{"message": "Where is my parcel?"}',
+        {"AI_PROVIDER": "fake", "GUARDS_STORE": "memory://", "OTEL_TRACES_EXPORTER": "none"},
+    ),
+}
+
+
+def _answered(port: int, method: str, path: str, body: bytes | None) -> bool:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        headers = {"content-type": "application/json"} if body is not None else {}
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        response.read()
+        return response.status == 200
+    except OSError:  # not listening yet (refused, reset)
+        return False
+    finally:
+        connection.close()
+
+
+def first_answer_ms(name: str) -> float:
+    """One start of app `name` (see `_APPS`): milliseconds from `Popen` to its first 200."""
+    target, method, path, body, extra = _APPS[name]
+    port = free_port()
+    command = [sys.executable, "-m", "guards.serve", target, "--port", str(port),
+               "--log-level", "warning", "--no-access-log"]  # fmt: skip
+    started = time.perf_counter()
+    server = subprocess.Popen(
+        command, cwd=ROOT, env=_env(**extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        while not _answered(port, method, path, body):
+            if server.poll() is not None:
+                raise RuntimeError(f"{name} exited with {server.returncode} before answering")
+            if time.perf_counter() - started > START_TIMEOUT_S:
+                raise RuntimeError(f"{name} did not answer in {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.002)  # polling for the port to open, bounded by the timeout
+        return (time.perf_counter() - started) * 1e3
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(5)
+
+
+def first_answer_times(runs: int = START_RUNS) -> dict[str, float]:
+    """Medians over `runs` interleaved starts of each app, in milliseconds, by app name; and
+    `ratio`, the median of each round's app over its bare app."""
+    for name in _APPS:
+        first_answer_ms(name)  # fills the bytecode cache
+    samples: dict[str, list[float]] = {name: [] for name in _APPS}
+    for _ in range(runs):
+        for name in _APPS:
+            samples[name].append(first_answer_ms(name))
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    medians["ratio"] = statistics.median(
+        app / bare for bare, app in zip(samples["bare"], samples["app"], strict=True)
+    )
+    return medians
+
+
+def print_startup_figures() -> None:
+    """`import_*` and `first_answer_*`."""
+    imports = import_costs()
+    print(f"import_fastapi_ms = {imports['fastapi']:.1f} ms")
+    print(f"import_guards_over_fastapi_ms = {imports['guards']:.1f} ms")
+    print(f"import_guards_vs_fastapi = {imports['ratio']:.3f} x")
+    print(f"import_guards_package_only_ms = {imports['package']:.2f} ms")
+    started = first_answer_times()
+    print(f"first_answer_bare_ms = {started['bare']:.0f} ms")
+    print(f"first_answer_app_ms = {started['app']:.0f} ms")
+    print(f"first_answer_app_over_bare_ms = {started['app'] - started['bare']:.0f} ms")
+    print(f"first_answer_app_vs_bare = {started['ratio']:.2f} x")
+
+
 def main() -> None:
+    print_startup_figures()  # first: fresh processes, before this one heats the machine up
     figures = asyncio.run(measure(FakeBinding(Reply({"label": "billing", "confidence": 0.9}))))
     bare, guarded, logged = figures["bare"], figures["guarded"], figures["logged"]
     print(f"bare_call_us = {bare:.2f} us")

@@ -3,6 +3,10 @@ strict one (DESIGN.md, contracts 1 and 2).
 
 `GuardName`, `Reason` and `ErrorCode` (closed sets, in `guards._vocabulary`) are matched to the
 letter by clients. `detail` is free text for people and logs, never a label.
+
+Each model's validator and serializer are built when first used (`defer_build`), not when
+guards is imported: `ErrorBody` serves the OpenAPI document only, `Problem` a 400, and a
+degrading route builds its `Envelope[...]` and `FallbackInfo` when it is declared.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ __all__ = ["MAX_PROBLEMS", "Envelope", "ErrorBody", "FallbackInfo", "Problem"]
 class FallbackInfo(BaseModel):
     """Which guard substituted `data`, and why."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, defer_build=True)
 
     guard: GuardName
     reason: Reason
@@ -35,6 +39,8 @@ class Envelope(BaseModel, Generic[T]):
     (`fallback` is null) or a guard substituted it (`fallback` says which and why).
     """
 
+    model_config = ConfigDict(defer_build=True)
+
     ok: bool = True
     data: T
     fallback: FallbackInfo | None = None
@@ -47,7 +53,7 @@ MAX_PROBLEMS = 10
 class Problem(BaseModel):
     """One thing to fix in a request: where, and the pydantic error type. Never the value."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, defer_build=True)
 
     field: str = Field(description="Where: `body.message`, `header.x-user-id`, `query.page`, or `body`.")
     problem: str = Field(
@@ -57,6 +63,8 @@ class Problem(BaseModel):
 
 class ErrorBody(BaseModel):
     """The body of every error a guarded route answers."""
+
+    model_config = ConfigDict(defer_build=True)
 
     error: ErrorCode
     retryable: bool = Field(

@@ -24,7 +24,6 @@ from ._chain import DEFAULT_PROVIDER, HINT_PREFIX, Profile, check_hints
 from ._clock import SystemClock
 from ._cooldown import Cooldown
 from ._credentials import CredentialWarnings
-from ._effort import Effort
 from ._endpoint import handler_entered, request_trace_id
 from ._envelope import MAX_PROBLEMS, Problem
 from ._errors import ConfigurationError
@@ -33,7 +32,6 @@ from ._ledger import Ledger, LogLedger
 from ._levels import LevelMiddleware, Levels, ServiceLevel
 from ._log import emit, flush_logs, logger, show_logs
 from ._metrics import flush_metrics, flush_soon
-from ._openapi import document_guarded_routes
 from ._output import Moderation
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
@@ -41,15 +39,15 @@ from ._retry_budget import RetryWindows
 from ._route import guard_route
 from ._route_spec import NO_FALLBACK, GuardedRoute, KnownRefusal, route_of
 from ._tasks import Task
-from ._tracing import Tracing
 from ._vocabulary import Attribution, ErrorCode
-from .status import status_router
 from .stores import MemoryStore, Store
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
+    from ._effort import Effort
     from ._shared import Shared
+    from ._tracing import Tracing
 
 __all__ = ["Guards"]
 
@@ -147,9 +145,11 @@ class Guards:
         self.prices: Mapping[str, Price] = dict(prices or {})
         self.cost_unit_usd = cost_unit_usd
         #: The tracer when tracing is on (see `guards._tracing`), else None.
-        self.tracing: Tracing | None = (
-            None if tracing is False else Tracing(None if tracing is True else tracing)
-        )
+        self.tracing: Tracing | None = None
+        if tracing is not False:
+            from ._tracing import Tracing  # only when tracing is on
+
+            self.tracing = Tracing(None if tracing is True else tracing)
         self.credential_warnings = CredentialWarnings()
         #: When this worker's last success on each model ended, by breaker key, on
         #: `success_clock`: each step about a model tells the store how long ago (see
@@ -205,6 +205,8 @@ class Guards:
         it (keep it behind a proxy). `dependencies` run first (e.g. an auth of the app's own).
         Raises `ConfigurationError` for a path that does not start with `/`, an empty token,
         `refresh_s` under 1 or `window_s` under 1."""
+        from .status import status_router  # the status page's modules, only for an app that mounts it
+
         return status_router(
             self,
             path=path,
@@ -346,6 +348,8 @@ class Guards:
 
         def openapi() -> dict[str, Any]:
             if app.openapi_schema is None:
+                from ._openapi import document_guarded_routes  # once, when the document is first asked for
+
                 document_guarded_routes(app, original_openapi(), self.attribution)
             assert app.openapi_schema is not None
             return app.openapi_schema

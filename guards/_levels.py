@@ -37,7 +37,7 @@ from ._breaker import Breaker, BreakerState, CircuitState
 from ._breaker import admit as breaker_admit
 from ._errors import GuardTripped
 from ._log import emit, emit_warning
-from ._metrics import SERVICE_LEVEL, STORE_UNAVAILABLE
+from ._metrics import SERVICE_LEVEL, STORE_UNAVAILABLE, gauge
 from ._route_spec import GuardedRoute, route_of
 from ._vocabulary import Attribution, Level, Reason
 from .stores import Store, StoreUnavailable
@@ -63,6 +63,8 @@ _COUNTED = "guards.in_flight"
 
 #: Each level's rank: the gauge's value, and the order shedding compares in.
 RANK = {Level.full: 0, Level.degraded: 1, Level.minimal: 2}
+#: `guards_service_level`: this process's series of it.
+_LEVEL_GAUGE = gauge(SERVICE_LEVEL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +267,7 @@ class Levels:
             emit("service_level", **{"from": before.value, "to": level.value}, down=[m.model for m in models])
         if level is not before or not self._gauge_set:
             self._gauge_set = True
-            SERVICE_LEVEL.set(RANK[level])
+            _LEVEL_GAUGE.set(RANK[level])
 
 
 class LevelMiddleware:

@@ -19,32 +19,35 @@ shows in the next scrape. `Guards.aclose()` (app shutdown) writes the rest.
 
 Tallies are updated from event-loop threads and only grow; a flush (under a lock, from any
 thread) adds what grew since the last one, so an update racing a flush is written by the next.
+
+prometheus-client itself is imported, and guards' metrics made in its default registry, when
+first needed (`Metric`): by the first flush (`FLUSH_INTERVAL_S` after a process's first
+request), `render_metrics()`, the status page, or a store failure counted at once. `import
+guards` and building an app import none of it; until then a tally only counts, and a gauge
+(`GaugeTally`) keeps its value and the time it was set, which the first flush writes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable
-from typing import Any
-
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    REGISTRY,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
-from prometheus_client.multiprocess import MultiProcessCollector
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from ._breaker import CircuitState
 from ._log import dropped_lines
 from ._vocabulary import Reason
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge, Histogram
+
+    #: What a tally counts into: one of guards' metrics, or a prometheus-client metric.
+    Source: TypeAlias = "Metric | Counter | Gauge | Histogram"
 
 __all__ = [
     "ATTEMPTS",
@@ -64,7 +67,9 @@ __all__ = [
     "FLUSH_INTERVAL_S",
     "STORE_UNAVAILABLE",
     "TASK_STEPS",
+    "GaugeTally",
     "HistogramTally",
+    "Metric",
     "RouteMetrics",
     "StampedTally",
     "Tally",
@@ -72,6 +77,7 @@ __all__ = [
     "counts",
     "flush_metrics",
     "flush_soon",
+    "gauge",
     "histogram",
     "multiprocess",
     "peek",
@@ -83,83 +89,155 @@ __all__ = [
 #: The longest a request's counts wait in this process before prometheus-client sees them.
 FLUSH_INTERVAL_S = 1.0
 
-STORE_UNAVAILABLE = Counter(
+#: Every metric declared here, in order: `render_metrics()` makes them all.
+_METRICS: list[Metric] = []
+_make_lock = threading.Lock()
+
+
+class Metric:
+    """One of guards' metrics: declared at import, made in prometheus-client's default
+    registry (a `Counter`, `Gauge` or `Histogram` of the same name, help, labels and options)
+    the first time it is needed (`made()`), so that importing guards does not import
+    prometheus-client. Tallies (`counter`, `histogram`, `gauge`) take one of these or a
+    prometheus-client metric of the kind."""
+
+    __slots__ = ("_documentation", "_kind", "_labelnames", "_made", "_name", "_options")
+
+    def __init__(
+        self,
+        kind: Literal["Counter", "Gauge", "Histogram"],
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        **options: Any,
+    ) -> None:
+        self._kind = kind
+        #: As prometheus-client names it (a counter's without `_total`), and its label names.
+        self._name = name
+        self._labelnames = tuple(labelnames)
+        self._documentation = documentation
+        self._options = options
+        self._made: Any = None
+        _METRICS.append(self)
+
+    def made(self) -> Any:
+        """The prometheus-client metric (imported, made and registered by the first call)."""
+        made = self._made
+        if made is None:
+            with _make_lock:
+                if self._made is None:
+                    import prometheus_client
+
+                    kind = getattr(prometheus_client, self._kind)
+                    self._made = kind(self._name, self._documentation, self._labelnames, **self._options)
+                made = self._made
+        return made
+
+    def labels(self, *values: object, **labels: object) -> Any:
+        """The prometheus-client child of these label values, made now (prometheus-client is
+        imported then if no flush did it yet): for rare events, a store failure counted at once;
+        a request's counts go through tallies."""
+        return self.made().labels(*values, **labels)
+
+    def upper_bounds(self) -> tuple[float, ...]:
+        """A histogram's bucket bounds as prometheus-client keeps them: +Inf last."""
+        bounds = [float(bound) for bound in self._options["buckets"]]
+        if bounds[-1] != math.inf:
+            bounds.append(math.inf)
+        return tuple(bounds)
+
+
+STORE_UNAVAILABLE = Metric(
+    "Counter",
     "guards_store_unavailable",
     "Store operations that failed (store down or slower than its timeout), by guard and what the "
     "guard did: open (admitted), closed (refused), or the op that was lost after the call.",
     ["guard", "action"],
 )
-REQUESTS = Counter(
+REQUESTS = Metric(
+    "Counter",
     "guards_requests",
     "Requests to guarded routes by outcome: ok (the model answered), fallback (200 with a "
     "fallback envelope), error (a public error or an application failure), cancelled (the "
     "client left before the answer), invalid (400 invalid_request: no handler ran, no call).",
     ["route", "outcome"],
 )
-FALLBACKS = Counter(
+FALLBACKS = Metric(
+    "Counter",
     "guards_fallbacks",
     "Degraded or refused requests, by the guard that tripped and its reason.",
     ["route", "guard", "reason"],
 )
-ATTEMPTS = Counter(
+ATTEMPTS = Metric(
+    "Counter",
     "guards_provider_attempts",
     "Provider calls by model (as configured in the chain) and outcome kind (ok or a failure kind).",
     ["model", "kind"],
 )
-SERVED = Counter(
+SERVED = Metric(
+    "Counter",
     "guards_served",
     "Requests answered (outcome ok) by a model, by route, the chain entry whose answer served "
     "(as configured) and its position in the chain: first (the route's model) or fallback.",
     ["route", "model", "position"],
 )
-TOKENS = Counter(
+TOKENS = Metric(
+    "Counter",
     "guards_tokens",
     "Tokens the providers reported using, by model (as configured in the chain) and type: "
     "input or output. Calls that report no usage add nothing.",
     ["model", "type"],
 )
-COST = Counter(
+COST = Metric(
+    "Counter",
     "guards_cost_usd",
     "What provider calls cost in US dollars, by route and model: the reported usage priced by "
     "Guards(prices=...) (times Guards(cost_unit_usd=...)). Models without a price, and calls "
     "that report no usage, add nothing.",
     ["route", "model"],
 )
-BREAKER_TRANSITIONS = Counter(
+BREAKER_TRANSITIONS = Metric(
+    "Counter",
     "guards_breaker_transitions",
     "Breaker state changes by model and the state entered: open, half_open, closed. Each change "
     "is counted once, by the worker whose store operation made it.",
     ["model", "to"],
 )
-SKIPS = Counter(
+SKIPS = Metric(
+    "Counter",
     "guards_model_skips",
     "Chain models skipped without a call, by reason: cooldown or circuit_open.",
     ["model", "reason"],
 )
-EFFORT_DECISIONS = Counter(
+EFFORT_DECISIONS = Metric(
+    "Counter",
     "guards_effort_decisions",
     "Effort routing decisions, by route, the tier the request was given (simple, standard, "
     "complex) and the routing hint it was sent to.",
     ["route", "tier", "hint"],
 )
-RETRY_BUDGET_EXHAUSTED = Counter(
+RETRY_BUDGET_EXHAUSTED = Metric(
+    "Counter",
     "guards_retry_budget_exhausted",
     "Retryable failures not retried because the model's retry budget (in this worker) was spent.",
     ["model"],
 )
-REQUEST_SECONDS = Histogram(
+REQUEST_SECONDS = Metric(
+    "Histogram",
     "guards_request_duration_seconds",
     "Time spent in guarded routes, from the handler's start to its answer.",
     ["route"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
-ATTEMPT_SECONDS = Histogram(
+ATTEMPT_SECONDS = Metric(
+    "Histogram",
     "guards_provider_attempt_duration_seconds",
     "Latency of single provider calls, by model.",
     ["model"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
-BREAKER_STATE = Gauge(
+BREAKER_STATE = Metric(
+    "Gauge",
     "guards_breaker_state",
     "The breaker state a worker last saw per model: 0 closed, 1 half-open, 2 open.",
     ["model"],
@@ -169,20 +247,23 @@ STATE_VALUE = {CircuitState.closed: 0, CircuitState.half_open: 1, CircuitState.o
 #: Every worker reads the same store, so the value a worker set last is the freshest reading
 #: (`mostrecent`): a worker that has been idle keeps an older one, and `max` or `min` would
 #: hold on to it.
-SERVICE_LEVEL = Gauge(
+SERVICE_LEVEL = Metric(
+    "Gauge",
     "guards_service_level",
     "The service level a worker last read: 0 full, 1 degraded (some model down), 2 minimal "
     "(every model down).",
     multiprocess_mode="mostrecent",
 )
-TASK_STEPS = Counter(
+TASK_STEPS = Metric(
+    "Counter",
     "guards_task_steps",
     "Multi-step tasks by outcome: saved and resumed (steps), replayed (requests answered with a "
     "completed task's response), conflict (requests refused 409 task_in_progress, 422 "
     "idempotency_key_reused, or 429 rate_limited for too many live tasks).",
     ["route", "outcome"],
 )
-LOG_LINES_DROPPED = Counter(
+LOG_LINES_DROPPED = Metric(
+    "Counter",
     "guards_log_lines_dropped",
     "Log lines dropped because the writer of guards' lines was behind (a stderr or log "
     "handler that does not keep up): never waited for (see docs/operating/logs.md).",
@@ -191,12 +272,15 @@ LOG_LINES_DROPPED = Counter(
 
 class Tally:
     """This process's count of one counter series (`counter(metric, *labels)`): `add()` on the
-    request path; `flush_metrics()` adds what is new to the prometheus-client series."""
+    request path; `flush_metrics()` adds what is new to the prometheus-client series (bound
+    to it by the first flush)."""
 
-    __slots__ = ("_child", "_flushed", "count")
+    __slots__ = ("_child", "_flushed", "_labels", "_metric", "count")
 
-    def __init__(self, child: Counter) -> None:
-        self._child = child
+    def __init__(self, metric: Metric | Counter, labels: tuple[str, ...]) -> None:
+        self._metric = metric
+        self._labels = labels
+        self._child: Counter | None = None
         #: Only ever grows; `_flushed` is what prometheus-client has of it.
         self.count: float = 0
         self._flushed: float = 0
@@ -205,9 +289,12 @@ class Tally:
         self.count += amount
 
     def _flush(self) -> None:
+        child = self._child
+        if child is None:
+            child = self._child = _child(self._metric, self._labels)
         count = self.count
         if count != self._flushed:
-            self._child.inc(count - self._flushed)
+            child.inc(count - self._flushed)
             self._flushed = count
 
 
@@ -218,8 +305,8 @@ class StampedTally(Tally):
 
     __slots__ = ("last_at",)
 
-    def __init__(self, child: Counter) -> None:
-        super().__init__(child)
+    def __init__(self, metric: Metric | Counter, labels: tuple[str, ...]) -> None:
+        super().__init__(metric, labels)
         self.last_at = 0.0
 
     def add(self, amount: float = 1) -> None:
@@ -231,18 +318,16 @@ class HistogramTally:
     """This process's observations of one histogram series (`histogram(metric, *labels)`):
     per bucket (the first bound >= the value, as prometheus-client counts) and their sum."""
 
-    __slots__ = ("_bounds", "_child", "_counts", "_flushed", "_flushed_sum", "_sum")
+    __slots__ = ("_bounds", "_child", "_counts", "_flushed", "_flushed_sum", "_labels", "_metric", "_sum")
 
-    def __init__(self, child: Histogram) -> None:
-        if not all(hasattr(child, name) for name in ("_upper_bounds", "_buckets", "_sum")):
-            # Checked at start-up (routes bind their tallies then), not at the first flush.
-            raise RuntimeError(
-                "this prometheus-client's Histogram has no _upper_bounds/_buckets/_sum: "
-                "guards needs a release that keeps them (0.26 does)"
-            )
-        self._child = child
+    def __init__(self, metric: Metric | Histogram, labels: tuple[str, ...]) -> None:
+        self._metric = metric
+        self._labels = labels
+        self._child: Histogram | None = None
         # prometheus-client's bounds of this histogram, +Inf last.
-        self._bounds: tuple[float, ...] = tuple(child._upper_bounds)
+        self._bounds: tuple[float, ...] = (
+            metric.upper_bounds() if isinstance(metric, Metric) else tuple(metric._upper_bounds)
+        )
         self._counts = [0] * len(self._bounds)
         self._flushed = [0] * len(self._bounds)
         self._sum = 0.0
@@ -256,6 +341,15 @@ class HistogramTally:
         # prometheus-client has no public "add n observations": its histogram child keeps one
         # value per bucket (`_buckets`, non-cumulative) and `_sum`, which this adds to.
         child = self._child
+        if child is None:
+            child = self._child = _child(self._metric, self._labels)
+            if not all(hasattr(child, name) for name in ("_upper_bounds", "_buckets", "_sum")) or (
+                tuple(child._upper_bounds) != self._bounds
+            ):
+                raise RuntimeError(
+                    "this prometheus-client's Histogram has no _upper_bounds/_buckets/_sum, or "
+                    "other bounds: guards needs a release that keeps them (0.26 does)"
+                )
         for index, count in enumerate(self._counts):
             if count != self._flushed[index]:
                 child._buckets[index].inc(count - self._flushed[index])
@@ -266,43 +360,95 @@ class HistogramTally:
             self._flushed_sum = total
 
 
-_tallies: dict[tuple[Counter | Histogram, tuple[str, ...]], Tally | HistogramTally] = {}
-#: The log lines this process dropped (`guards._log`: counted there, written at each flush).
-_dropped_lines = Tally(LOG_LINES_DROPPED)
+class GaugeTally:
+    """One gauge series (`gauge(metric, *labels)`), `set()` when its value changes: at once
+    once prometheus-client is loaded; before that, the value waits here with the time it was
+    set (what a `mostrecent` gauge of several workers compares), and a flush, scheduled
+    now, writes it."""
+
+    __slots__ = ("_child", "_labels", "_metric", "_pending")
+
+    def __init__(self, metric: Metric | Gauge, labels: tuple[str, ...]) -> None:
+        self._metric = metric
+        self._labels = labels
+        self._child: Gauge | None = None
+        #: The value set before the series was bound, and when (seconds since the epoch).
+        self._pending: tuple[float, float] | None = None
+
+    def set(self, value: float) -> None:
+        child = self._child
+        if child is None:
+            with _flush_lock:  # a flush in another thread may be binding it
+                child = self._child
+                if child is None:
+                    self._pending = (float(value), time.time())
+            if child is None:
+                _flush_later()
+                return
+        child.set(value)
+
+    def _flush(self) -> None:
+        child = self._child
+        if child is None:
+            child = self._child = _child(self._metric, self._labels)
+            if not hasattr(child, "_value"):
+                raise RuntimeError("this prometheus-client's Gauge has no _value: guards needs 0.26's")
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            # What `Gauge.set` writes (a `mostrecent` gauge's value with its time), at its time.
+            child._value.set(pending[0], timestamp=pending[1])
+
+
+AnyTally: TypeAlias = "Tally | HistogramTally | GaugeTally"
+_tallies: dict[tuple[Source, tuple[str, ...]], AnyTally] = {}
 _flush_lock = threading.Lock()
 #: When the scheduled flush is overdue (`time.perf_counter()`); 0.0: none scheduled.
 _flush_due = 0.0
 
 
-def counter(metric: Counter, *labels: str) -> Tally:
+def _child(metric: Source, labels: tuple[str, ...]) -> Any:
+    """The prometheus-client series of `metric` with `labels` (the metric itself without)."""
+    made = metric.made() if isinstance(metric, Metric) else metric
+    return made.labels(*labels) if labels else made
+
+
+def counter(metric: Metric | Counter, *labels: str) -> Tally:
     """The process's tally of `metric`'s series with `labels` (one per series, kept)."""
     tally = _tally(metric, labels, Tally)
     assert isinstance(tally, Tally)
     return tally
 
 
-def stamped_counter(metric: Counter, *labels: str) -> StampedTally:
+def stamped_counter(metric: Metric | Counter, *labels: str) -> StampedTally:
     """The process's tally of `metric`'s series with `labels`, keeping when it last grew."""
     tally = _tally(metric, labels, StampedTally)
     assert isinstance(tally, StampedTally)
     return tally
 
 
-def peek(metric: Counter, *labels: str) -> Tally | None:
+def gauge(metric: Metric | Gauge, *labels: str) -> GaugeTally:
+    """The process's value of `metric`'s series with `labels` (one per series, kept)."""
+    tally = _tally(metric, labels, GaugeTally)
+    assert isinstance(tally, GaugeTally)
+    return tally
+
+
+def peek(metric: Metric | Counter, *labels: str) -> Tally | None:
     """The process's tally of `metric`'s series with `labels` if one was made (never makes one:
     reading must not add a series to the exposition)."""
     tally = _tallies.get((metric, labels))
     return tally if isinstance(tally, Tally) else None
 
 
-def counts(*metrics: Counter) -> dict[tuple[Counter, tuple[str, ...]], float]:
-    """This process's count so far of every series of `metrics` that has a tally, by
-    `(metric, labels)` (call it from the event loop that updates them)."""
+def counts(*metrics: Metric) -> dict[tuple[Metric, tuple[str, ...]], float]:
+    """This process's count so far of every series of the counters `metrics` that has a
+    tally, by `(metric, labels)` (call it from the event loop that updates them)."""
     wanted = set(metrics)
     return {
         (metric, labels): tally.count
         for (metric, labels), tally in list(_tallies.items())
-        if isinstance(metric, Counter) and metric in wanted and isinstance(tally, Tally)
+        if metric in wanted and isinstance(tally, Tally)
     }
 
 
@@ -311,16 +457,16 @@ def multiprocess() -> bool:
     return "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ
 
 
-def totals(*metrics: Counter) -> dict[tuple[Counter, tuple[str, ...]], float]:
-    """Every worker's count so far of each series of `metrics`, by `(metric, labels)`: in
-    multiprocess mode the sums of the files all workers wrote (this process's tallies written
-    first; the others' at most `FLUSH_INTERVAL_S` old), else this process's own. Reads files:
-    call it off the event loop."""
+def totals(*metrics: Metric) -> dict[tuple[Metric, tuple[str, ...]], float]:
+    """Every worker's count so far of each series of the counters `metrics`, by `(metric,
+    labels)`: in multiprocess mode the sums of the files all workers wrote (this process's
+    tallies written first; the others' at most `FLUSH_INTERVAL_S` old), else this process's
+    own. Reads files: call it off the event loop."""
     if not multiprocess():
         return counts(*metrics)
     flush_metrics()
     by_sample = {f"{metric._name}_total": metric for metric in metrics}
-    found: dict[tuple[Counter, tuple[str, ...]], float] = {}
+    found: dict[tuple[Metric, tuple[str, ...]], float] = {}
     for family in _worker_files().collect():
         for sample in family.samples:
             metric = by_sample.get(sample.name)
@@ -330,27 +476,33 @@ def totals(*metrics: Counter) -> dict[tuple[Counter, tuple[str, ...]], float]:
     return found
 
 
-def histogram(metric: Histogram, *labels: str) -> HistogramTally:
+def histogram(metric: Metric | Histogram, *labels: str) -> HistogramTally:
     """The process's tally of `metric`'s series with `labels` (one per series, kept)."""
     tally = _tally(metric, labels, HistogramTally)
     assert isinstance(tally, HistogramTally)
     return tally
 
 
-def _tally(metric: Any, labels: tuple[str, ...], make: Callable[[Any], Tally | HistogramTally]) -> Any:
+def _tally(metric: Any, labels: tuple[str, ...], make: Callable[[Any, tuple[str, ...]], AnyTally]) -> Any:
     tally = _tallies.get((metric, labels))
     if tally is None:
-        tally = _tallies[metric, labels] = make(metric.labels(*labels))
+        tally = _tallies[metric, labels] = make(metric, labels)
     return tally
 
 
 def flush_metrics() -> None:
-    """Write this process's new counts to prometheus-client (any thread)."""
+    """Write this process's new counts to prometheus-client (any thread); the first flush
+    imports it and binds every tally to its series (a series counted 0 included)."""
     with _flush_lock:
+        _dropped_lines.count = dropped_lines()  # counted by `guards._log`'s writer
         for tally in list(_tallies.values()):
             tally._flush()
-        _dropped_lines.count = dropped_lines()
-        _dropped_lines._flush()
+
+
+def _flush_later() -> None:
+    """`flush_soon` from a loop's thread; nothing outside one (the next request's does it)."""
+    with contextlib.suppress(RuntimeError):  # no running event loop
+        flush_soon(time.perf_counter())
 
 
 def flush_soon(now: float) -> None:
@@ -368,6 +520,10 @@ def _timed_flush() -> None:
     global _flush_due
     _flush_due = 0.0
     flush_metrics()
+
+
+#: The log lines this process dropped (`guards._log`), as a series.
+_dropped_lines = counter(LOG_LINES_DROPPED)
 
 
 class RouteMetrics:
@@ -421,6 +577,10 @@ def render_metrics() -> tuple[bytes, str]:
     This process's tallies are written first; other workers write theirs every
     `FLUSH_INTERVAL_S` (see the module's docstring).
     """
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+
+    for metric in _METRICS:  # every family, those no series of has been counted yet too
+        metric.made()
     flush_metrics()
     if multiprocess():
         registry = CollectorRegistry()
@@ -442,6 +602,8 @@ class _WorkerFiles:
         self.directory = directory
 
     def collect(self) -> Any:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
         with os.scandir(self.directory) as entries:
             files = [entry.path for entry in entries if entry.name.endswith(".db") and _holds_counts(entry)]
         return MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]

@@ -26,9 +26,8 @@ from ._breaker import Breaker
 from ._budget import Budget
 from ._call import Retry
 from ._chain import HINT_PREFIX, flatten_chain
-from ._effort import Effort, EffortRoutes
 from ._endpoint import REQUEST_PARAMETER, RESPONSE_PARAMETER, GuardedEndpoint, request_trace_id
-from ._envelope import Envelope
+from ._envelope import Envelope, FallbackInfo
 from ._errors import ConfigurationError, GuardTripped
 from ._event_stream import GUARDS_EVENTS, EventStream, StreamFormat
 from ._last_good import LastGood, LastGoodCache
@@ -37,12 +36,12 @@ from ._metrics import RouteMetrics
 from ._output import Moderation, OutputGuard
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._route_spec import NO_FALLBACK, GuardedRoute, Leg, SuccessAges
-from ._task_endpoint import task_endpoint
 from ._tasks import Task, key_parameter
 from ._vocabulary import Level
 from .walk import AI
 
 if typing.TYPE_CHECKING:
+    from ._effort import Effort
     from ._shared import Shared
 
 __all__ = ["FallbackFunction", "guard_route"]
@@ -233,10 +232,18 @@ def guard_route(
         task=task,
     )
     if effort is not None:
+        # Effort routing's module, only for a route that uses it (at start-up, once).
+        from ._effort import EffortRoutes
+
         route = EffortRoutes.attach(route, effort, lambda hint: chain_of(HINT_PREFIX + hint))
     for problem in problems:
         emit_warning("chain_invalid", route=route_name, problem=problem)
-    envelope_type: Any = Envelope[data_type] if degrading else None  # type: ignore[valid-type]
+    envelope_type: Any = None
+    if degrading:
+        envelope_type = Envelope[data_type]  # type: ignore[valid-type]
+        # Built now, at start-up, not by the route's first answer (see `guards._envelope`).
+        envelope_type.model_rebuild(raise_errors=False)
+        FallbackInfo.model_rebuild(raise_errors=False)
     endpoint = GuardedEndpoint(
         guards,
         route,
@@ -255,6 +262,8 @@ def guard_route(
     ]
     guarded: Callable[..., Awaitable[Any]] = endpoint
     if task is not None:  # the Idempotency-Key header: validated and documented by FastAPI
+        from ._task_endpoint import task_endpoint  # only for a route that runs tasks, at start-up
+
         params.append(key_parameter())
         guarded = task_endpoint(
             guards,

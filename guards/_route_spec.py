@@ -25,10 +25,12 @@ from ._metrics import (
     SERVED,
     STATE_VALUE,
     TOKENS,
+    GaugeTally,
     HistogramTally,
     RouteMetrics,
     Tally,
     counter,
+    gauge,
     histogram,
     stamped_counter,
 )
@@ -36,7 +38,6 @@ from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._vocabulary import Kind
 
 if typing.TYPE_CHECKING:
-    from prometheus_client import Gauge
     from starlette.requests import Request
 
     from ._breaker import Breaker
@@ -77,7 +78,7 @@ class Leg:
     #: The model's price (`Guards(prices=...)`), when known.
     price: Price | None
     seconds: HistogramTally
-    breaker_state: Gauge
+    breaker_state: GaugeTally
     attempts: dict[str, Tally]
     #: The breaker state this process last saw (the gauge is set only when it changes).
     last_state: list[CircuitState | None]
@@ -115,7 +116,7 @@ class Leg:
             cooldown_key=f"guards:cooldown:{ref.key}",
             price=price,
             seconds=histogram(ATTEMPT_SECONDS, ref.key),
-            breaker_state=BREAKER_STATE.labels(ref.key),
+            breaker_state=gauge(BREAKER_STATE, ref.key),
             attempts={
                 "ok": counter(ATTEMPTS, ref.key, "ok"),
                 **{k: stamped_counter(ATTEMPTS, ref.key, k) for k in Kind},

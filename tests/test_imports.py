@@ -9,17 +9,31 @@ dependency: the module cannot be understood, or type-checked, without the other)
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "guards"
 
-#: Imports a function makes on purpose, to load an optional dependency only when it is used
-#: (the Redis client): not a way round a circle, and each one checked for circles all the same.
+#: Imports a function makes on purpose, to load a module only when it is used (the Redis and
+#: SQLite stores; effort routing, tasks, tracing and the status page when an app configures
+#: them; the OpenAPI additions when the document is first asked for): each runs at start-up or
+#: on first use, never on a request's path. Not a way round a circle, and each one checked for
+#: circles all the same. (`guards/__init__.py` imports its public names on first use through
+#: `importlib`: see `test_the_packages_lazy_names_are_its_type_checking_imports`.)
 LAZY = {
     ("guards.stores", "guards.stores._redis"),
+    ("guards.stores", "guards.stores._sqlite"),
     ("guards.stores._url", "guards.stores._redis"),
+    ("guards.stores._url", "guards.stores._sqlite"),
+    ("guards._guards", "guards._openapi"),
+    ("guards._guards", "guards._tracing"),
+    ("guards._guards", "guards.status"),
+    ("guards._route", "guards._effort"),
+    ("guards._route", "guards._task_endpoint"),
 }
 
 
@@ -108,7 +122,7 @@ def test_the_package_has_no_import_circle() -> None:
     assert find_cycle(combined) is None, " -> ".join(find_cycle(combined) or ())
 
 
-def test_no_function_imports_a_package_module_but_the_optional_redis_client() -> None:
+def test_no_function_imports_a_package_module_but_those_loaded_on_first_use() -> None:
     _, nested = import_graph()
     hidden = {(name, target) for name, targets in nested.items() for target in targets}
     assert hidden <= LAZY, sorted(hidden - LAZY)
@@ -224,21 +238,44 @@ PUBLIC = {
 
 def test_guards_all_lists_exactly_the_public_names() -> None:
     """`guards.__all__` is the public API: every name it lists is there, and every public
-    name `guards` has (not a submodule) is listed, once."""
+    name `guards` has (not a submodule) is listed, once. (The names are imported on first use:
+    each is looked up first.)"""
     import types
 
     import guards
 
     assert len(guards.__all__) == len(set(guards.__all__))
     assert set(guards.__all__) == PUBLIC
+    for name in guards.__all__:
+        assert getattr(guards, name) is not None
     public = {
         name
         for name, value in vars(guards).items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
     assert public == PUBLIC
-    for name in guards.__all__:
-        assert getattr(guards, name) is not None
+    assert set(dir(guards)) >= PUBLIC
+
+
+def test_the_packages_lazy_names_are_its_type_checking_imports() -> None:
+    """`guards._PUBLIC` (where `__getattr__` finds each name) says what the imports under
+    `TYPE_CHECKING` say (what type checkers, IDEs and the docs read), name for name."""
+    import guards
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    checking = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "typing.TYPE_CHECKING"
+    )
+    imported = {
+        alias.asname or alias.name: "." * node.level + (node.module or "")
+        for node in checking.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert imported == guards._PUBLIC
+    assert set(imported) == PUBLIC
 
 
 def test_every_subpackage_says_what_it_exports() -> None:
@@ -250,3 +287,131 @@ def test_every_subpackage_says_what_it_exports() -> None:
         if "__all__" not in path.read_text()
     ]
     assert missing == []
+
+
+#: Run in a fresh interpreter: `import fastapi`, `import guards`, then a guarded app on the
+#: memory store (built, installed, and one request served through ASGI), printing the modules
+#: each stage imported.
+_MINIMAL_APP = """
+import asyncio, json, sys
+
+def loaded():
+    return set(sys.modules)
+
+from fastapi import FastAPI
+start = loaded()
+import guards
+after_import = loaded()
+from guards import AI, AIResult, Guards
+
+class Answer:
+    async def run(self, model, inputs):
+        return AIResult("hello", model=model)
+    async def aclose(self):
+        return None
+
+guards_ = Guards(Answer())
+app = FastAPI()
+guards_.install(app)
+
+@app.post("/hello")
+@guards_.route(model="m")
+async def hello(ai: AI[str]) -> str:
+    return await ai.run({"prompt": "hi"})
+
+built = loaded()
+sent = []
+
+async def receive():
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+async def send(message):
+    sent.append(message)
+
+scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+         "scheme": "http", "path": "/hello", "raw_path": b"/hello", "query_string": b"",
+         "root_path": "", "headers": [(b"host", b"test")], "client": ("127.0.0.1", 1),
+         "server": ("127.0.0.1", 80)}
+asyncio.run(app(scope, receive, send))
+assert sent[0]["status"] == 200, sent
+answered = loaded()
+print(json.dumps({
+    "import": sorted(after_import - start),
+    "built": sorted(built - start),
+    "request": sorted(answered - built),
+}))
+"""
+
+#: What a guarded route that uses none of these features never imports.
+NOT_IMPORTED = {
+    "sqlite3": "the SQLite store's driver",
+    "guards.stores._sqlite": "the SQLite store",
+    "guards.stores._redis": "the Redis store",
+    "redis": "the Redis client",
+    "guards.status": "the status page",
+    "guards.status._report": "the status page's models",
+    "guards._effort": "effort routing",
+    "guards._task_endpoint": "tasks",
+    "guards._tracing": "tracing",
+    "opentelemetry": "OpenTelemetry",
+    "guards._throttle": "the throttle",
+    "aiolimiter": "the throttle's limiter",
+    "guards._ui_stream": "the AI SDK's UI message stream",
+    "guards._openapi": "the OpenAPI additions (until the document is asked for)",
+    "prometheus_client": "prometheus-client (until the first flush or scrape)",
+    "guards.providers": "the HTTP providers",
+    "httpx": "the providers' HTTP client",
+    "guards.testing": "the test doubles",
+}
+
+
+def run_fresh(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_plain_guarded_app_imports_no_feature_it_does_not_use() -> None:
+    """Deterministic (module lists, not timings): `import guards` imports none of its modules;
+    an app with one guarded route on the memory store imports none of `NOT_IMPORTED` (beyond
+    what FastAPI imported itself); and serving a request imports nothing at all (what a route
+    needs is imported when it is declared, never on a request's path)."""
+    stages = json.loads(run_fresh(_MINIMAL_APP))
+    assert [name for name in stages["import"] if name.startswith("guards")] == ["guards"]
+    built = set(stages["built"])
+    assert {"guards._guards", "guards.walk", "guards.stores._memory"} <= built  # the app is real
+    imported = {name: why for name, why in NOT_IMPORTED.items() if name in built}
+    assert imported == {}
+    assert stages["request"] == []
+
+
+def test_every_lazy_name_resolves_in_a_fresh_interpreter() -> None:
+    """Each name of `guards.__all__` (and `guards.stores`'s) is found on first use, as the
+    object its module defines, in an interpreter that imported nothing of guards before."""
+    code = """
+import importlib
+import guards, guards.stores
+for name in guards.__all__:
+    value = getattr(guards, name)
+    module = importlib.import_module(guards._PUBLIC[name], "guards")
+    assert value is getattr(module, name), name
+for name in guards.stores.__all__:
+    assert getattr(guards.stores, name) is not None, name
+assert guards.status.StatusReport is guards.StatusReport
+print("ok")
+"""
+    assert run_fresh(code) == "ok\n"
+
+
+def test_the_servers_supervisor_imports_neither_fastapi_nor_the_engine() -> None:
+    """`python -m guards.serve` imports the package first: its supervisor process, which only
+    starts and watches workers, must not pay for FastAPI, pydantic or the guards engine."""
+    code = """
+import json, sys
+import guards.serve
+print(json.dumps(sorted(sys.modules)))
+"""
+    loaded = set(json.loads(run_fresh(code)))
+    assert not {"fastapi", "pydantic", "guards._guards", "guards.walk", "prometheus_client"} & loaded

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio.to_thread
-from prometheus_client import Counter
 from pydantic import BaseModel, Field
 
 from .._levels import down_for, level_of
@@ -45,6 +44,7 @@ from .._metrics import (
     FALLBACKS,
     REQUESTS,
     SERVED,
+    Metric,
     StampedTally,
     counts,
     multiprocess,
@@ -74,7 +74,7 @@ DAY_S = 86_400.0
 _FAILURES = tuple(kind for kind in Kind if kind is not Kind.cancelled)
 _OUTCOMES = ("ok", "fallback", "error", "cancelled", "invalid")
 
-Key = tuple[Counter, tuple[str, ...]]
+Key = tuple[Metric, tuple[str, ...]]
 Counts = dict[Key, float]
 
 
@@ -296,7 +296,7 @@ class History:
         )
 
 
-def _grown(reading: Reading, base: Counts, metric: Counter) -> dict[tuple[str, ...], float]:
+def _grown(reading: Reading, base: Counts, metric: Metric) -> dict[tuple[str, ...], float]:
     """How much each series of `metric` grew since `base`."""
     return {
         labels: count - base.get((m, labels), 0.0)
@@ -410,7 +410,7 @@ class StatusPage:
     def _route(
         self,
         route: GuardedRoute,
-        recent: dict[Counter, dict[tuple[str, ...], float]],
+        recent: dict[Metric, dict[tuple[str, ...], float]],
         spent: dict[tuple[str, ...], float],
         seconds: float,
     ) -> RouteStatus:

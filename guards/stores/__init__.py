@@ -1,8 +1,8 @@
 """Where budget counters, spend, breaker state, cooldowns, last good answers and multi-step
 tasks live.
 
-`RedisStore` is imported on first use: its protocol library (hiredis, the extra
-`route-guards[redis]`) is loaded only by an app that uses it.
+`SQLiteStore` and `RedisStore` are imported on first use: `sqlite3`, and Redis's protocol
+library (hiredis, the extra `route-guards[redis]`), are loaded only by an app that uses them.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -29,11 +29,11 @@ from ._base import (
     utc_day,
 )
 from ._memory import MemoryStore
-from ._sqlite import SQLiteStore
 from ._url import open_store
 
 if TYPE_CHECKING:
     from ._redis import RedisStore
+    from ._sqlite import SQLiteStore
 
 __all__ = [
     "DAILY_TTL_S",
@@ -67,4 +67,12 @@ def __getattr__(name: str) -> Any:
         from ._redis import RedisStore
 
         return RedisStore
+    if name == "SQLiteStore":
+        from ._sqlite import SQLiteStore
+
+        return SQLiteStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -8,7 +8,6 @@ from .._clock import Clock
 from .._errors import ConfigurationError
 from ._base import Store
 from ._memory import MemoryStore
-from ._sqlite import SQLiteStore
 
 __all__ = ["open_store"]
 
@@ -33,6 +32,8 @@ def open_store(url: str, *, clock: Clock | None = None, timeout_s: float = 0.1) 
             raise ConfigurationError(
                 "a SQLite store URL reads sqlite:///relative.db or sqlite:////absolute.db"
             )
+        from ._sqlite import SQLiteStore  # sqlite3, only when a SQLite store is asked for
+
         return SQLiteStore(url[len("sqlite:///") :], clock=clock, timeout_s=timeout_s)
     if scheme in ("redis", "rediss"):
         from ._redis import RedisStore  # the Redis client, only when a Redis store is asked for

@@ -119,7 +119,7 @@ def test_log_settings_are_checked(options: dict[str, Any], message: str) -> None
 
 def test_a_bad_buffer_size_says_what_to_fix() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", "import guards"],
+        [sys.executable, "-c", "from guards import Guards"],
         cwd=ROOT,
         env={**os.environ, "GUARDS_LOG_BUFFER_LINES": "lots"},
         capture_output=True,

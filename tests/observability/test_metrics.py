@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -632,3 +632,33 @@ def test_tallies_write_what_prometheus_client_would_have_counted() -> None:
     assert samples("batched") == samples("direct")
     assert samples("batched")[("_seconds_bucket", "0.01")] == 3
     assert samples("batched")[("_total", "")] == len(values)
+
+
+def test_a_gauge_set_before_the_first_flush_is_written_by_it() -> None:
+    """Until a flush binds a gauge's series (the first one imports prometheus-client), its
+    value waits in the tally, with the time it was set; from then on it is set at once."""
+    registry = CollectorRegistry()
+    direct = Gauge("deferred_state", "g", ["model"], registry=registry)
+    deferred = guards._metrics.gauge(direct, "m")
+    assert guards._metrics.gauge(direct, "m") is deferred  # one per series
+    deferred.set(2)
+    assert registry.get_sample_value("deferred_state", {"model": "m"}) is None  # not bound yet
+    guards._metrics.flush_metrics()
+    assert registry.get_sample_value("deferred_state", {"model": "m"}) == 2
+    deferred.set(1)
+    assert registry.get_sample_value("deferred_state", {"model": "m"}) == 1  # bound: at once
+    guards._metrics.flush_metrics()  # nothing waiting: leaves it
+    assert registry.get_sample_value("deferred_state", {"model": "m"}) == 1
+
+
+def test_guards_metrics_are_made_when_first_needed() -> None:
+    """`guards._metrics.Metric` makes its prometheus-client metric once, on first use, with
+    the declared name, labels and options."""
+    metric = guards._metrics.REQUEST_SECONDS
+    made = metric.made()
+    assert metric.made() is made
+    assert isinstance(made, Histogram)
+    assert made._name == "guards_request_duration_seconds"
+    assert made._labelnames == ("route",)
+    assert tuple(made._upper_bounds) == metric.upper_bounds()
+    assert REGISTRY._names_to_collectors["guards_request_duration_seconds_bucket"] is made
