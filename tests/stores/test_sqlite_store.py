@@ -27,7 +27,7 @@ from fixtures.stores import PiecewiseStore
 from guards import AI, Breaker, Budget, CircuitState, Guards, Outcome, header_key
 from guards.stores import DAILY_TTL_S, Admission, SQLiteStore, Store, StoreUnavailable
 
-from ..conftest import Serve
+from ..conftest import STORE_TIMEOUT_S, Serve
 
 MIDNIGHT = 86_400.0 * 20_000  # 2024-10-04T00:00:00Z
 T0 = MIDNIGHT + 3_600  # 01:00 UTC
@@ -634,8 +634,10 @@ def test_a_worker_waiting_for_the_files_lock_keeps_serving(path: Path, serve: Se
 def test_the_wal_stays_bounded_with_sqlites_own_checkpoints_off(path: Path, clock: ManualClock) -> None:
     """The store turns SQLite's automatic checkpoint off (it syncs files, which a transaction
     run on the event loop must not do) and its thread checkpoints as often instead: thousands
-    of commits leave a WAL of a few megabytes, as SQLite's own 1,000-page checkpoint would."""
-    store = SQLiteStore(path, clock=clock)
+    of commits leave a WAL of a few megabytes, as SQLite's own 1,000-page checkpoint would. (A
+    generous timeout: what is measured is the WAL's size, and a checkpoint's sync on a busy
+    machine's disk can outlast the default 0.1 s.)"""
+    store = SQLiteStore(path, clock=clock, timeout_s=STORE_TIMEOUT_S)
 
     async def commits(n: int) -> int:
         for i in range(n):  # one at a time: a transaction each
