@@ -36,6 +36,7 @@ import pytest
 
 from fixtures import FakeWorkersAI, Hang, Reply
 
+from ..conftest import wait_until
 from .test_shared_state import AppProcess, app_process_env
 
 pytestmark = pytest.mark.stress
@@ -154,6 +155,8 @@ def guarded_burst(app: App) -> tuple[list[Answer], float]:
     docstring), and the intake: what a burst of `GET /health` took, the slower of two."""
     intake = max(a.seconds for a in burst(app.port, "GET", "/health"))
     answers = burst(app.port, "POST", "/draft-reply", DRAFT)
+    # The app's log writer writes the request lines on its own thread, just after the answers.
+    wait_until(lambda: len(app.request_lines()) >= CLIENTS, timeout_s=10)
     ended = [line["latency_ms"] for line in app.request_lines()]
     assert len(ended) == CLIENTS
     assert max(ended) <= (DEADLINE_S + SLACK_S) * 1000, f"a deadline ended {max(ended)} ms in"
