@@ -276,6 +276,15 @@ def assert_fallback(response: httpx.Response, guard: str, reason: str, data: Any
     return body
 
 
+def answers(url: str) -> bool:
+    """Whether a server answers at `url` yet (its `/docs`), for a bounded `wait_until`."""
+    try:
+        httpx.get(url + "/docs", timeout=1)
+    except httpx.TransportError:
+        return False
+    return True
+
+
 def wait_until(condition: Callable[[], Any], timeout_s: float = 5.0) -> None:
     """Poll `condition` until it holds, failing after `timeout_s`: for what another process or
     thread does on its own time (a server noticing a closed connection, a key expiring on

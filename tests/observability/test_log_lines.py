@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from fixtures import Fail, FakeBinding, Reply
 from guards import AI, Attempt, Breaker, ConfigurationError, Guards
 
-from ..conftest import AppClient, LogLines, wait_until
+from ..conftest import AppClient, LogLines, answers, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "@cf/test/model"
@@ -206,7 +206,7 @@ def stuck_app(tmp_path: Path) -> Iterator[tuple[str, int]]:
     os.close(write_end)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _answers(url) or process.poll() is not None, timeout_s=30)
+        wait_until(lambda: answers(url) or process.poll() is not None, timeout_s=30)
         assert process.poll() is None, "the app did not start"
         yield url, read_end
     finally:
@@ -246,11 +246,3 @@ def test_a_worker_whose_stderr_is_not_read_keeps_answering_and_counts_what_it_dr
 def _dropped(exposition: str) -> float:
     [value] = re.findall(r"^guards_log_lines_dropped_total (\S+)$", exposition, re.MULTILINE)
     return float(value)
-
-
-def _answers(url: str) -> bool:
-    try:
-        httpx.get(url + "/docs", timeout=1)
-    except httpx.TransportError:
-        return False
-    return True

@@ -25,6 +25,7 @@ from guards import AI, Guards, flush_logs
 from ..conftest import (
     AppClient,
     LogLines,
+    answers,
     assert_error,
     capture_guards_log,
     no_sleep,
@@ -217,19 +218,11 @@ def user_app(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _answers(url) or process.poll() is not None, timeout_s=20)
+        wait_until(lambda: answers(url) or process.poll() is not None, timeout_s=20)
         yield url, process
     finally:
         process.terminate()
         process.wait(10)
-
-
-def _answers(url: str) -> bool:
-    try:
-        httpx.get(url + "/docs", timeout=1)
-    except httpx.TransportError:
-        return False
-    return True
 
 
 def test_an_app_without_logging_config_shows_request_lines_and_failures(
