@@ -363,7 +363,12 @@ NO_OTEL = textwrap.dedent(
             assert answered.status_code == 200, answered.text
             assert len(answered.headers["x-trace-id"]) == 32
     asyncio.run(main())
-    print(imported)
+    # The app's log lines are written by guards' writer thread: let it finish first, then
+    # print the finding in one write so that no line can land in the middle of it.
+    from guards import flush_logs
+    flush_logs()
+    import sys
+    sys.stdout.write(repr(imported) + "\\n")
     """
 )
 
