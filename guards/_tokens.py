@@ -1,0 +1,64 @@
+"""How many tokens a request's inputs are estimated to take: what a model's context window is
+checked against, and (issue 29) what a token budget holds before the call.
+
+The estimate is the number of characters the model reads, divided by four and rounded up: the
+usual rule of thumb for English text with the tokenizers of current models. A binding that knows
+better (it has the model's tokenizer, or the provider counts) may define
+`estimate_tokens(model, inputs) -> int`; guards then asks it instead (see `binding_estimate`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["CHARS_PER_TOKEN", "TokenEstimate", "binding_estimate", "estimate_tokens"]
+
+#: Characters per token in the default estimate.
+CHARS_PER_TOKEN = 4
+
+#: `(model, inputs) -> tokens`: an estimate of the input tokens of a call.
+TokenEstimate = Callable[[str, Mapping[str, Any]], int]
+
+
+def _text_chars(content: Any) -> int:
+    """Characters of text in a message's content: a string, or a list of parts (`{"type":
+    "text", "text": ...}`); other parts (images) are not counted."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(
+            len(part["text"])
+            for part in content
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+        )
+    return 0
+
+
+def estimate_tokens(model: str, inputs: Mapping[str, Any]) -> int:
+    """The default estimate of the input tokens of `inputs` (Workers AI's shape): the
+    characters of the prompt, of each message's text, and of the JSON of the tool and
+    response-format schemas (the model reads them too), divided by `CHARS_PER_TOKEN`, rounded
+    up. Linear in the size of the inputs. `model` is unused (the same rule for every model)."""
+    chars = 0
+    prompt = inputs.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    messages = inputs.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, Mapping):
+                chars += _text_chars(message.get("content"))
+    for schema in ("tools", "response_format"):
+        value = inputs.get(schema)
+        if value:
+            chars += len(json.dumps(value, separators=(",", ":"), default=str))
+    return -(-chars // CHARS_PER_TOKEN)
+
+
+def binding_estimate(binding: object) -> TokenEstimate:
+    """The estimate to use for calls through `binding`: its own `estimate_tokens(model, inputs)`
+    when it has one, else `estimate_tokens`."""
+    own = getattr(binding, "estimate_tokens", None)
+    return own if callable(own) else estimate_tokens
