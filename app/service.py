@@ -311,6 +311,7 @@ def create_app(
         effort=effort,
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
+        first_output_s=settings.ai_first_output_s,
         breaker=breaker,
     )
     async def draft_reply(body: DraftRequest, ai: AI[ReplyText]) -> DraftReply:
@@ -326,6 +327,7 @@ def create_app(
         effort=effort,
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
+        first_output_s=settings.ai_first_output_s,
         breaker=breaker,
         name="draft_reply_stream",
         stream_max_s=settings.ai_stream_max_s,
@@ -343,6 +345,7 @@ def create_app(
         effort=effort,
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
+        first_output_s=settings.ai_first_output_s,
         breaker=breaker,
         budget=Budget(
             per_minute=settings.rate_limit_per_minute,
@@ -377,6 +380,7 @@ def create_app(
         model=settings.ai_model,
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
+        first_output_s=settings.ai_first_output_s,
         breaker=breaker,
         budget=budget,
         # The last good summary of the same text, while fresh; then the keyword label.
@@ -395,6 +399,7 @@ def create_app(
         # Three calls, each with the chain's attempts (every model, one retry).
         attempts=3 * (len(fallbacks) + 2),
         timeout_s=settings.ai_timeout_s,
+        first_output_s=settings.ai_first_output_s,
         breaker=breaker,
         budget=budget,
         task=Task(),

@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     ai_fallback_models: str = ""
     ai_attribution: Literal["off", "redacted", "detailed"] = "detailed"
     ai_timeout_s: float = Field(default=8.0, gt=0)
+    #: How long each model of the chains gets to start answering (its first streamed word, or
+    #: a whole answer's first byte) before the next model is tried; unset: the deadline alone.
+    ai_first_output_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     #: A stream with no complete event for this long fails as stalled (the adapters' idle limit).
     ai_stream_idle_timeout_s: float = Field(default=30.0, gt=0)
     #: A streamed answer ends with the `error` event this long after the request began...

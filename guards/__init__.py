@@ -24,7 +24,7 @@ if typing.TYPE_CHECKING:
     from ._breaker import Breaker, CircuitState, Outcome
     from ._budget import Budget, Price, StoreFailureMode, client_key, header_key
     from ._call import Retry
-    from ._chain import Chain, ModelRef, Profile, flatten_chain
+    from ._chain import Chain, Model, ModelRef, Profile, flatten_chain
     from ._classify import Classification, classify
     from ._clock import Clock, SystemClock
     from ._cooldown import Cooldown
@@ -32,6 +32,7 @@ if typing.TYPE_CHECKING:
     from ._envelope import Envelope, ErrorBody, FallbackInfo, Problem
     from ._errors import ConfigurationError, GuardsError, GuardTripped, ProviderError
     from ._event_stream import GUARDS_EVENTS, EventStream, StreamFormat, StreamWriter
+    from ._first_output import first_output_arrived
     from ._guards import Guards
     from ._last_good import LastGood
     from ._ledger import Attempt, Ledger, LogLedger
@@ -95,6 +96,7 @@ __all__ = [
     "Ledger",
     "Level",
     "LogLedger",
+    "Model",
     "ModelDown",
     "ModelRef",
     "Moderation",
@@ -125,6 +127,7 @@ __all__ = [
     "classify",
     "client_key",
     "estimate_effort",
+    "first_output_arrived",
     "flatten_chain",
     "flush_logs",
     "header_key",
@@ -149,6 +152,7 @@ _PUBLIC = {
     "header_key": "._budget",
     "Retry": "._call",
     "Chain": "._chain",
+    "Model": "._chain",
     "ModelRef": "._chain",
     "Profile": "._chain",
     "flatten_chain": "._chain",
@@ -174,6 +178,7 @@ _PUBLIC = {
     "GUARDS_EVENTS": "._event_stream",
     "StreamFormat": "._event_stream",
     "StreamWriter": "._event_stream",
+    "first_output_arrived": "._first_output",
     "Guards": "._guards",
     "LastGood": "._last_good",
     "Attempt": "._ledger",

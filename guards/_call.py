@@ -33,7 +33,9 @@ class Retry:
     classifier calls retryable are retried, after `delay_s` jittered by ±`jitter` (a fraction),
     and only when at least `min_room_s` of the deadline is left after that delay. `budget`
     caps a model's retries across requests, in each worker (`RetryBudget`: 20 % of its
-    requests, at least 3, over 10 s); None lets every request retry.
+    requests, at least 3, over 10 s); None lets every request retry. An attempt that produced
+    no first output within its model's `first_output_s` is retried only on a one-model chain:
+    with another model configured, the walk moves on.
     """
 
     attempts: int = 2
@@ -113,7 +115,9 @@ async def call_model(
     while True:
         if error is not None:
             verdict = classify(error)
-            if getattr(error, "json_mode_failed", False):
+            # JSON mode not met: the model answered. No first output, with another model to
+            # try (`NoFirstOutput.moves_on`): a silent model is not waited on twice.
+            if getattr(error, "json_mode_failed", False) or getattr(error, "moves_on", False):
                 raise CallFailed(error, verdict, attempt) from None
             delay = retry_delay(policy, error)
             remaining = deadline - asyncio.get_running_loop().time()

@@ -1,6 +1,9 @@
 """Fallback chains: which models a route may call, in order, and where each one is served.
 
-A chain entry is a string:
+A chain entry is a string, or a `Model`: a string with call limits of its own
+(`first_output_s`, `stream_idle_s`), which every model the string names gets unless it has its
+own (a `Profile` whose `model` is a `Model`); a route's own limits fill in what is still unset.
+The string is:
 
 - `"provider:model"`, when `provider` names a binding given to `Guards(providers=...)` (or
   `"default"`, the main binding): that model at that provider;
@@ -20,9 +23,10 @@ another provider would change the route.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 from ._errors import ConfigurationError
 
@@ -31,9 +35,13 @@ __all__ = [
     "HINT_PREFIX",
     "MAX_PROFILE_DEPTH",
     "Chain",
+    "Limits",
+    "Model",
     "ModelRef",
     "Profile",
     "check_hints",
+    "check_limit",
+    "entry_parts",
     "flatten_chain",
 ]
 
@@ -51,12 +59,15 @@ _HINT_NAME = _PROVIDER
 @dataclass(frozen=True, slots=True)
 class ModelRef:
     """One model of a chain: `model` at `provider` (None: the main binding). `hint` is the
-    routing hint the chain entry named, when the model came from one (not part of equality:
-    the model is the same whichever way it was named)."""
+    routing hint the chain entry named, when the model came from one; `first_output_s` and
+    `stream_idle_s` its call limits (see `Model`; None: none). None of these is part of
+    equality: the model is the same whichever way it was named."""
 
     provider: str | None
     model: str
     hint: str | None = field(default=None, compare=False)
+    first_output_s: float | None = field(default=None, compare=False, kw_only=True)
+    stream_idle_s: float | None = field(default=None, compare=False, kw_only=True)
     #: How the model is named in keys, logs and headers: `model` or `provider:model` (made
     #: once: read on every request's path).
     key: str = field(init=False, compare=False, repr=False)
@@ -70,17 +81,97 @@ class ModelRef:
         """The chain entry as written: `hint:name` for a model a hint resolved to, else `key`."""
         return self.key if self.hint is None else HINT_PREFIX + self.hint
 
+    def limited(self, limits: Limits) -> ModelRef:
+        """This model with `limits` where it has none of its own."""
+        first_output_s, stream_idle_s = limits
+        if (first_output_s is None or self.first_output_s is not None) and (
+            stream_idle_s is None or self.stream_idle_s is not None
+        ):
+            return self
+        return replace(
+            self,
+            first_output_s=self.first_output_s if self.first_output_s is not None else first_output_s,
+            stream_idle_s=self.stream_idle_s if self.stream_idle_s is not None else stream_idle_s,
+        )
+
+
+#: `(first_output_s, stream_idle_s)`: a model's call limits, None where unset.
+Limits = tuple[float | None, float | None]
+_NO_LIMITS: Limits = (None, None)
+
+
+def check_limit(name: str, value: float | None) -> float | None:
+    """`value` as a call limit: None, or a positive finite number of seconds; raises
+    `ConfigurationError` naming `name` otherwise."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigurationError(f"{name} must be a positive, finite number of seconds (or None: no limit)")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """A chain entry with call limits of its own, accepted wherever a chain entry string is
+    (`route(model=...)`, `route(fallbacks=[...])`, `Profile(model=...)`).
+
+    `spec` is the entry as a string would say it (a model id, `"provider:model"`,
+    `"hint:name"` or a profile name). `first_output_s`: how long one attempt on the model may
+    take to produce its first output (a stream's first output part; a whole answer's first
+    byte, when its binding says when that came, else the whole answer); past it the attempt
+    is cancelled and fails as `model_temporarily_unavailable`. `stream_idle_s`: once a stream
+    has sent output, the longest wait for its next part; past it the stream ends with its
+    `error` event. None (the default): no limit of the model's own (the route's, if any). A
+    plain string is the same as `Model(spec)`. Raises `ConfigurationError` for a limit that is
+    not a positive, finite number.
+    """
+
+    spec: str
+    _: KW_ONLY
+    first_output_s: float | None = None
+    stream_idle_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.spec, str):
+            raise ConfigurationError(f"Model(spec): a chain entry string, not {type(self.spec).__name__}")
+        object.__setattr__(self, "first_output_s", check_limit("first_output_s", self.first_output_s))
+        object.__setattr__(self, "stream_idle_s", check_limit("stream_idle_s", self.stream_idle_s))
+
+    @property
+    def limits(self) -> Limits:
+        return self.first_output_s, self.stream_idle_s
+
+
+def entry_parts(entry: str | Model) -> tuple[str, Limits]:
+    """A chain entry's string and its own limits."""
+    if isinstance(entry, Model):
+        return entry.spec, entry.limits
+    return entry, _NO_LIMITS
+
+
+def _inner(limits: Limits, outer: Limits) -> Limits:
+    """`limits`, with `outer`'s where it has none."""
+    return (
+        limits[0] if limits[0] is not None else outer[0],
+        limits[1] if limits[1] is not None else outer[1],
+    )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Profile:
     """A named model with the profiles to fall back on after it.
 
-    `model` is a chain entry naming one model (`"openai:gpt-4o-mini"` or a main-binding id);
-    `fallbacks` names other profiles, tried in order after this one (each with its own
-    fallbacks, depth-first).
+    `model` is a chain entry naming one model (`"openai:gpt-4o-mini"` or a main-binding id),
+    or a `Model` giving it call limits of its own; `fallbacks` names other profiles, tried in
+    order after this one (each with its own fallbacks, depth-first).
     """
 
-    model: str
+    model: str | Model
     fallbacks: tuple[str, ...] = ()
 
 
@@ -93,21 +184,22 @@ class Chain:
 
 
 def flatten_chain(
-    entries: Sequence[str],
+    entries: Sequence[str | Model],
     *,
     profiles: Mapping[str, Profile] | None = None,
     providers: Collection[str] = (),
     hints: Mapping[str, str] | None = None,
 ) -> Chain:
-    """Flatten `entries` (model specs, `hint:name` and profile names) into an ordered chain of
-    models.
+    """Flatten `entries` (model specs, `hint:name` and profile names, each a string or a
+    `Model`) into an ordered chain of models.
 
     `providers` are the provider names a `"provider:model"` entry may use besides `"default"`;
-    `hints` maps hint names to their targets (a model spec or a profile name). Problems that
-    can be fixed by removing an entry are reported in `Chain.problems` (each a short sentence
-    naming the entry), and so is an unknown hint (`entry 'hint:x': unknown hint`), kept as the
-    literal model id; raises `ConfigurationError` for a provider prefix that names no
-    configured provider.
+    `hints` maps hint names to their targets (a model spec or a profile name). A `Model`'s
+    limits go to every model its spec names, except where a profile's own `Model` sets its
+    own. Problems that can be fixed by removing an entry are reported in `Chain.problems`
+    (each a short sentence naming the entry), and so is an unknown hint (`entry 'hint:x':
+    unknown hint`), kept as the literal model id; raises `ConfigurationError` for a provider
+    prefix that names no configured provider.
     """
     profiles = profiles or {}
     hints = hints or {}
@@ -116,17 +208,23 @@ def flatten_chain(
     problems: list[str] = []
     seen: set[str] = set()
 
-    def add(entry: str, where: str, hint: str | None) -> None:
-        ref = parse_model(entry, known)
+    def add(entry: str | Model, where: str, hint: str | None, outer: Limits) -> None:
+        spec, own = entry_parts(entry)
+        ref = parse_model(spec, known)
         if ref is None:
             problems.append(f"{where}: empty model id removed")
         elif ref.key in seen:
             problems.append(f"{where}: duplicate model {ref.key!r} removed")
         else:
             seen.add(ref.key)
-            models.append(ref if hint is None else ModelRef(ref.provider, ref.model, hint))
+            first_output_s, stream_idle_s = _inner(own, outer)
+            models.append(
+                ModelRef(
+                    ref.provider, ref.model, hint, first_output_s=first_output_s, stream_idle_s=stream_idle_s
+                )
+            )
 
-    def expand(name: str, path: tuple[str, ...], hint: str | None) -> None:
+    def expand(name: str, path: tuple[str, ...], hint: str | None, outer: Limits) -> None:
         where = " -> ".join((*path, name))
         if name in path:
             problems.append(f"{where}: cycle removed")
@@ -135,14 +233,15 @@ def flatten_chain(
             problems.append(f"{where}: deeper than {MAX_PROFILE_DEPTH} profiles, removed")
             return
         profile = profiles[name]
-        add(profile.model, f"profile {name!r}", hint)
+        add(profile.model, f"profile {name!r}", hint, outer)
         for reference in profile.fallbacks:
             if reference not in profiles:
                 problems.append(f"{where}: fallback {reference!r} names no profile, removed")
             else:
-                expand(reference, (*path, name), hint)
+                expand(reference, (*path, name), hint, outer)
 
-    for entry in entries:
+    for item in entries:
+        entry, limits = entry_parts(item)
         entry = entry.strip()
         hint = None
         if entry.startswith(HINT_PREFIX):
@@ -151,13 +250,13 @@ def flatten_chain(
             if target is None:
                 problems.append(f"entry {entry!r}: unknown hint")
                 # Kept as the literal model id, on the main binding.
-                add(f"{DEFAULT_PROVIDER}:{entry}", f"entry {entry!r}", None)
+                add(f"{DEFAULT_PROVIDER}:{entry}", f"entry {entry!r}", None, limits)
                 continue
             hint, entry = name, target.strip()
         if entry in profiles:
-            expand(entry, (), hint)
+            expand(entry, (), hint, limits)
         else:
-            add(entry, f"entry {entry!r}", hint)
+            add(entry, f"entry {entry!r}", hint, limits)
     return Chain(tuple(models), tuple(problems))
 
 

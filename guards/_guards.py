@@ -20,7 +20,7 @@ from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, BodyTooLarge
 from ._breaker import Breaker
 from ._budget import Budget, Price
 from ._call import Retry
-from ._chain import DEFAULT_PROVIDER, HINT_PREFIX, Profile, check_hints
+from ._chain import DEFAULT_PROVIDER, HINT_PREFIX, Model, Profile, check_hints
 from ._clock import SystemClock
 from ._cooldown import Cooldown
 from ._credentials import CredentialWarnings
@@ -225,8 +225,8 @@ class Guards:
     def route(
         self,
         *,
-        model: str | None = None,
-        fallbacks: Sequence[str] = (),
+        model: str | Model | None = None,
+        fallbacks: Sequence[str | Model] = (),
         attempts: int | None = None,
         timeout_s: float = 8.0,
         retry: Retry = Retry(),
@@ -243,6 +243,8 @@ class Guards:
         effort: Effort | None = None,
         shed_at: Literal["degraded", "minimal"] | None = None,
         task: Task | None = None,
+        first_output_s: float | None = None,
+        stream_idle_s: float | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -251,14 +253,21 @@ class Guards:
         (a pydantic model requests JSON mode; `str` plain text).
 
         - `model`: the model (a model id, `"provider:model"`, `"hint:name"` or a `Profile`
-          name); `fallbacks`: the models to try after it, in order (same forms). The chain is
-          flattened now; invalid entries are logged (`chain_invalid`) and removed.
+          name, or a `Model` giving it call limits of its own); `fallbacks`: the models to try
+          after it, in order (same forms). The chain is flattened now; invalid entries are
+          logged (`chain_invalid`) and removed.
         - `effort`: instead of `model`, route each request by its estimated effort to the
           routing hint of its tier (see `Effort`), then to `fallbacks`.
         - `attempts`: the most provider calls one request makes across the whole chain, every
           `ai.run` / `ai.stream` of the request together (default: the chain's length plus
           `retry.attempts - 1`, i.e. one retry in total).
         - `timeout_s`: one deadline for the whole call: every model, retry and wait.
+        - `first_output_s`, `stream_idle_s`: call limits for each model of the chain that sets
+          none of its own (`Model`; default None: no limit, the deadline alone). An attempt with
+          no first output within `first_output_s` (a stream's first output part; a whole
+          answer's first byte, when the binding says when it came) is cancelled and the walk
+          moves to the next model, the deadline permitting; a stream that sent output fails
+          with its `error` event after `stream_idle_s` without its next part.
         - `retry`: bounded retry of transient failures (`retry.attempts` calls per model at
           most); `budget`: per-key limits; `breaker`: circuit breaker policy, one breaker per
           model (None to disable).
@@ -314,6 +323,8 @@ class Guards:
                 effort=effort,
                 shed_at=shed_at,
                 task=task,
+                first_output_s=first_output_s,
+                stream_idle_s=stream_idle_s,
             )
             route = route_of(endpoint)
             assert route is not None

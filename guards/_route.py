@@ -25,7 +25,7 @@ from starlette.responses import Response
 from ._breaker import Breaker
 from ._budget import Budget
 from ._call import Retry
-from ._chain import HINT_PREFIX, flatten_chain
+from ._chain import HINT_PREFIX, Model, check_limit, entry_parts, flatten_chain
 from ._endpoint import REQUEST_PARAMETER, RESPONSE_PARAMETER, GuardedEndpoint, request_trace_id
 from ._envelope import Envelope, FallbackInfo
 from ._errors import ConfigurationError, GuardTripped
@@ -57,8 +57,8 @@ def guard_route(
     guards: Shared,
     handler: Callable[..., Awaitable[Any]],
     *,
-    model: str | None,
-    fallbacks: Sequence[str],
+    model: str | Model | None,
+    fallbacks: Sequence[str | Model],
     attempts: int | None,
     timeout_s: float,
     retry: Retry,
@@ -75,6 +75,8 @@ def guard_route(
     effort: Effort | None = None,
     shed_at: str | None = None,
     task: Task | None = None,
+    first_output_s: float | None = None,
+    stream_idle_s: float | None = None,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
@@ -85,8 +87,9 @@ def guard_route(
         raise ConfigurationError(
             f"{handler.__qualname__}: a route names its model or routes by effort, not both"
         )
-    if effort is None and (model is None or not model.strip()):
+    if effort is None and (model is None or not entry_parts(model)[0].strip()):
         raise ConfigurationError("a guarded route needs a model id")
+    limits = check_limit("first_output_s", first_output_s), check_limit("stream_idle_s", stream_idle_s)
     if max_tokens is not None and max_tokens < 1:
         raise ConfigurationError("max_tokens must be at least 1")
     if not stream_max_s > 0 or stream_max_chars < 1:
@@ -103,12 +106,21 @@ def guard_route(
         )
     problems: dict[str, None] = {}  # each logged once, whichever tier's chain has it
 
-    def chain_of(first: str) -> tuple[tuple[Leg, ...], int]:
+    def chain_of(first: str | Model) -> tuple[tuple[Leg, ...], int]:
         """The legs of the chain `first, *fallbacks`, and its attempt budget."""
         chain = flatten_chain(
             [first, *fallbacks], profiles=guards.profiles, providers=guards.providers, hints=guards.hints
         )
         problems.update(dict.fromkeys(chain.problems))
+        models = tuple(ref.limited(limits) for ref in chain.models)
+        for ref in models:
+            if ref.first_output_s is not None and ref.first_output_s >= timeout_s:
+                # Kept, though it never fires before the deadline: the same `Model` or
+                # profile may serve routes with longer deadlines.
+                problems[
+                    f"model {ref.key!r}: first_output_s {ref.first_output_s:g}s is not below the "
+                    f"route's timeout_s {timeout_s:g}s: it never fires (the deadline does first)"
+                ] = None
         if not chain.models:
             raise ConfigurationError(
                 f"{handler.__qualname__}: no model left in its chain ({'; '.join(chain.problems)})"
@@ -131,11 +143,13 @@ def guard_route(
                 guards.last_success,
                 guards.known_refusals,
             )
-            for index, ref in enumerate(chain.models)
+            for index, ref in enumerate(models)
         )
         return legs, attempt_budget
 
-    legs, attempt_budget = chain_of(HINT_PREFIX + effort.standard if effort is not None else str(model))
+    legs, attempt_budget = chain_of(
+        HINT_PREFIX + effort.standard if effort is not None else model if model is not None else ""
+    )
     try:
         hints = typing.get_type_hints(handler, include_extras=True)
     except NameError as exc:

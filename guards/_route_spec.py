@@ -98,6 +98,10 @@ class Leg:
     known: KnownRefusal
     #: Skips of the model by reason (`guards_skips_total`), each bound at its first skip.
     skips: dict[str, Tally] = field(default_factory=dict)
+    #: The model's call limits on this route (`guards.Model`, else the route's; None: none),
+    #: read by the walk: the first output of an attempt, the gaps of a stream after it.
+    first_output_s: float | None = None
+    stream_idle_s: float | None = None
 
     @classmethod
     def of(
@@ -129,6 +133,8 @@ class Leg:
             transitions={state: counter(BREAKER_TRANSITIONS, ref.key, state.value) for state in CircuitState},
             last_success=successes.setdefault(breaker_key, [None]),
             known=known.get(ref.key) or known.setdefault(ref.key, KnownRefusal()),
+            first_output_s=ref.first_output_s,
+            stream_idle_s=ref.stream_idle_s,
         )
 
     def saw(self, state: CircuitState) -> None:

@@ -225,13 +225,13 @@ PUBLIC = {
     "CircuitState", "Classification", "Clock", "ConfigurationError", "Cooldown", "Effort",
     "Envelope", "ErrorBody", "ErrorCode", "EventStream", "FallbackFunction", "FallbackInfo",
     "GUARDS_EVENTS", "GuardName", "GuardTripped", "Guards", "GuardsError", "Kind", "LastGood",
-    "Ledger", "Level", "LogLedger", "ModelDown", "ModelRef", "Moderation", "Outcome", "Price",
+    "Ledger", "Level", "LogLedger", "Model", "ModelDown", "ModelRef", "Moderation", "Outcome", "Price",
     "Problem", "Profile", "ProviderError", "PublicError", "Reason", "ReasoningDelta", "Retry",
     "RetryBudget", "ServiceLevel", "StatusReport", "StoreFailureMode", "StreamEnd", "StreamEvent",
     "StreamFormat", "StreamWriter", "StreamingBinding", "SystemClock", "Task", "TextDelta",
     "Throttled", "Tier", "ToolCallDelta", "UIChatRequest", "UIMessage", "UIPart",
     "UI_MESSAGE_STREAM", "Usage", "bearer_token", "classify", "client_key", "estimate_effort",
-    "flatten_chain", "flush_logs", "header_key", "is_output", "override_effort", "public_error",
+    "first_output_arrived", "flatten_chain", "flush_logs", "header_key", "is_output", "override_effort", "public_error",
     "render_metrics",
 }  # fmt: skip
 

@@ -29,6 +29,7 @@ import httpx
 
 from .._binding import AIResult
 from .._errors import ConfigurationError, ProviderError
+from .._first_output import first_output_arrived
 from .._stream import StreamEvent
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -173,6 +174,7 @@ class OpenAICompatible:
                 headers=self._headers,
                 follow_redirects=False,  # a 3xx is a failure (model_unavailable), whatever the client
             ) as response:
+                first_output_arrived()  # the answer's head: its first output (a model's limit)
                 raw = await read_capped(response, self.provider, self._max_body_bytes)
         except httpx.HTTPError as exc:
             raise transport_error(self.provider, exc) from None

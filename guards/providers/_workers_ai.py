@@ -19,6 +19,7 @@ import httpx
 
 from .._binding import AIResult
 from .._errors import ConfigurationError, ProviderError
+from .._first_output import first_output_arrived
 from .._stream import StreamEvent
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -103,6 +104,7 @@ class WorkersAI:
                 headers=self._headers,
                 follow_redirects=False,  # a 3xx is a failure (model_unavailable), whatever the client
             ) as response:
+                first_output_arrived()  # the answer's head: its first output (a model's limit)
                 body = await read_capped(response, PROVIDER, self._max_body_bytes)
         except httpx.HTTPError as exc:
             raise transport_error(PROVIDER, exc) from None

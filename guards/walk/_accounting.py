@@ -11,6 +11,7 @@ from .._admission import never_admitted
 from .._binding import AIResult
 from .._classify import classify
 from .._errors import ProviderError
+from .._first_output import NoFirstOutput
 from .._relay import Opened
 from ._checkpoints import resumed
 
@@ -40,10 +41,10 @@ def on_attempt(state: RequestState, outcome: Any, started: float) -> None:
             usage = end.usage if end is not None else None
             account(state, leg, "ok", usage, outcome.model or leg.ref.model, elapsed, billed=True)
     else:
-        # Billed unless the provider refused the call: a timeout, a cancelled call, any
-        # failure that is not a provider's error answer, JSON mode not met.
+        # Billed unless the provider refused the call: a timeout (its first output's too), a
+        # cancelled call, any failure that is not a provider's error answer, JSON mode not met.
         provider_error = isinstance(outcome, ProviderError)
-        billed = not provider_error or outcome.json_mode_failed
+        billed = not provider_error or outcome.json_mode_failed or isinstance(outcome, NoFirstOutput)
         account(
             state,
             leg,

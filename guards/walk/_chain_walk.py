@@ -27,8 +27,10 @@ from .._admission import never_admitted, waited_for_admission
 from .._binding import AIResult, Binding
 from .._breaker import Outcome
 from .._call import CallFailed, call_model
+from .._chain import DEFAULT_PROVIDER
 from .._deadline import Deadline
 from .._errors import GuardTripped
+from .._first_output import limited
 from ..stores import Passage, StoreUnavailable
 from ._accounting import on_attempt
 from ._checkpoints import resumed
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from .._route_spec import GuardedRoute, Leg
     from ._state import RequestState
 
-__all__ = ["Call", "binding", "by_effort", "client_gone", "traced", "walk"]
+__all__ = ["Call", "binding", "by_effort", "client_gone", "first_output_limited", "traced", "walk"]
 
 R = TypeVar("R")
 #: One attempt on a leg: `call(model, inputs)`.
@@ -141,6 +143,8 @@ async def walk(
                         call = (shared.binding if provider is None else shared.providers[provider]).run
                     else:
                         call = call_for(leg)
+                    if leg.first_output_s is not None:
+                        call = first_output_limited(state, leg, call, signalled=call_for is None)
                     if observe.trace is not None:
                         call = traced(state, call, leg)
                     made = state.attempts  # the request's calls before this leg's
@@ -236,6 +240,20 @@ async def walk(
     if state._hold is not None:
         await settle(state)
     raise exhausted(state, last, spent, state._shared.attribution == "detailed")
+
+
+def first_output_limited(state: RequestState, leg: Leg, call: Call[R], *, signalled: bool) -> Call[R]:
+    """`call`, each attempt cancelled without its first output within the leg's
+    `first_output_s` (`guards._first_output`); `signalled`: `call` is a binding's `run`, which
+    may say when its answer's first byte came."""
+    assert leg.first_output_s is not None
+    return limited(
+        call,
+        leg.first_output_s,
+        leg.ref.provider or DEFAULT_PROVIDER,
+        moves_on=len(state._route.legs) > 1,
+        signalled=signalled,
+    )
 
 
 def binding(state: RequestState, leg: Leg) -> Binding:

@@ -14,13 +14,15 @@ import anyio
 from .._binding import AIResult
 from .._breaker import Outcome
 from .._call import CallFailed, call_model
+from .._chain import DEFAULT_PROVIDER
 from .._errors import ConfigurationError, GuardTripped
 from .._event_stream import EventStream, end_data
+from .._first_output import idle_limited
 from .._relay import Opened, Relayed, relay
 from .._stream import StreamEnd, StreamingBinding
 from .._vocabulary import Reason
 from ._accounting import account, on_attempt
-from ._chain_walk import Call, binding, traced
+from ._chain_walk import Call, binding, first_output_limited, traced
 from ._store_steps import finish_leg, gave_up
 from ._verdicts import timed_out
 
@@ -49,6 +51,8 @@ async def recover(
         await finish_leg(state, leg, Outcome.success, probe, record_success)
         raise GuardTripped(Reason.empty_response, "the stream completed empty", model=leg.ref.key)
     call: Call[AIResult] = binding(state, leg).run
+    if leg.first_output_s is not None:
+        call = first_output_limited(state, leg, call, signalled=True)
     if state._observe.trace is not None:
         call = traced(state, call, leg, retry=True)
     assert state._scope is not None  # the walk's
@@ -106,6 +110,10 @@ def relayed(
             observe.request_ended(state._ended(outcome, 200, tripped=failure))
 
     route = state._route
+    if leg.stream_idle_s is not None:  # the model's own idle limit, whatever its binding's
+        opened.iter_events = idle_limited(
+            opened.iter_events, leg.stream_idle_s, leg.ref.provider or DEFAULT_PROVIDER
+        )
     observe.streaming()  # the request's span ends with the stream
     # The stream's time limit counts from the request's start, in event-loop time.
     left_s = route.stream_max_s - (time.perf_counter() - state._started)
