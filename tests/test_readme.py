@@ -19,6 +19,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from fastapi import FastAPI
 
 from app.service import create_app
 from app.settings import Settings
-from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
+from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Hang, Reply, Stream, Text
 from guards import Envelope, StatusReport
 
 from .app.test_ui_stream import check_ui_stream
@@ -129,6 +130,7 @@ CHECKED = {
     ("getting-started.md", "sh", 1): "test_workers_ai_with_an_openai_fallback_as_written",
     ("contracts.md", "json", 0): "test_envelope_samples_are_real_answers",
     ("fallback-chains.md", "python", 0): "test_readme_chain_example_falls_back_as_documented",
+    ("fallback-chains.md", "python", 1): "test_chat_route_example_moves_past_a_silent_model",
     ("streaming.md", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
     ("streaming.md", "python", 1): "test_use_chat_example_answers_the_ui_message_stream",
     ("streaming.md", "sh", 0): "test_streaming_curl_streams",
@@ -629,6 +631,33 @@ def test_readme_chain_example_falls_back_as_documented() -> None:
         "gpt-4o-mini",
     ]
     assert main.calls[0].inputs["prompt"] == "hi"
+
+
+def test_chat_route_example_moves_past_a_silent_model() -> None:
+    """The 70b model accepts the request and says nothing: gpt-4o-mini's first words come about
+    `first_output_s` (4 s) after the request, not after the 20 s deadline; the 70b model was
+    called once, its call cancelled, and the small model not at all."""
+    example = run_block(page_example("fallback-chains.md"), "fallback-chains.md", 1)
+    guards = example["guards"]
+    main, openai = FakeBinding(), FakeBinding()
+    guards.binding, guards.providers["openai"] = main, openai
+    main.script("*", Hang())
+    openai.script("*", Stream(parts=(Text("Hello"), Text(" there."))))
+
+    async def scenario() -> tuple[httpx.Response, float]:
+        async with asgi_client(example["app"]) as client:
+            started = time.monotonic()
+            response = await client.post("/chat", json={"message": "hi"})
+            return response, time.monotonic() - started
+
+    response, elapsed = anyio.run(scenario)
+    assert response.headers["x-ai-fallback"] == "openai:gpt-4o-mini"
+    assert 'data: {"text":"Hello"}' in response.text
+    assert response.text.rstrip().splitlines()[-2] == "event: done"
+    assert 4.0 <= elapsed < 6.0
+    assert [call.model for call in main.calls] == ["@cf/meta/llama-3.3-70b-instruct-fp8-fast"]
+    assert main.calls[0].disconnected
+    assert len(openai.calls) == 1
 
 
 def test_readme_streaming_example_streams_through_the_chain() -> None:

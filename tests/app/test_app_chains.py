@@ -9,7 +9,7 @@ import pytest
 
 from app.service import create_app
 from app.settings import Settings, SettingsError, load_settings
-from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Reply
+from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Hang, Reply
 from guards import ConfigurationError
 
 from ..conftest import AppClient, ExampleClient, no_sleep, workers_ai_settings
@@ -102,3 +102,28 @@ def test_the_app_on_openai_alone(fake_openai: FakeOpenAI, app_client: AppClient)
     response = client.post("/draft-reply", json={"message": "Hello"})
     assert response.status_code == 200
     assert response.headers["x-ai-model"] == FALLBACK
+
+
+def test_ai_first_output_s_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AI_PROVIDER", "fake")
+    monkeypatch.delenv("AI_FIRST_OUTPUT_S", raising=False)
+    assert load_settings().ai_first_output_s is None  # unset: the deadline alone
+    monkeypatch.setenv("AI_FIRST_OUTPUT_S", "2.5")
+    assert load_settings().ai_first_output_s == 2.5
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        monkeypatch.setenv("AI_FIRST_OUTPUT_S", bad)
+        with pytest.raises(SettingsError, match="AI_FIRST_OUTPUT_S"):
+            load_settings()
+
+
+def test_without_ai_first_output_s_a_silent_model_spends_the_deadline(
+    example_client: ExampleClient, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """Unset, nothing changes: a model that never answers holds the request to the route's
+    deadline, and the next model is not tried."""
+    client = example_client(ai_fallback_models="@cf/test/backup", ai_timeout_s=0.5)
+    fake_workers_ai.script(MODEL, Hang())
+    response = client.post("/draft-reply", json={"message": "Where is my parcel?"})
+    assert response.status_code == 503
+    assert response.json()["error"] == "model_temporarily_unavailable"
+    assert [call.model for call in fake_workers_ai.calls] == [MODEL]
