@@ -106,6 +106,9 @@ class OpenAICompatible:
     answer carries `cf-aig-run-id` survives up to `max_reconnects` cuts by resuming from
     `{resume_base}/run/{id}/resume`; `resume_base` defaults to `base_url` without its trailing
     `/compat` (the gateway's compat endpoint), and to no resume for any other `base_url`.
+
+    `run` reports its answer's first byte (`guards.first_output_arrived`) when the status line
+    and headers arrived: a model's `first_output_s` bounds the wait for them, not the body.
     """
 
     #: OpenTelemetry's `gen_ai.provider.name`: the conventions' well-known value for the

@@ -55,6 +55,9 @@ class WorkersAI:
     `resume_base` set (an AI Gateway address, `{gateway}/v1/{account}/{gateway_id}`), a stream
     whose answer carries `cf-aig-run-id` survives up to `max_reconnects` cuts by resuming from
     `{resume_base}/run/{id}/resume`; without it, a cut fails the stream.
+
+    `run` reports its answer's first byte (`guards.first_output_arrived`) when the status line
+    and headers arrived: a model's `first_output_s` bounds the wait for them, not the body.
     """
 
     #: OpenTelemetry's `gen_ai.provider.name` (the conventions list no value for Workers AI).

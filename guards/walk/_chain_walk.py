@@ -11,6 +11,9 @@ One deadline covers every leg, attempt and wait. When it passes, the task is can
 awaits: the provider request is aborted, its connection closed, and no further leg is tried
 (cancellation never moves on). A walk that outlasts `MARK_AFTER_S` starts watching for the
 client leaving, which ends it at once the same way; quick walks never pay for the watcher.
+A leg with a first-output limit (`guards.Model`) has each of its attempts cancelled the same
+way when it produced no first output in time (`guards._first_output`): that attempt fails, and
+the walk goes on; legs without one are called as they are.
 """
 
 from __future__ import annotations

@@ -163,9 +163,11 @@ class AI(RequestState, Generic[T]):
         recovery call to the same model, within the attempt budget. Once output arrives the
         model is fixed: a later failure ends the stream with an `error` event (`stream
         interrupted after output`), never another model and never a replay. The route's
-        deadline bounds the wait for the first output; after it, the binding's idle timeout
-        (no complete event), and the route's `stream_max_s` (since the request began) and
-        `stream_max_chars` (output characters), which end the stream with an `error` event.
+        deadline bounds the wait for the first output, and a model's `first_output_s` its own
+        attempt's wait (then the next model is tried); after it, the binding's idle timeout
+        (no complete event) and the model's `stream_idle_s` (no next part), and the route's
+        `stream_max_s` (since the request began) and `stream_max_chars` (output characters),
+        which end the stream with an `error` event.
         """
         route = self._route
         if route.effort is not None:
