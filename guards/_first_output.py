@@ -28,6 +28,7 @@ import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
+from ._admission import never_admitted, waited_for_admission
 from ._alarm import Alarm
 from ._errors import ProviderError
 from ._stream import StreamEvent
@@ -55,12 +56,22 @@ def first_output_arrived() -> None:
 
 class NoFirstOutput(ProviderError):
     """An attempt produced no first output within its model's `first_output_s`. `moves_on`:
-    the chain has another model, so the attempt is not retried on this one."""
+    the chain has another model, so the attempt is not retried on this one. `queued`: the
+    limit passed while the call waited for a connection of the binding's own pool
+    (`guards._admission`), so it says nothing of the model (no breaker verdict); `never_sent`:
+    it was still waiting (no attempt was made)."""
 
-    def __init__(self, provider: str, limit_s: float, *, moves_on: bool) -> None:
+    def __init__(
+        self, provider: str, limit_s: float, *, moves_on: bool, queued: bool = False, never_sent: bool = False
+    ) -> None:
         self.limit_s = limit_s
         self.moves_on = moves_on
-        super().__init__(provider, note=f"no first output within {limit_s:g}s")
+        self.queued = queued
+        self.never_sent = never_sent
+        note = f"no first output within {limit_s:g}s"
+        if queued:
+            note += " (waiting for a connection)"
+        super().__init__(provider, note=note)
 
     def describe(self) -> str:
         return self.note  # the model is named by whoever reports it
@@ -90,9 +101,15 @@ def limited(
                     return await call(model, inputs)
                 finally:
                     _arrived.reset(token)
-        except TimeoutError:
+        except TimeoutError as expired:
             if scope.expired():
-                raise NoFirstOutput(provider, limit_s, moves_on=moves_on) from None
+                raise NoFirstOutput(
+                    provider,
+                    limit_s,
+                    moves_on=moves_on,
+                    queued=waited_for_admission(expired),
+                    never_sent=never_admitted(expired),
+                ) from None
             raise
 
     return attempt

@@ -30,7 +30,9 @@ def on_attempt(state: RequestState, outcome: Any, started: float) -> None:
     left: it is not one. (The walk counts the usual success itself, inline.)"""
     elapsed = time.perf_counter() - started
     leg = state._leg
-    if isinstance(outcome, BaseException) and never_admitted(outcome):
+    if isinstance(outcome, BaseException) and (
+        never_admitted(outcome) or (isinstance(outcome, NoFirstOutput) and outcome.never_sent)
+    ):
         return
     state.attempts += 1
     if isinstance(outcome, AIResult):

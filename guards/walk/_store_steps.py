@@ -160,6 +160,8 @@ async def leg_down(
     # JSON mode not met: the model answered, just not in shape.
     json_mode = getattr(call.error, "json_mode_failed", False)
     outcome = Outcome.success if json_mode else Outcome.failure
+    if getattr(call.error, "queued", False):  # its first-output limit passed in our own queue
+        outcome = Outcome.released
     cool_s, until = 0.0, None
     if call.verdict.kind in COOLDOWN_KINDS:
         cool_s = shared.cooldown_for(leg.ref.key).seconds(call.error)

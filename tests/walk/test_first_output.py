@@ -12,6 +12,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -33,7 +34,7 @@ from guards import (
     Retry,
     flatten_chain,
 )
-from guards.providers import WorkersAI
+from guards.providers import WorkersAI, http_client
 
 from ..conftest import AppClient, LogLines, no_sleep
 
@@ -378,3 +379,39 @@ def test_a_stream_idle_limit_over_http_whatever_the_adapters_own(
     assert LIMIT_S <= elapsed < LIMIT_S + SLACK_S
     assert fake_workers_ai.wait_for(lambda calls: calls[-1].disconnected, SLACK_S)
     assert len(fake_workers_ai.calls) == 1
+
+
+def test_a_limit_spent_waiting_for_a_connection_moves_on_without_blaming_the_model(
+    fake_workers_ai: FakeWorkersAI, backup: FakeBinding, app_client: AppClient
+) -> None:
+    """The primary's binding has one connection, held by a slow answer (its head came at once).
+    A second request waits for that connection past its first-output limit: it moves on to the
+    backup, its wait is no attempt (the call never left) and no failure of the model: with a
+    breaker that opens at the first failure, the next request still calls the primary."""
+    binding = WorkersAI(
+        account_id=fake_workers_ai.account_id,
+        api_token=fake_workers_ai.api_token,
+        base_url=fake_workers_ai.base_url,
+        client=http_client(max_connections=1),
+    )
+    app = make_app(
+        binding,
+        providers={"backup": backup},
+        first_output_s=LIMIT_S,
+        breaker=Breaker(failure_threshold=1),
+    )
+    client = app_client(app, socket=True)
+    fake_workers_ai.script(
+        PRIMARY, Reply("Slow but sure.", body_delay_s=5 * LIMIT_S), Reply("Primary again.")
+    )
+    backup.script(BACKUP, Reply("From the backup."))
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(post, client)
+        assert fake_workers_ai.wait_for(lambda calls: len(calls) == 1)
+        queued, elapsed = post(client)
+        assert queued.json() == {"reply": "From the backup.", "model": BACKUP, "attempts": 1}
+        assert LIMIT_S <= elapsed < LIMIT_S + SLACK_S
+        assert slow.result()[0].json()["reply"] == "Slow but sure."
+    again, _ = post(client)
+    assert again.json()["reply"] == "Primary again."
+    assert len(fake_workers_ai.calls) == 2
