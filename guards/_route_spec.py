@@ -98,6 +98,8 @@ class Leg:
     known: KnownRefusal
     #: Skips of the model by reason (`guards_skips_total`), each bound at its first skip.
     skips: dict[str, Tally] = field(default_factory=dict)
+    #: The model's declared context window in tokens (`Guards(context_windows=...)`), if any.
+    window: int | None = None
 
     @classmethod
     def of(
@@ -108,6 +110,7 @@ class Leg:
         first: bool,
         successes: dict[str, list[float | None]],
         known: dict[str, KnownRefusal],
+        window: int | None = None,
     ) -> Leg:
         breaker_key = f"guards:breaker:{ref.key}"
         return cls(
@@ -129,6 +132,7 @@ class Leg:
             transitions={state: counter(BREAKER_TRANSITIONS, ref.key, state.value) for state in CircuitState},
             last_success=successes.setdefault(breaker_key, [None]),
             known=known.get(ref.key) or known.setdefault(ref.key, KnownRefusal()),
+            window=window,
         )
 
     def saw(self, state: CircuitState) -> None:
@@ -238,6 +242,11 @@ class GuardedRoute:
     shed_at: Level | None = None
     #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).
     task: Task | None = None
+    #: Some leg declares a context window: the walk checks requests against it
+    #: (`guards.walk._windows`); a route with none pays nothing for it.
+    windowed: bool = False
+    #: A content filter's refusal moves on to the next model of another provider.
+    content_filter_fallback: bool = False
 
     @property
     def degrading(self) -> bool:

@@ -37,6 +37,7 @@ from ._retries import before_retry, leg_limit
 from ._store_steps import admitted, leg_down, next_step, record, send, settle
 from ._store_steps import report_end as settled
 from ._verdicts import exhausted, gone, timed_out
+from ._windows import LIMIT_KINDS, Limits
 
 if TYPE_CHECKING:
     from .._route_spec import GuardedRoute, Leg
@@ -84,6 +85,9 @@ async def walk(
     probe: float | None = None
     last: GuardTripped | None = None
     spent = False  # the request's attempt budget ran out before a leg
+    # Context windows and content filters (`_windows`): made now only when a leg declares a
+    # window, else at a call that hits such a limit.
+    limits = Limits(state, inputs) if route.windowed else None
     try:
         on_mark = _start_watch if state._request is not None else None
         with Deadline(route.timeout_s, on_mark, state) as scope:
@@ -93,6 +97,8 @@ async def walk(
                 legs, report = route.legs, None
                 count = len(legs)
                 while True:
+                    if limits is not None and start < count:
+                        start = limits.skip(start)  # the legs this request cannot be sent to
                     # One store operation: the last call's report, then the next admission.
                     if start < count and state.attempts >= state.attempt_budget:
                         spent, start = True, count  # no further call: report only
@@ -132,6 +138,14 @@ async def walk(
                         break
                     index, probe, record_success = let_in
                     leg = legs[index]
+                    if index > start and limits is not None and limits.unfit(leg) is not None:
+                        # The store admitted a leg past `start` (those before it resting) that
+                        # this request cannot be sent to: its probe slot freed, the walk goes on
+                        # after it (the loop's first check skips it).
+                        if probe is not None:
+                            await record(state, leg, Outcome.released, probe)
+                        start, report = index, None
+                        continue
                     inflight = leg
                     state._leg = leg
                     call: Call[Any]
@@ -172,6 +186,11 @@ async def walk(
                             inflight = None
                             report, last = await leg_down(state, leg, failure, probe)
                             start = index + 1
+                            if (kind := failure.verdict.kind) in LIMIT_KINDS:
+                                if limits is None:
+                                    limits = Limits(state, inputs)
+                                if not limits.failed(leg, kind):
+                                    start = count  # the walk ends here
                             continue
                     except BaseException as stopped:  # cancelled: it may still be billed
                         on_attempt(state, stopped, started)
@@ -235,6 +254,8 @@ async def walk(
         raise
     if state._hold is not None:
         await settle(state)
+    if limits is not None and (limited := limits.verdict(last)) is not None:
+        raise limited
     raise exhausted(state, last, spent, state._shared.attribution == "detailed")
 
 
