@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 
 import guards as guards_package
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Reply
-from guards import AI, Breaker, ConfigurationError, Guards, Kind, ProviderError, classify
+from guards import AI, Breaker, ConfigurationError, EventStream, Guards, Kind, ProviderError, classify
 from guards.providers import OpenAICompatible, WorkersAI
 
 from ..conftest import AppClient, LogLines, assert_error, assert_fallback, no_sleep, run_binding_once
@@ -100,6 +100,11 @@ def create_app(
     @guards.route(**options, fallback=FALLBACK)
     async def degrading(body: Ask, ai: AI[str]) -> str:
         return await ai.run(inputs(body))
+
+    @app.post("/stream")
+    @guards.route(**options, name="stream")
+    async def stream(body: Ask, ai: AI[str]) -> EventStream:
+        return await ai.stream(inputs(body))
 
     return app
 
@@ -265,6 +270,24 @@ def test_a_context_length_error_with_no_larger_window_is_the_clients_to_fix(
     body = assert_fallback(degraded, "call", "context_length_exceeded", FALLBACK)
     assert body["fallback"]["detail"].startswith("context_length_exceeded after 1 attempt(s)")
     assert calls(fake_workers_ai, fake_openai) == {middle: 2}  # one call per request
+
+
+@pytest.mark.parametrize(("failure", "chain"), CONTEXT_ERRORS)
+def test_a_streaming_route_walks_the_same_way(
+    make: Any, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, failure: Fail, chain: list[str]
+) -> None:
+    """Before its first output a stream is a call like any: the same limits, the same 400."""
+    middle, smaller, larger = chain
+    _script(fake_workers_ai, fake_openai, middle, failure, failure)
+    client = make(chain)
+    streamed = client.post("/stream", json={"text": SHORT})
+    assert streamed.status_code == 200, streamed.text
+    assert "event: done" in streamed.text
+    assert calls(fake_workers_ai, fake_openai) == {middle: 1, larger: 1}
+    assert_error(
+        make([middle, smaller]).post("/stream", json={"text": SHORT}), 400, "context_length_exceeded", False
+    )
+    assert calls(fake_workers_ai, fake_openai) == {middle: 2, larger: 1}
 
 
 def test_after_a_declared_window_a_model_without_one_is_skipped(
