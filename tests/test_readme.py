@@ -653,7 +653,7 @@ def test_limits_example_skips_and_moves_on_as_documented() -> None:
     assert short.json() == "The short summary."
     assert blocked.json() == "The other summary."
     # The long document never reached the 8b model: its window cannot hold it.
-    assert [call.model for call in main.calls] == ["@cf/meta/llama-3.1-8b-instruct"] * 2
+    assert [call.model for call in main.calls] == ["@cf/meta/llama-3.1-8b-instruct-fp8"] * 2
     assert [call.model for call in openai.calls] == ["gpt-4o-mini"] * 2
     assert main.calls[0].inputs["max_tokens"] == 500
 

@@ -30,10 +30,10 @@ __all__ = [
     "IDENTITY",
     "MAX_RETRY_AFTER_S",
     "bounded_wait",
-    "error_objects",
-    "http_client",
     "content_filtered",
     "context_exceeded",
+    "error_objects",
+    "http_client",
     "json_mode_not_met",
     "new_client",
     "numeric_code",
@@ -274,7 +274,7 @@ CONTENT_FILTER_CODES = frozenset(
 
 def _string_codes(errors: list[dict[str, Any]]) -> set[str]:
     """The string `code`s of `errors`, and of their `innererror` (Azure's)."""
-    codes = set()
+    codes: set[str] = set()
     for error in errors:
         for found in (error, error.get("innererror")):
             if isinstance(found, dict) and isinstance(found.get("code"), str):

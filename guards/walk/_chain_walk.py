@@ -138,7 +138,7 @@ async def walk(
                         break
                     index, probe, record_success = let_in
                     leg = legs[index]
-                    if index > start and limits is not None and limits.unfit(leg) is not None:
+                    if limits is not None and index > start and limits.unfit(leg) is not None:
                         # The store admitted a leg past `start` (those before it resting) that
                         # this request cannot be sent to: its probe slot freed, the walk goes on
                         # after it (the loop's first check skips it).

@@ -28,6 +28,7 @@ import guards as guards_package
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Reply
 from guards import AI, Breaker, ConfigurationError, EventStream, Guards, Kind, ProviderError, classify
 from guards.providers import OpenAICompatible, WorkersAI
+from guards.stores import MemoryStore
 
 from ..conftest import AppClient, LogLines, assert_error, assert_fallback, no_sleep, run_binding_once
 
@@ -61,12 +62,14 @@ def create_app(
     max_tokens: int | None = None,
     content_filter_fallback: bool = False,
     breaker: Breaker | None = None,
+    store: MemoryStore | None = None,
 ) -> FastAPI:
     guards = Guards(
         WorkersAI(account_id=workers.account_id, api_token=workers.api_token, base_url=workers.base_url),
         providers={"openai": OpenAICompatible(base_url=openai.base_url, api_key="test-key")},
         context_windows=WINDOWS if windows is None else windows,
         sleep=no_sleep,
+        store=store,
     )
 
     @asynccontextmanager
@@ -156,6 +159,23 @@ def test_a_model_whose_window_cannot_hold_the_request_is_never_called(
     assert calls(fake_workers_ai, fake_openai) == ({SMALL: 1} if small_called else {BIG: 1})
     guards_log.wait_for(lambda: small_called or guards_log.events("skip"))
     assert guards_log.skips() == ({} if small_called else {(SMALL, "context_window"): 1})
+
+
+def test_a_model_the_store_admits_past_a_resting_one_is_still_skipped(
+    make: Any, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+) -> None:
+    """Another worker put the first model in cooldown: the store admits the next one, whose
+    window is too small; it is skipped all the same, and the one after it answers."""
+    store = MemoryStore()
+    chain = [BIG, SMALL, f"openai:{GPT_BIG}"]
+    fake_workers_ai.script(BIG, Fail(status=429, retry_after="60"))
+    other_worker = make([BIG], store=store)
+    assert_error(other_worker.post("/strict", json={"text": SHORT}), 503, "model_rate_limited", False)
+    client = make(chain, store=store)
+    response = client.post("/strict", json={"text": LONG})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == GPT_BIG
+    assert calls(fake_workers_ai, fake_openai) == {BIG: 1, f"openai:{GPT_BIG}": 1}
 
 
 def test_every_model_too_small_answers_400_with_no_call(
