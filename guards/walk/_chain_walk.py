@@ -35,6 +35,7 @@ from ._checkpoints import resumed
 from ._known import known_refused
 from ._retries import before_retry, leg_limit
 from ._store_steps import admitted, leg_down, next_step, record, send, settle
+from ._store_steps import report as report_call
 from ._store_steps import report_end as settled
 from ._verdicts import exhausted, gone, timed_out
 from ._windows import LIMIT_KINDS, Limits
@@ -140,11 +141,11 @@ async def walk(
                     leg = legs[index]
                     if limits is not None and index > start and limits.unfit(leg) is not None:
                         # The store admitted a leg past `start` (those before it resting) that
-                        # this request cannot be sent to: its probe slot freed, the walk goes on
-                        # after it (the loop's first check skips it).
-                        if probe is not None:
-                            await record(state, leg, Outcome.released, probe)
+                        # this request cannot be sent to: the next step frees its probe slot,
+                        # and the walk goes on after it (the loop's first check skips it).
                         start, report = index, None
+                        if probe is not None:
+                            report = report_call(state, leg, Outcome.released, probe, settle=False)
                         continue
                     inflight = leg
                     state._leg = leg

@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
 import guards as guards_package
-from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Reply
+from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, ManualClock, Reply
 from guards import AI, Breaker, ConfigurationError, EventStream, Guards, Kind, ProviderError, classify
 from guards.providers import OpenAICompatible, WorkersAI
 from guards.stores import MemoryStore
@@ -176,6 +176,30 @@ def test_a_model_the_store_admits_past_a_resting_one_is_still_skipped(
     assert response.status_code == 200, response.text
     assert response.json()["model"] == GPT_BIG
     assert calls(fake_workers_ai, fake_openai) == {BIG: 1, f"openai:{GPT_BIG}": 1}
+
+
+def test_a_half_open_model_too_small_for_the_request_gives_its_probe_back(
+    make: Any, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+) -> None:
+    """The store admits a half-open model as its one probe past a resting one; too small for
+    the request, it is skipped, and the probe slot is freed for a request it can hold."""
+    clock = ManualClock()
+    store = MemoryStore(clock=clock)
+    breaker = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1)
+    fake_workers_ai.script(SMALL, Fail(status=500), Fail(status=500))
+    fake_workers_ai.script(BIG, Fail(status=429, retry_after="600"))
+    small_only = make([SMALL], store=store, breaker=breaker)
+    assert small_only.post("/strict", json={"text": SHORT}).status_code == 503  # its breaker opens
+    assert make([BIG], store=store, breaker=breaker).post("/strict", json={"text": SHORT}).status_code == 503
+    clock.advance(31)  # SMALL's breaker half-opens at its next admission; BIG still cools down
+    response = make([BIG, SMALL, f"openai:{GPT_BIG}"], store=store, breaker=breaker).post(
+        "/strict", json={"text": LONG}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == GPT_BIG
+    # The probe was not spent: a request SMALL can hold gets it.
+    assert small_only.post("/strict", json={"text": SHORT}).status_code == 200
+    assert calls(fake_workers_ai, fake_openai) == {SMALL: 3, BIG: 1, f"openai:{GPT_BIG}": 1}
 
 
 def test_every_model_too_small_answers_400_with_no_call(
