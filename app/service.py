@@ -238,8 +238,12 @@ def create_app(
         tracing=tracer_provider if tracer_provider is not None else False,
         hints=settings.hints,
         max_in_flight=settings.max_in_flight,
+        context_windows=settings.context_windows,
     )
     fallbacks = settings.fallback_models
+    # AI_CONTENT_FILTER_FALLBACK=on: a provider's content filter moves every route on to the
+    # chain's next model of another provider.
+    content_filter_fallback = settings.ai_content_filter_fallback == "on"
     # AI_EFFORT=auto: the draft routes send simple and standard turns to the local model, complex
     # ones to the cloud model (then AI_FALLBACK_MODELS); else they call AI_MODEL.
     effort = (
@@ -313,6 +317,7 @@ def create_app(
         timeout_s=settings.ai_timeout_s,
         first_output_s=settings.ai_first_output_s,
         breaker=breaker,
+        content_filter_fallback=content_filter_fallback,
     )
     async def draft_reply(body: DraftRequest, ai: AI[ReplyText]) -> DraftReply:
         """Draft a reply to a customer message. Strict: fails with a public error."""
@@ -329,6 +334,7 @@ def create_app(
         timeout_s=settings.ai_timeout_s,
         first_output_s=settings.ai_first_output_s,
         breaker=breaker,
+        content_filter_fallback=content_filter_fallback,
         name="draft_reply_stream",
         stream_max_s=settings.ai_stream_max_s,
         stream_max_chars=settings.ai_stream_max_chars,
@@ -347,6 +353,7 @@ def create_app(
         timeout_s=settings.ai_timeout_s,
         first_output_s=settings.ai_first_output_s,
         breaker=breaker,
+        content_filter_fallback=content_filter_fallback,
         budget=Budget(
             per_minute=settings.rate_limit_per_minute,
             per_day=settings.daily_call_limit,
@@ -382,6 +389,7 @@ def create_app(
         timeout_s=settings.ai_timeout_s,
         first_output_s=settings.ai_first_output_s,
         breaker=breaker,
+        content_filter_fallback=content_filter_fallback,
         budget=budget,
         # The last good summary of the same text, while fresh; then the keyword label.
         fallback=LastGood(key=summary_key, max_age_s=settings.last_good_max_age_s, otherwise=keyword_summary),
@@ -401,6 +409,7 @@ def create_app(
         timeout_s=settings.ai_timeout_s,
         first_output_s=settings.ai_first_output_s,
         breaker=breaker,
+        content_filter_fallback=content_filter_fallback,
         budget=budget,
         task=Task(),
     )

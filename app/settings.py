@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Literal
 
@@ -73,6 +74,14 @@ class Settings(BaseSettings):
     ai_cloud_model: str = ""
     #: How long /summary serves the last good summary of the same text when the model fails.
     last_good_max_age_s: float = Field(default=600.0, gt=0)
+    #: Models' context windows in tokens, a JSON object (`{"@cf/meta/llama-3.1-8b-instruct":
+    #: 8192}`): a model whose window cannot hold a request is skipped without a call. A key
+    #: names a model as AI_MODEL does (for every provider the app uses), or as a chain entry
+    #: with its provider (`openai:gpt-4o-mini`, for that provider only).
+    ai_context_windows: str = ""
+    #: `on`: a provider's content filter moves on to the chain's next model of another provider;
+    #: `off`: the request ends with `moderation_blocked`.
+    ai_content_filter_fallback: Literal["off", "on"] = "off"
     #: The operator token of `GET /status` (`Authorization: Bearer <token>`); empty: the page is open.
     status_token: SecretStr = SecretStr("")
     #: How often the status page reloads itself in a browser (seconds).
@@ -93,6 +102,45 @@ class Settings(BaseSettings):
             if entry and entry != "*" and not _ORIGIN.fullmatch(entry):
                 raise ValueError("each entry must be an origin such as https://app.example.com, or *")
         return value
+
+    @field_validator("ai_context_windows")
+    @classmethod
+    def _context_windows(cls, value: str) -> str:
+        if not value.strip():
+            return value
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict) or not all(
+            isinstance(key, str)
+            and key.strip()
+            and isinstance(tokens, int)
+            and not isinstance(tokens, bool)
+            and tokens > 0
+            for key, tokens in parsed.items()
+        ):
+            raise ValueError(
+                'must be a JSON object of model name to a positive number of tokens, e.g. {"@cf/meta/llama-3.1-8b-instruct": 8192}'
+            )
+        return value
+
+    @property
+    def context_windows(self) -> dict[str, int]:
+        """AI_CONTEXT_WINDOWS as model keys: a plain model name for the main provider and for
+        each other provider the app uses (`provider:name`), unless given with its provider."""
+        given: dict[str, int] = json.loads(self.ai_context_windows) if self.ai_context_windows.strip() else {}
+        windows: dict[str, int] = {}
+        for name, tokens in given.items():
+            if name.partition(":")[0] in PROVIDERS:
+                continue  # with its provider: below, over a plain name's
+            windows[name] = tokens
+            for provider in self.providers_used():
+                windows[f"{provider}:{name}"] = tokens
+        windows.update(
+            (name, tokens) for name, tokens in given.items() if name.partition(":")[0] in PROVIDERS
+        )
+        return windows
 
     @field_validator("status_token")
     @classmethod

@@ -70,7 +70,7 @@ MAX_PROBLEMS = 100
 
 #: The error tokens a strict route may answer with each status.
 STRICT_STATUSES: dict[int, frozenset[str]] = {
-    400: frozenset({ErrorCode.invalid_request}),
+    400: frozenset({ErrorCode.invalid_request, ErrorCode.context_length_exceeded}),
     429: frozenset({ErrorCode.rate_limited, ErrorCode.budget_exceeded}),
     500: frozenset({ErrorCode.application_failure}),
     502: frozenset({ErrorCode.model_incompatible, ErrorCode.incompatible_model_response}),
@@ -105,9 +105,12 @@ UNEXPECTED_ERRORS = frozenset(
         ErrorCode.rate_limited,
         ErrorCode.budget_exceeded,
         ErrorCode.application_failure,
+        ErrorCode.context_length_exceeded,
     }
 )
-UNEXPECTED_REASONS = frozenset({Reason.schema_invalid, Reason.moderation_blocked})
+UNEXPECTED_REASONS = frozenset(
+    {Reason.schema_invalid, Reason.moderation_blocked, Reason.context_length_exceeded}
+)
 REASONS = {reason.value: reason.guard.value for reason in Reason}
 ERROR_BODY_KEYS = frozenset({"error", "retryable", "trace_id", "problems"})
 DONE_KEYS = frozenset({"finish_reason", "usage", "model", "fallback_model", "attempts", "trace_id"})

@@ -54,6 +54,7 @@ if typing.TYPE_CHECKING:
     )
     from ._tasks import Task
     from ._throttle import Throttled
+    from ._tokens import estimate_tokens
     from ._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
     from ._vocabulary import Attribution, ErrorCode, GuardName, Kind, Level, Reason
     from .status import StatusReport, bearer_token
@@ -127,6 +128,7 @@ __all__ = [
     "classify",
     "client_key",
     "estimate_effort",
+    "estimate_tokens",
     "first_output_arrived",
     "flatten_chain",
     "flush_logs",
@@ -201,6 +203,7 @@ _PUBLIC = {
     "is_output": "._stream",
     "Task": "._tasks",
     "Throttled": "._throttle",
+    "estimate_tokens": "._tokens",
     "UIChatRequest": "._ui_stream",
     "UIMessage": "._ui_stream",
     "UIPart": "._ui_stream",

@@ -47,6 +47,11 @@ class Binding(Protocol):
     `inputs` follows Workers AI's shape (`messages` or `prompt`, and `response_format`
     `{"type": "json_schema", "json_schema": ...}` for JSON mode); adapters for other providers
     translate it. Cancellation must really stop the call (close the connection).
+
+    A binding may also define `estimate_tokens(model, inputs) -> int`: the input tokens of a
+    call, when it knows better than `guards.estimate_tokens` (characters / 4), e.g. with the
+    model's tokenizer. Guards then asks it before calling a model with a declared context
+    window (`Guards(context_windows=...)`). Optional: a binding without it gets the default.
     """
 
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult: ...

@@ -168,6 +168,7 @@ class EffortRoutes:
                 step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
                 attempt_budget=budget,
                 success_ages=route.success_ages.over(legs),
+                windowed=any(leg.window is not None for leg in legs),
             )
         tiers: dict[Tier, tuple[GuardedRoute, str, bool, Tally]] = {}
         for tier in TIERS:

@@ -74,5 +74,5 @@ class ErrorBody(BaseModel):
     problems: list[Problem] | None = Field(
         default=None,
         max_length=MAX_PROBLEMS,
-        description=f"400 invalid_request only: what to fix (at most {MAX_PROBLEMS}), never the input.",
+        description=f"A 400 only: what to fix (at most {MAX_PROBLEMS}), never the input.",
     )

@@ -38,7 +38,11 @@ class ProviderError(GuardsError):
     which the output guard reports as `schema_invalid`. `quota_exhausted` marks an account
     quota failure a provider signals without a numeric code (OpenAI's `insufficient_quota`).
     `encoding_refused` marks an answer refused unread for its `Content-Encoding` (adapters ask
-    for the body as sent): `model_unavailable` whatever its status. `retry_after_s` is the
+    for the body as sent): `model_unavailable` whatever its status. `context_exceeded` marks an
+    input too long for the model's context window, signalled without a numeric code (OpenAI's
+    `context_length_exceeded`, a compatible server's message); `content_filtered` a refusal by
+    the provider's content policy (OpenAI's and Azure's `content_filter`,
+    `content_policy_violation`). `retry_after_s` is the
     provider's wait in seconds as this process read it; `retry_at`, when the wait came as an
     HTTP date, is that date (seconds since the epoch), so a cooldown can end by it on the
     store's clock rather than this process's.
@@ -55,6 +59,8 @@ class ProviderError(GuardsError):
         quota_exhausted: bool = False,
         encoding_refused: bool = False,
         retry_at: float | None = None,
+        context_exceeded: bool = False,
+        content_filtered: bool = False,
         note: str = "",
     ) -> None:
         self.provider = provider
@@ -65,6 +71,8 @@ class ProviderError(GuardsError):
         self.quota_exhausted = quota_exhausted
         self.encoding_refused = encoding_refused
         self.retry_at = retry_at
+        self.context_exceeded = context_exceeded
+        self.content_filtered = content_filtered
         self.note = note
         super().__init__(self.describe())
 
@@ -83,6 +91,10 @@ class ProviderError(GuardsError):
             parts.append("json mode not met")
         if self.quota_exhausted:
             parts.append("quota exhausted")
+        if self.context_exceeded:
+            parts.append("context length exceeded")
+        if self.content_filtered:
+            parts.append("content filtered")
         if self.note:
             parts.append(self.note)
         return " ".join(parts)

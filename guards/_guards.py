@@ -73,7 +73,11 @@ class Guards:
     prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
     model is skipped, and the longest wait a provider may ask for (`Cooldown.max_s`, 10
     minutes by default); `cooldowns` says it per model key (`model` or `provider:model`),
-    for the models that differ; `attribution` how responses name the model that served
+    for the models that differ; `context_windows` declares models' context windows in tokens,
+    per model key: the walk skips, without a call, a model whose window cannot hold a request's
+    estimated input tokens plus its `max_tokens`, and after a `context_length_exceeded` moves
+    only to a model with a larger window (see `estimate_tokens`; a model not listed is never
+    skipped for its window); `attribution` how responses name the model that served
     (`x-ai-model`, `x-ai-fallback` headers); `ledger` receives one record per provider call (default: JSON log).
     `log_attempts` says which provider calls the default ledger writes an `attempt` line for:
     `"retries"` (default) those of requests that made more than one (a request's only call is
@@ -110,6 +114,7 @@ class Guards:
         max_in_flight: int | None = None,
         log_attempts: Literal["retries", "all"] = "retries",
         log_sample: float = 1.0,
+        context_windows: Mapping[str, int] | None = None,
     ) -> None:
         if attribution not in ("off", "redacted", "detailed"):
             raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
@@ -135,6 +140,7 @@ class Guards:
         self.retry_windows = RetryWindows()
         self.cooldown = cooldown
         self.cooldowns: Mapping[str, Cooldown] = _checked_cooldowns(cooldown, cooldowns or {})
+        self.context_windows: Mapping[str, int] = _checked_windows(context_windows or {})
         self.attribution: Attribution = attribution
         self.ledger: Ledger = ledger if ledger is not None else LogLedger()
         self.log_attempts: Literal["retries", "all"] = log_attempts
@@ -245,6 +251,7 @@ class Guards:
         task: Task | None = None,
         first_output_s: float | None = None,
         stream_idle_s: float | None = None,
+        content_filter_fallback: bool = False,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -297,6 +304,9 @@ class Guards:
           multi-step tasks: `ai.step(name, ...)` saves each step's result, a retry resumes
           after the steps that completed, and a completed task replays its answer (see
           `AI.step` and `Task`). Not for streaming routes.
+        - `content_filter_fallback`: when a provider's content filter refuses a call
+          (`moderation_blocked`, never retried), move on to the chain's next model of another
+          provider (default False: the request ends with `moderation_blocked`).
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -325,6 +335,7 @@ class Guards:
                 task=task,
                 first_output_s=first_output_s,
                 stream_idle_s=stream_idle_s,
+                content_filter_fallback=content_filter_fallback,
             )
             route = route_of(endpoint)
             assert route is not None
@@ -512,6 +523,21 @@ def _checked_cooldowns(default: Cooldown, cooldowns: Mapping[str, Cooldown]) -> 
                 f"cooldowns[{model!r}] must be a Cooldown(...), not {type(policy).__name__}"
             )
     return dict(cooldowns)
+
+
+def _checked_windows(windows: Mapping[str, int]) -> dict[str, int]:
+    """`Guards(context_windows=...)` as kept; raises `ConfigurationError` for a key that is not
+    a model key or a window that is not a positive number of tokens."""
+    for model, tokens in windows.items():
+        if not isinstance(model, str) or not model.strip():
+            raise ConfigurationError(
+                f"context_windows: {model!r} is not a model key (`model` or `provider:model`)"
+            )
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            raise ConfigurationError(
+                f"context_windows[{model!r}] must be a positive number of tokens (an int), not {tokens!r}"
+            )
+    return dict(windows)
 
 
 if TYPE_CHECKING:

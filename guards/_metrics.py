@@ -206,7 +206,7 @@ BREAKER_TRANSITIONS = Metric(
 SKIPS = Metric(
     "Counter",
     "guards_model_skips",
-    "Chain models skipped without a call, by reason: cooldown or circuit_open.",
+    "Chain models skipped without a call, by reason: cooldown, circuit_open, context_window or content_filter.",
     ["model", "reason"],
 )
 EFFORT_DECISIONS = Metric(

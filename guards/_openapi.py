@@ -168,7 +168,9 @@ def _stream_response(attribution: str) -> dict[str, Any]:
 _DESCRIPTIONS = {
     400: (
         "Invalid input (missing, wrong-typed or oversized); no model call was made. `problems` "
-        "names each field and what is wrong with it (a pydantic error type), never the input."
+        "names each field and what is wrong with it (a pydantic error type), never the input. "
+        "On a strict route, also `context_length_exceeded`: the input does not fit the context "
+        "window of any model the route may call (`problems`: `body`, `too_long`); shorten it."
     ),
     409: "Another request holds this Idempotency-Key's task; retry after `Retry-After`.",
     422: "This Idempotency-Key was used with another request body.",
@@ -194,7 +196,7 @@ def error_statuses(route: GuardedRoute) -> dict[int, list[ErrorCode]]:
     for status, codes in STRICT_STATUSES.items():
         allowed = [c for c in codes if _possible(route, c)]
         if allowed:
-            statuses[status] = allowed
+            statuses[status] = [*statuses.get(status, ()), *allowed]
     return dict(sorted(statuses.items()))
 
 

@@ -36,6 +36,7 @@ _WAIT_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
 
 #: The error tokens a strict route may answer with each status (documented in OpenAPI).
 STRICT_STATUSES: dict[int, tuple[ErrorCode, ...]] = {
+    400: (ErrorCode.context_length_exceeded,),
     429: (ErrorCode.rate_limited, ErrorCode.budget_exceeded),
     502: (ErrorCode.model_incompatible, ErrorCode.incompatible_model_response),
     503: (
@@ -64,6 +65,8 @@ def public_error(tripped: GuardTripped, retry_after_s: float) -> PublicError:
         return PublicError(429, ErrorCode.budget_exceeded, False, tripped.retry_after_s)
     if reason is Reason.circuit_open:
         return PublicError(503, ErrorCode.circuit_open, True, tripped.retry_after_s)
+    if reason is Reason.context_length_exceeded:
+        return PublicError(400, ErrorCode.context_length_exceeded, False)
     if reason in (Reason.schema_invalid, Reason.empty_response, Reason.moderation_blocked):
         return PublicError(502, ErrorCode.incompatible_model_response, False)
     kind = Kind.model_temporarily_unavailable if reason is Reason.timeout else tripped.kind
@@ -81,6 +84,10 @@ def error_response(
 ) -> JSONResponse:
     """The error body (`ErrorBody`) with `x-trace-id`, and `Retry-After` when the wait is known;
     `problems` for a 400."""
+    if problems is None and error.error is ErrorCode.context_length_exceeded:
+        # Every 400 names what to fix: here the body, too long (which of its fields made the
+        # input too long, only the client knows).
+        problems = [Problem(field="body", problem="too_long")]
     headers = {"x-trace-id": trace_id}
     if error.retry_after_s is not None:
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s)))

@@ -77,6 +77,7 @@ def guard_route(
     task: Task | None = None,
     first_output_s: float | None = None,
     stream_idle_s: float | None = None,
+    content_filter_fallback: bool = False,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
@@ -142,6 +143,7 @@ def guard_route(
                 index == 0,
                 guards.last_success,
                 guards.known_refusals,
+                guards.context_windows.get(ref.key),
             )
             for index, ref in enumerate(models)
         )
@@ -244,6 +246,8 @@ def guard_route(
         stream_format=stream_format,
         shed_at=Level(shed_at) if shed_at is not None else None,
         task=task,
+        windowed=any(leg.window is not None for leg in legs),
+        content_filter_fallback=content_filter_fallback,
     )
     if effort is not None:
         # Effort routing's module, only for a route that uses it (at start-up, once).

@@ -102,6 +102,8 @@ class Leg:
     #: read by the walk: the first output of an attempt, the gaps of a stream after it.
     first_output_s: float | None = None
     stream_idle_s: float | None = None
+    #: The model's declared context window in tokens (`Guards(context_windows=...)`), if any.
+    window: int | None = None
 
     @classmethod
     def of(
@@ -112,6 +114,7 @@ class Leg:
         first: bool,
         successes: dict[str, list[float | None]],
         known: dict[str, KnownRefusal],
+        window: int | None = None,
     ) -> Leg:
         breaker_key = f"guards:breaker:{ref.key}"
         return cls(
@@ -135,6 +138,7 @@ class Leg:
             known=known.get(ref.key) or known.setdefault(ref.key, KnownRefusal()),
             first_output_s=ref.first_output_s,
             stream_idle_s=ref.stream_idle_s,
+            window=window,
         )
 
     def saw(self, state: CircuitState) -> None:
@@ -244,6 +248,11 @@ class GuardedRoute:
     shed_at: Level | None = None
     #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).
     task: Task | None = None
+    #: Some leg declares a context window: the walk checks requests against it
+    #: (`guards.walk._windows`); a route with none pays nothing for it.
+    windowed: bool = False
+    #: A content filter's refusal moves on to the next model of another provider.
+    content_filter_fallback: bool = False
 
     @property
     def degrading(self) -> bool:

@@ -41,6 +41,8 @@ class Shared(Protocol):
     sleep: Callable[[float], Awaitable[None]]
     retry_after_s: float
     prices: Mapping[str, Price]
+    #: Each model's declared context window in tokens, by model key.
+    context_windows: Mapping[str, int]
     cost_unit_usd: float
     attribution: Attribution
     ledger: Ledger

@@ -39,6 +39,8 @@ class Reason(StrEnum):
     schema_invalid = "schema_invalid"
     empty_response = "empty_response"
     moderation_blocked = "moderation_blocked"
+    #: The input does not fit the context window of any model the walk may call.
+    context_length_exceeded = "context_length_exceeded"
 
     @property
     def guard(self) -> GuardName:
@@ -54,6 +56,7 @@ _GUARD_OF = {
     Reason.schema_invalid: GuardName.output,
     Reason.empty_response: GuardName.output,
     Reason.moderation_blocked: GuardName.output,
+    Reason.context_length_exceeded: GuardName.call,
 }
 
 
@@ -75,6 +78,9 @@ class ErrorCode(StrEnum):
     task_in_progress = "task_in_progress"
     #: Multi-step tasks: this `Idempotency-Key` was used with another request body (422).
     idempotency_key_reused = "idempotency_key_reused"
+    #: The input does not fit the context window of any model the route may call (400): the
+    #: client must shorten it.
+    context_length_exceeded = "context_length_exceeded"
 
 
 class Kind(StrEnum):
@@ -85,6 +91,12 @@ class Kind(StrEnum):
     model_temporarily_unavailable = "model_temporarily_unavailable"
     model_rate_limited = "model_rate_limited"
     model_unavailable = "model_unavailable"
+    #: The input (with the answer's `max_tokens`) does not fit the model's context window.
+    #: Never retried; the walk moves on only to a model with a larger declared window.
+    context_length_exceeded = "context_length_exceeded"
+    #: The provider's content policy refused the call (a content filter). Never retried; the
+    #: walk moves on only to another provider's model, when the route allows it.
+    moderation_blocked = "moderation_blocked"
     #: The caller stopped waiting (deadline or client gone). Never retried, never moves on.
     cancelled = "cancelled"
 

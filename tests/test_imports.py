@@ -231,7 +231,7 @@ PUBLIC = {
     "StreamFormat", "StreamWriter", "StreamingBinding", "SystemClock", "Task", "TextDelta",
     "Throttled", "Tier", "ToolCallDelta", "UIChatRequest", "UIMessage", "UIPart",
     "UI_MESSAGE_STREAM", "Usage", "bearer_token", "classify", "client_key", "estimate_effort",
-    "first_output_arrived", "flatten_chain", "flush_logs", "header_key", "is_output", "override_effort", "public_error",
+    "estimate_tokens", "first_output_arrived", "flatten_chain", "flush_logs", "header_key", "is_output", "override_effort", "public_error",
     "render_metrics",
 }  # fmt: skip
 

@@ -131,6 +131,7 @@ CHECKED = {
     ("contracts.md", "json", 0): "test_envelope_samples_are_real_answers",
     ("fallback-chains.md", "python", 0): "test_readme_chain_example_falls_back_as_documented",
     ("fallback-chains.md", "python", 1): "test_chat_route_example_moves_past_a_silent_model",
+    ("fallback-chains.md", "python", 2): "test_limits_example_skips_and_moves_on_as_documented",
     ("streaming.md", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
     ("streaming.md", "python", 1): "test_use_chat_example_answers_the_ui_message_stream",
     ("streaming.md", "sh", 0): "test_streaming_curl_streams",
@@ -658,6 +659,32 @@ def test_chat_route_example_moves_past_a_silent_model() -> None:
     assert [call.model for call in main.calls] == ["@cf/meta/llama-3.3-70b-instruct-fp8-fast"]
     assert main.calls[0].disconnected
     assert len(openai.calls) == 1
+
+
+def test_limits_example_skips_and_moves_on_as_documented() -> None:
+    example = page_example("fallback-chains.md", 2)
+    guards = example["guards"]
+    main, openai = FakeBinding(), FakeBinding()
+    guards.binding, guards.providers["openai"] = main, openai
+    main.script("*", Reply("The short summary."), Fail(code=2016, status=400, shape="gateway"))
+    openai.script("*", Reply("The long summary."), Reply("The other summary."))
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            return [
+                await client.post("/summarize", json={"text": "word " * 10_000}),
+                await client.post("/summarize", json={"text": "A short note."}),
+                await client.post("/summarize", json={"text": "A note the guardrails block."}),
+            ]
+
+    long, short, blocked = anyio.run(scenario)
+    assert long.json() == "The long summary."
+    assert short.json() == "The short summary."
+    assert blocked.json() == "The other summary."
+    # The long document never reached the 8b model: its window cannot hold it.
+    assert [call.model for call in main.calls] == ["@cf/meta/llama-3.1-8b-instruct-fp8"] * 2
+    assert [call.model for call in openai.calls] == ["gpt-4o-mini"] * 2
+    assert main.calls[0].inputs["max_tokens"] == 500
 
 
 def test_readme_streaming_example_streams_through_the_chain() -> None:

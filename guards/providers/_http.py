@@ -30,6 +30,8 @@ __all__ = [
     "IDENTITY",
     "MAX_RETRY_AFTER_S",
     "bounded_wait",
+    "content_filtered",
+    "context_exceeded",
     "error_objects",
     "http_client",
     "json_mode_not_met",
@@ -256,3 +258,41 @@ def json_mode_not_met(errors: list[dict[str, Any]]) -> bool:
     messages are only searched, never kept."""
     messages = " ".join(str(e.get("message", "")) for e in errors)
     return "json mode couldn't be met" in messages.lower().replace("\u2019", "'")
+
+
+#: OpenAI-compatible error codes that say the input does not fit: the model's context window
+#: (`context_length_exceeded`), or OpenAI's longest string (`string_above_max_length`).
+CONTEXT_CODES = frozenset({"context_length_exceeded", "string_above_max_length"})
+#: What a compatible server without the code says (vLLM, and the Workers AI models it serves:
+#: "This model's maximum context length is ..."; Anthropic's "prompt is too long"), lowercase.
+_CONTEXT_PHRASES = ("context length", "context window", "prompt is too long")
+#: Error codes of a provider's content policy: OpenAI's and Azure's, and Azure's `innererror`.
+CONTENT_FILTER_CODES = frozenset(
+    {"content_filter", "content_policy_violation", "ResponsibleAIPolicyViolation"}
+)
+
+
+def _string_codes(errors: list[dict[str, Any]]) -> set[str]:
+    """The string `code`s of `errors`, and of their `innererror` (Azure's)."""
+    codes: set[str] = set()
+    for error in errors:
+        for found in (error, error.get("innererror")):
+            if isinstance(found, dict) and isinstance(found.get("code"), str):
+                codes.add(found["code"])
+    return codes
+
+
+def context_exceeded(errors: list[dict[str, Any]]) -> bool:
+    """Whether `errors` say the input does not fit the model's context window: a code of
+    `CONTEXT_CODES`, or a message naming the context length or window. The messages are only
+    searched, never kept."""
+    if not CONTEXT_CODES.isdisjoint(_string_codes(errors)):
+        return True
+    messages = " ".join(str(e.get("message", "")) for e in errors).lower()
+    return any(phrase in messages for phrase in _CONTEXT_PHRASES)
+
+
+def content_filtered(errors: list[dict[str, Any]]) -> bool:
+    """Whether `errors` are a content-policy refusal: a code of `CONTENT_FILTER_CODES` (also as
+    Azure's `innererror.code`)."""
+    return not CONTENT_FILTER_CODES.isdisjoint(_string_codes(errors))

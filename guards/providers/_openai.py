@@ -10,8 +10,8 @@ Every failure shape ends as a `ProviderError` carrying the HTTP status: an error
 `{"success": false, "error": [...]}` envelope, a 2xx without a usable choice, non-JSON bodies (a
 proxy's HTML page), oversized bodies and dropped connections; while streaming, also a cut body
 and a stall. Provider messages are read only to spot "JSON Mode couldn't be met"
-(Workers AI models behind an OpenAI-compatible endpoint); they are never kept (they may echo the
-prompt).
+(Workers AI models behind an OpenAI-compatible endpoint) and a context window exceeded (servers
+that send no code); they are never kept (they may echo the prompt).
 
 No retries here and no sleeping: the call guard's classifier is the only retry policy, so
 `x-should-retry` is ignored and `retry-after-ms` / `retry-after` only become
@@ -35,6 +35,8 @@ from ._http import (
     DEFAULT_MAX_BODY_BYTES,
     IDENTITY,
     bounded_wait,
+    content_filtered,
+    context_exceeded,
     error_objects,
     json_mode_not_met,
     new_client,
@@ -380,7 +382,9 @@ def _failure(
 
     Only integers become `ProviderError.code` (Cloudflare's numeric codes, which the classifier
     knows); OpenAI's string `code` / `type` never do, and appear only as the note when they
-    are a short lowercase token. `insufficient_quota` (sent with 429) marks quota exhaustion.
+    are a short lowercase token. `insufficient_quota` (sent with 429) marks quota exhaustion;
+    `context_length_exceeded` (or a message naming the context length) an input too long for
+    the model; `content_filter` / `content_policy_violation` a content-policy refusal.
     """
     if not isinstance(data, dict):
         return ProviderError(
@@ -396,5 +400,7 @@ def _failure(
         retry_at=retry_at,
         json_mode_failed=json_mode_not_met(errors),
         quota_exhausted=_QUOTA in tokens,
+        context_exceeded=context_exceeded(errors),
+        content_filtered=content_filtered(errors),
         note=next((t for t in tokens if isinstance(t, str) and _SAFE_TOKEN.fullmatch(t)), ""),
     )

@@ -5,7 +5,8 @@ Every failure shape ends as a `ProviderError` with the provider's code and the H
 on 5xx), a redirect (any 3xx: never followed, its body never the answer), oversized bodies and
 dropped connections; while streaming, also an error object in an
 event, a cut body and a stall. Provider messages are read only to spot "JSON Mode couldn't be
-met"; they are never kept (they may echo the prompt).
+met" and a context window exceeded ("This model's maximum context length is ..."); they are
+never kept (they may echo the prompt).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .._stream import StreamEvent
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
     IDENTITY,
+    content_filtered,
+    context_exceeded,
     error_objects,
     json_mode_not_met,
     new_client,
@@ -160,6 +163,8 @@ def in_band_error(event: dict[str, Any]) -> ProviderError | None:
         code=numeric_code(errors),
         status=200,
         json_mode_failed=json_mode_not_met(errors),
+        context_exceeded=context_exceeded(errors),
+        content_filtered=content_filtered(errors),
         note="error event",
     )
 
@@ -194,6 +199,8 @@ def parse_workers_ai_response(
         retry_after_s=wait,
         retry_at=at,
         json_mode_failed=json_mode_not_met(errors),
+        context_exceeded=context_exceeded(errors),
+        content_filtered=content_filtered(errors),
     )
 
 

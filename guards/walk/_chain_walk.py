@@ -40,8 +40,10 @@ from ._checkpoints import resumed
 from ._known import known_refused
 from ._retries import before_retry, leg_limit
 from ._store_steps import admitted, leg_down, next_step, record, send, settle
+from ._store_steps import report as report_call
 from ._store_steps import report_end as settled
 from ._verdicts import exhausted, gone, timed_out
+from ._windows import LIMIT_KINDS, Limits
 
 if TYPE_CHECKING:
     from .._route_spec import GuardedRoute, Leg
@@ -89,6 +91,9 @@ async def walk(
     probe: float | None = None
     last: GuardTripped | None = None
     spent = False  # the request's attempt budget ran out before a leg
+    # Context windows and content filters (`_windows`): made now only when a leg declares a
+    # window, else at a call that hits such a limit.
+    limits = Limits(state, inputs) if route.windowed else None
     try:
         on_mark = _start_watch if state._request is not None else None
         with Deadline(route.timeout_s, on_mark, state) as scope:
@@ -98,6 +103,8 @@ async def walk(
                 legs, report = route.legs, None
                 count = len(legs)
                 while True:
+                    if limits is not None and start < count:
+                        start = limits.skip(start)  # the legs this request cannot be sent to
                     # One store operation: the last call's report, then the next admission.
                     if start < count and state.attempts >= state.attempt_budget:
                         spent, start = True, count  # no further call: report only
@@ -137,6 +144,14 @@ async def walk(
                         break
                     index, probe, record_success = let_in
                     leg = legs[index]
+                    if limits is not None and index > start and limits.unfit(leg) is not None:
+                        # The store admitted a leg past `start` (those before it resting) that
+                        # this request cannot be sent to: the next step frees its probe slot,
+                        # and the walk goes on after it (the loop's first check skips it).
+                        start, report = index, None
+                        if probe is not None:
+                            report = report_call(state, leg, Outcome.released, probe, settle=False)
+                        continue
                     inflight = leg
                     state._leg = leg
                     call: Call[Any]
@@ -179,6 +194,11 @@ async def walk(
                             inflight = None
                             report, last = await leg_down(state, leg, failure, probe)
                             start = index + 1
+                            if (kind := failure.verdict.kind) in LIMIT_KINDS:
+                                if limits is None:
+                                    limits = Limits(state, inputs)
+                                if not limits.failed(leg, kind):
+                                    start = count  # the walk ends here
                             continue
                     except BaseException as stopped:  # cancelled: it may still be billed
                         on_attempt(state, stopped, started)
@@ -242,6 +262,8 @@ async def walk(
         raise
     if state._hold is not None:
         await settle(state)
+    if limits is not None and (limited := limits.verdict(last)) is not None:
+        raise limited
     raise exhausted(state, last, spent, state._shared.attribution == "detailed")
 
 

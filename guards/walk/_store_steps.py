@@ -23,7 +23,7 @@ from ..stores import Charge, Passage, Report, Step, StoreUnavailable
 from ._accounting import worst
 from ._events import BreakerMoved, CooldownStarted, StoreFailed
 from ._known import forget, remember, skip
-from ._verdicts import COOLDOWN_KINDS, failed
+from ._verdicts import COOLDOWN_KINDS, LIMIT_REASONS, failed
 
 if TYPE_CHECKING:
     from .._call import CallFailed
@@ -157,9 +157,10 @@ async def leg_down(
     shared = state._shared
     tripped = gave_up(state, leg, call)
     await shared.credential_warnings.failed(shared.store, leg.ref.key, call.error)
-    # JSON mode not met: the model answered, just not in shape.
-    json_mode = getattr(call.error, "json_mode_failed", False)
-    outcome = Outcome.success if json_mode else Outcome.failure
+    # JSON mode not met: the model answered, just not in shape. A context window or a content
+    # filter: it answered, to this request (the request's limit, not the model's health).
+    answered = getattr(call.error, "json_mode_failed", False) or call.verdict.kind in LIMIT_REASONS
+    outcome = Outcome.success if answered else Outcome.failure
     if getattr(call.error, "queued", False):  # its first-output limit passed in our own queue
         outcome = Outcome.released
     cool_s, until = 0.0, None

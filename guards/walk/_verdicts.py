@@ -14,10 +14,16 @@ if TYPE_CHECKING:
     from .._route_spec import Leg
     from ._state import RequestState
 
-__all__ = ["COOLDOWN_KINDS", "exhausted", "failed", "gone", "timed_out"]
+__all__ = ["COOLDOWN_KINDS", "LIMIT_REASONS", "exhausted", "failed", "gone", "timed_out"]
 
 #: The failures after which a model cools down (the provider asked for a pause).
 COOLDOWN_KINDS = frozenset({Kind.model_rate_limited, Kind.model_quota_exhausted})
+#: The failures that are the request's limits, not the model's (see `_windows`), each with the
+#: reason it trips: a content filter is moderation, whoever moderated.
+LIMIT_REASONS = {
+    Kind.context_length_exceeded: Reason.context_length_exceeded,
+    Kind.moderation_blocked: Reason.moderation_blocked,
+}
 
 
 def timed_out(state: RequestState, leg: Leg, never_sent: bool = False) -> GuardTripped:
@@ -63,7 +69,7 @@ def failed(state: RequestState, leg: Leg, call: CallFailed, cooldown: Cooldown) 
         # else the default), or the provider's own wait when longer (see public_error).
         wait = max(wait or 0.0, cooldown.seconds(error))
     return GuardTripped(
-        Reason.provider_error,
+        LIMIT_REASONS.get(call.verdict.kind, Reason.provider_error),
         f"{call.verdict.kind.value} after {call.attempts} attempt(s): {what}",
         kind=call.verdict.kind,
         attempts=state.attempts,

@@ -2,14 +2,18 @@
 
 Expected values are written from the contract, row by row:
 
-    code 5004 5005 5007 5016 5018 5035 3042, or status 400 403 404 405 413 -> model_incompatible
+    code 2016 2017, or a content-filter flag                                -> moderation_blocked
+    code 3006, or a context-length flag                                     -> context_length_exceeded
+    code 5004 5005 5007 5016 5018 5035 3042, or status 400 403 404 405      -> model_incompatible
+    status 413                                                              -> context_length_exceeded
     code 3036                                                               -> model_quota_exhausted
     code 3040 or 3007, status 408, any status >= 500, transport failure     -> model_temporarily_unavailable
     status 429                                                              -> model_rate_limited
     anything else                                                           -> model_unavailable
 
-Codes decide first, then the HTTP status. Public statuses (contract 2): 502 for
-model_incompatible, 503 for every other provider kind; cancellation has none.
+Flags and codes decide first, then the HTTP status. Public statuses (contract 2): 502 for
+model_incompatible and moderation_blocked, 400 for context_length_exceeded (the client must
+shorten the input), 503 for every other provider kind; cancellation has none.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ TRANSIENT = (Kind.model_temporarily_unavailable, 503, True)
 RATE_LIMITED = (Kind.model_rate_limited, 503, False)
 UNAVAILABLE = (Kind.model_unavailable, 503, False)
 CANCELLED = (Kind.cancelled, None, False)
+CONTEXT = (Kind.context_length_exceeded, 400, False)
+MODERATION = (Kind.moderation_blocked, 502, False)
 
 
 def wai(code: int | None, status: int | None) -> ProviderError:
@@ -35,7 +41,7 @@ def wai(code: int | None, status: int | None) -> ProviderError:
 # Every code of the PROTOCOLS.md table, with its documented HTTP status.
 DOCUMENTED_CODES = [
     pytest.param(wai(3003, 400), INCOMPATIBLE, id="3003/400-incomplete-request-by-status"),
-    pytest.param(wai(3006, 413), INCOMPATIBLE, id="3006/413-too-large-by-status"),
+    pytest.param(wai(3006, 413), CONTEXT, id="3006/413-too-large"),
     pytest.param(wai(3007, 408), TRANSIENT, id="3007/408-timeout"),
     pytest.param(wai(3008, 408), TRANSIENT, id="3008/408-aborted-by-status"),
     pytest.param(wai(3023, 403), INCOMPATIBLE, id="3023/403-account-blocked-by-status"),
@@ -78,7 +84,7 @@ BARE_STATUSES = [
     pytest.param(wai(None, 403), INCOMPATIBLE, id="403"),
     pytest.param(wai(None, 404), INCOMPATIBLE, id="404"),
     pytest.param(wai(None, 405), INCOMPATIBLE, id="405"),
-    pytest.param(wai(None, 413), INCOMPATIBLE, id="413"),
+    pytest.param(wai(None, 413), CONTEXT, id="413-request-too-large"),
     pytest.param(wai(None, 429), RATE_LIMITED, id="429"),
     pytest.param(wai(None, 500), TRANSIENT, id="500"),
     pytest.param(wai(None, 502), TRANSIENT, id="502"),
@@ -92,6 +98,38 @@ BARE_STATUSES = [
     pytest.param(wai(None, 200), UNAVAILABLE, id="200-success-false-without-code"),
 ]
 
+# The request's limits: a context window, a content filter (flagged by the adapters from string
+# codes and messages, or AI Gateway's numeric guardrail codes); flags before codes.
+LIMITS = [
+    pytest.param(wai(3006, 400), CONTEXT, id="3006/400-code-before-incompatible-status"),
+    pytest.param(wai(3006, 200), CONTEXT, id="3006/200-still-too-large"),
+    pytest.param(
+        ProviderError("openai", status=400, context_exceeded=True), CONTEXT, id="400-flagged-context-length"
+    ),
+    pytest.param(
+        ProviderError("workers-ai", code=5006, status=400, context_exceeded=True),
+        CONTEXT,
+        id="5006/400-flagged-context-length-flag-before-code",
+    ),
+    pytest.param(wai(2016, 400), MODERATION, id="2016-gateway-guardrail-prompt-blocked"),
+    pytest.param(wai(2017, 200), MODERATION, id="2017-gateway-guardrail-response-blocked"),
+    pytest.param(
+        ProviderError("openai", status=400, content_filtered=True),
+        MODERATION,
+        id="400-flagged-content-filter",
+    ),
+    pytest.param(
+        ProviderError("openai", status=400, content_filtered=True, context_exceeded=True),
+        MODERATION,
+        id="content-filter-before-context-length",
+    ),
+    pytest.param(
+        ProviderError("openai", status=413, encoding_refused=True, context_exceeded=True),
+        UNAVAILABLE,
+        id="413-encoding-refused-unread",
+    ),
+]
+
 NOT_PROVIDER_ERRORS = [
     pytest.param(ProviderError("workers-ai", note="ConnectError"), TRANSIENT, id="transport-no-status"),
     pytest.param(wai(7003, None), TRANSIENT, id="unlisted-code-no-status-is-transport"),
@@ -102,7 +140,7 @@ NOT_PROVIDER_ERRORS = [
 
 @pytest.mark.parametrize(
     ("failure", "expected"),
-    [*DOCUMENTED_CODES, *CODES_WIN_OVER_STATUS, *BARE_STATUSES, *NOT_PROVIDER_ERRORS],
+    [*DOCUMENTED_CODES, *CODES_WIN_OVER_STATUS, *BARE_STATUSES, *LIMITS, *NOT_PROVIDER_ERRORS],
 )
 def test_classify(failure: BaseException, expected: tuple[Kind, int | None, bool]) -> None:
     kind, status, retryable = expected
@@ -111,7 +149,7 @@ def test_classify(failure: BaseException, expected: tuple[Kind, int | None, bool
 
 def test_only_transient_failures_are_retryable() -> None:
     """Contract 2: `retryable` is true only for transient failures."""
-    rows = [*DOCUMENTED_CODES, *CODES_WIN_OVER_STATUS, *BARE_STATUSES, *NOT_PROVIDER_ERRORS]
+    rows = [*DOCUMENTED_CODES, *CODES_WIN_OVER_STATUS, *BARE_STATUSES, *LIMITS, *NOT_PROVIDER_ERRORS]
     for row in rows:
         failure = row.values[0]
         assert isinstance(failure, BaseException)
