@@ -53,6 +53,7 @@ if typing.TYPE_CHECKING:
     )
     from ._tasks import Task
     from ._throttle import Throttled
+    from ._tools import ToolCall
     from ._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
     from ._vocabulary import Attribution, ErrorCode, GuardName, Kind, Level, Reason
     from .status import StatusReport, bearer_token
@@ -119,6 +120,7 @@ __all__ = [
     "TextDelta",
     "Tier",
     "Throttled",
+    "ToolCall",
     "ToolCallDelta",
     "Usage",
     "bearer_token",
@@ -196,6 +198,7 @@ _PUBLIC = {
     "is_output": "._stream",
     "Task": "._tasks",
     "Throttled": "._throttle",
+    "ToolCall": "._tools",
     "UIChatRequest": "._ui_stream",
     "UIMessage": "._ui_stream",
     "UIPart": "._ui_stream",

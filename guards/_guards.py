@@ -44,6 +44,7 @@ from .stores import MemoryStore, Store
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
+    from pydantic import BaseModel
 
     from ._effort import Effort
     from ._shared import Shared
@@ -243,6 +244,8 @@ class Guards:
         effort: Effort | None = None,
         shed_at: Literal["degraded", "minimal"] | None = None,
         task: Task | None = None,
+        on_rejected: Literal["fallback", "next_model", "reask"] = "fallback",
+        tools: Mapping[str, type[BaseModel]] | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -288,6 +291,18 @@ class Guards:
           multi-step tasks: `ai.step(name, ...)` saves each step's result, a retry resumes
           after the steps that completed, and a completed task replays its answer (see
           `AI.step` and `Task`). Not for streaming routes.
+        - `on_rejected`: what an answer the output guard rejects (schema, empty, moderation, a
+          tool call that does not validate) does: `"fallback"` (default) ends the request (the
+          fallback, or 502 `incompatible_model_response`); `"next_model"` moves on to the next
+          model of the chain; `"reask"` asks the same model once more, the problems (field
+          paths and problem tokens, never the rejected text) appended as a user turn, then
+          moves on. Within the attempt budget and the deadline; not for streaming routes.
+        - `tools`: the route's tools, `{"name": ArgumentsModel}` (pydantic models): each tool
+          call of an answer is validated against its tool's model (an unknown tool, or
+          arguments that do not validate, reject the answer: `schema_invalid`), and handed to
+          the handler as `ai.tool_calls`; sent as the `tools` input unless a call sets it.
+          The route declares `AI[str]`: an answer with tool calls returns its text ("" when
+          none). Not for streaming routes.
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -314,6 +329,8 @@ class Guards:
                 effort=effort,
                 shed_at=shed_at,
                 task=task,
+                on_rejected=on_rejected,
+                tools=tools,
             )
             route = route_of(endpoint)
             assert route is not None

@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._ledger import Attempt, LogLedger
 from .._log import emit, emit_skip, emit_warning, logger
-from .._metrics import RETRY_BUDGET_EXHAUSTED, SKIPS, STORE_UNAVAILABLE, TASK_STEPS, counter
+from .._metrics import (
+    ATTEMPTS,
+    RETRY_BUDGET_EXHAUSTED,
+    SKIPS,
+    STORE_UNAVAILABLE,
+    TASK_STEPS,
+    counter,
+    stamped_counter,
+)
 from ._events import (
     AttemptEnded,
     BreakerMoved,
@@ -106,12 +114,16 @@ class Observers:
             _,
             _,
             _,
+            _,
         ) = event
         leg.seconds.observe(elapsed_s)
         if outcome == "ok":
             leg.attempts["ok"].count += 1  # `Tally.add`, in place: every request's path
-        else:
-            leg.attempts[outcome].add()  # a failure kind's tally also stamps its time
+        else:  # a failure kind's tally also stamps its time; `rejected`'s is bound at its first
+            tally = leg.attempts.get(outcome)
+            if tally is None:
+                tally = leg.attempts[outcome] = stamped_counter(ATTEMPTS, leg.ref.key, outcome)
+            tally.add()
         if usage is not None:
             leg.input_tokens.count += usage.prompt_tokens
             leg.output_tokens.count += usage.completion_tokens
@@ -207,9 +219,22 @@ class Observers:
 
 def _attempt(event: AttemptEnded) -> Attempt:
     """The ledger's record of an attempt."""
-    route, trace_id, leg, attempt, outcome, usage, served, elapsed_s, _, delivered, status, code, steps = (
-        event
-    )
+    (
+        route,
+        trace_id,
+        leg,
+        attempt,
+        outcome,
+        usage,
+        served,
+        elapsed_s,
+        _,
+        delivered,
+        status,
+        code,
+        steps,
+        problems,
+    ) = event
     return Attempt(
         trace_id=trace_id,
         route=route.name,
@@ -225,4 +250,5 @@ def _attempt(event: AttemptEnded) -> Attempt:
         status=status,
         code=code,
         resumed_steps=steps,
+        problems=problems or (),
     )
