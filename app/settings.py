@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     ai_fallback_models: str = ""
     ai_attribution: Literal["off", "redacted", "detailed"] = "detailed"
     ai_timeout_s: float = Field(default=8.0, gt=0)
+    #: What an answer the output guard rejects does on /draft-reply, /summary and /report:
+    #: `fallback` ends the request, `next_model` moves on along the chain, `reask` asks the
+    #: same model once more with the problems, then moves on.
+    ai_on_rejected: Literal["fallback", "next_model", "reask"] = "fallback"
     #: A stream with no complete event for this long fails as stalled (the adapters' idle limit).
     ai_stream_idle_timeout_s: float = Field(default=30.0, gt=0)
     #: A streamed answer ends with the `error` event this long after the request began...

@@ -91,7 +91,8 @@ class AI(RequestState, Generic[T]):
         (shared by every `run` and `stream` of the request). JSON mode is
         requested from the output type when it is not a string, and the route's `max_tokens`
         when the inputs do not set it. Raises `GuardTripped` when a guard refuses the call
-        or rejects its answer.
+        or rejects its answer (on a route with `on_rejected`, when no model's answer was
+        accepted: see `guards.walk._rejected`).
         """
         route = self._route
         if route.effort is not None:
