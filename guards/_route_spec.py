@@ -129,6 +129,8 @@ class Leg:
             attempts={
                 "ok": counter(ATTEMPTS, ref.key, "ok"),
                 **{k: stamped_counter(ATTEMPTS, ref.key, k) for k in Kind},
+                # An answer the output guard rejected, on a route that moves such answers on.
+                "rejected": stamped_counter(ATTEMPTS, ref.key, "rejected"),
             },
             last_state=[None],
             served=counter(SERVED, route, ref.key, "first" if first else "fallback"),

@@ -33,15 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._ledger import Attempt, LogLedger
 from .._log import emit, emit_skip, emit_warning, logger
-from .._metrics import (
-    ATTEMPTS,
-    RETRY_BUDGET_EXHAUSTED,
-    SKIPS,
-    STORE_UNAVAILABLE,
-    TASK_STEPS,
-    counter,
-    stamped_counter,
-)
+from .._metrics import RETRY_BUDGET_EXHAUSTED, SKIPS, STORE_UNAVAILABLE, TASK_STEPS, counter
 from ._events import (
     AttemptEnded,
     BreakerMoved,
@@ -119,11 +111,8 @@ class Observers:
         leg.seconds.observe(elapsed_s)
         if outcome == "ok":
             leg.attempts["ok"].count += 1  # `Tally.add`, in place: every request's path
-        else:  # a failure kind's tally also stamps its time; `rejected`'s is bound at its first
-            tally = leg.attempts.get(outcome)
-            if tally is None:
-                tally = leg.attempts[outcome] = stamped_counter(ATTEMPTS, leg.ref.key, outcome)
-            tally.add()
+        else:
+            leg.attempts[outcome].add()  # a failure kind's tally also stamps its time
         if usage is not None:
             leg.input_tokens.count += usage.prompt_tokens
             leg.output_tokens.count += usage.completion_tokens

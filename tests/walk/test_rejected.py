@@ -71,7 +71,9 @@ def build(
     """`build(on_rejected=..., messages=False, degrading=False, **route_options)`: `POST /label`
     calls PRIMARY (Workers AI) then SECOND (OpenAI), with a `prompt` (or `messages`)."""
 
-    def make(*, messages: bool = False, degrading: bool = False, **options: Any) -> httpx.Client:
+    def make(
+        *, messages: bool = False, degrading: bool = False, attribution: Any = "detailed", **options: Any
+    ) -> httpx.Client:
         guards = Guards(
             WorkersAI(
                 account_id=fake_workers_ai.account_id,
@@ -83,6 +85,7 @@ def build(
             },
             sleep=no_sleep,
             ledger=ledger,
+            attribution=attribution,
         )
         app = FastAPI()
         guards.install(app)
@@ -135,6 +138,22 @@ def test_next_model_answers_a_schema_failing_first_model_from_the_second(
     assert line["outcome"] == "ok"
     assert line["attempts"] == 2
     assert line["rejected"] == [{"model": PRIMARY, "problems": ["answer.label: string_type"]}]
+
+
+@pytest.mark.parametrize(("attribution", "header"), [("redacted", "2"), ("off", None)])
+def test_x_ai_rejected_follows_the_attribution_mode(
+    build: Build,
+    fake_workers_ai: FakeWorkersAI,
+    fake_openai: FakeOpenAI,
+    attribution: str,
+    header: str | None,
+) -> None:
+    fake_workers_ai.script(PRIMARY, BAD, BAD)
+    fake_openai.script(BACKUP, GOOD)
+    response = ask(build(on_rejected="reask", attribution=attribution))
+    assert response.json() == {"label": "shipping"}
+    assert response.headers.get("x-ai-rejected") == header
+    assert PRIMARY not in str(response.headers)
 
 
 @pytest.mark.parametrize("on_rejected", [None, "fallback"])
@@ -407,13 +426,20 @@ def test_a_tool_call_that_does_not_validate_is_a_rejected_answer(
     assert CANARY not in "\n".join(guards_log.lines)
 
 
+@pytest.mark.parametrize("wire", ["workers-ai", "openai"])
 def test_without_on_rejected_a_bad_tool_call_ends_the_request(
-    build_tools: Build, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+    build_tools: Build, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, wire: str
 ) -> None:
-    fake_workers_ai.script(PRIMARY, tool_call({"town": "Paris"}))
+    if wire == "workers-ai":
+        fake_workers_ai.script(PRIMARY, tool_call({"town": "Paris"}))
+    else:  # the first model down: the second's arguments (JSON text) name no city
+        fake_workers_ai.script(PRIMARY, Fail(code=5035, status=403))
+        fake_openai.script(BACKUP, tool_call('{"town": "Paris"}'))
     response = weather(build_tools())
     assert_error(response, 502, "incompatible_model_response", False)
-    assert (len(fake_workers_ai.calls), len(fake_openai.calls)) == (1, 0)
+    assert (len(fake_workers_ai.calls), len(fake_openai.calls)) == (
+        (1, 0) if wire == "workers-ai" else (1, 1)
+    )
 
 
 def test_a_tool_route_still_answers_text(build_tools: Build, fake_workers_ai: FakeWorkersAI) -> None:
