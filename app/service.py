@@ -318,6 +318,7 @@ def create_app(
         first_output_s=settings.ai_first_output_s,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
+        on_rejected=settings.ai_on_rejected,
     )
     async def draft_reply(body: DraftRequest, ai: AI[ReplyText]) -> DraftReply:
         """Draft a reply to a customer message. Strict: fails with a public error."""
@@ -394,6 +395,7 @@ def create_app(
         # The last good summary of the same text, while fresh; then the keyword label.
         fallback=LastGood(key=summary_key, max_age_s=settings.last_good_max_age_s, otherwise=keyword_summary),
         moderation=mentions_personal_data,
+        on_rejected=settings.ai_on_rejected,
     )
     async def summary(body: SummaryRequest, ai: AI[Summary], x_user_id: UserId = None) -> Summary:
         """Label a customer message. Degrading: always the envelope; on failure the last good
@@ -412,6 +414,7 @@ def create_app(
         content_filter_fallback=content_filter_fallback,
         budget=budget,
         task=Task(),
+        on_rejected=settings.ai_on_rejected,
     )
     async def report(body: ReportRequest, ai: AI[ReplyText], x_user_id: UserId = None) -> Report:
         """Summarize, label and answer a customer message in three model calls. Strict. With

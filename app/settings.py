@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     #: How long each model of the chains gets to start answering (its first streamed word, or
     #: a whole answer's first byte) before the next model is tried; unset: the deadline alone.
     ai_first_output_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    #: What an answer the output guard rejects does on /draft-reply, /summary and /report:
+    #: `fallback` ends the request, `next_model` moves on along the chain, `reask` asks the
+    #: same model once more with the problems, then moves on.
+    ai_on_rejected: Literal["fallback", "next_model", "reask"] = "fallback"
     #: A stream with no complete event for this long fails as stalled (the adapters' idle limit).
     ai_stream_idle_timeout_s: float = Field(default=30.0, gt=0)
     #: A streamed answer ends with the `error` event this long after the request began...

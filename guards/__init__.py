@@ -55,6 +55,7 @@ if typing.TYPE_CHECKING:
     from ._tasks import Task
     from ._throttle import Throttled
     from ._tokens import estimate_tokens
+    from ._tools import ToolCall
     from ._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
     from ._vocabulary import Attribution, ErrorCode, GuardName, Kind, Level, Reason
     from .status import StatusReport, bearer_token
@@ -122,6 +123,7 @@ __all__ = [
     "TextDelta",
     "Tier",
     "Throttled",
+    "ToolCall",
     "ToolCallDelta",
     "Usage",
     "bearer_token",
@@ -204,6 +206,7 @@ _PUBLIC = {
     "Task": "._tasks",
     "Throttled": "._throttle",
     "estimate_tokens": "._tokens",
+    "ToolCall": "._tools",
     "UIChatRequest": "._ui_stream",
     "UIMessage": "._ui_stream",
     "UIPart": "._ui_stream",

@@ -216,7 +216,7 @@ class GuardedEndpoint:
                         None,
                         None,
                         (resumed(request) or None) if route.task is not None else None,
-                        None,
+                        None if route.answers is None else route.answers.logged(ai),
                         ai._held,
                     )
                 )
@@ -307,10 +307,15 @@ def _attribution(headers: list[tuple[bytes, bytes]], ai: AI[Any], mode: str) -> 
     """Add which model answered to response `headers`: `x-ai-model` (the model the provider
     says served) and `x-ai-fallback` (the chain entry that served, when not the first) in
     `detailed` mode; only `x-ai-fallback: true` in `redacted` mode; nothing when `off`, or
-    when no model answered. A model whose answer the output guard rejected answered too."""
+    when no model answered. A model whose answer the output guard rejected answered too. On a
+    route that moves rejected answers on, `x-ai-rejected` names the chain entries whose answers
+    were rejected, one per answer, in order (`detailed`), or says how many were (`redacted`)."""
     model = ai.model
     if mode == "off" or model is None:
         return
+    answers = ai._route.answers
+    if answers is not None and (rejected := answers.rejected_header(ai, mode)) is not None:
+        headers.append((b"x-ai-rejected", _header_value(rejected)))
     if mode == "redacted":
         if ai.fallback_model is not None:
             headers.append((b"x-ai-fallback", b"true"))

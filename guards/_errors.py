@@ -108,7 +108,10 @@ class GuardTripped(GuardsError):
 
     Attributes: `reason` (closed set), `guard` (derived from it), `kind` (the classifier's kind
     for call failures), `detail` (safe free text), `attempts` (provider calls made),
-    `retry_after_s` (when the wait is known), `model` (the model concerned, if any).
+    `retry_after_s` (when the wait is known), `model` (the model concerned, if any),
+    `problems` (an answer the output guard rejected: what was wrong with it, as field paths and
+    problem tokens such as `answer.score: missing` or `tool[get_weather].city: missing`, at
+    most 10; never the answer's text; empty for every other verdict).
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class GuardTripped(GuardsError):
         attempts: int = 0,
         retry_after_s: float | None = None,
         model: str | None = None,
+        problems: tuple[str, ...] = (),
     ) -> None:
         self.reason = reason
         self.detail = detail
@@ -127,6 +131,7 @@ class GuardTripped(GuardsError):
         self.attempts = attempts
         self.retry_after_s = retry_after_s
         self.model = model
+        self.problems = problems
         super().__init__(detail)
 
     def __str__(self) -> str:

@@ -44,6 +44,7 @@ from .stores import MemoryStore, Store
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
+    from pydantic import BaseModel
 
     from ._effort import Effort
     from ._shared import Shared
@@ -252,6 +253,8 @@ class Guards:
         first_output_s: float | None = None,
         stream_idle_s: float | None = None,
         content_filter_fallback: bool = False,
+        on_rejected: Literal["fallback", "next_model", "reask"] = "fallback",
+        tools: Mapping[str, type[BaseModel]] | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -307,6 +310,18 @@ class Guards:
         - `content_filter_fallback`: when a provider's content filter refuses a call
           (`moderation_blocked`, never retried), move on to the chain's next model of another
           provider (default False: the request ends with `moderation_blocked`).
+        - `on_rejected`: what an answer the output guard rejects (schema, empty, moderation, a
+          tool call that does not validate) does: `"fallback"` (default) ends the request (the
+          fallback, or 502 `incompatible_model_response`); `"next_model"` moves on to the next
+          model of the chain; `"reask"` asks the same model once more, the problems (field
+          paths and problem tokens, never the rejected text) appended as a user turn, then
+          moves on. Within the attempt budget and the deadline; not for streaming routes.
+        - `tools`: the route's tools, `{"name": ArgumentsModel}` (pydantic models): each tool
+          call of an answer is validated against its tool's model (an unknown tool, or
+          arguments that do not validate, reject the answer: `schema_invalid`), and handed to
+          the handler as `ai.tool_calls`; sent as the `tools` input unless a call sets it.
+          The route declares `AI[str]`: an answer with tool calls returns its text ("" when
+          none). Not for streaming routes.
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -336,6 +351,8 @@ class Guards:
                 first_output_s=first_output_s,
                 stream_idle_s=stream_idle_s,
                 content_filter_fallback=content_filter_fallback,
+                on_rejected=on_rejected,
+                tools=tools,
             )
             route = route_of(endpoint)
             assert route is not None

@@ -34,7 +34,10 @@ class Attempt:
     the provider's HTTP `status` and numeric error `code` when it sent them (never its message):
     a 401 reads as a credential problem, not an outage.
     `resumed_steps` names the steps its request had loaded from its task's checkpoints
-    (`AI.step`) instead of calling, when the call was made.
+    (`AI.step`) instead of calling, when the call was made. An answer the output guard
+    rejected, on a route that moves rejected answers on (`route(on_rejected=...)`), has
+    `outcome` `"rejected"` and its `problems` (field paths and problem tokens, such as
+    `answer.score: missing`; never the answer's text).
     """
 
     trace_id: str
@@ -51,6 +54,7 @@ class Attempt:
     code: int | None = None
     entry: str | None = None
     resumed_steps: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -82,4 +86,5 @@ class LogLedger:
             status=attempt.status,
             code=attempt.code,
             resumed_steps=list(attempt.resumed_steps) if attempt.resumed_steps else None,
+            problems=list(attempt.problems) if attempt.problems else None,
         )

@@ -56,6 +56,24 @@ _ATTRIBUTION = {
         },
     },
 }
+#: `x-ai-rejected`, per attribution mode, on a route whose rejected answers move on.
+_REJECTED = {
+    "detailed": {
+        "x-ai-rejected": {
+            "description": (
+                "The chain entries whose answers the output guard rejected, comma-separated, one "
+                "per answer, in order (`route(on_rejected=...)`)."
+            ),
+            "schema": {"type": "string"},
+        },
+    },
+    "redacted": {
+        "x-ai-rejected": {
+            "description": "How many answers the output guard rejected (`route(on_rejected=...)`).",
+            "schema": {"type": "string", "pattern": "^[0-9]+$"},
+        },
+    },
+}
 _STREAM_DESCRIPTION = (
     "Server-Sent Events: `delta` {text}, `reasoning` {text}, `tool_call` {index, id, name, "
     "arguments}, then exactly one of `done` {finish_reason, usage, model, fallback_model, "
@@ -240,9 +258,14 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
             if attribution != "off":
                 # Whenever a model answered: its answer served, was rejected by the output
                 # guard (a fallback, 502), or the route's own code failed after it (500).
-                for answered in ("200", "500", "502"):
+                moves_on = route.answers is not None and route.answers.on_rejected != "fallback"
+                # A rejected answer that moved on may end in any failure of the next model.
+                for answered in ("200", "500", "502", "503") if moves_on else ("200", "500", "502"):
                     if answered in responses:
-                        responses[answered].setdefault("headers", {}).update(_ATTRIBUTION[attribution])
+                        headers = responses[answered].setdefault("headers", {})
+                        headers.update(_ATTRIBUTION[attribution])
+                        if moves_on:
+                            headers.update(_REJECTED[attribution])
             for response in responses.values():
                 headers = response.setdefault("headers", {})
                 headers["x-trace-id"] = _TRACE_HEADER

@@ -20,12 +20,17 @@ from ._binding import AIResult
 from ._errors import GuardTripped
 from ._vocabulary import Reason
 
-__all__ = ["Moderation", "OutputGuard", "output_guard"]
+__all__ = ["MAX_PROBLEMS", "Moderation", "OutputGuard", "output_guard", "problems_of"]
 
 #: A moderation hook: receives the validated output, returns True to block it.
 Moderation = Callable[[Any], bool | Awaitable[bool]]
 #: The most validation errors a `schema_invalid` detail names (by location and type).
 _LISTED_ERRORS = 20
+#: The most problems a rejected answer carries (`GuardTripped.problems`), and the longest one.
+MAX_PROBLEMS = 10
+_MAX_PROBLEM_CHARS = 100
+_BLOCKED = ("answer: moderation_blocked",)
+_EMPTY = ("answer: empty_response",)
 
 
 class OutputGuard:
@@ -67,16 +72,22 @@ class OutputGuard:
             if inspect.isawaitable(flagged):
                 flagged = await flagged
             if flagged:
-                raise GuardTripped(Reason.moderation_blocked, "the moderation hook blocked the completion")
+                raise GuardTripped(
+                    Reason.moderation_blocked, "the moderation hook blocked the completion", problems=_BLOCKED
+                )
         return value
 
     def check_shape(self, result: AIResult) -> Any:
         """Everything `check` does but the moderation hook (synchronous)."""
         answer = result.response
         if result.moderated:  # even when the filter left nothing: the cause is the filter
-            raise GuardTripped(Reason.moderation_blocked, "the provider flagged the completion")
+            raise GuardTripped(
+                Reason.moderation_blocked, "the provider flagged the completion", problems=_BLOCKED
+            )
         if answer is None or (isinstance(answer, str) and not answer.strip()):
-            raise GuardTripped(Reason.empty_response, "the model returned an empty completion")
+            raise GuardTripped(
+                Reason.empty_response, "the model returned an empty completion", problems=_EMPTY
+            )
         validator = self._validator
         if validator is None:
             return answer
@@ -94,7 +105,19 @@ class OutputGuard:
             else:
                 errors = exc.errors(include_url=False, include_context=False, include_input=False)
                 where = ", ".join(sorted({_loc(e["loc"]) + e["type"] for e in errors}))[:200]
-            raise GuardTripped(Reason.schema_invalid, f"answer does not match the schema ({where})") from None
+            raise GuardTripped(
+                Reason.schema_invalid,
+                f"answer does not match the schema ({where})",
+                problems=problems_of(exc, "answer"),
+            ) from None
+
+    def validate(self, value: Any) -> Any:
+        """`value` (JSON text, or an object) validated against the type, as an answer is
+        (raises `pydantic.ValidationError`): what a tool call's arguments go through."""
+        assert self._validator is not None, "a guard of a type, not Any"
+        if isinstance(value, str):
+            return self._validator.validate_json(unfenced(value))
+        return self._validator.validate_python(value)
 
 
 _ANY: TypeAdapter[Any] = TypeAdapter(Any)
@@ -177,6 +200,23 @@ def unfenced(answer: str) -> str:
     if not newline or (tag and not (tag.isascii() and tag.isalpha())):
         return answer
     return inside
+
+
+def problems_of(exc: ValidationError, path: str) -> tuple[str, ...]:
+    """What `exc` found wrong, as problems under `path`: `answer.score: missing`, `answer:
+    json_invalid` (field paths and pydantic's error types, never the input's values), at most
+    `MAX_PROBLEMS`, each at most 100 characters (past `_LISTED_ERRORS` errors, only
+    `<path>: too_many_errors`: listing them all would cost what failing fast saved)."""
+    if exc.error_count() > _LISTED_ERRORS:
+        return (f"{path}: too_many_errors",)
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    found: dict[str, None] = {}
+    for error in errors:
+        where = ".".join((path, *map(str, error["loc"])))
+        found[f"{where}: {error['type']}"[:_MAX_PROBLEM_CHARS]] = None
+        if len(found) == MAX_PROBLEMS:
+            break
+    return tuple(found)
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:

@@ -18,7 +18,7 @@ import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -78,6 +78,8 @@ def guard_route(
     first_output_s: float | None = None,
     stream_idle_s: float | None = None,
     content_filter_fallback: bool = False,
+    on_rejected: str = "fallback",
+    tools: Mapping[str, type[BaseModel]] | None = None,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
@@ -201,6 +203,15 @@ def guard_route(
             raise ConfigurationError(
                 f"streaming route {handler.__qualname__} cannot run as a task: a stream is not replayed"
             )
+    if on_rejected not in ("fallback", "next_model", "reask"):
+        raise ConfigurationError(
+            f'{handler.__qualname__}: on_rejected must be "fallback", "next_model" or "reask", not {on_rejected!r}'
+        )
+    if streaming and (on_rejected != "fallback" or tools is not None):
+        raise ConfigurationError(
+            f"streaming route {handler.__qualname__} cannot declare on_rejected or tools: a stream's "
+            "output (its tool calls included) reaches the client as it comes, before any check"
+        )
     data_adapter: TypeAdapter[Any] = TypeAdapter(Any if streaming else data_type)
     last_good = None
     if isinstance(fallback, LastGood):
@@ -216,6 +227,18 @@ def guard_route(
                 f"the fallback of {handler.__qualname__} does not validate against its return type: {exc}"
             ) from None
     output = OutputGuard(output_type, moderation)
+    answers = None
+    if on_rejected != "fallback" or tools is not None:
+        # Only for a route that uses them (at start-up, once).
+        from ._tools import Tools
+        from .walk._rejected import Answers
+
+        if tools is not None and output.response_format is not None:
+            raise ConfigurationError(
+                f"{handler.__qualname__} declares tools: its answer is text or tool calls, so declare "
+                f"`{ai_name}: AI[str]` (a JSON-mode output cannot be both)"
+            )
+        answers = Answers(on_rejected, Tools(tools, handler.__qualname__) if tools is not None else None)
     route = GuardedRoute(
         name=route_name,
         model=legs[0].ref.key,
@@ -248,6 +271,7 @@ def guard_route(
         task=task,
         windowed=any(leg.window is not None for leg in legs),
         content_filter_fallback=content_filter_fallback,
+        answers=answers,
     )
     if effort is not None:
         # Effort routing's module, only for a route that uses it (at start-up, once).

@@ -48,7 +48,16 @@ if typing.TYPE_CHECKING:
     from ._tasks import Task
     from ._vocabulary import Level
 
-__all__ = ["NO_FALLBACK", "EffortChoice", "GuardedRoute", "KnownRefusal", "Leg", "SuccessAges", "route_of"]
+__all__ = [
+    "NO_FALLBACK",
+    "AnswerPolicy",
+    "EffortChoice",
+    "GuardedRoute",
+    "KnownRefusal",
+    "Leg",
+    "SuccessAges",
+    "route_of",
+]
 
 #: A route declared without `fallback=`: a strict route.
 NO_FALLBACK: Any = object()
@@ -127,6 +136,8 @@ class Leg:
             attempts={
                 "ok": counter(ATTEMPTS, ref.key, "ok"),
                 **{k: stamped_counter(ATTEMPTS, ref.key, k) for k in Kind},
+                # An answer the output guard rejected, on a route that moves such answers on.
+                "rejected": stamped_counter(ATTEMPTS, ref.key, "rejected"),
             },
             last_state=[None],
             served=counter(SERVED, route, ref.key, "first" if first else "fallback"),
@@ -201,6 +212,29 @@ class EffortChoice(Protocol):
         ...
 
 
+class AnswerPolicy(Protocol):
+    """What a route does with the answers its output guard rejects, and its tools' calls
+    (`guards.walk._rejected.Answers`, attached at start-up to a route that declares
+    `on_rejected` other than "fallback", or tools). `state` is the request's `RequestState`."""
+
+    @property
+    def on_rejected(self) -> str:
+        """`fallback`, `next_model` or `reask`."""
+        ...
+
+    async def run(self, state: Any, inputs: Mapping[str, Any], output: OutputGuard) -> Any:
+        """`AI.run` (and `AI.step`) on the route: the walk and its answer's check."""
+        ...
+
+    def logged(self, state: Any) -> dict[str, Any] | None:
+        """The request line's fields about rejected answers (None: none was)."""
+        ...
+
+    def rejected_header(self, state: Any, mode: str) -> str | None:
+        """`x-ai-rejected` in attribution `mode` (None: no header)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class GuardedRoute:
     """What a guarded route declared. Attached to the endpoint as `__guards_route__`."""
@@ -253,6 +287,9 @@ class GuardedRoute:
     windowed: bool = False
     #: A content filter's refusal moves on to the next model of another provider.
     content_filter_fallback: bool = False
+    #: What the route does with rejected answers and its tools' calls; None: a rejected answer
+    #: ends the request and tool calls pass as they came (`on_rejected="fallback"`, no tools).
+    answers: AnswerPolicy | None = None
 
     @property
     def degrading(self) -> bool:

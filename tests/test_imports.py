@@ -34,6 +34,8 @@ LAZY = {
     ("guards._guards", "guards.status"),
     ("guards._route", "guards._effort"),
     ("guards._route", "guards._task_endpoint"),
+    ("guards._route", "guards._tools"),
+    ("guards._route", "guards.walk._rejected"),
 }
 
 
@@ -229,7 +231,7 @@ PUBLIC = {
     "Problem", "Profile", "ProviderError", "PublicError", "Reason", "ReasoningDelta", "Retry",
     "RetryBudget", "ServiceLevel", "StatusReport", "StoreFailureMode", "StreamEnd", "StreamEvent",
     "StreamFormat", "StreamWriter", "StreamingBinding", "SystemClock", "Task", "TextDelta",
-    "Throttled", "Tier", "ToolCallDelta", "UIChatRequest", "UIMessage", "UIPart",
+    "Throttled", "Tier", "ToolCall", "ToolCallDelta", "UIChatRequest", "UIMessage", "UIPart",
     "UI_MESSAGE_STREAM", "Usage", "bearer_token", "classify", "client_key", "estimate_effort",
     "estimate_tokens", "first_output_arrived", "flatten_chain", "flush_logs", "header_key", "is_output", "override_effort", "public_error",
     "render_metrics",
@@ -357,6 +359,8 @@ NOT_IMPORTED = {
     "guards._throttle": "the throttle",
     "aiolimiter": "the throttle's limiter",
     "guards._ui_stream": "the AI SDK's UI message stream",
+    "guards._tools": "tool-call validation",
+    "guards.walk._rejected": "rejected answers moving on",
     "guards._openapi": "the OpenAPI additions (until the document is asked for)",
     "prometheus_client": "prometheus-client (until the first flush or scrape)",
     "guards.providers": "the HTTP providers",

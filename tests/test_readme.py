@@ -33,7 +33,7 @@ from fastapi import FastAPI
 from app.service import create_app
 from app.settings import Settings
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Hang, Reply, Stream, Text
-from guards import Envelope, StatusReport
+from guards import AI, Envelope, StatusReport
 
 from .app.test_ui_stream import check_ui_stream
 from .conftest import LogLines, Serve, asgi_client, no_sleep, wait_until, workers_ai_settings
@@ -132,6 +132,8 @@ CHECKED = {
     ("fallback-chains.md", "python", 0): "test_readme_chain_example_falls_back_as_documented",
     ("fallback-chains.md", "python", 1): "test_chat_route_example_moves_past_a_silent_model",
     ("fallback-chains.md", "python", 2): "test_limits_example_skips_and_moves_on_as_documented",
+    ("guards/output.md", "python", 0): "test_output_example_moves_rejected_answers_on",
+    ("guards/output.md", "text", 0): "test_output_reask_sample_is_the_turn_sent",
     ("streaming.md", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
     ("streaming.md", "python", 1): "test_use_chat_example_answers_the_ui_message_stream",
     ("streaming.md", "sh", 0): "test_streaming_curl_streams",
@@ -685,6 +687,60 @@ def test_limits_example_skips_and_moves_on_as_documented() -> None:
     assert [call.model for call in main.calls] == ["@cf/meta/llama-3.1-8b-instruct-fp8"] * 2
     assert [call.model for call in openai.calls] == ["gpt-4o-mini"] * 2
     assert main.calls[0].inputs["max_tokens"] == 500
+
+
+def test_output_example_moves_rejected_answers_on() -> None:
+    example = page_example("guards/output.md")
+    guards = example["guards"]
+    fake = guards.binding = FakeBinding()
+    big, small = "@cf/meta/llama-3.3-70b-instruct-fp8-fast", "@cf/meta/llama-3.1-8b-instruct"
+    fake.script(big, Reply({"label": "billing"}))  # no `urgent`: rejected
+    fake.script(small, Reply({"label": "billing", "urgent": False}))
+    lookup = "lookup_order"
+    fake.script(
+        big,
+        Reply(None, tool_calls=({"name": lookup, "arguments": {"order_id": "my parcel"}},)),
+        Reply(None, tool_calls=({"name": lookup, "arguments": {"order_id": 42}},)),
+    )
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            return [
+                await client.post("/triage", json={"message": "I was charged twice"}),
+                await client.post("/order-status", json={"message": "Where is my parcel?"}),
+            ]
+
+    triage, order = anyio.run(scenario)
+    assert triage.json() == {"label": "billing", "urgent": False}
+    assert (triage.headers["x-ai-rejected"], triage.headers["x-ai-fallback"]) == (big, small)
+    assert order.json() == {"reply": "", "orders": [42]}
+    assert [call.model for call in fake.calls] == [big, small, big, big]
+    assert fake.calls[2].inputs["tools"][0]["function"]["name"] == lookup
+    assert fake.calls[3].inputs["messages"][-1]["content"] == (
+        "Your previous answer was rejected: tool[lookup_order].order_id: int_parsing. "
+        "Answer again, and fix these problems."
+    )
+
+
+def test_output_reask_sample_is_the_turn_sent() -> None:
+    example = page_example("guards/output.md")
+    guards, triage_type = example["guards"], example["Triage"]
+    fake = guards.binding = FakeBinding()
+    fake.script("*", Reply({"urgent": "maybe"}), Reply({"label": "billing", "urgent": True}))
+
+    async def reask(ai: Any) -> Any:
+        return await ai.run({"prompt": "Triage this."})
+
+    # The page's `Triage` as the output type (this module's annotations are strings).
+    reask.__annotations__ = {"ai": AI[triage_type], "return": triage_type}
+    example["app"].post("/triage/reask")(guards.route(model="m", on_rejected="reask")(reask))
+
+    async def scenario() -> httpx.Response:
+        async with asgi_client(example["app"]) as client:
+            return await client.post("/triage/reask")
+
+    assert anyio.run(scenario).json() == {"label": "billing", "urgent": True}
+    assert fake.calls[1].inputs["prompt"] == "Triage this.\n\n" + block("guards/output.md", "text").strip()
 
 
 def test_readme_streaming_example_streams_through_the_chain() -> None:

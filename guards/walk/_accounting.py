@@ -72,9 +72,11 @@ def account(
     delivered: int | None = None,
     status: int | None = None,
     code: int | None = None,
+    problems: tuple[str, ...] | None = None,
 ) -> None:
     """Account for one call to `leg` ended as `kind`: its cost (the reported usage's; else,
-    under a spend cap, the worst case when the provider may have billed), then its record."""
+    under a spend cap, the worst case when the provider may have billed), then its record
+    (`problems`: a rejected answer's)."""
     route = state._route
     cost = None
     if leg.price is not None:
@@ -98,6 +100,7 @@ def account(
             status,
             code,
             resumed(state._request) if route.task is not None else (),
+            problems,
         ),
         state._held,
     )

@@ -22,7 +22,7 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Mapping
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import anyio
 
@@ -47,18 +47,38 @@ from ._windows import LIMIT_KINDS, Limits
 
 if TYPE_CHECKING:
     from .._route_spec import GuardedRoute, Leg
+    from ..stores import Report
     from ._state import RequestState
 
-__all__ = ["Call", "binding", "by_effort", "client_gone", "first_output_limited", "traced", "walk"]
+__all__ = ["Call", "Check", "binding", "by_effort", "client_gone", "first_output_limited", "traced", "walk"]
 
 R = TypeVar("R")
 #: One attempt on a leg: `call(model, inputs)`.
 Call = Callable[[str, Mapping[str, Any]], Awaitable[R]]
 
 
+class Check(Protocol):
+    """A check of each answer inside the walk (`_rejected.Check`): a rejected answer moves
+    the walk on instead of ending it."""
+
+    async def moved_on(
+        self,
+        state: RequestState,
+        leg: Leg,
+        index: int,
+        result: AIResult,
+        started: float,
+        probe: float | None,
+        record_success: bool,
+    ) -> tuple[Report | None, GuardTripped, int, Mapping[str, Any]] | None:
+        """None: the answer is accepted. Else it was accounted for and the model reported:
+        (the report of the call, the rejection, the leg to call next, its inputs)."""
+        ...
+
+
 @overload
 async def walk(
-    state: RequestState, inputs: Mapping[str, Any]
+    state: RequestState, inputs: Mapping[str, Any], call_for: None = None, check: Check | None = None
 ) -> tuple[Leg, AIResult, float | None, bool]: ...
 
 
@@ -69,12 +89,17 @@ async def walk(
 
 
 async def walk(
-    state: RequestState, inputs: Mapping[str, Any], call_for: Callable[[Leg], Call[Any]] | None = None
+    state: RequestState,
+    inputs: Mapping[str, Any],
+    call_for: Callable[[Leg], Call[Any]] | None = None,
+    check: Check | None = None,
 ) -> tuple[Leg, Any, float | None, bool]:
     """Walk the chain until a call succeeds: (its leg, its result, the leg's breaker probe
     ticket, whether its success must be recorded). `call_for(leg)` is what makes one attempt
-    on a leg: `call(model, inputs)` (default: the leg's binding's `run`). The caller records
-    the outcome and settles the spend; on failure this settles and raises `GuardTripped`."""
+    on a leg: `call(model, inputs)` (default: the leg's binding's `run`). `check` checks each
+    answer (of `run` calls) under the walk's deadline: a rejected one moves the walk on to the
+    leg and inputs it says, its call already reported. The caller records the outcome and
+    settles the spend; on failure this settles and raises `GuardTripped`."""
     route, observe = state._route, state._observe
     if state._notes:
         state._notes = []  # the notes of this walk only
@@ -204,6 +229,14 @@ async def walk(
                         on_attempt(state, stopped, started)
                         raise
                     else:
+                        if check is not None:  # the route moves rejected answers on (`_rejected`)
+                            moved = await check.moved_on(
+                                state, leg, index, result, started, probe, record_success
+                            )
+                            if moved is not None:
+                                inflight = None
+                                report, last, start, inputs = moved
+                                continue
                         if type(result) is AIResult and leg.price is None:
                             # `on_attempt`'s usual case, inline (every request's path): a
                             # success with no price, so no cost to add.
@@ -223,6 +256,7 @@ async def walk(
                                     None,
                                     None,
                                     resumed(state._request) if route.task is not None else (),
+                                    None,
                                 ),
                                 state._held,
                             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Mapping
-from typing import Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from .._breaker import Outcome
 from .._errors import ConfigurationError, GuardTripped
@@ -25,6 +25,9 @@ from ._checkpoints import resumed, task_of
 from ._state import RequestState
 from ._store_steps import finish_leg
 from ._streaming import recover, relayed, streaming
+
+if TYPE_CHECKING:
+    from .._tools import ToolCall
 
 __all__ = ["AI"]
 
@@ -44,7 +47,8 @@ class AI(RequestState, Generic[T]):
     `fallback_model` the chain entry that served when it was not the first (else None),
     `attempts` the provider calls made and `attempt_budget` the most it could make;
     `trace_id` is the request's trace id (also the `x-trace-id` header); `resumed_steps` the
-    names of the steps `step` loaded from the request's task instead of calling, in order.
+    names of the steps `step` loaded from the request's task instead of calling, in order;
+    `tool_calls` the last answer's validated tool calls, on a route that declares its tools.
     """
 
     __slots__ = ()
@@ -66,6 +70,14 @@ class AI(RequestState, Generic[T]):
         return self._route.model
 
     @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        """The tool calls of the last answer, on a route that declares its tools
+        (`route(tools=...)`): each validated against its tool's model (`ToolCall.arguments` is
+        an instance of it); () when the answer called none, or the route declares no tools."""
+        answered = getattr(self, "_answered", None)
+        return () if answered is None else answered.tool_calls
+
+    @property
     def resumed_steps(self) -> tuple[str, ...]:
         """The steps `step` loaded from the request's task instead of calling, in order."""
         return resumed(self._request)
@@ -79,7 +91,8 @@ class AI(RequestState, Generic[T]):
         (shared by every `run` and `stream` of the request). JSON mode is
         requested from the output type when it is not a string, and the route's `max_tokens`
         when the inputs do not set it. Raises `GuardTripped` when a guard refuses the call
-        or rejects its answer.
+        or rejects its answer (on a route with `on_rejected`, when no model's answer was
+        accepted: see `guards.walk._rejected`).
         """
         route = self._route
         if route.effort is not None:
@@ -88,6 +101,9 @@ class AI(RequestState, Generic[T]):
             inputs = {**inputs, "response_format": route.response_format}
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
+        if route.answers is not None:  # rejected answers move on, or tools (`_rejected`)
+            checked: T = await route.answers.run(self, inputs, route.output)
+            return checked
         leg, result, probe, record_success = await walk(self, inputs)
         if record_success or probe is not None or self._hold is not None:
             await finish_leg(self, leg, Outcome.success, probe, record_success)
@@ -144,6 +160,8 @@ class AI(RequestState, Generic[T]):
             inputs = {**inputs, "response_format": output.response_format}
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
+        if route.answers is not None:
+            return await route.answers.run(self, inputs, output)
         leg, result, probe, record_success = await walk(self, inputs)
         if record_success or probe is not None or self._hold is not None:
             await finish_leg(self, leg, Outcome.success, probe, record_success)

@@ -106,6 +106,7 @@ class Observers:
             _,
             _,
             _,
+            _,
         ) = event
         leg.seconds.observe(elapsed_s)
         if outcome == "ok":
@@ -207,9 +208,22 @@ class Observers:
 
 def _attempt(event: AttemptEnded) -> Attempt:
     """The ledger's record of an attempt."""
-    route, trace_id, leg, attempt, outcome, usage, served, elapsed_s, _, delivered, status, code, steps = (
-        event
-    )
+    (
+        route,
+        trace_id,
+        leg,
+        attempt,
+        outcome,
+        usage,
+        served,
+        elapsed_s,
+        _,
+        delivered,
+        status,
+        code,
+        steps,
+        problems,
+    ) = event
     return Attempt(
         trace_id=trace_id,
         route=route.name,
@@ -225,4 +239,5 @@ def _attempt(event: AttemptEnded) -> Attempt:
         status=status,
         code=code,
         resumed_steps=steps,
+        problems=problems or (),
     )

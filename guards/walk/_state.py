@@ -21,12 +21,13 @@ if TYPE_CHECKING:
     from .._errors import GuardTripped
     from .._route_spec import GuardedRoute, Leg
     from .._shared import Shared
+    from .._tools import ToolCall
     from .._vocabulary import ErrorCode
     from ..stores import Step
     from ._events import AttemptEnded, RequestEnded
     from ._observers import Observers
 
-__all__ = ["Note", "RequestState"]
+__all__ = ["Answered", "Note", "RequestState"]
 
 #: What happened to one leg of the walk: (the leg, how it ended, its wait when skipped).
 Note = tuple["Leg", str, "float | None"]
@@ -34,6 +35,18 @@ Note = tuple["Leg", str, "float | None"]
 _NO_NOTES: list[Note] = []
 #: The longest attempt summary a detail or a log line carries.
 SUMMARY_MAX = 400
+
+
+class Answered:
+    """What a request's answers were, on a route with `on_rejected` or tools: each rejected
+    answer's chain entry and problems, in order, and the last answer's validated tool calls
+    (`AI.tool_calls`)."""
+
+    __slots__ = ("rejected", "tool_calls")
+
+    def __init__(self) -> None:
+        self.rejected: list[tuple[str, tuple[str, ...]]] = []
+        self.tool_calls: tuple[ToolCall, ...] = ()
 
 
 class RequestState:
@@ -70,7 +83,12 @@ class RequestState:
         "_cost",
         "_tokens",
         "_held",
+        # Answers of a route with `on_rejected` or tools (`_rejected`): set at its first call,
+        # never on other routes (not even here: their requests pay nothing for it), so read
+        # with `getattr(state, "_answered", None)`.
+        "_answered",
     )
+    _answered: Answered
 
     def __init__(
         self,
@@ -151,6 +169,8 @@ class RequestState:
         """The record of the request's end (`Observers.request_ended`); `extra`: more fields
         of its log line."""
         route = self._route
+        if route.answers is not None and (rejected := route.answers.logged(self)) is not None:
+            extra = {**extra, **rejected} if extra is not None else rejected
         return (
             route,
             self.trace_id,

@@ -127,3 +127,51 @@ def test_without_ai_first_output_s_a_silent_model_spends_the_deadline(
     assert response.status_code == 503
     assert response.json()["error"] == "model_temporarily_unavailable"
     assert [call.model for call in fake_workers_ai.calls] == [MODEL]
+
+
+@pytest.mark.parametrize(
+    ("on_rejected", "calls", "summary"),
+    [
+        ("fallback", (1, 0), None),  # the default: the keyword label
+        ("next_model", (1, 1), {"label": "shipping", "confidence": 0.8}),
+        ("reask", (2, 0), {"label": "shipping", "confidence": 0.9}),
+    ],
+)
+def test_ai_on_rejected(
+    example_client: ExampleClient,
+    fake_workers_ai: FakeWorkersAI,
+    fake_openai: FakeOpenAI,
+    on_rejected: str,
+    calls: tuple[int, int],
+    summary: dict[str, object] | None,
+) -> None:
+    """AI_ON_REJECTED: a schema-failing first answer on /summary ends in its fallback, moves on
+    to the OpenAI fallback model, or is asked for again from the same model."""
+    settings = {} if on_rejected == "fallback" else {"ai_on_rejected": on_rejected}
+    client = example_client(
+        ai_fallback_models=f"openai:{FALLBACK}",
+        openai_base_url=fake_openai.base_url,
+        openai_api_key=fake_openai.api_key,
+        **settings,
+    )
+    fake_workers_ai.script(
+        MODEL, Reply({"label": "shipping"}), Reply({"label": "shipping", "confidence": 0.9})
+    )
+    fake_openai.script(FALLBACK, Reply({"label": "shipping", "confidence": 0.8}))
+    response = client.post("/summary", json={"text": "Where is my parcel?"}, headers={"x-user-id": "ada"})
+    body = response.json()
+    if summary is None:
+        assert body["fallback"]["reason"] == "schema_invalid"
+        assert "x-ai-rejected" not in response.headers
+    else:
+        assert body == {"ok": True, "data": summary, "fallback": None}
+        assert response.headers["x-ai-rejected"] == MODEL
+    assert (len(fake_workers_ai.calls), len(fake_openai.calls)) == calls
+
+
+def test_an_unknown_ai_on_rejected_fails_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AI_ON_REJECTED", "retry")
+    with pytest.raises(
+        SettingsError, match="AI_ON_REJECTED: Input should be 'fallback', 'next_model' or 'reask'"
+    ):
+        load_settings()
