@@ -230,6 +230,7 @@ def guard_route(
         stream_format=stream_format,
         shed_at=Level(shed_at) if shed_at is not None else None,
         task=task,
+        slow_call_s=breaker.slow_call_s if breaker is not None else None,
     )
     if effort is not None:
         # Effort routing's module, only for a route that uses it (at start-up, once).

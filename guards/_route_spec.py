@@ -238,6 +238,9 @@ class GuardedRoute:
     shed_at: Level | None = None
     #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).
     task: Task | None = None
+    #: The breaker's `slow_call_s` (None: no breaker, or one that counts no slow call): the
+    #: walk then reports every success, slow or not (`RequestState._slow`).
+    slow_call_s: float | None = None
 
     @property
     def degrading(self) -> bool:

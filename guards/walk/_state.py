@@ -70,7 +70,13 @@ class RequestState:
         "_cost",
         "_tokens",
         "_held",
+        # The chain walk, only on a route whose breaker counts slow calls
+        # (`GuardedRoute.slow_call_s`): whether the call that served was slow. Set when the
+        # walk returns an answer there, and read only there (`_store_steps.finish_leg`): never
+        # set on any other route, so it costs their requests nothing.
+        "_slow",
     )
+    _slow: bool  # (not set in `__init__`: see above)
 
     def __init__(
         self,
