@@ -287,6 +287,10 @@ def create_app(
         failure_threshold=settings.breaker_failure_threshold,
         reset_timeout_s=settings.breaker_reset_s,
         on_store_failure=failure or "open",
+        window_s=settings.breaker_window_s,
+        slow_call_s=settings.breaker_slow_call_s,
+        minimum_calls=settings.breaker_minimum_calls,
+        probe_interval_s=settings.breaker_probe_interval_s,
     )
 
     @app.get("/health")

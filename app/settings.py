@@ -59,6 +59,14 @@ class Settings(BaseSettings):
     rate_limit_per_minute: int = Field(default=60, ge=1)
     breaker_failure_threshold: int = Field(default=5, ge=1)
     breaker_reset_s: float = Field(default=30.0, gt=0)
+    #: Count failures within this many seconds instead of consecutive ones (unset: consecutive).
+    breaker_window_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    #: A call slower than this counts as a failure (needs BREAKER_WINDOW_S; unset: off)...
+    breaker_slow_call_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    #: ...once the window holds this many calls.
+    breaker_minimum_calls: int = Field(default=10, ge=1, le=1000)
+    #: After a failed probe, the breaker reopens for this long (unset: BREAKER_RESET_S).
+    breaker_probe_interval_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     retry_after_s: float = Field(default=30.0, gt=0)
     #: Guarded requests one worker serves at once before it sheds /draft-reply/stream (unset: no limit).
     max_in_flight: int | None = Field(default=None, ge=1)
@@ -196,6 +204,14 @@ class Settings(BaseSettings):
             name, equals, target = entry.partition("=")
             if entry.strip() and not (equals and name.strip() and target.strip()):
                 raise ValueError("AI_HINTS: each entry is name=model (comma-separated)")
+        return self
+
+    @model_validator(mode="after")
+    def _breaker(self) -> Settings:
+        if self.breaker_slow_call_s is not None and self.breaker_window_s is None:
+            raise ValueError("BREAKER_SLOW_CALL_S needs BREAKER_WINDOW_S (the window slow calls count in)")
+        if self.breaker_probe_interval_s is not None and self.breaker_probe_interval_s > self.breaker_reset_s:
+            raise ValueError("BREAKER_PROBE_INTERVAL_S must be at most BREAKER_RESET_S")
         return self
 
     @model_validator(mode="after")

@@ -5,8 +5,10 @@ do no I/O, so every store shares the same semantics and they are tested with tab
 
 States: closed (calls flow, failures counted) → open (calls skipped until `reset_timeout_s`
 passes) → half-open (at most `half_open_probes` calls in flight; `success_threshold` successes
-close it, one failure reopens it). Failures count either consecutively (`window_s=None`: a
-success resets the count) or within a sliding window of `window_s` seconds.
+close it, one failure reopens it, for `probe_interval_s` when set). Failures count either
+consecutively (`window_s=None`: a success resets the count) or within a sliding window of
+`window_s` seconds; with `slow_call_s`, a slow success counts as a failure once the window holds
+`minimum_calls` calls (`BreakerState.calls`).
 
 The open period is decided once, by the policy of the call whose failure opened the breaker, and
 kept in its state (`BreakerState.open_s`): every reader of a shared breaker (another worker,
@@ -22,11 +24,25 @@ drops the failures counted before that.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
 
-__all__ = ["Breaker", "BreakerDecision", "BreakerState", "CircuitState", "Outcome", "keep_s", "open_period"]
+__all__ = [
+    "Breaker",
+    "BreakerDecision",
+    "BreakerState",
+    "CircuitState",
+    "Outcome",
+    "half_open_at",
+    "keep_s",
+    "open_period",
+]
+
+#: The most calls `Breaker.minimum_calls` may ask for: the state keeps that many end times and
+#: is rewritten at every call, so it stays small.
+MAX_MINIMUM_CALLS = 1000
 
 
 class CircuitState(StrEnum):
@@ -40,6 +56,11 @@ class Outcome(StrEnum):
 
     success = "success"
     failure = "failure"
+    #: A success slower than the policy's `Breaker.slow_call_s` (only a route whose breaker
+    #: sets it reports one): a failure once the window holds `minimum_calls` calls, else a
+    #: success; a slow probe is a failed probe. A policy without `slow_call_s` takes it as a
+    #: success.
+    slow = "slow"
     #: The call ended without a verdict on the provider (cancelled): free its probe slot only.
     released = "released"
 
@@ -56,6 +77,18 @@ class Breaker:
     included: exact within one worker; a success in another worker ends the run at that
     worker's next store operation about the model (see `guards.stores.Step.success_ages`).
 
+    `slow_call_s` (None: off): a call slower than this counts as a failure toward
+    `failure_threshold`, once at least `minimum_calls` calls (of any outcome, this one
+    included) ended within the window, which it needs (`window_s`); fewer, and it counts as a
+    success. A slow probe is a failed probe. The time is the guarded call's, from its first
+    attempt's start until its answer (retries and their waits included; a stream's first
+    output). Counting calls takes a store write per call, successes included, on this breaker
+    only (a closed breaker's success is otherwise not written).
+
+    `probe_interval_s` (None: off): after a failed probe the breaker reopens for this long, not
+    `reset_timeout_s` (at most that), so a model that recovers is back within one interval;
+    a probe slot held too long is still reclaimed after `reset_timeout_s`.
+
     `on_store_failure`: `"open"` (default) lets calls through while the store is unreachable:
     the breaker only saves calls to a provider that is failing anyway, and the deadline and
     bounded retry still limit each call; refusing everything would turn a store outage into an
@@ -68,6 +101,9 @@ class Breaker:
     half_open_probes: int = 1
     success_threshold: int = 2
     on_store_failure: Literal["open", "closed"] = "open"
+    slow_call_s: float | None = None
+    minimum_calls: int = 10
+    probe_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.failure_threshold < 1 or self.half_open_probes < 1 or self.success_threshold < 1:
@@ -76,6 +112,30 @@ class Breaker:
             raise ValueError("breaker durations must be positive")
         if self.on_store_failure not in ("open", "closed"):
             raise ValueError('Breaker.on_store_failure must be "open" or "closed"')
+        if self.slow_call_s is not None:
+            if not _positive(self.slow_call_s):
+                raise ValueError(
+                    "Breaker.slow_call_s must be a positive, finite number of seconds (or None: no call counts as slow)"
+                )
+            if self.window_s is None:
+                raise ValueError(
+                    "Breaker.slow_call_s needs window_s: slow calls count among the calls of a "
+                    "window of window_s seconds (e.g. Breaker(slow_call_s=20, window_s=60))"
+                )
+        if (
+            isinstance(self.minimum_calls, bool)
+            or not isinstance(self.minimum_calls, int)
+            or not 1 <= self.minimum_calls <= MAX_MINIMUM_CALLS
+        ):
+            raise ValueError(f"Breaker.minimum_calls must be a whole number from 1 to {MAX_MINIMUM_CALLS}")
+        if self.probe_interval_s is not None and not (
+            _positive(self.probe_interval_s) and self.probe_interval_s <= self.reset_timeout_s
+        ):
+            raise ValueError(
+                "Breaker.probe_interval_s must be a positive number of seconds, at most "
+                f"reset_timeout_s ({self.reset_timeout_s:g}), or None (a failed probe reopens the "
+                "breaker for reset_timeout_s)"
+            )
 
     @property
     def ttl_s(self) -> float:
@@ -103,9 +163,19 @@ class BreakerState:
     #: it is open and half-open; 0.0 when closed (or written by a version that did not keep
     #: it: then the reader's policy decides).
     open_s: float = 0.0
+    #: End times of the calls counted toward `Breaker.minimum_calls` (recorded by a policy with
+    #: `slow_call_s`), newest last, at most `minimum_calls` of them, all within its window.
+    calls: tuple[float, ...] = ()
+    #: When a failed probe reopened the breaker under a policy with `probe_interval_s`: that
+    #: interval, after which it half-opens (rather than `open_s`); 0.0 otherwise.
+    probe_s: float = 0.0
 
 
 CLOSED = BreakerState()
+
+
+def _positive(x: float) -> bool:
+    return 0 < x < math.inf  # (NaN fails both)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +204,12 @@ def open_period(s: BreakerState, policy: Breaker) -> float:
     return s.open_s or policy.reset_timeout_s
 
 
+def half_open_at(s: BreakerState, policy: Breaker) -> float:
+    """When the open breaker `s` half-opens: `probe_s` after it opened when a failed probe
+    reopened it under a probe interval, else its open period after."""
+    return s.opened_at + (s.probe_s or open_period(s, policy))
+
+
 def keep_s(s: BreakerState, policy: Breaker) -> float:
     """How long a store keeps `s` after writing it: `policy.ttl_s`, or longer when the
     breaker was opened for longer than `policy` would (by another app's policy)."""
@@ -145,7 +221,7 @@ def admit(s: BreakerState, policy: Breaker, now: float) -> tuple[BreakerState, B
     if s.state is CircuitState.closed:
         return s, ADMIT_CLOSED_RECORD if policy.window_s is None and s.failures else ADMIT_CLOSED
     if s.state is CircuitState.open:
-        reopen_at = s.opened_at + open_period(s, policy)
+        reopen_at = half_open_at(s, policy)
         if now < reopen_at:
             return s, BreakerDecision(False, state=s.state, retry_after_s=reopen_at - now)
         s = BreakerState(CircuitState.half_open, opened_at=s.opened_at, probe_since=now, open_s=s.open_s)
@@ -176,7 +252,7 @@ def forget_before(s: BreakerState, policy: Breaker, ended_at: float) -> BreakerS
     ):
         return s
     kept = tuple(t for t in failures if t >= ended_at)
-    return BreakerState(failures=kept) if kept else CLOSED
+    return BreakerState(failures=kept, calls=s.calls) if kept or s.calls else CLOSED
 
 
 def record(
@@ -185,12 +261,14 @@ def record(
     """Apply one guarded call's outcome; `probe` is the ticket `admit` gave (None if none).
     Outcomes of calls admitted in another phase (a closed-phase call finishing after the
     breaker opened, a probe whose slot was reclaimed) change nothing."""
+    if outcome is Outcome.slow and policy.slow_call_s is None:
+        outcome = Outcome.success
     if probe is not None:
         if s.state is not CircuitState.half_open or probe != s.probe_since:
             return s
         s = replace(s, probes=max(0, s.probes - 1))
-        if outcome is Outcome.failure:
-            return BreakerState(CircuitState.open, opened_at=now, open_s=policy.reset_timeout_s)
+        if outcome is Outcome.failure or outcome is Outcome.slow:
+            return _opened(policy, now, policy.probe_interval_s or 0.0)
         if outcome is Outcome.success:
             if s.successes + 1 >= policy.success_threshold:
                 return CLOSED
@@ -198,12 +276,27 @@ def record(
         return s
     if s.state is not CircuitState.closed or outcome is Outcome.released:
         return s
+    calls = s.calls
+    if policy.slow_call_s is not None and policy.window_s is not None:
+        # The calls that ended within the window, this one included: the newest
+        # `minimum_calls` are all it takes to tell whether there were that many.
+        calls = (*(t for t in calls if t > now - policy.window_s), now)[-policy.minimum_calls :]
+        if outcome is Outcome.slow:
+            outcome = Outcome.failure if len(calls) >= policy.minimum_calls else Outcome.success
     if outcome is Outcome.success:
-        return CLOSED if policy.window_s is None else s
+        if policy.window_s is None:
+            return CLOSED
+        return s if calls is s.calls else replace(s, calls=calls)
     failures = (*s.failures, now)
     if policy.window_s is not None:
         failures = tuple(t for t in failures if t > now - policy.window_s)
     failures = failures[-policy.failure_threshold :]
     if len(failures) >= policy.failure_threshold:
-        return BreakerState(CircuitState.open, opened_at=now, open_s=policy.reset_timeout_s)
-    return BreakerState(failures=failures)
+        return _opened(policy, now, 0.0)
+    return BreakerState(failures=failures, calls=calls)
+
+
+def _opened(policy: Breaker, now: float, probe_s: float) -> BreakerState:
+    """The breaker `policy` opens at `now`: for its `reset_timeout_s`, or `probe_s` when set (a
+    failed probe under a probe interval)."""
+    return BreakerState(CircuitState.open, opened_at=now, open_s=policy.reset_timeout_s, probe_s=probe_s)

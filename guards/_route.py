@@ -272,6 +272,7 @@ def guard_route(
         windowed=any(leg.window is not None for leg in legs),
         content_filter_fallback=content_filter_fallback,
         answers=answers,
+        slow_call_s=breaker.slow_call_s if breaker is not None else None,
     )
     if effort is not None:
         # Effort routing's module, only for a route that uses it (at start-up, once).

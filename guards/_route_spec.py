@@ -290,6 +290,9 @@ class GuardedRoute:
     #: What the route does with rejected answers and its tools' calls; None: a rejected answer
     #: ends the request and tool calls pass as they came (`on_rejected="fallback"`, no tools).
     answers: AnswerPolicy | None = None
+    #: The breaker's `slow_call_s` (None: no breaker, or one that counts no slow call): the
+    #: walk then reports every success, slow or not (`RequestState._slow`).
+    slow_call_s: float | None = None
 
     @property
     def degrading(self) -> bool:

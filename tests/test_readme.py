@@ -32,8 +32,9 @@ from fastapi import FastAPI
 
 from app.service import create_app
 from app.settings import Settings
-from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Hang, Reply, Stream, Text
-from guards import AI, Envelope, StatusReport
+from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Hang, ManualClock, Reply, Stream, Text
+from guards import AI, CircuitState, Envelope, Outcome, StatusReport
+from guards.stores import MemoryStore
 
 from .app.test_ui_stream import check_ui_stream
 from .conftest import LogLines, Serve, asgi_client, no_sleep, wait_until, workers_ai_settings
@@ -140,6 +141,8 @@ CHECKED = {
     ("streaming.md", "", 0): "test_stream_sample_has_the_documented_events",
     ("operating/logs.md", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
     ("counting.md", "python", 0): "test_budget_keys_example_keys_by_the_principal",
+    ("guards/budget.md", "python", 0): "test_breaker_examples_do_what_their_comments_say",
+    ("guards/budget.md", "python", 1): "test_breaker_examples_do_what_their_comments_say",
     ("effort-routing.md", "python", 0): "test_effort_example_routes_by_effort",
     ("effort-routing.md", "python", 1): "test_effort_override_example_escalates_premium_users",
     ("last-good.md", "python", 0): "test_last_good_example_serves_the_last_answer",
@@ -487,6 +490,32 @@ def test_readme_example_degrades_as_documented(use_fake_ai: Any) -> None:
     assert degraded.json()["fallback"]["reason"] == "provider_error"
     assert invalid.status_code == 400
     assert len(fake.calls) == 2
+
+
+def test_breaker_examples_do_what_their_comments_say() -> None:
+    """The slow-call breaker opens on the fifth slow call within a minute once the minute saw
+    ten calls; the probing one, open 30 s, then probes every 5 s."""
+    slow_aware = page_example("guards/budget.md", 0)["slow_aware"]
+    recovering = page_example("guards/budget.md", 1)["recovering"]
+    clock = ManualClock()
+    store = MemoryStore(clock=clock)
+
+    async def scenario() -> None:
+        for outcome in [Outcome.success] * 9 + [Outcome.slow] * 4:
+            assert (await store.breaker_admit("slow", slow_aware)).allowed
+            state = await store.breaker_record("slow", slow_aware, outcome, probe=None)
+            assert state.state is CircuitState.closed
+        state = await store.breaker_record("slow", slow_aware, Outcome.slow, probe=None)
+        assert state.state is CircuitState.open
+        for _ in range(recovering.failure_threshold):
+            await store.breaker_record("probing", recovering, Outcome.failure, probe=None)
+        assert (await store.breaker_admit("probing", recovering)).retry_after_s == 30
+        clock.advance(30)
+        probe = await store.breaker_admit("probing", recovering)
+        await store.breaker_record("probing", recovering, Outcome.failure, probe=probe.probe)
+        assert (await store.breaker_admit("probing", recovering)).retry_after_s == 5
+
+    anyio.run(scenario)
 
 
 def test_budget_keys_example_keys_by_the_principal(use_fake_ai: Any) -> None:

@@ -17,7 +17,8 @@ with `%`, `{` and `}` percent-escaped, so every key of one operation lives in on
   total) and one field `h:<reservation>` = `"<amount> <expires_at>"` per hold, kept
   `DAILY_TTL_S` from the last hold;
 - `<prefix>{<key>}:breaker`: the breaker state (one string), kept `Breaker.ttl_s` after its
-  last write; a closed breaker without failures has no key;
+  last write; a closed breaker without failures (and no calls counted: `Breaker.slow_call_s`)
+  has no key;
 - `<prefix>{<key>}:cooldown`: the time a cooldown ends (store time, `%.17g`), kept until then
   (set with `PX` in the script that writes it); no key while not cooling down;
 - `<prefix>{<key>}:answer`: a route's last good answer (its key a hash): `"<stored_at>
@@ -277,20 +278,39 @@ local function start_cooldown(key, seconds)
 end
 
 -- Breakers: guards._breaker.admit / record, ported line for line. The state is one string:
--- "state opened_at probes last_probe_at successes probe_since expires_at failures open_s",
--- failures comma-separated or '-'; open_s is the open period the opener's policy set (missing
--- in a state written before it was kept: 0, and the reader's policy decides). expires_at
+-- "state opened_at probes last_probe_at successes probe_since expires_at failures open_s
+-- calls probe_s", failures and calls comma-separated or '-'; open_s is the open period the
+-- opener's policy set (missing in a state written before it was kept: 0, and the reader's
+-- policy decides); calls and probe_s are BreakerState's (missing in a state written before
+-- they were kept: none, and 0; a version before them reads the first nine words and ignores
+-- the rest, so it waits out open_s after a failed probe and counts no calls). expires_at
 -- (now + ttl_s at the last write) makes a key read after its TTL on the store's clock count as
 -- gone, exactly like MemoryStore, whatever the clock.
 
 local function closed()
   return {state = 'closed', failures = {}, opened_at = 0, probes = 0, last_probe_at = 0,
-    successes = 0, probe_since = 0, open_s = 0}
+    successes = 0, probe_since = 0, open_s = 0, calls = {}, probe_s = 0}
 end
 
 local function is_closed(s)
   return s.state == 'closed' and #s.failures == 0 and s.opened_at == 0 and s.probes == 0
     and s.last_probe_at == 0 and s.successes == 0 and s.probe_since == 0 and s.open_s == 0
+    and #s.calls == 0 and s.probe_s == 0
+end
+
+local function times(word)
+  local list = {}
+  if word and word ~= '-' then
+    for t in string.gmatch(word, '[^,]+') do list[#list + 1] = tonumber(t) end
+  end
+  return list
+end
+
+local function joined(list)
+  local words = {}
+  for i, t in ipairs(list) do words[i] = fmt(t) end
+  if #words == 0 then return '-' end
+  return table.concat(words, ',')
 end
 
 local function load_breaker(key)
@@ -299,22 +319,15 @@ local function load_breaker(key)
   local f = {}
   for word in string.gmatch(raw, '%S+') do f[#f + 1] = word end
   if tonumber(f[7]) <= now then return closed() end
-  local failures = {}
-  if f[8] ~= '-' then
-    for t in string.gmatch(f[8], '[^,]+') do failures[#failures + 1] = tonumber(t) end
-  end
   return {state = f[1], opened_at = tonumber(f[2]), probes = tonumber(f[3]),
     last_probe_at = tonumber(f[4]), successes = tonumber(f[5]), probe_since = tonumber(f[6]),
-    failures = failures, open_s = tonumber(f[9] or '0')}
+    failures = times(f[8]), open_s = tonumber(f[9] or '0'), calls = times(f[10]),
+    probe_s = tonumber(f[11] or '0')}
 end
 
 local function state_fields(s)
-  local failures = {}
-  for i, t in ipairs(s.failures) do failures[i] = fmt(t) end
-  local joined = '-'
-  if #failures > 0 then joined = table.concat(failures, ',') end
   return {s.state, fmt(s.opened_at), fmt(s.probes), fmt(s.last_probe_at), fmt(s.successes),
-    fmt(s.probe_since), joined, fmt(s.open_s)}
+    fmt(s.probe_since), joined(s.failures), fmt(s.open_s), joined(s.calls), fmt(s.probe_s)}
 end
 
 local function save_breaker(key, s, ttl_s)
@@ -324,7 +337,8 @@ local function save_breaker(key, s, ttl_s)
   end
   ttl_s = math.max(ttl_s, 2 * s.open_s + 600) -- guards._breaker.keep_s
   local f = state_fields(s)
-  local raw = table.concat({f[1], f[2], f[3], f[4], f[5], f[6], fmt(now + ttl_s), f[7], f[8]}, ' ')
+  local raw = table.concat({f[1], f[2], f[3], f[4], f[5], f[6], fmt(now + ttl_s), f[7], f[8], f[9],
+    f[10]}, ' ')
   redis.call('SET', key, raw, 'PX', string.format('%d', math.ceil(ttl_s * 1000)))
 end
 
@@ -336,14 +350,20 @@ local function save_changed(key, before, after, ttl_s)
   end
 end
 
--- A policy from args[i..i+5]: failure_threshold, window_s or '', reset_timeout_s,
--- half_open_probes, success_threshold, ttl_s. nil when args[i] is '' (no breaker).
+-- A policy from args[i..i+5]: failure_threshold, window_s or '' (then, after spaces,
+-- slow_call_s and minimum_calls when set), reset_timeout_s (then, after a space,
+-- probe_interval_s when set), half_open_probes, success_threshold, ttl_s. nil when args[i] is
+-- '' (no breaker).
 local function read_policy(args, i)
   if args[i] == '' then return nil end
+  local window, slow, minimum = string.match(args[i + 1], '^(%S*) ?(%S*) ?(%S*)$')
+  local reset, probe = string.match(args[i + 2], '^(%S*) ?(%S*)$')
   return {
-    failure_threshold = tonumber(args[i]), window_s = tonumber(args[i + 1]),
-    reset_timeout_s = tonumber(args[i + 2]), half_open_probes = tonumber(args[i + 3]),
-    success_threshold = tonumber(args[i + 4]), ttl_s = tonumber(args[i + 5]),
+    failure_threshold = tonumber(args[i]), window_s = tonumber(window),
+    slow_call_s = tonumber(slow), minimum_calls = tonumber(minimum),
+    reset_timeout_s = tonumber(reset), probe_interval_s = tonumber(probe),
+    half_open_probes = tonumber(args[i + 3]), success_threshold = tonumber(args[i + 4]),
+    ttl_s = tonumber(args[i + 5]),
   }
 end
 
@@ -368,7 +388,9 @@ local function admit(s, policy)
     return s, {'1', '', 'closed', '', record_success}
   end
   if s.state == 'open' then
+    -- guards._breaker.half_open_at
     local reopen_at = s.opened_at + open_period(s, policy)
+    if s.probe_s > 0 then reopen_at = s.opened_at + s.probe_s end
     if now < reopen_at then
       return s, {'0', '', s.state, fmt(reopen_at - now), '1'}
     end
@@ -409,20 +431,28 @@ local function forget_before(s, policy, ended_at)
   end
   local s2 = closed()
   s2.failures = kept
+  s2.calls = s.calls
   return s2
+end
+
+-- guards._breaker._opened: open from now for the policy's reset timeout, or probe_s when set.
+local function opened(policy, probe_s)
+  local s = closed()
+  s.state = 'open'
+  s.opened_at = now
+  s.open_s = policy.reset_timeout_s
+  s.probe_s = probe_s
+  return s
 end
 
 local function record(s, policy, outcome, probe)
   s = copy(s)
+  if outcome == 'slow' and policy.slow_call_s == nil then outcome = 'success' end
   if probe ~= nil then
     if s.state ~= 'half_open' or probe ~= s.probe_since then return s end
     s.probes = math.max(0, s.probes - 1)
-    if outcome == 'failure' then
-      local opened = closed()
-      opened.state = 'open'
-      opened.opened_at = now
-      opened.open_s = policy.reset_timeout_s
-      return opened
+    if outcome == 'failure' or outcome == 'slow' then
+      return opened(policy, policy.probe_interval_s or 0)
     end
     if outcome == 'success' then
       if s.successes + 1 >= policy.success_threshold then return closed() end
@@ -432,8 +462,23 @@ local function record(s, policy, outcome, probe)
     return s
   end
   if s.state ~= 'closed' or outcome == 'released' then return s end
+  local calls = s.calls
+  if policy.slow_call_s ~= nil and policy.window_s ~= nil then
+    -- the calls that ended within the window, this one included, the newest minimum_calls
+    local within = {}
+    for _, t in ipairs(s.calls) do
+      if t > now - policy.window_s then within[#within + 1] = t end
+    end
+    within[#within + 1] = now
+    calls = {}
+    for i = math.max(1, #within - policy.minimum_calls + 1), #within do calls[#calls + 1] = within[i] end
+    if outcome == 'slow' then
+      if #calls >= policy.minimum_calls then outcome = 'failure' else outcome = 'success' end
+    end
+  end
   if outcome == 'success' then
     if policy.window_s == nil then return closed() end
+    s.calls = calls
     return s
   end
   local failures = {}
@@ -449,15 +494,10 @@ local function record(s, policy, outcome, probe)
   local first = math.max(1, #failures - policy.failure_threshold + 1)
   local last = {}
   for i = first, #failures do last[#last + 1] = failures[i] end
-  if #last >= policy.failure_threshold then
-    local opened = closed()
-    opened.state = 'open'
-    opened.opened_at = now
-    opened.open_s = policy.reset_timeout_s
-    return opened
-  end
+  if #last >= policy.failure_threshold then return opened(policy, 0) end
   local s2 = closed()
   s2.failures = last
+  s2.calls = calls
   return s2
 end
 
@@ -568,14 +608,14 @@ local function step()
 end
 
 -- The health of models, read only: KEYS are L cooldown keys, then the L breaker keys. Returns
--- {now, the L waits, then L breaker states of 8 fields}.
+-- {now, the L waits, then L breaker states of 10 fields}.
 local function health()
   local n = #KEYS / 2
   local reply = {fmt(now)}
   for i = 1, n do reply[#reply + 1] = fmt(cooldown_left(KEYS[i])) end
   for i = 1, n do
     local f = state_fields(load_breaker(KEYS[n + i]))
-    for j = 1, 8 do reply[#reply + 1] = f[j] end
+    for j = 1, 10 do reply[#reply + 1] = f[j] end
   end
   return reply
 end
@@ -971,7 +1011,7 @@ class RedisStore:
         keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
         reply = await self._run("health", keys)
         n = len(legs)
-        breakers = tuple(_state(reply[1 + n + 8 * i : 9 + n + 8 * i]) for i in range(n))
+        breakers = tuple(_state(reply[1 + n + 10 * i : 11 + n + 10 * i]) for i in range(n))
         return Health(float(reply[0]), breakers, tuple(float(wait) for wait in reply[1 : 1 + n]))
 
     async def task_claim(
@@ -1515,27 +1555,39 @@ def _decision(fields: Sequence[str]) -> BreakerDecision:
 
 
 def _state(fields: Sequence[str]) -> BreakerState:
-    state, opened_at, probes, last_probe_at, successes, probe_since, failures, open_s = fields
+    state, opened_at, probes, last_probe_at, successes, probe_since, failures, open_s, calls, probe_s = fields
     return BreakerState(
         CircuitState(state),
-        failures=tuple(float(t) for t in failures.split(",")) if failures != "-" else (),
+        failures=_times(failures),
         opened_at=float(opened_at),
         probes=int(probes),
         last_probe_at=float(last_probe_at),
         successes=int(successes),
         probe_since=float(probe_since),
         open_s=float(open_s),
+        calls=_times(calls),
+        probe_s=float(probe_s),
     )
+
+
+def _times(word: str) -> tuple[float, ...]:
+    """A list of times as the script writes it (comma-separated, or '-' for none)."""
+    return tuple(float(t) for t in word.split(",")) if word != "-" else ()
 
 
 @functools.lru_cache(maxsize=64)  # a route's policy, formatted for each of its requests once
 def _policy_args(policy: Breaker | None) -> tuple[str, ...]:
     if policy is None:
         return ("", "", "", "", "", "")
+    window, reset = _num(policy.window_s), _num(policy.reset_timeout_s)
+    if policy.slow_call_s is not None:  # (the script's `read_policy`: words after the window)
+        window += f" {_num(policy.slow_call_s)} {_num(policy.minimum_calls)}"
+    if policy.probe_interval_s is not None:
+        reset += " " + _num(policy.probe_interval_s)
     return (
         _num(policy.failure_threshold),
-        _num(policy.window_s),
-        _num(policy.reset_timeout_s),
+        window,
+        reset,
         _num(policy.half_open_probes),
         _num(policy.success_threshold),
         _num(policy.ttl_s),

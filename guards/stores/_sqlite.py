@@ -16,7 +16,7 @@ time, `NOT NULL`):
 - `guards_hold (id, key, amount, expires_at)`: a spend hold, kept `hold_s` (then it lapses);
 - `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
   `policy.ttl_s` (or longer: `_breaker.keep_s`) after its last change. A closed breaker with
-  no failures keeps no row;
+  no failures (and no calls counted: `Breaker.slow_call_s`) keeps no row;
 - `guards_cooldown (key, expires_at)`: a cooldown, which ends (and whose row expires) at
   `expires_at`. Starting one is one upsert that only ever moves `expires_at` later;
 - `guards_answer (key, value, stored_at, expires_at)`: a route's last good answer (its key a
@@ -264,12 +264,16 @@ def _dump_breaker(s: BreakerState) -> str:
             s.successes,
             s.probe_since,
             s.open_s,
+            list(s.calls),
+            s.probe_s,
         ]
     )
 
 
 def _load_breaker(text: str) -> BreakerState:
-    # A row written before the open period was kept has seven fields (then `open_s` is 0.0).
+    # A row written before the open period was kept has seven fields (then `open_s` is 0.0),
+    # one written before calls and probe intervals were kept eight (no calls, `probe_s` 0.0).
+    # A version before them reads the first eight and ignores the rest.
     state, failures, opened_at, probes, last_probe_at, successes, probe_since, *kept = json.loads(text)
     return BreakerState(
         CircuitState(state),
@@ -280,6 +284,8 @@ def _load_breaker(text: str) -> BreakerState:
         int(successes),
         float(probe_since),
         float(kept[0]) if kept else 0.0,
+        tuple(float(t) for t in kept[1]) if len(kept) > 1 else (),
+        float(kept[2]) if len(kept) > 2 else 0.0,
     )
 
 

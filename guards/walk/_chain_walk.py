@@ -262,6 +262,11 @@ async def walk(
                             )
                         else:
                             on_attempt(state, result, started)
+                    if route.slow_call_s is not None:
+                        # A breaker counting slow calls hears of every call: the leg's time
+                        # from its first attempt to its answer (a stream's first output).
+                        state._slow = perf_counter() - started > route.slow_call_s
+                        record_success = True
                     return leg, result, probe, record_success
             finally:
                 if state._watch is not None:

@@ -1,9 +1,10 @@
 """What this worker knows its store would refuse: a refusal cheaper than a call.
 
 A store step's answer that refuses a model says until when: its breaker is open until it
-half-opens (`BreakerDecision.retry_after_s`), its cooldown runs for `wait` more seconds. Neither
-can end sooner for any worker: an open breaker half-opens only at the time it was opened for
-(`BreakerState.open_s`), and a cooldown is never shortened. So each worker remembers, per model
+half-opens (`BreakerDecision.retry_after_s`: the next probe's time), its cooldown runs for `wait`
+more seconds. Neither can end sooner for any worker: an open breaker half-opens only at the time
+it was opened for (`BreakerState.open_s`, or `probe_s` after a failed probe under
+`Breaker.probe_interval_s`), and a cooldown is never shortened. So each worker remembers, per model
 (`Leg.known`, shared by every route of the instance that calls it), the last such answer until
 that time, on the clock the success ages use (`Shared.success_clock`: the store's own when a
 test gives it one, else `time.monotonic`; read when the answer arrives, so a memory ends at

@@ -87,8 +87,14 @@ class RequestState:
         # never on other routes (not even here: their requests pay nothing for it), so read
         # with `getattr(state, "_answered", None)`.
         "_answered",
+        # The chain walk, only on a route whose breaker counts slow calls
+        # (`GuardedRoute.slow_call_s`): whether the call that served was slow. Set when the
+        # walk returns an answer there, and read only there (`_store_steps.finish_leg`): never
+        # set on any other route, so it costs their requests nothing.
+        "_slow",
     )
     _answered: Answered
+    _slow: bool  # (not set in `__init__`: see above)
 
     def __init__(
         self,

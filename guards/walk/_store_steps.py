@@ -111,7 +111,7 @@ def admitted(
     if passage.recorded is not None and report is not None:
         saw_report(state, report, passage.recorded.state)
     if passage.transitions:
-        saw_transitions(state, passage.transitions)
+        saw_transitions(state, passage.transitions, report)
     waits, decisions = passage.waits, passage.decisions
     if len(legs) > 1:  # only a leg with later legs reads the waits (`_retries.leg_limit`)
         if state._waits is None:
@@ -189,6 +189,8 @@ async def finish_leg(
     if outcome is Outcome.success:
         leg.last_success[0] = state._shared.success_clock()
     if outcome is not Outcome.success or record_success or probe is not None:
+        if record_success and outcome is Outcome.success and state._route.slow_call_s is not None:
+            outcome = Outcome.slow if state._slow else outcome  # (set by the walk: `_state`)
         await record(state, leg, outcome, probe)
     if state._hold is not None:
         await settle(state)
@@ -260,20 +262,27 @@ async def send(state: RequestState, made: Report | None) -> None:
     if passage.recorded is not None:
         saw_report(state, made, passage.recorded.state)
     if passage.transitions:
-        saw_transitions(state, passage.transitions)
+        saw_transitions(state, passage.transitions, made)
 
 
-def saw_transitions(state: RequestState, transitions: Sequence[tuple[str, CircuitState]]) -> None:
+def saw_transitions(
+    state: RequestState, transitions: Sequence[tuple[str, CircuitState]], report: Report | None
+) -> None:
     """The breaker state changes a store step made (the store tells exactly one caller of
-    each, so every worker together counts each once). A breaker this step's report opened is
-    open for the reporting route's `reset_timeout_s` from now (`_known`)."""
+    each, so every worker together counts each once). A breaker this step's `report` opened is
+    open for the reporting route's `reset_timeout_s` from now, or its `probe_interval_s` when
+    the report was a failed probe (`_known`)."""
     for key, moved in transitions:
         for leg in state._route.legs:
             if leg.breaker_key == key:
                 state._observe.breaker_moved(BreakerMoved(leg, moved))
                 if moved is CircuitState.open:
                     breaker = state._route.breaker
-                    remember(state, leg, "circuit_open", breaker.reset_timeout_s if breaker else None)
+                    wait = None
+                    if breaker is not None:
+                        after_probe = report is not None and report.probe is not None
+                        wait = (breaker.probe_interval_s if after_probe else None) or breaker.reset_timeout_s
+                    remember(state, leg, "circuit_open", wait)
                 elif moved is CircuitState.closed:
                     forget(leg)
                 break

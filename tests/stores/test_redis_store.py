@@ -895,3 +895,36 @@ def test_a_reply_that_came_while_the_worker_was_busy_is_not_a_timeout(
             replies += stall.recv(100)
     finally:
         stall.close()
+
+
+def test_a_breaker_written_by_an_earlier_version_is_read_and_an_earlier_version_reads_ours(
+    redis_url: str, admin: redis.Redis, prefix: str
+) -> None:
+    """A state of nine words (before counted calls and probe intervals were kept) reads as it
+    did: open for its stored period. A state this version writes keeps those nine words in
+    their places, its own two after them, so an earlier version reads it (and ignores them:
+    it waits out the open period after a failed probe, and counts no calls)."""
+    clock = ManualClock(T0)
+    store = RedisStore(redis_url, clock=clock, prefix=prefix, timeout_s=STORE_TIMEOUT_S)
+    key = f"{prefix}{{old}}:breaker"
+    probing = Breaker(failure_threshold=1, reset_timeout_s=30, probe_interval_s=5)
+
+    async def scenario() -> None:
+        admin.set(key, f"open {T0!r} 0 0 0 0 {T0 + 660!r} - 30", px=660_000)
+        refused = await store.breaker_admit("old", probing)
+        assert (refused.allowed, refused.retry_after_s) == (False, pytest.approx(30))
+        clock.advance(30)
+        probe = await store.breaker_admit("old", probing)
+        assert probe.probe is not None
+        await store.breaker_record("old", probing, Outcome.failure, probe=probe.probe)
+        words = admin.get(key).split()
+        assert len(words) == 11
+        assert words[0] == "open"
+        assert float(words[1]) == T0 + 30  # opened_at
+        assert words[7] == "-"  # no failures
+        assert float(words[8]) == 30  # open_s: what an earlier version waits
+        assert (words[9], float(words[10])) == ("-", 5)  # no calls counted; probe_s
+        assert (await store.breaker_admit("old", probing)).retry_after_s == pytest.approx(5)
+        await store.aclose()
+
+    asyncio.run(scenario())

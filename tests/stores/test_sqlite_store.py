@@ -7,6 +7,7 @@ serving while another program holds the lock uses short real deadlines)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import os
 import queue
@@ -648,3 +649,34 @@ def test_the_wal_stays_bounded_with_sqlites_own_checkpoints_off(path: Path, cloc
     wal = asyncio.run(commits(6_000))
     asyncio.run(store.aclose())
     assert wal < 8 * 1024 * 1024, f"WAL of {wal} bytes"  # unbounded, 6,000 commits wrote 80 MB
+
+
+def test_a_breaker_row_of_an_earlier_version_is_read_and_an_earlier_version_reads_ours(
+    store: SQLiteStore, path: Path, clock: ManualClock
+) -> None:
+    """A row of eight fields (before counted calls and probe intervals were kept) reads as it
+    did. A row this version writes keeps those eight in their places, its own two after them,
+    which an earlier version ignores (it waits out the open period after a failed probe)."""
+    probing = Breaker(failure_threshold=1, reset_timeout_s=30, probe_interval_s=5)
+    counting = Breaker(failure_threshold=5, window_s=60, slow_call_s=1, minimum_calls=3)
+
+    async def scenario() -> None:
+        assert (await store.breaker_admit("warm-up", probing)).allowed  # the tables exist
+        with peek(path) as conn:
+            conn.execute(
+                "INSERT INTO guards_breaker (key, state, expires_at) VALUES (?, ?, ?)",
+                ("old", json.dumps(["open", [], T0, 0, 0, 0, 0, 30.0]), T0 + 660),
+            )
+        refused = await store.breaker_admit("old", probing)
+        assert (refused.allowed, refused.retry_after_s) == (False, pytest.approx(30))
+        clock.advance(30)
+        probe = await store.breaker_admit("old", probing)
+        await store.breaker_record("old", probing, Outcome.failure, probe=probe.probe)
+        await store.breaker_record("counted", counting, Outcome.success, probe=None)
+        with peek(path) as conn:
+            rows = dict(conn.execute("SELECT key, state FROM guards_breaker").fetchall())
+        assert json.loads(rows["old"]) == ["open", [], T0 + 30, 0, 0.0, 0, 0.0, 30.0, [], 5.0]
+        assert json.loads(rows["counted"]) == ["closed", [], 0.0, 0, 0.0, 0, 0.0, 0.0, [T0 + 30], 0.0]
+        assert (await store.breaker_admit("old", probing)).retry_after_s == pytest.approx(5)
+
+    asyncio.run(scenario())

@@ -6,6 +6,7 @@ Time only moves when the test moves the `ManualClock`; nothing sleeps.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -370,3 +371,240 @@ def test_concurrent_failures_open_once(store: PiecewiseStore) -> None:
         assert decision.retry_after_s == pytest.approx(30)
 
     asyncio.run(scenario())
+
+
+# --- slow calls (`slow_call_s`, `minimum_calls`) ------------------------------------------------
+
+SLOW = Breaker(failure_threshold=2, window_s=60, slow_call_s=5, minimum_calls=4, reset_timeout_s=30)
+
+
+async def calls(store: PiecewiseStore, policy: Breaker, *outcomes: Outcome) -> CircuitState:
+    """Closed-phase calls admitted and ended as `outcomes`, in order: the state after the last."""
+    state = CircuitState.closed
+    for outcome in outcomes:
+        decision = await store.breaker_admit(KEY, policy)
+        assert (decision.allowed, decision.probe) == (True, None)
+        state = (await store.breaker_record(KEY, policy, outcome, probe=None)).state
+    return state
+
+
+S, F, OK = Outcome.slow, Outcome.failure, Outcome.success
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "opened"),
+    [
+        # Fewer than minimum_calls (4) calls in the window: a slow call is a success.
+        ((S, S, S), False),
+        # The fourth call is slow with four calls in the window: it counts; a second opens it.
+        ((S, S, S, S), False),
+        ((S, S, S, S, S), True),
+        ((OK, OK, OK, S, S), True),
+        # Failures count toward minimum_calls, and a failure is a failure whatever the count.
+        ((F, OK, OK, S), True),
+        ((F, F), True),
+        # A slow call before the fourth is a success; the fourth and fifth count (a window:
+        # successes between them reset nothing).
+        ((OK, S, OK, S, OK), False),
+        ((OK, S, OK, S, OK, S), True),
+    ],
+)
+def test_slow_calls_count_as_failures_once_the_window_holds_minimum_calls(
+    store: PiecewiseStore, outcomes: tuple[Outcome, ...], opened: bool
+) -> None:
+    state = asyncio.run(calls(store, SLOW, *outcomes))
+    assert state is (CircuitState.open if opened else CircuitState.closed)
+
+
+def test_slow_calls_need_the_minimum_within_the_window(store: PiecewiseStore, clock: ManualClock) -> None:
+    """Calls that left the window no longer count toward `minimum_calls`."""
+
+    async def scenario() -> None:
+        assert await calls(store, SLOW, OK, OK, OK) is CircuitState.closed
+        clock.advance(61)  # those three have left the 60 s window
+        assert await calls(store, SLOW, S, S, S) is CircuitState.closed  # 3 calls within it
+        clock.advance(1)
+        assert await calls(store, SLOW, S) is CircuitState.closed  # the 4th: one slow counted
+        assert await calls(store, SLOW, S) is CircuitState.open  # the 2nd counted: open
+        decision = await store.breaker_admit(KEY, SLOW)
+        assert (decision.allowed, decision.retry_after_s) == (False, pytest.approx(30))
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_probe_is_a_failed_probe(store: PiecewiseStore, clock: ManualClock) -> None:
+    async def scenario() -> None:
+        assert await calls(store, SLOW, F, F) is CircuitState.open
+        clock.advance(30)
+        ticket = (await store.breaker_admit(KEY, SLOW)).probe
+        assert ticket is not None
+        state = await store.breaker_record(KEY, SLOW, Outcome.slow, probe=ticket)
+        assert state.state is CircuitState.open
+        assert (await store.breaker_admit(KEY, SLOW)).retry_after_s == pytest.approx(30)
+
+    asyncio.run(scenario())
+
+
+def test_a_policy_without_slow_call_s_takes_a_slow_call_as_a_success(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
+    policy = Breaker(failure_threshold=2, reset_timeout_s=30, success_threshold=1)
+
+    async def scenario() -> None:
+        assert await calls(store, policy, F, S, F, S, F) is CircuitState.closed  # never two in a row
+        assert await calls(store, policy, F) is CircuitState.open
+        clock.advance(30)
+        ticket = (await store.breaker_admit(KEY, policy)).probe
+        state = await store.breaker_record(KEY, policy, Outcome.slow, probe=ticket)
+        assert state.state is CircuitState.closed
+
+    asyncio.run(scenario())
+
+
+def test_counted_calls_are_kept_and_forgotten_when_the_breaker_opens(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
+    """The calls counted survive in the store between calls (a closed breaker with calls but no
+    failure is kept), and a breaker that opened and closed again starts counting afresh."""
+    policy = Breaker(
+        failure_threshold=1,
+        window_s=60,
+        slow_call_s=5,
+        minimum_calls=3,
+        reset_timeout_s=30,
+        success_threshold=1,
+    )
+
+    async def scenario() -> None:
+        assert await calls(store, policy, OK, OK) is CircuitState.closed
+        assert await calls(store, policy, S) is CircuitState.open  # the third call, slow
+        clock.advance(30)
+        ticket = (await store.breaker_admit(KEY, policy)).probe
+        assert (
+            await store.breaker_record(KEY, policy, Outcome.success, probe=ticket)
+        ).state is CircuitState.closed
+        assert await calls(store, policy, S, S) is CircuitState.closed  # two calls since it closed
+        assert await calls(store, policy, S) is CircuitState.open
+
+    asyncio.run(scenario())
+
+
+# --- probe interval (`probe_interval_s`) --------------------------------------------------------
+
+PROBING = Breaker(failure_threshold=1, reset_timeout_s=30, probe_interval_s=5, success_threshold=2)
+
+
+def test_a_failed_probe_reopens_for_the_probe_interval(store: PiecewiseStore, clock: ManualClock) -> None:
+    async def scenario() -> None:
+        await open_breaker(store, PROBING)
+        assert (await store.breaker_admit(KEY, PROBING)).retry_after_s == pytest.approx(30)  # the first: full
+        clock.advance(30)
+        ticket = (await store.breaker_admit(KEY, PROBING)).probe
+        assert ticket is not None
+        clock.advance(2)  # the probe took 2 s and failed
+        state = await store.breaker_record(KEY, PROBING, Outcome.failure, probe=ticket)
+        assert state.state is CircuitState.open
+        refused = await store.breaker_admit(KEY, PROBING)
+        assert (refused.allowed, refused.state, refused.retry_after_s) == (
+            False,
+            CircuitState.open,
+            pytest.approx(5),
+        )
+        clock.advance(4.9)
+        assert not (await store.breaker_admit(KEY, PROBING)).allowed
+        clock.advance(0.1)
+        probe = await store.breaker_admit(KEY, PROBING)
+        assert (probe.allowed, probe.state) == (True, CircuitState.half_open)
+        assert probe.probe is not None
+        assert not (await store.breaker_admit(KEY, PROBING)).allowed  # still one probe at a time
+        # It answers: two successes close it.
+        await store.breaker_record(KEY, PROBING, Outcome.success, probe=probe.probe)
+        second = await store.breaker_admit(KEY, PROBING)
+        state = await store.breaker_record(KEY, PROBING, Outcome.success, probe=second.probe)
+        assert state.state is CircuitState.closed
+
+    asyncio.run(scenario())
+
+
+def test_a_probe_slot_is_still_reclaimed_after_the_reset_timeout(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
+    """A probe in flight longer than the probe interval keeps its slot: only one probe at a time;
+    a slot whose caller never reports is reclaimed after `reset_timeout_s`, as without one."""
+
+    async def scenario() -> None:
+        await open_breaker(store, PROBING)
+        clock.advance(30)
+        ticket = (await store.breaker_admit(KEY, PROBING)).probe
+        await store.breaker_record(KEY, PROBING, Outcome.failure, probe=ticket)
+        clock.advance(5)
+        assert (await store.breaker_admit(KEY, PROBING)).probe is not None  # never reported
+        clock.advance(29)
+        refused = await store.breaker_admit(KEY, PROBING)
+        assert (refused.allowed, refused.state) == (False, CircuitState.half_open)
+        assert refused.retry_after_s == pytest.approx(1)
+        clock.advance(1)
+        assert (await store.breaker_admit(KEY, PROBING)).probe is not None
+
+    asyncio.run(scenario())
+
+
+def test_a_closed_phase_failure_opens_for_the_reset_timeout_even_with_a_probe_interval(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
+    async def scenario() -> None:
+        await open_breaker(store, PROBING)
+        clock.advance(30)
+        ticket = (await store.breaker_admit(KEY, PROBING)).probe
+        await store.breaker_record(KEY, PROBING, Outcome.success, probe=ticket)
+        ticket = (await store.breaker_admit(KEY, PROBING)).probe
+        await store.breaker_record(KEY, PROBING, Outcome.success, probe=ticket)  # closed
+        await fail_closed_calls(store, PROBING, 1)
+        assert (await store.breaker_admit(KEY, PROBING)).retry_after_s == pytest.approx(30)
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_without_a_probe_interval_keeps_the_openers_next_probe(
+    store: PiecewiseStore, clock: ManualClock
+) -> None:
+    """The next probe's time is stored with the state: a policy of its own (no interval) reads
+    the same `Retry-After` and half-opens it at the same moment."""
+    other = Breaker(failure_threshold=1, reset_timeout_s=300)
+
+    async def scenario() -> None:
+        await open_breaker(store, PROBING)
+        clock.advance(30)
+        ticket = (await store.breaker_admit(KEY, other)).probe
+        await store.breaker_record(KEY, PROBING, Outcome.failure, probe=ticket)
+        assert (await store.breaker_admit(KEY, other)).retry_after_s == pytest.approx(5)
+        clock.advance(5)
+        assert (await store.breaker_admit(KEY, other)).probe is not None
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"slow_call_s": 5}, "needs window_s"),
+        ({"slow_call_s": 0, "window_s": 60}, "slow_call_s must be a positive"),
+        ({"slow_call_s": float("nan"), "window_s": 60}, "slow_call_s must be a positive"),
+        ({"slow_call_s": float("inf"), "window_s": 60}, "slow_call_s must be a positive"),
+        ({"minimum_calls": 0}, "minimum_calls must be a whole number from 1 to 1000"),
+        ({"minimum_calls": 1001}, "minimum_calls"),
+        ({"minimum_calls": 2.5}, "minimum_calls"),
+        ({"probe_interval_s": 0}, "probe_interval_s must be a positive"),
+        ({"probe_interval_s": float("nan")}, "probe_interval_s"),
+        ({"probe_interval_s": 31}, r"at most reset_timeout_s \(30\)"),
+    ],
+)
+def test_bad_slow_call_and_probe_settings_say_what_to_fix(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Breaker(**options)
+
+
+def test_new_settings_are_off_by_default() -> None:
+    policy = Breaker()
+    assert (policy.slow_call_s, policy.minimum_calls, policy.probe_interval_s) == (None, 10, None)
+    Breaker(window_s=60, slow_call_s=0.5, minimum_calls=1000, probe_interval_s=30)  # the limits

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from app.service import create_app
+from app.settings import SettingsError, load_settings
 from fixtures import Fail, FakeWorkersAI, Reply
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
@@ -68,3 +69,50 @@ def test_failures_between_successes_do_not_open_the_breaker(
     response = post(client)
     assert response.status_code == 200, response.json()  # not 503 circuit_open
     assert len(fake_workers_ai.calls) == 6
+
+
+def test_a_slow_model_opens_the_breaker_of_the_example_app(
+    fake_workers_ai: FakeWorkersAI,
+    serve: Serve,
+    store_kind: str,
+    tmp_path: Path,
+    prefix: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    """BREAKER_SLOW_CALL_S over real HTTP: every answer comes, slowly. The first two calls are
+    fewer than BREAKER_MINIMUM_CALLS (3) and count as successes; the third and fourth count as
+    failures and open the breaker: the fifth request is answered 503 `circuit_open` with no
+    call."""
+    settings = workers_ai_settings(
+        fake_workers_ai,
+        breaker_failure_threshold=2,
+        breaker_window_s=60.0,
+        breaker_slow_call_s=0.15,
+        breaker_minimum_calls=3,
+        ai_timeout_s=5.0,
+    )
+    store = real_store(store_kind, tmp_path, prefix, request)
+    client = serve(create_app(settings, store=store, sleep=no_sleep))
+    fake_workers_ai.script(MODEL, *[Reply("Slowly.", delay_s=0.3)] * 4)
+    assert [post(client).status_code for _ in range(4)] == [200] * 4
+    refused = post(client)
+    assert (refused.status_code, refused.json()["error"]) == (503, "circuit_open")
+    assert len(fake_workers_ai.calls) == 4
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"BREAKER_SLOW_CALL_S": "20"}, "BREAKER_SLOW_CALL_S needs BREAKER_WINDOW_S"),
+        ({"BREAKER_PROBE_INTERVAL_S": "31"}, "BREAKER_PROBE_INTERVAL_S must be at most BREAKER_RESET_S"),
+        ({"BREAKER_MINIMUM_CALLS": "0"}, "BREAKER_MINIMUM_CALLS"),
+        ({"BREAKER_WINDOW_S": "-1"}, "BREAKER_WINDOW_S"),
+    ],
+)
+def test_bad_breaker_settings_fail_start_up_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], named: str
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError, match=named):
+        load_settings()
