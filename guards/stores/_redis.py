@@ -72,6 +72,7 @@ import functools
 import hashlib
 import os
 import ssl
+import time
 import urllib.parse
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import suppress
@@ -87,6 +88,7 @@ except ModuleNotFoundError as _error:  # the extra [redis]
 
 from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._clock import Clock
+from .._log import emit, emit_warning
 from ._base import (
     ADMITTED,
     Admission,
@@ -100,6 +102,7 @@ from ._base import (
     TaskStatus,
     bounded_key,
 )
+from ._epoch import Epoch
 from ._step import plainly_admitted
 from ._task import new_lease
 
@@ -118,6 +121,22 @@ if ARGV[2] == '' then
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 else
   now = tonumber(ARGV[2])
+end
+
+-- The store's epoch marker (see guards.stores._epoch): an operation that checks it has the
+-- marker's key last in KEYS and the epoch the worker knows last in ARGV. A missing marker is
+-- made again (its id: Redis' TIME, unique per reset); `epoch` is the id found when the worker
+-- did not know it, which the operation adds to its reply.
+local epoch = nil
+local function check_epoch()
+  local key = KEYS[#KEYS]
+  local found = redis.call('GET', key)
+  if not found then
+    local t = redis.call('TIME')
+    found = t[1] .. '.' .. t[2]
+    redis.call('SET', key, found)
+  end
+  if found ~= ARGV[#ARGV] then epoch = found end
 end
 
 local DAY = 86400
@@ -634,11 +653,19 @@ local function task_claim(key, owner, fp, lease, lease_s, ttl_s, max_live)
   return reply
 end
 
-if op == 'step' then return step() end
+if op == 'step' then
+  check_epoch()
+  local reply = step()
+  if epoch then reply[#reply + 1] = epoch end -- a second element: the epoch found
+  return reply
+end
 if op == 'health' then return health() end
 if op == 'task_claim' then
-  return task_claim(KEYS[1], KEYS[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]),
+  check_epoch()
+  local reply = task_claim(KEYS[1], KEYS[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]),
     tonumber(ARGV[7]))
+  if epoch then reply[#reply + 1] = epoch end -- after the steps' pairs: an odd one out
+  return reply
 end
 if op == 'task_save' then
   if not task_held(KEYS[1], ARGV[3]) then return {'0'} end
@@ -787,9 +814,24 @@ class RedisStore:
         self._fixed: dict[int, tuple[Step, list[str], str]] = {}
         #: Whether the script is in the server's cache as far as we know (NOSCRIPT says otherwise).
         self._loaded = False
+        #: The store's epoch marker (see `guards.stores._epoch`): outside every hash tag.
+        self._epoch_key = f"{prefix}epoch"
+        self._epoch = Epoch("redis")
+        #: The server settings already warned about, (setting, value): once per store each.
+        self._warned: set[tuple[str, str]] = set()
+        #: Operations refused for memory (OOM) since the last `store_out_of_memory` line, and
+        #: when the next line may be written (monotonic).
+        self._oom_count = 0
+        self._oom_next = 0.0
 
     def __repr__(self) -> str:
         return f"RedisStore(prefix={self._prefix!r})"  # never the URL: it may carry a password
+
+    @property
+    def epoch(self) -> Epoch:
+        """The store's epoch as this worker knows it, and the resets it noticed (see
+        docs/stores.md, "When the store forgets")."""
+        return self._epoch
 
     # --- the Store operations ---------------------------------------------------------------
 
@@ -887,7 +929,10 @@ class RedisStore:
         ages = step.success_ages
         if ages:
             args = "|".join([args, *[_num(age) for age in ages[: len(legs)]]])
-        reply = (await self._call(_pack("step", keys, self._now_arg(), (args,))))[0]
+        replies = await self._call(_pack("step", keys, self._now_arg(), (args, self._epoch.known)))
+        if len(replies) > 1:  # the store's epoch is not the one this worker knew
+            self._epoch.found(replies[1])
+        reply = replies[0]
         if reply == "P":  # the usual answer (see the script's `step`)
             return plainly_admitted(len(legs), step.breaker is not None)
         return self._passage(step, reply.split("|"))
@@ -933,6 +978,7 @@ class RedisStore:
             settle = report.spend_key is not None and report.reservation is not None
             args += [report.reservation or "" if settle else "", _num(report.actual)]
         args.append(_num(report.success_age if record and report is not None else None))
+        keys.append(self._epoch_key)  # always the last key (the script's `check_epoch`)
         # Every field is a number, a token or a hex reservation: none holds a '|'.
         return keys, "|".join(args)
 
@@ -985,11 +1031,15 @@ class RedisStore:
         max_live: int | None = None,
     ) -> TaskClaim:
         keys = [self._key(key) + ":task", self._key(owner) + ":tasks" if owner is not None else ""]
+        keys.append(self._epoch_key)  # last (the script's `check_epoch`)
+        known = self._epoch.known
         reply = await self._run(
-            "task_claim", keys, fingerprint, new_lease(), _num(lease_s), _num(ttl_s), _num(max_live)
+            "task_claim", keys, fingerprint, new_lease(), _num(lease_s), _num(ttl_s), _num(max_live), known
         )
         status, lease, response, retry_after = reply[:4]
         pairs = reply[4:]
+        if len(pairs) % 2:  # the store's epoch, after the steps' pairs: not the one this worker knew
+            self._epoch.found(pairs.pop())
         return TaskClaim(
             TaskStatus(status),
             lease or None,
@@ -1059,7 +1109,81 @@ class RedisStore:
             reply = await wire.send(command)  # behind the load, on the same connection
             if reply.__class__ is list:
                 return reply
-        raise StoreUnavailable("Redis store unavailable (ResponseError)")  # a script error
+        raise self._refused(wire, reply)
+
+    def _refused(self, wire: _Wire, reply: Any) -> StoreUnavailable:
+        """What an error reply to an operation raises: a write refused for memory is said so
+        (`store_out_of_memory`, at most one line a second, with the count since the last); a
+        server that no longer takes writes (a replica: `READONLY`, or one loading its data:
+        `LOADING`) drops the connection, so the next operation connects again (and, behind
+        Sentinel, asks where the primary is now). Else a script error: that operation alone."""
+        text = str(reply) if isinstance(reply, hiredis.ReplyError) else ""
+        if text.startswith("OOM") or "-OOM " in text:  # (inside a script, Redis prefixes the error)
+            self._oom_count += 1
+            now = time.monotonic()
+            if now >= self._oom_next:
+                self._oom_next = now + 1.0
+                count, self._oom_count = self._oom_count, 0
+                emit_warning(
+                    "store_out_of_memory",
+                    store="redis",
+                    count=count,
+                    setting="maxmemory",
+                    detail="Redis refused a write: used memory is over maxmemory (maxmemory-policy "
+                    "noeviction). Give Redis more memory (see docs/stores.md for the memory per key)",
+                )
+            return StoreUnavailable("Redis store unavailable (OOM)")
+        code = _code(reply) if isinstance(reply, hiredis.ReplyError) else "ResponseError"
+        if code in ("READONLY", "LOADING", "MASTERDOWN"):
+            wire.fail(StoreUnavailable(f"Redis store unavailable ({code})"))
+            return StoreUnavailable(f"Redis store unavailable ({code})")
+        return StoreUnavailable("Redis store unavailable (ResponseError)")  # a script error
+
+    async def _check_settings(self, wire: _Wire) -> None:
+        """Read the server's settings that decide whether it keeps guards' keys (on each new
+        connection: a failover may reach another server) and warn, once per store and value,
+        when budget keys can be evicted (`maxmemory-policy` other than `noeviction` with a
+        `maxmemory`: every guards key has a TTL, so `volatile-*` policies evict them too) or
+        are lost on a restart (`appendonly no` and no `save` snapshots). A server whose CONFIG
+        command is refused (managed Redis) is said once, at info level."""
+        names = ("maxmemory-policy", "maxmemory", "appendonly", "save")
+        try:
+            sent = [wire.send(_packed("CONFIG", "GET", name)) for name in names]
+        except StoreUnavailable:  # the connection broke: the next one checks
+            return
+        replies = await asyncio.gather(*sent, return_exceptions=True)
+        if any(isinstance(reply, BaseException) for reply in replies):
+            return  # the connection broke meanwhile: the next one checks
+        found: dict[str, str] = {}
+        for name, reply in zip(names, replies, strict=True):
+            if isinstance(reply, list) and len(reply) == 2:
+                found[name] = str(reply[1])
+        if len(found) < len(names):
+            if ("config", "") not in self._warned:
+                self._warned.add(("config", ""))
+                emit("store_settings_unchecked", store="redis", detail="CONFIG GET refused or renamed")
+            return
+        policy = found["maxmemory-policy"]
+        if policy != "noeviction" and found["maxmemory"] != "0":
+            self._warn_setting(
+                "maxmemory-policy",
+                policy,
+                "Redis may evict guards' keys when memory is full (they all have a TTL, so "
+                "volatile-* policies evict them too): daily caps, spend, breakers and tasks are "
+                "then forgotten. Set maxmemory-policy noeviction (and enough maxmemory)",
+            )
+        if found["appendonly"] == "no" and not found["save"].strip():
+            self._warn_setting(
+                "appendonly",
+                "no",
+                "Redis keeps guards' keys in memory only (appendonly no, and no save snapshots): "
+                "a restart forgets daily caps, spend, breakers and tasks. Set appendonly yes",
+            )
+
+    def _warn_setting(self, setting: str, value: str, detail: str) -> None:
+        if (setting, value) not in self._warned:
+            self._warned.add((setting, value))
+            emit_warning("store_setting", store="redis", setting=setting, value=value[:40], detail=detail)
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> _Link:
         """This loop's link, made on its first operation."""
@@ -1081,6 +1205,8 @@ class RedisStore:
             handshake.append(_LOAD_SCRIPT)
             self._loaded = True
         wire.begin(handshake, loop.create_task(self._connect(wire)))
+        # Its server's settings, read behind this turn's operations (see `_check_settings`).
+        wire.checking = loop.create_task(self._check_settings(wire))
         return wire
 
     async def _connect(self, wire: _Wire) -> None:
@@ -1171,6 +1297,8 @@ class _Wire(asyncio.Protocol):
         self.failure: str | None = None
         #: SCRIPT LOADs sent on this connection.
         self.loads = 0
+        #: The reading of its server's settings (a strong reference: `_check_settings`).
+        self.checking: asyncio.Task[None] | None = None
         #: Done once the socket is closed (if it was ever connected).
         self._made = False
         self._lost: asyncio.Future[None] = loop.create_future()
