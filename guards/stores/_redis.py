@@ -1152,8 +1152,8 @@ class RedisStore:
         except StoreUnavailable:  # the connection broke: the next one checks
             return
         replies = await asyncio.gather(*sent, return_exceptions=True)
-        if any(isinstance(reply, BaseException) for reply in replies):
-            return  # the connection broke meanwhile: the next one checks
+        if any(isinstance(reply, StoreUnavailable) for reply in replies):
+            return  # the connection broke meanwhile: the next one checks (an error reply: a result)
         found: dict[str, str] = {}
         for name, reply in zip(names, replies, strict=True):
             if isinstance(reply, list) and len(reply) == 2:
