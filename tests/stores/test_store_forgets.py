@@ -186,7 +186,8 @@ def test_a_worker_that_starts_on_a_new_store_does_not_warn(
     late = RedisStore(server.url, timeout_s=STORE_TIMEOUT_S)
     assert app_client(cap_app(late)).post("/label", headers={"x-user-id": "bob"}).status_code == 200
     assert guards_log.events("store_reset") == []
-    assert late.epoch.known and late.epoch.resets == 0
+    assert late.epoch.known
+    assert late.epoch.resets == 0
 
 
 def store_settings(guards_log: LogLines) -> dict[str, str]:
@@ -205,7 +206,8 @@ def test_a_policy_that_can_evict_guards_keys_is_warned_at_connect(
     assert guards_log.wait_for(lambda: store_settings(guards_log))
     assert store_settings(guards_log) == {"maxmemory-policy": policy}  # once, and nothing else
     (line,) = guards_log.events("store_setting")
-    assert "noeviction" in line["detail"] and line["store"] == "redis"
+    assert "noeviction" in line["detail"]
+    assert line["store"] == "redis"
 
 
 def test_no_persistence_is_warned_and_noeviction_with_aof_is_not(
@@ -251,6 +253,32 @@ def test_a_write_refused_for_memory_is_named(
     assert {r.json()["error"] for r in refused} == {"circuit_open"}
     lines = guards_log.events("store_out_of_memory")
     assert len(lines) == 1  # at most one a second, counting the others
-    assert lines[0]["setting"] == "maxmemory" and lines[0]["count"] == 1
+    assert lines[0]["setting"] == "maxmemory"
+    assert lines[0]["count"] == 1
     # Each request's guards still say the store failed, and what each did (as in any outage).
-    assert {line["guard"] for line in guards_log.events("store_unavailable")} == {"budget", "breaker", "cooldown"}
+    assert {line["guard"] for line in guards_log.events("store_unavailable")} == {
+        "budget",
+        "breaker",
+        "cooldown",
+    }
+
+
+def test_the_status_page_shows_the_resets_a_worker_noticed(
+    app_client: AppClient, private_redis: Callable[..., RedisServer]
+) -> None:
+    server = private_redis()
+    store = RedisStore(server.url, timeout_s=STORE_TIMEOUT_S)
+    app = cap_app(store)
+    app.include_router(Guards.of(app).status_router())
+    worker = app_client(app)
+    assert worker.post("/label", headers={"x-user-id": "ada"}).status_code == 200
+    first = worker.get("/status", headers={"accept": "application/json"}).json()["store_resets"]
+    assert first["count"] == 0
+    assert first["last"] is None
+    with redis.Redis(port=server.port) as admin:
+        admin.flushall()
+    assert worker.post("/label", headers={"x-user-id": "ada"}).status_code == 200
+    after = worker.get("/status", headers={"accept": "application/json"}).json()["store_resets"]
+    assert after["count"] == 1
+    assert after["last"] is not None
+    assert "store forgot its state 1 time" in worker.get("/status", headers={"accept": "text/html"}).text
