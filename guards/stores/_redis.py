@@ -1211,8 +1211,9 @@ class RedisStore:
 
     async def _connect(self, wire: _Wire) -> None:
         try:
-            with _Bound(self._timeout_s):
-                await self._address.connect(wire)
+            # Behind Sentinel: one timeout to ask the sentinels, one to connect to the primary.
+            with _Bound(self._timeout_s * (2 if self._address.master is not None else 1)):
+                await self._address.connect(wire, self._timeout_s)
         except (OSError, TimeoutError) as exc:  # refused, unreachable, TLS refused, too slow
             wire.fail(_unavailable(exc))
         except BaseException:  # cancelled (its loop shutting down)
@@ -1415,6 +1416,9 @@ class _Wire(asyncio.Protocol):
                     if isinstance(reply, hiredis.ReplyError):  # AUTH or SELECT refused
                         self.fail(StoreUnavailable(f"Redis store unavailable ({_code(reply)})"))
                         return
+                    if isinstance(reply, list) and reply and reply[0] != "master":  # ROLE: a replica
+                        self.fail(StoreUnavailable("Redis store unavailable (READONLY)"))
+                        return
         except (hiredis.ProtocolError, IndexError, ValueError):  # ValueError: not UTF-8
             self.fail(StoreUnavailable("Redis store unavailable (ProtocolError)"))
 
@@ -1437,11 +1441,15 @@ def _code(reply: hiredis.ReplyError) -> str:
 class _Address:
     """Where the store's Redis is and how to log in, from its URL:
     `redis://[[username]:password@]host[:port][/db]`, `rediss://...` (TLS) or
-    `unix://[[username]:password@]/path/to/socket[?db=n]`. Options, in the query string:
-    `db`, and for TLS `ssl_cert_reqs` (`required`, the default; `optional`; `none`),
-    `ssl_ca_certs` (a CA file), `ssl_certfile` and `ssl_keyfile` (a client certificate),
-    `ssl_check_hostname` (`true` by default when certificates are required); and `prefix`, the
-    store's key prefix (see `RedisStore`)."""
+    `unix://[[username]:password@]/path/to/socket[?db=n]`; or, behind Redis Sentinel,
+    `redis+sentinel://[[username]:password@]host[:port][,host[:port]...]/master-name[/db]`
+    (`rediss+sentinel://`: TLS to the sentinels and the primary; the sentinels' port is 26379
+    by default). Options, in the query string: `db`, and for TLS `ssl_cert_reqs` (`required`,
+    the default; `optional`; `none`), `ssl_ca_certs` (a CA file), `ssl_certfile` and
+    `ssl_keyfile` (a client certificate), `ssl_check_hostname` (`true` by default when
+    certificates are required); `sentinel_password` (the sentinels' own, when they require
+    one; the URL's password is the primary's); and `prefix`, the store's key prefix (see
+    `RedisStore`)."""
 
     host: str = "localhost"
     port: int = 6379
@@ -1451,15 +1459,31 @@ class _Address:
     password: str | None = None
     tls: ssl.SSLContext | None = None
     prefix: str | None = None
+    #: Behind Sentinel: the sentinels, the primary's name among them, and their password.
+    sentinels: tuple[tuple[str, int], ...] = ()
+    master: str | None = None
+    sentinel_password: str | None = None
 
     _OPTIONS = frozenset(
-        {"db", "prefix", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
+        {
+            "db",
+            "prefix",
+            "ssl_cert_reqs",
+            "ssl_ca_certs",
+            "ssl_certfile",
+            "ssl_keyfile",
+            "ssl_check_hostname",
+            "sentinel_password",
+        }
     )
 
     @classmethod
     def parse(cls, url: str) -> _Address:
         """The address in `url`; a `ValueError` naming what is wrong, never the URL (it may
         carry a password)."""
+        scheme = url.split(":", 1)[0].lower()
+        if scheme in ("redis+sentinel", "rediss+sentinel"):
+            return cls._parse_sentinel(url, scheme)
         try:
             parts = urllib.parse.urlsplit(url)
             query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
@@ -1468,13 +1492,9 @@ class _Address:
             raise ValueError("invalid Redis URL (expected redis://, rediss:// or unix://)") from None
         if parts.scheme not in ("redis", "rediss", "unix"):
             raise ValueError("invalid Redis URL (expected redis://, rediss:// or unix://)")
-        unknown = sorted(name for name in query if name not in cls._OPTIONS)
-        if unknown:
-            named = unknown[0] if unknown[0].isidentifier() and len(unknown[0]) <= 40 else "?"
-            raise ValueError(
-                f"invalid Redis URL: unknown option {named!r} (known: {', '.join(sorted(cls._OPTIONS))})"
-            )
-        options = {name: values[-1] for name, values in query.items()}
+        options = cls._options(query)
+        if "sentinel_password" in options:
+            raise ValueError("invalid Redis URL: sentinel_password needs redis+sentinel://")
         db_text = options.get("db", "")
         if parts.scheme != "unix" and parts.path.strip("/"):
             db_text = parts.path.strip("/")
@@ -1508,23 +1528,134 @@ class _Address:
             options.get("prefix"),
         )
 
+    @classmethod
+    def _options(cls, query: dict[str, list[str]]) -> dict[str, str]:
+        unknown = sorted(name for name in query if name not in cls._OPTIONS)
+        if unknown:
+            named = unknown[0] if unknown[0].isidentifier() and len(unknown[0]) <= 40 else "?"
+            raise ValueError(
+                f"invalid Redis URL: unknown option {named!r} (known: {', '.join(sorted(cls._OPTIONS))})"
+            )
+        return {name: values[-1] for name, values in query.items()}
+
+    @classmethod
+    def _parse_sentinel(cls, url: str, scheme: str) -> _Address:
+        """`redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master-name[/db]`."""
+        spelling = "redis+sentinel://[[user]:password@]host:port[,host:port...]/master-name[/db]"
+        rest = url[len(scheme) + 3 :] if url[len(scheme) : len(scheme) + 3] == "://" else None
+        if rest is None:
+            raise ValueError(f"invalid Redis URL: a Sentinel URL reads {spelling}")
+        rest, _, query_text = rest.partition("?")
+        hosts_part, _, path = rest.partition("/")
+        login, _, hosts_text = hosts_part.rpartition("@")
+        username = password = None
+        if login:
+            user_text, _, password_text = login.partition(":")
+            username = urllib.parse.unquote(user_text) or None
+            password = urllib.parse.unquote(password_text) if password_text else None
+        sentinels = []
+        for host_text in hosts_text.split(","):
+            try:
+                parts = urllib.parse.urlsplit(f"//{host_text}")
+                host, port = parts.hostname, parts.port or 26379
+            except ValueError:
+                host = None
+            if not host:
+                raise ValueError(f"invalid Redis URL: a sentinel's host:port is malformed ({spelling})")
+            sentinels.append((host, port))
+        if len(sentinels) > 16:
+            raise ValueError("invalid Redis URL: at most 16 sentinels")
+        names = [urllib.parse.unquote(part) for part in path.split("/") if part]
+        if not names or len(names) > 2:
+            raise ValueError(f"invalid Redis URL: name the primary ({spelling})")
+        master, db_text = names[0], names[1] if len(names) == 2 else ""
+        options = cls._options(urllib.parse.parse_qs(query_text, keep_blank_values=True))
+        db_text = db_text or options.get("db", "")
+        if db_text and not db_text.isdigit():
+            raise ValueError("invalid Redis URL: the database must be a number")
+        tls = None
+        if scheme == "rediss+sentinel":
+            tls = _tls_context(options)
+        elif any(name.startswith("ssl_") for name in options):
+            raise ValueError("invalid Redis URL: ssl_* options need rediss+sentinel://")
+        return cls(
+            db=int(db_text or 0),
+            username=username,
+            password=password,
+            tls=tls,
+            prefix=options.get("prefix"),
+            sentinels=tuple(sentinels),
+            master=master,
+            sentinel_password=options.get("sentinel_password"),
+        )
+
     def handshake(self) -> list[bytes]:
         """The commands a new connection starts with (none for a default database without a
-        password)."""
+        password). Behind Sentinel, `ROLE` too: a server that is not (or no longer) the primary
+        fails the connection (`_Wire.data_received`), and the next one asks the sentinels."""
         commands = []
         if self.password is not None:
             login = (self.username, self.password) if self.username else (self.password,)
             commands.append(_packed("AUTH", *login))
         if self.db:
             commands.append(_packed("SELECT", self.db))
+        if self.master is not None:
+            commands.append(_packed("ROLE"))
         return commands
 
-    async def connect(self, wire: _Wire) -> None:
+    async def connect(self, wire: _Wire, timeout_s: float) -> None:
         loop = wire.loop
         if self.path is not None:
             await loop.create_unix_connection(lambda: wire, self.path)
+        elif self.master is not None:
+            host, port = await self._primary(timeout_s)
+            await loop.create_connection(lambda: wire, host, port, ssl=self.tls)
         else:
             await loop.create_connection(lambda: wire, self.host, self.port, ssl=self.tls)
+
+    async def _primary(self, timeout_s: float) -> tuple[str, int]:
+        """Where the primary is, as the sentinels say: all asked at once, each given
+        `timeout_s`; the first in the URL's order that answered wins. `OSError` when none knows
+        (unreachable, or the name unknown to them)."""
+        asks = [asyncio.ensure_future(self._ask(host, port)) for host, port in self.sentinels]
+        try:
+            await asyncio.wait(asks, timeout=timeout_s)
+        finally:
+            for ask in asks:
+                ask.cancel()
+        found = None
+        for ask in asks:  # (every failure read, so none is reported as never retrieved)
+            if ask.done() and not ask.cancelled() and ask.exception() is None and found is None:
+                found = ask.result()
+        if found is None:
+            raise ConnectionRefusedError("no sentinel named the primary")
+        return found
+
+    async def _ask(self, host: str, port: int) -> tuple[str, int] | None:
+        """One sentinel's answer to `SENTINEL get-master-addr-by-name` (None: it knows no
+        such primary)."""
+        reader, writer = await asyncio.open_connection(host, port, ssl=self.tls)
+        try:
+            commands = []
+            if self.sentinel_password is not None:
+                commands.append(_packed("AUTH", self.sentinel_password))
+            commands.append(_packed("SENTINEL", "get-master-addr-by-name", self.master or ""))
+            writer.write(b"".join(commands))
+            parser = hiredis.Reader(encoding="utf-8")
+            replies: list[Any] = []
+            while len(replies) < len(commands):
+                data = await reader.read(4096)
+                if not data:
+                    raise ConnectionResetError
+                parser.feed(data)
+                while (reply := parser.gets()) is not False:
+                    replies.append(reply)
+        finally:
+            writer.close()
+        answer = replies[-1]
+        if not isinstance(answer, list) or len(answer) != 2 or not str(answer[1]).isdigit():
+            return None
+        return str(answer[0]), int(answer[1])
 
 
 def _tls_context(options: dict[str, str]) -> ssl.SSLContext:
