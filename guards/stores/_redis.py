@@ -26,6 +26,9 @@ with `%`, `{` and `}` percent-escaped, so every key of one operation lives in on
   while nobody holds it), `until` (the lease's end), `exp` (the task's expiry, store time),
   `own` (its owner's key, or empty), `response` once it completed, and `s:<name>` per saved
   step; kept `ttl_s` from its creation.
+- `<prefix>epoch`: the store's epoch marker (see `guards.stores._epoch`), the one key without a
+  TTL: read (and made again when missing) by every `step` and `task_claim`, whose KEYS end with
+  it. It has no hash tag: its own slot.
 - `<prefix>{<owner>}:tasks`: an owner's live tasks, a sorted set of task keys scored by their
   expiry (store time), kept until the last of them expires. (Dropping a task removes it from
   its owner's set, whose key the task's hash names: a key the script is not given, in
@@ -59,6 +62,14 @@ behind that reply); the next operation dials again, so the store is back as soon
 Any Redis or socket error raises `StoreUnavailable`, whose message names the error class (or
 the Redis error's code, such as `WRONGPASS`) only, never the URL, host, port or password. A
 script error (say, a key of ours that another program overwrote) fails that operation alone.
+
+Behind Redis Sentinel (`redis+sentinel://`), each new connection first asks the sentinels where
+the primary is and checks its `ROLE` in the handshake; a connection lost, or an operation
+answered `READONLY`, `LOADING` or `MASTERDOWN`, drops it, and the next operation asks again.
+
+At each new connection the server's `maxmemory-policy`, `maxmemory`, `appendonly` and `save`
+are read (`CONFIG GET`, behind that turn's operations) and a setting under which guards' keys
+can be evicted or lost is warned once (`_check_settings`).
 
 Event loops: a connection belongs to one event loop, so the store keeps one per running loop,
 made on first use there and closed when that loop shuts down (or by `aclose`).

@@ -988,7 +988,7 @@ class SQLiteStore:
             self._check_files()
             self._when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))  # the write lock, first
         try:
-            # The epoch marker, read with every transaction (one indexed row) and made again
+            # The epoch marker, read with every transaction (a table of one row) and made again
             # when it is missing: a file replaced by an empty one, its tables emptied.
             row = conn.execute(_EPOCH).fetchone()
             if row is None:

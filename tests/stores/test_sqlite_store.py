@@ -143,7 +143,7 @@ def test_the_epoch_marker_is_one_row_that_never_expires(
 ) -> None:
     asyncio.run(leave_state_everywhere(store, clock))
     clock.advance(3 * DAILY_TTL_S)
-    asyncio.run(store.charge_budget("k", per_minute=None, per_day=1))  # (a sweep runs: nothing else is left)
+    asyncio.run(store.charge_budget("k", per_minute=None, per_day=1))  # (a sweep runs)
     with peek(path) as conn:
         assert conn.execute("SELECT count(*) FROM guards_epoch").fetchone() == (1,)
 
