@@ -7,6 +7,7 @@ each with its own store object on the same state), requests over ASGI."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import sqlite3
 import threading
@@ -21,7 +22,7 @@ from prometheus_client import REGISTRY
 
 from fixtures import FakeBinding, Reply
 from guards import AI, Budget, Guards, header_key
-from guards.stores import RedisStore, SQLiteStore
+from guards.stores import RedisStore, SQLiteStore, TaskClaim, TaskStatus
 from guards.testing.redis_server import RedisServer
 
 from ..conftest import STORE_TIMEOUT_S, AppClient, LogLines, wait_until
@@ -282,3 +283,41 @@ def test_the_status_page_shows_the_resets_a_worker_noticed(
     assert after["count"] == 1
     assert after["last"] is not None
     assert "store forgot its state 1 time" in worker.get("/status", headers={"accept": "text/html"}).text
+
+
+@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+def test_a_task_claimed_again_after_a_flush_is_said_so(
+    kind: str, guards_log: LogLines, private_redis: Callable[..., RedisServer], tmp_path: Path
+) -> None:
+    """A completed task's answer lost with the store: the claim of its `Idempotency-Key` runs it
+    again (charged again): the claim itself finds the marker gone and the worker warns."""
+    if kind == "redis":
+        server = private_redis()
+        store: RedisStore | SQLiteStore = RedisStore(server.url, timeout_s=STORE_TIMEOUT_S)
+
+        def flush() -> None:
+            with redis.Redis(port=server.port) as admin:
+                admin.flushall()
+    else:
+        path = tmp_path / "guards.db"
+        store = SQLiteStore(path, timeout_s=STORE_TIMEOUT_S)
+
+        def flush() -> None:
+            empty_sqlite(path)
+
+    async def claim() -> TaskClaim:
+        return await store.task_claim("report:ada:key-1", fingerprint="fp", lease_s=30, ttl_s=3600)
+
+    async def scenario() -> list[TaskStatus]:
+        first = await claim()
+        assert first.lease is not None
+        assert await store.task_complete("report:ada:key-1", first.lease, '{"reply": "done"}')
+        replayed = await claim()
+        flush()
+        again = await claim()
+        await store.aclose()
+        return [first.status, replayed.status, again.status]
+
+    assert asyncio.run(scenario()) == [TaskStatus.claimed, TaskStatus.done, TaskStatus.claimed]
+    assert len(guards_log.events("store_reset")) == 1
+    assert store.epoch.resets == 1
