@@ -200,6 +200,12 @@ def guard_route(
                 f"the fallback of {handler.__qualname__} does not validate against its return type: {exc}"
             ) from None
     output = OutputGuard(output_type, moderation)
+    local_share = None
+    if budget is not None and budget.on_store_failure == "local":
+        # The local fallback's module, only for a budget that uses it (at start-up, once).
+        from ._local_budget import LocalShare
+
+        local_share = LocalShare.of(budget)
     route = GuardedRoute(
         name=route_name,
         model=legs[0].ref.key,
@@ -230,6 +236,7 @@ def guard_route(
         stream_format=stream_format,
         shed_at=Level(shed_at) if shed_at is not None else None,
         task=task,
+        local_share=local_share,
     )
     if effort is not None:
         # Effort routing's module, only for a route that uses it (at start-up, once).

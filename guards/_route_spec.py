@@ -44,6 +44,7 @@ if typing.TYPE_CHECKING:
     from ._budget import Budget, Price
     from ._call import Retry
     from ._chain import ModelRef
+    from ._local_budget import LocalShare
     from ._output import OutputGuard
     from ._tasks import Task
     from ._vocabulary import Level
@@ -238,6 +239,8 @@ class GuardedRoute:
     shed_at: Level | None = None
     #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).
     task: Task | None = None
+    #: The budget's share per worker while the store is down (`on_store_failure="local"`).
+    local_share: LocalShare | None = None
 
     @property
     def degrading(self) -> bool:
