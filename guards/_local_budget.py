@@ -12,9 +12,9 @@ apply again, and what was admitted locally is not added to them.
 
 Bound: while the store is down, every worker together admits at most each limit (the shares
 sum to no more), on top of what the shared store had already counted, which no worker can
-read; so within one UTC day a key can reach at most twice its daily cap (per outage: the
-local counts are kept for the day, a second outage in the day continues them), and at most
-twice its per-minute limit in any minute around the outage.
+read; so within one UTC day a key can reach at most twice its daily cap (the local counts
+last the day: a second outage the same day continues them; a worker restarted meanwhile starts
+afresh), and at most twice its per-minute limit in any minute around an outage.
 """
 
 from __future__ import annotations
