@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from starlette.requests import Request
 
-from ._errors import GuardTripped
+from ._errors import ConfigurationError, GuardTripped
 from ._vocabulary import Reason
 from .stores import Admission
 
@@ -50,9 +50,10 @@ def header_key(name: str) -> Callable[[Request], str]:
     return key
 
 
-#: What a guard does when its store is down or too slow: `"open"` admits the call (and logs a
-#: warning), `"closed"` refuses it (`circuit_open`: the envelope's budget fallback, or 503).
-StoreFailureMode = Literal["open", "closed"]
+#: What a budget does when its store is down or too slow: `"open"` admits the call (and logs a
+#: warning), `"closed"` refuses it (`circuit_open`: the envelope's budget fallback, or 503),
+#: `"local"` enforces the worker's share of each limit in its own memory (see `Budget`).
+StoreFailureMode = Literal["open", "closed", "local"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,7 +80,13 @@ class Budget:
     `scope`: counters are shared by routes with the same scope (default: the route's name).
     `on_store_failure`: `"closed"` (default) refuses calls while the store is unreachable:
     a budget that cannot be checked cannot be enforced, and an outage of the store must not
-    become unbounded spend. `"open"` admits them, with a warning in the log.
+    become unbounded spend. `"open"` admits them, with a warning in the log. `"local"`: each
+    worker enforces its share of each limit (the limit divided by `workers`, rounded down) in
+    its own memory until the store answers again, with a warning per request meanwhile (see
+    docs/guards/budget.md for the bound on overshoot).
+    `workers`: how many workers (processes) share the store, across every machine; required
+    with `"local"` (and only then), and at most each limit, so every worker's share is at
+    least one.
     """
 
     per_minute: int | None = None
@@ -88,6 +95,7 @@ class Budget:
     key: Callable[[Request], str] = client_key
     scope: str | None = None
     on_store_failure: StoreFailureMode = "closed"
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("per_minute", "per_day"):
@@ -96,8 +104,26 @@ class Budget:
                 raise ValueError(f"Budget.{name} must be at least 1 (or None for no limit)")
         if self.spend_per_day is not None and self.spend_per_day <= 0:
             raise ValueError("Budget.spend_per_day must be positive (or None for no cap)")
-        if self.on_store_failure not in ("open", "closed"):
-            raise ValueError('Budget.on_store_failure must be "open" or "closed"')
+        if self.on_store_failure not in ("open", "closed", "local"):
+            raise ValueError('Budget.on_store_failure must be "open", "closed" or "local"')
+        local = self.on_store_failure == "local"
+        if local and (self.workers is None or self.workers < 1):
+            raise ConfigurationError(
+                'Budget(on_store_failure="local") needs workers=N: how many workers share the '
+                "store (each enforces 1/N of each limit while the store is down)"
+            )
+        if not local and self.workers is not None:
+            raise ConfigurationError('Budget.workers is read only with on_store_failure="local"')
+        if local:
+            assert self.workers is not None
+            for name in ("per_minute", "per_day"):
+                value = getattr(self, name)
+                if value is not None and value < self.workers:
+                    raise ConfigurationError(
+                        f"Budget.{name}={value} split among workers={self.workers} leaves a worker "
+                        f'no share while the store is down: use on_store_failure="closed", or '
+                        f"{name} of at least {self.workers}"
+                    )
 
 
 def input_tokens_bound(inputs: Mapping[str, Any]) -> int:

@@ -65,6 +65,7 @@ __all__ = [
     "SKIPS",
     "TOKENS",
     "FLUSH_INTERVAL_S",
+    "STORE_RESETS",
     "STORE_UNAVAILABLE",
     "TASK_STEPS",
     "GaugeTally",
@@ -153,6 +154,14 @@ STORE_UNAVAILABLE = Metric(
     "Store operations that failed (store down or slower than its timeout), by guard and what the "
     "guard did: open (admitted), closed (refused), or the op that was lost after the call.",
     ["guard", "action"],
+)
+STORE_RESETS = Metric(
+    "Counter",
+    "guards_store_reset",
+    "Times this worker found its store had forgotten its state (the store's epoch marker missing "
+    "or changed: a flush, a restart without persistence, an empty replica promoted, a SQLite "
+    "file replaced), by store: redis or sqlite. Each worker counts each reset once.",
+    ["store"],
 )
 REQUESTS = Metric(
     "Counter",

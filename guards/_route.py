@@ -239,6 +239,12 @@ def guard_route(
                 f"`{ai_name}: AI[str]` (a JSON-mode output cannot be both)"
             )
         answers = Answers(on_rejected, Tools(tools, handler.__qualname__) if tools is not None else None)
+    local_share = None
+    if budget is not None and budget.on_store_failure == "local":
+        # The local fallback's module, only for a budget that uses it (at start-up, once).
+        from ._local_budget import LocalShare
+
+        local_share = LocalShare.of(budget)
     route = GuardedRoute(
         name=route_name,
         model=legs[0].ref.key,
@@ -273,6 +279,7 @@ def guard_route(
         content_filter_fallback=content_filter_fallback,
         answers=answers,
         slow_call_s=breaker.slow_call_s if breaker is not None else None,
+        local_share=local_share,
     )
     if effort is not None:
         # Effort routing's module, only for a route that uses it (at start-up, once).

@@ -44,6 +44,7 @@ if typing.TYPE_CHECKING:
     from ._budget import Budget, Price
     from ._call import Retry
     from ._chain import ModelRef
+    from ._local_budget import LocalShare
     from ._output import OutputGuard
     from ._tasks import Task
     from ._vocabulary import Level
@@ -293,6 +294,8 @@ class GuardedRoute:
     #: The breaker's `slow_call_s` (None: no breaker, or one that counts no slow call): the
     #: walk then reports every success, slow or not (`RequestState._slow`).
     slow_call_s: float | None = None
+    #: The budget's share per worker while the store is down (`on_store_failure="local"`).
+    local_share: LocalShare | None = None
 
     @property
     def degrading(self) -> bool:

@@ -19,7 +19,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "guards"
 
 #: Imports a function makes on purpose, to load a module only when it is used (the Redis and
-#: SQLite stores; effort routing, tasks, tracing and the status page when an app configures
+#: SQLite stores; effort routing, tasks, a budget's local fallback, tracing and the status page when an app configures
 #: them; the OpenAPI additions when the document is first asked for): each runs at start-up or
 #: on first use, never on a request's path. Not a way round a circle, and each one checked for
 #: circles all the same. (`guards/__init__.py` imports its public names on first use through
@@ -36,6 +36,7 @@ LAZY = {
     ("guards._route", "guards._task_endpoint"),
     ("guards._route", "guards._tools"),
     ("guards._route", "guards.walk._rejected"),
+    ("guards._route", "guards._local_budget"),
 }
 
 

@@ -246,6 +246,12 @@ def render_html(report: StatusReport, window_s: float) -> str:
     level = report.level
     summary = f"{down} of {len(report.models)} models down" if report.models else "no models configured"
     store = "" if report.store == "ok" else " · store unavailable: level as last read, no breakers shown"
+    resets = report.store_resets
+    if resets is not None and resets.count:
+        store += (
+            f" · store forgot its state {resets.count} time{'s' if resets.count > 1 else ''}"
+            f" (last noticed {_clock(resets.last or 0.0)}): caps, spend and breakers started over"
+        )
     window = _duration(window_s)
     whose = (
         "every worker's counts"

@@ -53,6 +53,7 @@ from .._metrics import (
 )
 from .._vocabulary import Kind, Level
 from ..stores import StoreUnavailable, utc_day
+from ..stores._epoch import Epoch
 
 if typing.TYPE_CHECKING:
     from .._route_spec import GuardedRoute
@@ -179,6 +180,17 @@ class Today(BaseModel):
     worker: int = Field(description="The process id of the worker that answered.")
 
 
+class StoreResets(BaseModel):
+    count: int = Field(
+        description="Times the answering worker found its store had forgotten its state (the "
+        "store's epoch marker gone: a flush, a restart without persistence, a file replaced)."
+    )
+    last: float | None = Field(
+        description="When it last noticed, seconds since the epoch; null: never since it started."
+    )
+    worker: int = Field(description="The process id of the worker that answered.")
+
+
 class StatusProblem(BaseModel):
     """What `GET /status` answers as JSON when it cannot show the page (401, 406)."""
 
@@ -191,6 +203,10 @@ class StatusReport(BaseModel):
     level: Level
     time: float = Field(description="The store's time of the reading, seconds since the epoch.")
     store: Literal["ok", "unavailable"]
+    store_resets: StoreResets | None = Field(
+        description="The store's resets the answering worker noticed; null when its store keeps "
+        "no epoch marker (memory, or a store of your own)."
+    )
     refresh_s: float = Field(description="How often the HTML page reloads itself.")
     models: list[ModelStatus]
     routes: list[RouteStatus]
@@ -305,6 +321,14 @@ def _grown(reading: Reading, base: Counts, metric: Metric) -> dict[tuple[str, ..
     }
 
 
+def _resets(store: object) -> StoreResets | None:
+    """The resets of a store that keeps an epoch marker (SQLite, Redis)."""
+    epoch = getattr(store, "epoch", None)
+    if not isinstance(epoch, Epoch):
+        return None
+    return StoreResets(count=epoch.resets, last=epoch.last_reset_at, worker=os.getpid())
+
+
 # --- the page --------------------------------------------------------------------------------------
 
 
@@ -394,6 +418,7 @@ class StatusPage:
             level=level,
             time=now,
             store=store,  # type: ignore[arg-type]
+            store_resets=_resets(shared.store),
             refresh_s=self.refresh_s,
             models=models,
             routes=[self._route(route, recent, spent, seconds) for route in _routes(shared)],

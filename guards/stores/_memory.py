@@ -84,6 +84,17 @@ class MemoryStore:
     async def now(self) -> float:
         return self._clock.time()
 
+    def charge_now(self, charge: Charge) -> Admission | None:
+        """Pay `charge` at once, synchronously (every limit or none): the refusal, or None when
+        charged. Its spend, if any, counts at its full amount for the UTC day (settled at
+        once, never held). What a budget's share uses while its shared store is down
+        (`Budget(on_store_failure="local")`)."""
+        now = self._tick()
+        refusal, reservation = self._state.charge(charge, now)
+        if reservation is not None and charge.spend is not None:
+            self._state.settle(charge.key, reservation, charge.spend, now)
+        return refusal
+
     async def charge_budget(self, key: str, *, per_minute: int | None, per_day: int | None) -> Admission:
         now = self._tick()
         refusal, _ = self._state.charge(Charge(key=key, per_minute=per_minute, per_day=per_day), now)

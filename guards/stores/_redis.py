@@ -27,6 +27,9 @@ with `%`, `{` and `}` percent-escaped, so every key of one operation lives in on
   while nobody holds it), `until` (the lease's end), `exp` (the task's expiry, store time),
   `own` (its owner's key, or empty), `response` once it completed, and `s:<name>` per saved
   step; kept `ttl_s` from its creation.
+- `<prefix>epoch`: the store's epoch marker (see `guards.stores._epoch`), the one key without a
+  TTL: read (and made again when missing) by every `step` and `task_claim`, whose KEYS end with
+  it. It has no hash tag: its own slot.
 - `<prefix>{<owner>}:tasks`: an owner's live tasks, a sorted set of task keys scored by their
   expiry (store time), kept until the last of them expires. (Dropping a task removes it from
   its owner's set, whose key the task's hash names: a key the script is not given, in
@@ -61,6 +64,14 @@ Any Redis or socket error raises `StoreUnavailable`, whose message names the err
 the Redis error's code, such as `WRONGPASS`) only, never the URL, host, port or password. A
 script error (say, a key of ours that another program overwrote) fails that operation alone.
 
+Behind Redis Sentinel (`redis+sentinel://`), each new connection first asks the sentinels where
+the primary is and checks its `ROLE` in the handshake; a connection lost, or an operation
+answered `READONLY`, `LOADING` or `MASTERDOWN`, drops it, and the next operation asks again.
+
+At each new connection the server's `maxmemory-policy`, `maxmemory`, `appendonly` and `save`
+are read (`CONFIG GET`, behind that turn's operations) and a setting under which guards' keys
+can be evicted or lost is warned once (`_check_settings`).
+
 Event loops: a connection belongs to one event loop, so the store keeps one per running loop,
 made on first use there and closed when that loop shuts down (or by `aclose`).
 """
@@ -73,6 +84,7 @@ import functools
 import hashlib
 import os
 import ssl
+import time
 import urllib.parse
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import suppress
@@ -88,6 +100,7 @@ except ModuleNotFoundError as _error:  # the extra [redis]
 
 from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._clock import Clock
+from .._log import emit, emit_warning
 from ._base import (
     ADMITTED,
     Admission,
@@ -101,6 +114,7 @@ from ._base import (
     TaskStatus,
     bounded_key,
 )
+from ._epoch import Epoch
 from ._step import plainly_admitted
 from ._task import new_lease
 
@@ -119,6 +133,22 @@ if ARGV[2] == '' then
   now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 else
   now = tonumber(ARGV[2])
+end
+
+-- The store's epoch marker (see guards.stores._epoch): an operation that checks it has the
+-- marker's key last in KEYS and the epoch the worker knows last in ARGV. A missing marker is
+-- made again (its id: Redis' TIME, unique per reset); `epoch` is the id found when the worker
+-- did not know it, which the operation adds to its reply.
+local epoch = nil
+local function check_epoch()
+  local key = KEYS[#KEYS]
+  local found = redis.call('GET', key)
+  if not found then
+    local t = redis.call('TIME')
+    found = t[1] .. '.' .. t[2]
+    redis.call('SET', key, found)
+  end
+  if found ~= ARGV[#ARGV] then epoch = found end
 end
 
 local DAY = 86400
@@ -674,11 +704,19 @@ local function task_claim(key, owner, fp, lease, lease_s, ttl_s, max_live)
   return reply
 end
 
-if op == 'step' then return step() end
+if op == 'step' then
+  check_epoch()
+  local reply = step()
+  if epoch then reply[#reply + 1] = epoch end -- a second element: the epoch found
+  return reply
+end
 if op == 'health' then return health() end
 if op == 'task_claim' then
-  return task_claim(KEYS[1], KEYS[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]),
+  check_epoch()
+  local reply = task_claim(KEYS[1], KEYS[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]),
     tonumber(ARGV[7]))
+  if epoch then reply[#reply + 1] = epoch end -- after the steps' pairs: an odd one out
+  return reply
 end
 if op == 'task_save' then
   if not task_held(KEYS[1], ARGV[3]) then return {'0'} end
@@ -827,9 +865,24 @@ class RedisStore:
         self._fixed: dict[int, tuple[Step, list[str], str]] = {}
         #: Whether the script is in the server's cache as far as we know (NOSCRIPT says otherwise).
         self._loaded = False
+        #: The store's epoch marker (see `guards.stores._epoch`): outside every hash tag.
+        self._epoch_key = f"{prefix}epoch"
+        self._epoch = Epoch("redis")
+        #: The server settings already warned about, (setting, value): once per store each.
+        self._warned: set[tuple[str, str]] = set()
+        #: Operations refused for memory (OOM) since the last `store_out_of_memory` line, and
+        #: when the next line may be written (monotonic).
+        self._oom_count = 0
+        self._oom_next = 0.0
 
     def __repr__(self) -> str:
         return f"RedisStore(prefix={self._prefix!r})"  # never the URL: it may carry a password
+
+    @property
+    def epoch(self) -> Epoch:
+        """The store's epoch as this worker knows it, and the resets it noticed (see
+        docs/stores.md, "When the store forgets")."""
+        return self._epoch
 
     # --- the Store operations ---------------------------------------------------------------
 
@@ -927,7 +980,10 @@ class RedisStore:
         ages = step.success_ages
         if ages:
             args = "|".join([args, *[_num(age) for age in ages[: len(legs)]]])
-        reply = (await self._call(_pack("step", keys, self._now_arg(), (args,))))[0]
+        replies = await self._call(_pack("step", keys, self._now_arg(), (args, self._epoch.known)))
+        if len(replies) > 1:  # the store's epoch is not the one this worker knew
+            self._epoch.found(replies[1])
+        reply = replies[0]
         if reply == "P":  # the usual answer (see the script's `step`)
             return plainly_admitted(len(legs), step.breaker is not None)
         return self._passage(step, reply.split("|"))
@@ -973,6 +1029,7 @@ class RedisStore:
             settle = report.spend_key is not None and report.reservation is not None
             args += [report.reservation or "" if settle else "", _num(report.actual)]
         args.append(_num(report.success_age if record and report is not None else None))
+        keys.append(self._epoch_key)  # always the last key (the script's `check_epoch`)
         # Every field is a number, a token or a hex reservation: none holds a '|'.
         return keys, "|".join(args)
 
@@ -1025,11 +1082,15 @@ class RedisStore:
         max_live: int | None = None,
     ) -> TaskClaim:
         keys = [self._key(key) + ":task", self._key(owner) + ":tasks" if owner is not None else ""]
+        keys.append(self._epoch_key)  # last (the script's `check_epoch`)
+        known = self._epoch.known
         reply = await self._run(
-            "task_claim", keys, fingerprint, new_lease(), _num(lease_s), _num(ttl_s), _num(max_live)
+            "task_claim", keys, fingerprint, new_lease(), _num(lease_s), _num(ttl_s), _num(max_live), known
         )
         status, lease, response, retry_after = reply[:4]
         pairs = reply[4:]
+        if len(pairs) % 2:  # the store's epoch, after the steps' pairs: not the one this worker knew
+            self._epoch.found(pairs.pop())
         return TaskClaim(
             TaskStatus(status),
             lease or None,
@@ -1099,7 +1160,81 @@ class RedisStore:
             reply = await wire.send(command)  # behind the load, on the same connection
             if reply.__class__ is list:
                 return reply
-        raise StoreUnavailable("Redis store unavailable (ResponseError)")  # a script error
+        raise self._refused(wire, reply)
+
+    def _refused(self, wire: _Wire, reply: Any) -> StoreUnavailable:
+        """What an error reply to an operation raises: a write refused for memory is said so
+        (`store_out_of_memory`, at most one line a second, with the count since the last); a
+        server that no longer takes writes (a replica: `READONLY`, or one loading its data:
+        `LOADING`) drops the connection, so the next operation connects again (and, behind
+        Sentinel, asks where the primary is now). Else a script error: that operation alone."""
+        text = str(reply) if isinstance(reply, hiredis.ReplyError) else ""
+        if text.startswith("OOM") or "-OOM " in text:  # (inside a script, Redis prefixes the error)
+            self._oom_count += 1
+            now = time.monotonic()
+            if now >= self._oom_next:
+                self._oom_next = now + 1.0
+                count, self._oom_count = self._oom_count, 0
+                emit_warning(
+                    "store_out_of_memory",
+                    store="redis",
+                    count=count,
+                    setting="maxmemory",
+                    detail="Redis refused a write: used memory is over maxmemory (maxmemory-policy "
+                    "noeviction). Give Redis more memory (see docs/stores.md for the memory per key)",
+                )
+            return StoreUnavailable("Redis store unavailable (OOM)")
+        code = _code(reply) if isinstance(reply, hiredis.ReplyError) else "ResponseError"
+        if code in ("READONLY", "LOADING", "MASTERDOWN"):
+            wire.fail(StoreUnavailable(f"Redis store unavailable ({code})"))
+            return StoreUnavailable(f"Redis store unavailable ({code})")
+        return StoreUnavailable("Redis store unavailable (ResponseError)")  # a script error
+
+    async def _check_settings(self, wire: _Wire) -> None:
+        """Read the server's settings that decide whether it keeps guards' keys (on each new
+        connection: a failover may reach another server) and warn, once per store and value,
+        when budget keys can be evicted (`maxmemory-policy` other than `noeviction` with a
+        `maxmemory`: every guards key has a TTL, so `volatile-*` policies evict them too) or
+        are lost on a restart (`appendonly no` and no `save` snapshots). A server whose CONFIG
+        command is refused (managed Redis) is said once, at info level."""
+        names = ("maxmemory-policy", "maxmemory", "appendonly", "save")
+        try:
+            sent = [wire.send(_packed("CONFIG", "GET", name)) for name in names]
+        except StoreUnavailable:  # the connection broke: the next one checks
+            return
+        replies = await asyncio.gather(*sent, return_exceptions=True)
+        if any(isinstance(reply, StoreUnavailable) for reply in replies):
+            return  # the connection broke meanwhile: the next one checks (an error reply: a result)
+        found: dict[str, str] = {}
+        for name, reply in zip(names, replies, strict=True):
+            if isinstance(reply, list) and len(reply) == 2:
+                found[name] = str(reply[1])
+        if len(found) < len(names):
+            if ("config", "") not in self._warned:
+                self._warned.add(("config", ""))
+                emit("store_settings_unchecked", store="redis", detail="CONFIG GET refused or renamed")
+            return
+        policy = found["maxmemory-policy"]
+        if policy != "noeviction" and found["maxmemory"] != "0":
+            self._warn_setting(
+                "maxmemory-policy",
+                policy,
+                "Redis may evict guards' keys when memory is full (they all have a TTL, so "
+                "volatile-* policies evict them too): daily caps, spend, breakers and tasks are "
+                "then forgotten. Set maxmemory-policy noeviction (and enough maxmemory)",
+            )
+        if found["appendonly"] == "no" and not found["save"].strip():
+            self._warn_setting(
+                "appendonly",
+                "no",
+                "Redis keeps guards' keys in memory only (appendonly no, and no save snapshots): "
+                "a restart forgets daily caps, spend, breakers and tasks. Set appendonly yes",
+            )
+
+    def _warn_setting(self, setting: str, value: str, detail: str) -> None:
+        if (setting, value) not in self._warned:
+            self._warned.add((setting, value))
+            emit_warning("store_setting", store="redis", setting=setting, value=value[:40], detail=detail)
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> _Link:
         """This loop's link, made on its first operation."""
@@ -1121,12 +1256,15 @@ class RedisStore:
             handshake.append(_LOAD_SCRIPT)
             self._loaded = True
         wire.begin(handshake, loop.create_task(self._connect(wire)))
+        # Its server's settings, read behind this turn's operations (see `_check_settings`).
+        wire.checking = loop.create_task(self._check_settings(wire))
         return wire
 
     async def _connect(self, wire: _Wire) -> None:
         try:
-            with _Bound(self._timeout_s):
-                await self._address.connect(wire)
+            # Behind Sentinel: one timeout to ask the sentinels, one to connect to the primary.
+            with _Bound(self._timeout_s * (2 if self._address.master is not None else 1)):
+                await self._address.connect(wire, self._timeout_s)
         except (OSError, TimeoutError) as exc:  # refused, unreachable, TLS refused, too slow
             wire.fail(_unavailable(exc))
         except BaseException:  # cancelled (its loop shutting down)
@@ -1211,6 +1349,8 @@ class _Wire(asyncio.Protocol):
         self.failure: str | None = None
         #: SCRIPT LOADs sent on this connection.
         self.loads = 0
+        #: The reading of its server's settings (a strong reference: `_check_settings`).
+        self.checking: asyncio.Task[None] | None = None
         #: Done once the socket is closed (if it was ever connected).
         self._made = False
         self._lost: asyncio.Future[None] = loop.create_future()
@@ -1327,6 +1467,9 @@ class _Wire(asyncio.Protocol):
                     if isinstance(reply, hiredis.ReplyError):  # AUTH or SELECT refused
                         self.fail(StoreUnavailable(f"Redis store unavailable ({_code(reply)})"))
                         return
+                    if isinstance(reply, list) and reply and reply[0] != "master":  # ROLE: a replica
+                        self.fail(StoreUnavailable("Redis store unavailable (READONLY)"))
+                        return
         except (hiredis.ProtocolError, IndexError, ValueError):  # ValueError: not UTF-8
             self.fail(StoreUnavailable("Redis store unavailable (ProtocolError)"))
 
@@ -1349,11 +1492,15 @@ def _code(reply: hiredis.ReplyError) -> str:
 class _Address:
     """Where the store's Redis is and how to log in, from its URL:
     `redis://[[username]:password@]host[:port][/db]`, `rediss://...` (TLS) or
-    `unix://[[username]:password@]/path/to/socket[?db=n]`. Options, in the query string:
-    `db`, and for TLS `ssl_cert_reqs` (`required`, the default; `optional`; `none`),
-    `ssl_ca_certs` (a CA file), `ssl_certfile` and `ssl_keyfile` (a client certificate),
-    `ssl_check_hostname` (`true` by default when certificates are required); and `prefix`, the
-    store's key prefix (see `RedisStore`)."""
+    `unix://[[username]:password@]/path/to/socket[?db=n]`; or, behind Redis Sentinel,
+    `redis+sentinel://[[username]:password@]host[:port][,host[:port]...]/master-name[/db]`
+    (`rediss+sentinel://`: TLS to the sentinels and the primary; the sentinels' port is 26379
+    by default). Options, in the query string: `db`, and for TLS `ssl_cert_reqs` (`required`,
+    the default; `optional`; `none`), `ssl_ca_certs` (a CA file), `ssl_certfile` and
+    `ssl_keyfile` (a client certificate), `ssl_check_hostname` (`true` by default when
+    certificates are required); `sentinel_password` (the sentinels' own, when they require
+    one; the URL's password is the primary's); and `prefix`, the store's key prefix (see
+    `RedisStore`)."""
 
     host: str = "localhost"
     port: int = 6379
@@ -1363,15 +1510,31 @@ class _Address:
     password: str | None = None
     tls: ssl.SSLContext | None = None
     prefix: str | None = None
+    #: Behind Sentinel: the sentinels, the primary's name among them, and their password.
+    sentinels: tuple[tuple[str, int], ...] = ()
+    master: str | None = None
+    sentinel_password: str | None = None
 
     _OPTIONS = frozenset(
-        {"db", "prefix", "ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
+        {
+            "db",
+            "prefix",
+            "ssl_cert_reqs",
+            "ssl_ca_certs",
+            "ssl_certfile",
+            "ssl_keyfile",
+            "ssl_check_hostname",
+            "sentinel_password",
+        }
     )
 
     @classmethod
     def parse(cls, url: str) -> _Address:
         """The address in `url`; a `ValueError` naming what is wrong, never the URL (it may
         carry a password)."""
+        scheme = url.split(":", 1)[0].lower()
+        if scheme in ("redis+sentinel", "rediss+sentinel"):
+            return cls._parse_sentinel(url, scheme)
         try:
             parts = urllib.parse.urlsplit(url)
             query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
@@ -1380,13 +1543,9 @@ class _Address:
             raise ValueError("invalid Redis URL (expected redis://, rediss:// or unix://)") from None
         if parts.scheme not in ("redis", "rediss", "unix"):
             raise ValueError("invalid Redis URL (expected redis://, rediss:// or unix://)")
-        unknown = sorted(name for name in query if name not in cls._OPTIONS)
-        if unknown:
-            named = unknown[0] if unknown[0].isidentifier() and len(unknown[0]) <= 40 else "?"
-            raise ValueError(
-                f"invalid Redis URL: unknown option {named!r} (known: {', '.join(sorted(cls._OPTIONS))})"
-            )
-        options = {name: values[-1] for name, values in query.items()}
+        options = cls._options(query)
+        if "sentinel_password" in options:
+            raise ValueError("invalid Redis URL: sentinel_password needs redis+sentinel://")
         db_text = options.get("db", "")
         if parts.scheme != "unix" and parts.path.strip("/"):
             db_text = parts.path.strip("/")
@@ -1420,23 +1579,134 @@ class _Address:
             options.get("prefix"),
         )
 
+    @classmethod
+    def _options(cls, query: dict[str, list[str]]) -> dict[str, str]:
+        unknown = sorted(name for name in query if name not in cls._OPTIONS)
+        if unknown:
+            named = unknown[0] if unknown[0].isidentifier() and len(unknown[0]) <= 40 else "?"
+            raise ValueError(
+                f"invalid Redis URL: unknown option {named!r} (known: {', '.join(sorted(cls._OPTIONS))})"
+            )
+        return {name: values[-1] for name, values in query.items()}
+
+    @classmethod
+    def _parse_sentinel(cls, url: str, scheme: str) -> _Address:
+        """`redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master-name[/db]`."""
+        spelling = "redis+sentinel://[[user]:password@]host:port[,host:port...]/master-name[/db]"
+        rest = url[len(scheme) + 3 :] if url[len(scheme) : len(scheme) + 3] == "://" else None
+        if rest is None:
+            raise ValueError(f"invalid Redis URL: a Sentinel URL reads {spelling}")
+        rest, _, query_text = rest.partition("?")
+        hosts_part, _, path = rest.partition("/")
+        login, _, hosts_text = hosts_part.rpartition("@")
+        username = password = None
+        if login:
+            user_text, _, password_text = login.partition(":")
+            username = urllib.parse.unquote(user_text) or None
+            password = urllib.parse.unquote(password_text) if password_text else None
+        sentinels = []
+        for host_text in hosts_text.split(","):
+            try:
+                parts = urllib.parse.urlsplit(f"//{host_text}")
+                host, port = parts.hostname, parts.port or 26379
+            except ValueError:
+                host = None
+            if not host:
+                raise ValueError(f"invalid Redis URL: a sentinel's host:port is malformed ({spelling})")
+            sentinels.append((host, port))
+        if len(sentinels) > 16:
+            raise ValueError("invalid Redis URL: at most 16 sentinels")
+        names = [urllib.parse.unquote(part) for part in path.split("/") if part]
+        if not names or len(names) > 2:
+            raise ValueError(f"invalid Redis URL: name the primary ({spelling})")
+        master, db_text = names[0], names[1] if len(names) == 2 else ""
+        options = cls._options(urllib.parse.parse_qs(query_text, keep_blank_values=True))
+        db_text = db_text or options.get("db", "")
+        if db_text and not db_text.isdigit():
+            raise ValueError("invalid Redis URL: the database must be a number")
+        tls = None
+        if scheme == "rediss+sentinel":
+            tls = _tls_context(options)
+        elif any(name.startswith("ssl_") for name in options):
+            raise ValueError("invalid Redis URL: ssl_* options need rediss+sentinel://")
+        return cls(
+            db=int(db_text or 0),
+            username=username,
+            password=password,
+            tls=tls,
+            prefix=options.get("prefix"),
+            sentinels=tuple(sentinels),
+            master=master,
+            sentinel_password=options.get("sentinel_password"),
+        )
+
     def handshake(self) -> list[bytes]:
         """The commands a new connection starts with (none for a default database without a
-        password)."""
+        password). Behind Sentinel, `ROLE` too: a server that is not (or no longer) the primary
+        fails the connection (`_Wire.data_received`), and the next one asks the sentinels."""
         commands = []
         if self.password is not None:
             login = (self.username, self.password) if self.username else (self.password,)
             commands.append(_packed("AUTH", *login))
         if self.db:
             commands.append(_packed("SELECT", self.db))
+        if self.master is not None:
+            commands.append(_packed("ROLE"))
         return commands
 
-    async def connect(self, wire: _Wire) -> None:
+    async def connect(self, wire: _Wire, timeout_s: float) -> None:
         loop = wire.loop
         if self.path is not None:
             await loop.create_unix_connection(lambda: wire, self.path)
+        elif self.master is not None:
+            host, port = await self._primary(timeout_s)
+            await loop.create_connection(lambda: wire, host, port, ssl=self.tls)
         else:
             await loop.create_connection(lambda: wire, self.host, self.port, ssl=self.tls)
+
+    async def _primary(self, timeout_s: float) -> tuple[str, int]:
+        """Where the primary is, as the sentinels say: all asked at once, each given
+        `timeout_s`; the first in the URL's order that answered wins. `OSError` when none knows
+        (unreachable, or the name unknown to them)."""
+        asks = [asyncio.ensure_future(self._ask(host, port)) for host, port in self.sentinels]
+        try:
+            await asyncio.wait(asks, timeout=timeout_s)
+        finally:
+            for ask in asks:
+                ask.cancel()
+        found = None
+        for ask in asks:  # (every failure read, so none is reported as never retrieved)
+            if ask.done() and not ask.cancelled() and ask.exception() is None and found is None:
+                found = ask.result()
+        if found is None:
+            raise ConnectionRefusedError("no sentinel named the primary")
+        return found
+
+    async def _ask(self, host: str, port: int) -> tuple[str, int] | None:
+        """One sentinel's answer to `SENTINEL get-master-addr-by-name` (None: it knows no
+        such primary)."""
+        reader, writer = await asyncio.open_connection(host, port, ssl=self.tls)
+        try:
+            commands = []
+            if self.sentinel_password is not None:
+                commands.append(_packed("AUTH", self.sentinel_password))
+            commands.append(_packed("SENTINEL", "get-master-addr-by-name", self.master or ""))
+            writer.write(b"".join(commands))
+            parser = hiredis.Reader(encoding="utf-8")
+            replies: list[Any] = []
+            while len(replies) < len(commands):
+                data = await reader.read(4096)
+                if not data:
+                    raise ConnectionResetError
+                parser.feed(data)
+                while (reply := parser.gets()) is not False:
+                    replies.append(reply)
+        finally:
+            writer.close()
+        answer = replies[-1]
+        if not isinstance(answer, list) or len(answer) != 2 or not str(answer[1]).isdigit():
+            return None
+        return str(answer[0]), int(answer[1])
 
 
 def _tls_context(options: dict[str, str]) -> ssl.SSLContext:

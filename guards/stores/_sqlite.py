@@ -113,6 +113,7 @@ from ._base import (
     bounded_key,
     utc_day,
 )
+from ._epoch import Epoch
 from ._step import first_admitted, run_step
 from ._task import TaskRecord, new_lease, refusal
 
@@ -160,6 +161,8 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS guards_task_owner (
         key TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_at REAL NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS guards_task_owner_live ON guards_task_owner (owner, expires_at)",
+    # The store's epoch marker (see `guards.stores._epoch`): one row, never expiring (not swept).
+    "CREATE TABLE IF NOT EXISTS guards_epoch (id TEXT NOT NULL)",
     *(f"CREATE INDEX IF NOT EXISTS {t}_expiry ON {t} (expires_at)" for t in TABLES),
 )
 
@@ -169,6 +172,9 @@ _SWEEP = {
     t: f"DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE expires_at <= ? LIMIT {_SWEEP_BATCH})"
     for t in TABLES
 }
+
+_EPOCH = "SELECT id FROM guards_epoch"
+_NEW_EPOCH = "INSERT INTO guards_epoch (id) VALUES (?)"
 
 # --- budget --------------------------------------------------------------------------------------
 # The per-minute window is a log of admissions numbered 0, 1, 2... per key. The window has room
@@ -635,6 +641,7 @@ class SQLiteStore:
         self._checkpoint_every = _CHECKPOINT_EVERY
         #: Results of the thread's batch, for `_serve` to answer once the connection is free.
         self._answers: list[tuple[_Job[Any], Any]] = []
+        self._epoch = Epoch("sqlite")
         _STORES.add(self)
 
     def _after_fork(self) -> None:
@@ -653,6 +660,12 @@ class SQLiteStore:
     def clock(self) -> Clock:
         """The clock the store reads its time from (`now`)."""
         return self._clock
+
+    @property
+    def epoch(self) -> Epoch:
+        """The store's epoch as this worker knows it, and the resets it noticed (see
+        docs/stores.md, "When the store forgets")."""
+        return self._epoch
 
     async def now(self) -> float:
         return self._clock.time()
@@ -981,6 +994,13 @@ class SQLiteStore:
             self._check_files()
             self._when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))  # the write lock, first
         try:
+            # The epoch marker, read with every transaction (a table of one row) and made again
+            # when it is missing: a file replaced by an empty one, its tables emptied.
+            row = conn.execute(_EPOCH).fetchone()
+            if row is None:
+                row = (os.urandom(8).hex(),)
+                conn.execute(_NEW_EPOCH, row)
+            epoch: str = row[0]
             now = self._clock.time()
             next_sweep = self._sweep(conn, now) if not inline and now >= self._next_sweep else None
             tx = _Tx(conn)
@@ -1008,6 +1028,8 @@ class SQLiteStore:
             self._rollback(conn)
             raise
         self._commits += 1
+        if epoch != self._epoch.known:  # committed: a marker made here exists now
+            self._epoch.found(epoch)
         if next_sweep is not None:
             self._next_sweep = next_sweep
         if inline:

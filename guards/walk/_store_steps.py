@@ -4,7 +4,8 @@ and what a guard does when its store does not answer (the store-down policy).
 
 Each guard its own failure mode when the store is down: cooldowns only spare a provider that
 asked for a pause (the models are tried), the breaker and the budget as configured
-(`on_store_failure`: open admits, closed refuses with `circuit_open`). A report the store did
+(`on_store_failure`: open admits, closed refuses with `circuit_open`, local charges the
+worker's share of the budget in its own memory). A report the store did
 not take is lost, and said so: a lost probe's slot is reclaimed after the reset timeout, a lost
 spend hold lapses by itself.
 """
@@ -97,7 +98,15 @@ def admitted(
         if route.breaker is not None:
             store_failed(state, "breaker", route.breaker.on_store_failure)
         if charge is not None and route.budget is not None:
-            store_failed(state, "budget", route.budget.on_store_failure)
+            local = route.local_share
+            if local is None:
+                store_failed(state, "budget", route.budget.on_store_failure)
+            else:  # this worker's share, in its own memory (`guards._local_budget`)
+                state._observe.store_failed(StoreFailed(route, state.trace_id, "budget", mode="local"))
+                refusal = local.charge(charge)
+                if refusal is not None:
+                    state._charged = True
+                    raise budget_refusal(route.budget, refusal)
             state._charged = True
         return start, None, False
     if passage.plain:  # the usual answer (`Passage.plain`): the first leg from `start`

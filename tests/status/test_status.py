@@ -235,7 +235,17 @@ def test_the_json_has_the_documented_shape(fake_workers_ai: FakeWorkersAI, app_c
     app = create_app(settings_for(fake_workers_ai), sleep=no_sleep)
     client = app_client(app)
     report = status(client)
-    assert set(report) == {"level", "time", "store", "refresh_s", "models", "routes", "recent", "today"}
+    assert set(report) == {
+        "level",
+        "time",
+        "store",
+        "store_resets",
+        "refresh_s",
+        "models",
+        "routes",
+        "recent",
+        "today",
+    }
     assert report["level"] == "full"
     assert report["store"] == "ok"
     assert report["refresh_s"] == 5.0

@@ -60,8 +60,10 @@ def peek(path: Path) -> Iterator[sqlite3.Connection]:
 
 
 def tables(conn: sqlite3.Connection) -> list[str]:
+    """The store's tables of state, each row expiring: all but the epoch marker's (one row,
+    kept for ever: see `test_the_epoch_marker_is_one_row_that_never_expires`)."""
     rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")
-    return [name for (name,) in rows]
+    return [name for (name,) in rows if name != "guards_epoch"]
 
 
 def row_counts(path: Path) -> dict[str, int]:
@@ -135,6 +137,16 @@ def test_every_table_has_expires_at_and_every_row_sets_it(
                 f"SELECT count(*) FROM {table} WHERE NOT (expires_at > ? AND expires_at <= ?)",
                 (T0, T0 + DAILY_TTL_S),
             ).fetchone() == (0,)
+
+
+def test_the_epoch_marker_is_one_row_that_never_expires(
+    store: SQLiteStore, path: Path, clock: ManualClock
+) -> None:
+    asyncio.run(leave_state_everywhere(store, clock))
+    clock.advance(3 * DAILY_TTL_S)
+    asyncio.run(store.charge_budget("k", per_minute=None, per_day=1))  # (a sweep runs)
+    with peek(path) as conn:
+        assert conn.execute("SELECT count(*) FROM guards_epoch").fetchone() == (1,)
 
 
 def test_rows_carry_the_memory_stores_ttls(store: SQLiteStore, path: Path, clock: ManualClock) -> None:
