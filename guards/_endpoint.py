@@ -11,6 +11,7 @@ code failed. Every ending reports one `RequestEnded` to the route's observers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import re
@@ -31,11 +32,12 @@ from ._last_good import LastGoodCache
 from ._log import emit_error, frames
 from ._responses import PublicError, error_response, public_error
 from ._vocabulary import ErrorCode, Kind, Reason
-from .stores import Charge, Step
+from .stores import Charge, MoreLimits, Step
 from .walk import AI, TASK_SCOPE, Observers, walk_step
 from .walk._checkpoints import resumed
 
 if TYPE_CHECKING:
+    from ._budget import Budget
     from ._route_spec import GuardedRoute
     from ._shared import Shared
 
@@ -73,6 +75,7 @@ class GuardedEndpoint:
         "__dict__",
         "_ai_name",
         "_budget",
+        "_budget_key",
         "_budget_prefix",
         "_data_adapter",
         "_data_class",
@@ -118,6 +121,15 @@ class GuardedEndpoint:
         self._observers = Observers(shared)
         self._budget = route.budget
         self._budget_prefix = f"guards:{route.scope}:"
+        #: The caller's key per budget: the budget's own (one budget), else every budget's
+        #: keys in a tuple (`_scoped_keys`).
+        self._budget_key: Callable[[Request], Any] | None = (
+            None
+            if route.budget is None
+            else route.budget.key
+            if len(route.budgets) == 1
+            else _scoped_keys(tuple(budget.key for budget in route.budgets))
+        )
         # The walk's first store step: the route's own without a budget; else one per caller,
         # with their budget's charge (a spend cap's amount is set per request, in the walk),
         # each built once and kept, bounded (`_first_step`).
@@ -145,11 +157,11 @@ class GuardedEndpoint:
             observe, trace_id = self._observers, request_trace_id(request)
         else:
             observe, trace_id = Observers(shared, trace), trace.trace_id
-        budget = self._budget
-        if budget is None:
+        budget_key = self._budget_key
+        if budget_key is None:
             first = self._unbudgeted
         else:
-            caller = budget.key(request)
+            caller = budget_key(request)
             first = self._first_steps.get(caller) or self._first_step(caller)
         ai: AI[Any] = AI(shared, route, first, trace_id, request, started, observe)
         kwargs[ai_name := self._ai_name] = ai
@@ -259,28 +271,63 @@ class GuardedEndpoint:
         answers[(reason, detail)] = answer
         return answer
 
-    def _first_step(self, caller: str) -> Step:
-        """The walk's first store step for `caller`, with their budget's charge, built and kept
-        (emptied when full; a long caller key is not kept). Budget keys are scoped to the
-        route (or the budget's scope): `guards:{scope}:{caller}`."""
+    def _first_step(self, caller: Any) -> Step:
+        """The walk's first store step for `caller` (a key, or a tuple of one key per budget),
+        with their budget's charge, built and kept (emptied when full; a long caller key is
+        not kept). Budget keys are scoped to the route (or the budget's scope):
+        `guards:{scope}:{caller}`."""
         route = self._route
         budget = self._budget
         assert budget is not None
-        charge = Charge(
-            f"{self._budget_prefix}{caller}",
-            budget.per_minute,
-            budget.per_day,
-            None,
-            budget.spend_per_day or 0.0,
-            2 * route.timeout_s + 60,  # a spend hold outlives the walk
-        )
+        hold_s = 2 * route.timeout_s + 60  # a hold outlives the walk
+        if isinstance(caller, str) and budget.plain:
+            charge = Charge(
+                f"{self._budget_prefix}{caller}",
+                budget.per_minute,
+                budget.per_day,
+                None,
+                budget.spend_per_day or 0.0,
+                hold_s,
+            )
+            kept = len(caller)
+        else:
+            callers = (caller,) if isinstance(caller, str) else caller
+            scoped = [
+                _charge(each, f"guards:{scope}:{key}", hold_s)
+                for each, scope, key in zip(route.budgets, route.scopes, callers, strict=True)
+            ]
+            more = scoped[0].more
+            assert more is not None
+            charge = dataclasses.replace(scoped[0], more=dataclasses.replace(more, also=tuple(scoped[1:])))
+            kept = sum(len(key) for key in callers)
         step = walk_step(route, 0, None, charge)
         steps = self._first_steps
-        if len(caller) <= _MAX_KEPT_CALLER:
+        if kept <= _MAX_KEPT_CALLER:
             if len(steps) >= _MAX_FIRST_STEPS:
                 steps.clear()
             steps[caller] = step
         return step
+
+
+def _scoped_keys(keys: tuple[Callable[[Request], str], ...]) -> Callable[[Request], tuple[str, ...]]:
+    """The caller's key for each of a route's budgets, together."""
+
+    def key(request: Request) -> tuple[str, ...]:
+        return tuple(each(request) for each in keys)
+
+    return key
+
+
+def _charge(budget: Budget, key: str, hold_s: float) -> Charge:
+    """The charge of `budget` under `key`, with its `MoreLimits` (months, tokens, scopes)."""
+    more = MoreLimits(
+        per_month=budget.per_month,
+        spend_per_month=budget.spend_per_month,
+        tokens_per_minute=budget.tokens_per_minute,
+        tokens_per_day=budget.tokens_per_day,
+        tokens_per_month=budget.tokens_per_month,
+    )
+    return Charge(key, budget.per_minute, budget.per_day, None, budget.spend_per_day or 0.0, hold_s, more)
 
 
 def handler_entered(request: Request) -> bool:

@@ -96,7 +96,8 @@ class GuardTripped(GuardsError):
 
     Attributes: `reason` (closed set), `guard` (derived from it), `kind` (the classifier's kind
     for call failures), `detail` (safe free text), `attempts` (provider calls made),
-    `retry_after_s` (when the wait is known), `model` (the model concerned, if any).
+    `retry_after_s` (when the wait is known), `model` (the model concerned, if any), `scope`
+    (the scope of the budget that refused, for `rate_limited` and `budget_exceeded`).
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class GuardTripped(GuardsError):
         attempts: int = 0,
         retry_after_s: float | None = None,
         model: str | None = None,
+        scope: str | None = None,
     ) -> None:
         self.reason = reason
         self.detail = detail
@@ -115,6 +117,7 @@ class GuardTripped(GuardsError):
         self.attempts = attempts
         self.retry_after_s = retry_after_s
         self.model = model
+        self.scope = scope
         super().__init__(detail)
 
     def __str__(self) -> str:

@@ -62,7 +62,7 @@ def guard_route(
     attempts: int | None,
     timeout_s: float,
     retry: Retry,
-    budget: Budget | None,
+    budget: Budget | Sequence[Budget] | None,
     breaker: Breaker | None,
     fallback: Any,
     moderation: Moderation | None,
@@ -96,10 +96,17 @@ def guard_route(
     if shed_at not in (None, Level.degraded, Level.minimal):
         raise ConfigurationError('shed_at must be "degraded", "minimal" or None (never shed)')
     route_name = name or handler.__name__
-    spend_capped = budget is not None and budget.spend_per_day is not None
+    budgets, scopes = route_budgets(handler.__qualname__, budget, route_name)
+    spend_capped = any(each.spend_capped for each in budgets)
     if spend_capped and max_tokens is None:
         raise ConfigurationError(
             f"{handler.__qualname__} has a spend cap: declare max_tokens to bound its cost"
+        )
+    token_capped = any(each.token_capped for each in budgets)
+    if token_capped and max_tokens is None:
+        raise ConfigurationError(
+            f"{handler.__qualname__} has a token limit: declare max_tokens to bound the tokens "
+            "a request holds (its estimated input tokens plus max_tokens)"
         )
     problems: dict[str, None] = {}  # each logged once, whichever tier's chain has it
 
@@ -208,12 +215,12 @@ def guard_route(
         attempt_budget=attempt_budget,
         timeout_s=timeout_s,
         retry=retry,
-        budget=budget,
+        budget=budgets[0] if budgets else None,
         breaker=breaker,
         output=output,
         data_type=data_type,
         fallback=fallback,
-        scope=budget.scope if budget is not None and budget.scope else route_name,
+        scope=scopes[0] if scopes else route_name,
         response_format=(
             {"type": "json_schema", "json_schema": output.json_schema}
             if output.json_schema is not None
@@ -230,6 +237,10 @@ def guard_route(
         stream_format=stream_format,
         shed_at=Level(shed_at) if shed_at is not None else None,
         task=task,
+        budgets=budgets,
+        scopes=scopes,
+        holds=spend_capped or token_capped,
+        token_capped=token_capped,
     )
     if effort is not None:
         # Effort routing's module, only for a route that uses it (at start-up, once).
@@ -279,3 +290,23 @@ def guard_route(
     )
     guarded.__guards_route__ = route  # type: ignore[attr-defined]
     return guarded
+
+
+def route_budgets(
+    where: str, budget: Budget | Sequence[Budget] | None, route_name: str
+) -> tuple[tuple[Budget, ...], tuple[str, ...]]:
+    """A route's budgets and their scopes (a budget's `scope`, else the route's name), each
+    scope once."""
+    budgets = () if budget is None else (budget,) if isinstance(budget, Budget) else tuple(budget)
+    for each in budgets:
+        if not isinstance(each, Budget):
+            raise ConfigurationError(
+                f"{where}: budget must be a Budget or a sequence of Budget, not {each!r}"
+            )
+    scopes = tuple(each.scope or route_name for each in budgets)
+    if len(set(scopes)) < len(scopes):
+        raise ConfigurationError(
+            f"{where}: two budgets of the route have the scope {sorted(s for s in scopes if scopes.count(s) > 1)[0]!r}: "
+            "give each its own `scope`"
+        )
+    return budgets, scopes

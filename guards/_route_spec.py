@@ -217,7 +217,7 @@ class GuardedRoute:
     response_format: dict[str, Any] | None
     #: Added to the inputs when they do not set it; bounds the cost a spend cap holds.
     max_tokens: int | None
-    #: True when the route has a spend cap (every leg then has a price).
+    #: True when the route has a spend cap, daily or monthly (every leg then has a price).
     spend_capped: bool
     #: True when the route answers an `EventStream` (Server-Sent Events).
     streaming: bool
@@ -238,6 +238,14 @@ class GuardedRoute:
     shed_at: Level | None = None
     #: Requests with an `Idempotency-Key` run as multi-step tasks (see `guards._tasks`).
     task: Task | None = None
+    #: Every budget of the route, admitted together, and each one's scope (`budget` and
+    #: `scope` are the first's).
+    budgets: tuple[Budget, ...] = ()
+    scopes: tuple[str, ...] = ()
+    #: True when a request's charge holds spend or tokens, set per request and settled after.
+    holds: bool = False
+    #: True when a budget of the route limits tokens.
+    token_capped: bool = False
 
     @property
     def degrading(self) -> bool:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .._breaker import CircuitState, Outcome
 from .._budget import budget_refusal, input_tokens_bound
 from .._errors import GuardTripped, ProviderError
+from .._tokens import binding_estimate
 from .._vocabulary import Reason
 from ..stores import Charge, Passage, Report, Step, StoreUnavailable
 from ._accounting import worst
@@ -70,15 +71,64 @@ def next_step(state: RequestState, start: int, report: Report | None, inputs: Ma
     route, first = state._route, state._first
     charge = None
     if first is not None and not state._charged:
-        if not start and report is None and first.legs is route.step_legs and not route.spend_capped:
+        if not start and report is None and first.legs is route.step_legs and not route.holds:
             return first  # the route's own, the same every request (of this caller)
-        # What the request's first admission pays: rate, daily cap, and its worst-case spend.
+        # What the request's first admission pays: rate, counts, its worst-case spend and
+        # its tokens.
         charge = first.charge
-        if charge is not None and route.spend_capped:
-            state._tokens = tokens = input_tokens_bound(inputs)
-            spend = max(worst(leg, tokens, route.max_tokens) for leg in route.legs) * state.attempt_budget
-            charge = dataclasses.replace(charge, spend=spend, hold_s=2 * route.timeout_s + 60)
+        if charge is not None and route.holds:
+            charge = holding(state, charge, inputs)
     return walk_step(route, start, report, charge)
+
+
+def holding(state: RequestState, charge: Charge, inputs: Mapping[str, Any]) -> Charge:
+    """`charge` (every scope's) with the request's holds: its worst-case spend (every attempt
+    at `max_tokens` of output, one token per byte of input) where a scope caps spend, and its
+    tokens (the estimated input tokens, the largest of the chain's bindings' estimates, plus
+    `max_tokens`) where a scope limits tokens. Kept for the settlement (`report_end`)."""
+    route = state._route
+    spend = None
+    if route.spend_capped:
+        state._tokens = bound = input_tokens_bound(inputs)
+        spend = max(worst(leg, bound, route.max_tokens) for leg in route.legs) * state.attempt_budget
+    hold_s = 2 * route.timeout_s + 60
+    if charge.more is None:  # one budget with only the first three limits: as ever
+        state._charge = charge = dataclasses.replace(charge, spend=spend, hold_s=hold_s)
+        return charge
+    tokens = None
+    if route.token_capped:
+        shared = state._shared
+        estimate = max(
+            binding_estimate(shared.binding if (p := leg.ref.provider) is None else shared.providers[p])(
+                leg.ref.model, inputs
+            )
+            for leg in route.legs
+        )
+        most = inputs.get("max_tokens")
+        tokens = estimate + (most if isinstance(most, int) and most > 0 else route.max_tokens or 0)
+        state._token_hold, state._used_tokens = tokens, 0
+    scoped = [
+        dataclasses.replace(
+            each,
+            spend=spend if each.spend_cap > 0 else None,
+            hold_s=hold_s,
+            more=dataclasses.replace(
+                more,
+                spend=spend if more.spend_per_month is not None else None,
+                tokens=tokens
+                if (more.tokens_per_minute or more.tokens_per_day or more.tokens_per_month)
+                else None,
+            ),
+        )
+        for each in (charge, *charge.more.also)
+        if (more := each.more) is not None
+    ]
+    first_more = scoped[0].more
+    assert first_more is not None
+    state._charge = charge = dataclasses.replace(
+        scoped[0], more=dataclasses.replace(first_more, also=tuple(scoped[1:]))
+    )
+    return charge
 
 
 def admitted(
@@ -97,7 +147,8 @@ def admitted(
         if route.breaker is not None:
             store_failed(state, "breaker", route.breaker.on_store_failure)
         if charge is not None and route.budget is not None:
-            store_failed(state, "budget", route.budget.on_store_failure)
+            closed = any(budget.on_store_failure == "closed" for budget in route.budgets)
+            store_failed(state, "budget", "closed" if closed else "open")
             state._charged = True
         return start, None, False
     if passage.plain:  # the usual answer (`Passage.plain`): the first leg from `start`
@@ -135,9 +186,10 @@ def admitted(
         if leg.known.until:
             forget(leg)  # admitted (or its charge refused): the store let it through
         break  # the leg admitted, or the one whose charge was refused
-    if passage.refusal is not None:
+    if (refusal := passage.refusal) is not None:
         assert route.budget is not None
-        raise budget_refusal(route.budget, passage.refusal)
+        refused = refusal.charge if refusal.charge < len(route.budgets) else 0
+        raise budget_refusal(route.budgets[refused], refusal, route.scopes[refused])
     if charge is not None:
         state._charged = True
         state._hold = passage.reservation
@@ -228,17 +280,29 @@ def report(
         cooldown_until=cool_until if cool_s > 0 else None,
     )
     made = report_end(state, made) if settle else made
-    if made is None or made.breaker_key is made.cooldown_key is made.spend_key is None:
+    if made is None or (
+        made.breaker_key is made.cooldown_key is made.spend_key is None and made.charge is None
+    ):
         return None  # nothing to report
     return made
 
 
 def report_end(state: RequestState, made: Report | None) -> Report | None:
-    """`made` with the spend settled too (the walk is over), if the request holds spend."""
+    """`made` with the holds settled too (the walk is over), if the request holds spend or
+    tokens: the spend to what the calls cost, the tokens to the usage they reported (a billed
+    call that reported none: its whole hold)."""
     charge = state._first.charge if state._first is not None else None
     if state._hold is None or charge is None:
         return made
     reservation, state._hold = state._hold, None
+    if charge.more is not None:  # months, tokens, scopes: the charge as held settles itself
+        held = state._charge
+        tokens = state._used_tokens if state._route.token_capped else 0
+        if made is None:
+            return Report(charge=held, reservation=reservation, actual=state._cost, tokens=tokens)
+        return dataclasses.replace(
+            made, charge=held, reservation=reservation, actual=state._cost, tokens=tokens
+        )
     key = charge.key
     if made is None:
         return Report(spend_key=key, reservation=reservation, actual=state._cost)
@@ -301,7 +365,7 @@ def report_lost(state: RequestState, made: Report | None) -> None:
         observe.store_failed(StoreFailed(route, trace_id, "breaker", op="breaker_record"))
     if made.cooldown_key is not None:
         observe.store_failed(StoreFailed(route, trace_id, "cooldown", op="start_cooldown"))
-    if made.spend_key is not None:
+    if made.spend_key is not None or made.charge is not None:
         observe.store_failed(StoreFailed(route, trace_id, "budget", op="settle_spend"))
 
 
