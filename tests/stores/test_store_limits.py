@@ -23,7 +23,9 @@ def clock() -> ManualClock:
     return ManualClock(T0)
 
 
-def charge(key: str = "u", *, also: tuple[Charge, ...] = (), hold_s: float = 60.0, **limits: object) -> Charge:
+def charge(
+    key: str = "u", *, also: tuple[Charge, ...] = (), hold_s: float = 60.0, **limits: object
+) -> Charge:
     """A charge under `key` with `limits` (`MoreLimits` fields; `per_minute`/`per_day` too)."""
     per_minute = limits.pop("per_minute", None)
     per_day = limits.pop("per_day", None)
