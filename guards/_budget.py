@@ -12,8 +12,9 @@ cost afterwards, so concurrent requests can never push settled spend past the ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +22,7 @@ from starlette.requests import Request
 
 from ._errors import GuardTripped
 from ._vocabulary import Reason
-from .stores import Admission
+from .stores import Admission, Charge, MoreLimits
 
 __all__ = ["Budget", "Price", "StoreFailureMode", "client_key", "header_key"]
 
@@ -137,6 +138,46 @@ class Budget:
     def plain(self) -> bool:
         """Whether the budget has only the first three limits (a `Charge` with no `MoreLimits`)."""
         return self.per_month is None and self.spend_per_month is None and not self.token_capped
+
+
+def scoped_keys(budgets: Sequence[Budget]) -> Callable[[Request], tuple[str, ...]]:
+    """The caller's key for each of a route's `budgets`, together."""
+    keys = tuple(budget.key for budget in budgets)
+
+    def key(request: Request) -> tuple[str, ...]:
+        return tuple(each(request) for each in keys)
+
+    return key
+
+
+def scoped_charge(
+    budgets: Sequence[Budget], scopes: Sequence[str], callers: Sequence[str], hold_s: float
+) -> Charge:
+    """The charge of a route's `budgets` for `callers` (one key each): the first budget's, with
+    the others in its `MoreLimits.also`, each under `guards:{scope}:{caller}`."""
+    charges = []
+    for budget, scope, caller in zip(budgets, scopes, callers, strict=True):
+        more = MoreLimits(
+            per_month=budget.per_month,
+            spend_per_month=budget.spend_per_month,
+            tokens_per_minute=budget.tokens_per_minute,
+            tokens_per_day=budget.tokens_per_day,
+            tokens_per_month=budget.tokens_per_month,
+        )
+        charges.append(
+            Charge(
+                f"guards:{scope}:{caller}",
+                budget.per_minute,
+                budget.per_day,
+                None,
+                budget.spend_per_day or 0.0,
+                hold_s,
+                more,
+            )
+        )
+    first = charges[0]
+    assert first.more is not None
+    return dataclasses.replace(first, more=dataclasses.replace(first.more, also=tuple(charges[1:])))
 
 
 def input_tokens_bound(inputs: Mapping[str, Any]) -> int:

@@ -11,7 +11,6 @@ code failed. Every ending reports one `RequestEnded` to the route's observers.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import re
@@ -25,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ._budget import scoped_charge, scoped_keys
 from ._envelope import FallbackInfo
 from ._errors import GuardTripped
 from ._event_stream import EventStream
@@ -32,12 +32,11 @@ from ._last_good import LastGoodCache
 from ._log import emit_error, frames
 from ._responses import PublicError, error_response, public_error
 from ._vocabulary import ErrorCode, Kind, Reason
-from .stores import Charge, MoreLimits, Step
+from .stores import Charge, Step
 from .walk import AI, TASK_SCOPE, Observers, walk_step
 from .walk._checkpoints import resumed
 
 if TYPE_CHECKING:
-    from ._budget import Budget
     from ._route_spec import GuardedRoute
     from ._shared import Shared
 
@@ -128,7 +127,7 @@ class GuardedEndpoint:
             if route.budget is None
             else route.budget.key
             if len(route.budgets) == 1
-            else _scoped_keys(tuple(budget.key for budget in route.budgets))
+            else scoped_keys(route.budgets)
         )
         # The walk's first store step: the route's own without a budget; else one per caller,
         # with their budget's charge (a spend cap's amount is set per request, in the walk),
@@ -292,13 +291,7 @@ class GuardedEndpoint:
             kept = len(caller)
         else:
             callers = (caller,) if isinstance(caller, str) else caller
-            scoped = [
-                _charge(each, f"guards:{scope}:{key}", hold_s)
-                for each, scope, key in zip(route.budgets, route.scopes, callers, strict=True)
-            ]
-            more = scoped[0].more
-            assert more is not None
-            charge = dataclasses.replace(scoped[0], more=dataclasses.replace(more, also=tuple(scoped[1:])))
+            charge = scoped_charge(route.budgets, route.scopes, callers, hold_s)
             kept = sum(len(key) for key in callers)
         step = walk_step(route, 0, None, charge)
         steps = self._first_steps
@@ -307,27 +300,6 @@ class GuardedEndpoint:
                 steps.clear()
             steps[caller] = step
         return step
-
-
-def _scoped_keys(keys: tuple[Callable[[Request], str], ...]) -> Callable[[Request], tuple[str, ...]]:
-    """The caller's key for each of a route's budgets, together."""
-
-    def key(request: Request) -> tuple[str, ...]:
-        return tuple(each(request) for each in keys)
-
-    return key
-
-
-def _charge(budget: Budget, key: str, hold_s: float) -> Charge:
-    """The charge of `budget` under `key`, with its `MoreLimits` (months, tokens, scopes)."""
-    more = MoreLimits(
-        per_month=budget.per_month,
-        spend_per_month=budget.spend_per_month,
-        tokens_per_minute=budget.tokens_per_minute,
-        tokens_per_day=budget.tokens_per_day,
-        tokens_per_month=budget.tokens_per_month,
-    )
-    return Charge(key, budget.per_minute, budget.per_day, None, budget.spend_per_day or 0.0, hold_s, more)
 
 
 def handler_entered(request: Request) -> bool:

@@ -16,13 +16,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._breaker import CircuitState, Outcome
-from .._budget import budget_refusal, input_tokens_bound
+from .._budget import budget_refusal
 from .._errors import GuardTripped, ProviderError
-from .._tokens import binding_estimate
 from .._vocabulary import Reason
 from ..stores import Charge, Passage, Report, Step, StoreUnavailable
-from ._accounting import worst
 from ._events import BreakerMoved, CooldownStarted, StoreFailed
+from ._holds import holding, settled
 from ._known import forget, remember, skip
 from ._verdicts import COOLDOWN_KINDS, failed
 
@@ -79,56 +78,6 @@ def next_step(state: RequestState, start: int, report: Report | None, inputs: Ma
         if charge is not None and route.holds:
             charge = holding(state, charge, inputs)
     return walk_step(route, start, report, charge)
-
-
-def holding(state: RequestState, charge: Charge, inputs: Mapping[str, Any]) -> Charge:
-    """`charge` (every scope's) with the request's holds: its worst-case spend (every attempt
-    at `max_tokens` of output, one token per byte of input) where a scope caps spend, and its
-    tokens (the estimated input tokens, the largest of the chain's bindings' estimates, plus
-    `max_tokens`) where a scope limits tokens. Kept for the settlement (`report_end`)."""
-    route = state._route
-    spend = None
-    if route.spend_capped:
-        state._tokens = bound = input_tokens_bound(inputs)
-        spend = max(worst(leg, bound, route.max_tokens) for leg in route.legs) * state.attempt_budget
-    hold_s = 2 * route.timeout_s + 60
-    if charge.more is None:  # one budget with only the first three limits: as ever
-        state._charge = charge = dataclasses.replace(charge, spend=spend, hold_s=hold_s)
-        return charge
-    tokens = None
-    if route.token_capped:
-        shared = state._shared
-        estimate = max(
-            binding_estimate(shared.binding if (p := leg.ref.provider) is None else shared.providers[p])(
-                leg.ref.model, inputs
-            )
-            for leg in route.legs
-        )
-        most = inputs.get("max_tokens")
-        tokens = estimate + (most if isinstance(most, int) and most > 0 else route.max_tokens or 0)
-        state._token_hold, state._used_tokens = tokens, 0
-    scoped = [
-        dataclasses.replace(
-            each,
-            spend=spend if each.spend_cap > 0 else None,
-            hold_s=hold_s,
-            more=dataclasses.replace(
-                more,
-                spend=spend if more.spend_per_month is not None else None,
-                tokens=tokens
-                if (more.tokens_per_minute or more.tokens_per_day or more.tokens_per_month)
-                else None,
-            ),
-        )
-        for each in (charge, *charge.more.also)
-        if (more := each.more) is not None
-    ]
-    first_more = scoped[0].more
-    assert first_more is not None
-    state._charge = charge = dataclasses.replace(
-        scoped[0], more=dataclasses.replace(first_more, also=tuple(scoped[1:]))
-    )
-    return charge
 
 
 def admitted(
@@ -295,9 +244,9 @@ def report_end(state: RequestState, made: Report | None) -> Report | None:
     if state._hold is None or charge is None:
         return made
     reservation, state._hold = state._hold, None
+    settled(state)
     if charge.more is not None:  # months, tokens, scopes: the charge as held settles itself
-        held = state._charge
-        tokens = state._used_tokens if state._route.token_capped else 0
+        held, tokens = state._charge, state._used_tokens if state._route.token_capped else 0
         if made is None:
             return Report(charge=held, reservation=reservation, actual=state._cost, tokens=tokens)
         return dataclasses.replace(

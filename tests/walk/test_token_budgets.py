@@ -12,10 +12,11 @@ from typing import Any
 import anyio
 import pytest
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from fixtures import FakeBinding, ManualClock, Reply
-from guards import AI, Budget, ConfigurationError, Guards, header_key
-from guards.stores import Store
+from guards import AI, Budget, ConfigurationError, Guards, header_key, render_metrics
+from guards.stores import MemoryStore, Store
 
 from ..conftest import LogLines, asgi_client, no_sleep
 
@@ -26,7 +27,9 @@ PROMPT = "x" * 80
 HOLD = 40
 
 
-def token_app(store: Store, fake: FakeBinding, budget: Budget | Sequence[Budget], *, strict: bool = False) -> FastAPI:
+def token_app(
+    store: Store, fake: FakeBinding, budget: Budget | Sequence[Budget], *, strict: bool = False
+) -> FastAPI:
     guards = Guards(fake, store=store, sleep=no_sleep)
     app = FastAPI()
     guards.install(app)
@@ -105,7 +108,9 @@ def test_a_strict_route_answers_429_with_retry_after_and_a_hold_too_large_never_
 ) -> None:
     fake = FakeBinding(Reply("ok", usage={"prompt_tokens": 20, "completion_tokens": 20}))
     app = token_app(make_store(manual_clock), fake, user(tokens_per_day=HOLD), strict=True)
-    small = token_app(make_store(manual_clock), fake, user(tokens_per_day=HOLD - 1, scope="small"), strict=True)
+    small = token_app(
+        make_store(manual_clock), fake, user(tokens_per_day=HOLD - 1, scope="small"), strict=True
+    )
 
     async def scenario() -> list[Any]:
         manual_clock.set(float(calendar.timegm((2026, 3, 10, 20, 0, 0))))  # 4 hours before midnight
@@ -149,9 +154,7 @@ def test_a_tenant_cap_binds_across_users_and_its_refusal_charges_no_user(
     assert len(fake.calls) == 4
     scopes = [line.get("scope") for line in guards_log.events("request") if line["outcome"] == "fallback"]
     assert scopes == ["tenant", "label"]
-    assert all(
-        "acme" not in str(line) and "bob" not in str(line) for line in guards_log.events("request")
-    )
+    assert all("acme" not in str(line) and "bob" not in str(line) for line in guards_log.events("request"))
 
 
 def test_a_monthly_cap_starts_again_on_the_first_of_the_month(
@@ -185,3 +188,38 @@ def test_budget_settings_are_checked_at_start_up() -> None:
         Budget(tokens_per_day=0)
     with pytest.raises(ValueError, match="spend_per_month must be positive"):
         Budget(spend_per_month=0)
+
+
+def budget_samples() -> dict[tuple[str, str, str], float]:
+    """`guards_budget_held_total` and `guards_budget_settled_total` by (name, scope, unit)."""
+    body, _ = render_metrics()
+    return {
+        (sample.name, sample.labels["scope"], sample.labels["unit"]): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+        if sample.name in ("guards_budget_held_total", "guards_budget_settled_total")
+    }
+
+
+def test_holds_and_settlements_are_counted_per_scope_never_per_key(manual_clock: ManualClock) -> None:
+    fake = FakeBinding(Reply("ok"))  # 15 tokens used per call
+    budgets = [
+        user(tokens_per_minute=10_000, scope="metered"),
+        Budget(tokens_per_day=100_000, key=header_key("x-tenant-id"), scope="metered-tenant"),
+    ]
+    app = token_app(MemoryStore(clock=manual_clock), fake, budgets)
+    before = budget_samples()
+
+    async def scenario() -> None:
+        for who in ("ann", "bob", "cy"):
+            await post(app, 1, **{"x-user-id": who, "x-tenant-id": "acme"})
+
+    anyio.run(scenario)
+    after = budget_samples()
+    grown = {key: value - before.get(key, 0.0) for key, value in after.items() if value != before.get(key)}
+    assert grown == {
+        ("guards_budget_held_total", "metered", "tokens"): 3 * HOLD,
+        ("guards_budget_settled_total", "metered", "tokens"): 3 * 15,
+        ("guards_budget_held_total", "metered-tenant", "tokens"): 3 * HOLD,
+        ("guards_budget_settled_total", "metered-tenant", "tokens"): 3 * 15,
+    }
