@@ -1,5 +1,6 @@
-"""Budget guard: per-key rate limit, daily call cap and daily spend cap, checked and charged
-before any model call.
+"""Budget guard: per-key rate limits, daily and monthly call caps, spend caps and token
+limits, checked and charged before any model call, for each of a route's budgets (scopes)
+together, all or nothing.
 
 The daily cap charges one unit per request (its retries included) before the first call, so a
 failed call still spends. Its key is scoped to the UTC day as the store sees it, and lives
@@ -7,7 +8,9 @@ longer than a day so a late request cannot find its day's counter gone.
 
 The spend cap holds the request's worst-case cost before the first call (every attempt at
 `max_tokens` of output, and at most one token per byte of input) and settles it to the actual
-cost afterwards, so concurrent requests can never push settled spend past the cap.
+cost afterwards, so concurrent requests can never push settled spend past the cap. Token
+limits hold a request's estimated input tokens plus its `max_tokens`, settled to the usage the
+provider reports (see docs/guards/budget.md).
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class GuardedEndpoint:
         self._budget = route.budget
         self._budget_prefix = f"guards:{route.scope}:"
         #: The caller's key per budget: the budget's own (one budget), else every budget's
-        #: keys in a tuple (`_scoped_keys`).
+        #: keys in a tuple (`scoped_keys`).
         self._budget_key: Callable[[Request], Any] | None = (
             None
             if route.budget is None

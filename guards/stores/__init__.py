@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ._base import (
     DAILY_TTL_S,
     MAX_KEY_CHARS,
+    TOKEN_WINDOW_CAP,
     Admission,
     BreakerDecision,
     BreakerState,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DAILY_TTL_S",
     "MAX_KEY_CHARS",
+    "TOKEN_WINDOW_CAP",
     "Admission",
     "BreakerDecision",
     "BreakerState",

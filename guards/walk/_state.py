@@ -117,7 +117,7 @@ class RequestState:
         #: The spend and token holds of this request (None without a spend cap or a token
         #: limit). Only a route that holds (`GuardedRoute.holds`) sets the charge as held
         #: (`_charge`), and only a token-limited one the tokens held and used (`_token_hold`,
-        #: `_used_tokens`): when it charges (`_store_steps.holding`), so that no other request
+        #: `_used_tokens`): when it charges (`_holds.holding`), so that no other request
         #: pays for them.
         self._hold: str | None = None
         #: Seconds of cooldown left per leg, as the last store step read them (None: unknown).
