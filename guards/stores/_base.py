@@ -380,7 +380,7 @@ class Store(Protocol):
         Redis, one synchronous call in memory): report the last call, then admit the next
         one and charge the request's budget (see `Step`). What a guard needs per request:
         one operation to admit its first call, and one more per call that failed or must
-        report (a probe, a success after counted failures, a spend hold to settle).
+        report (a probe, a success after counted failures, a spend or token hold to settle).
 
         A breaker whose state does not change is not written: a closed breaker's success,
         an open breaker's refusal. A success that is not reported still ends a run of
