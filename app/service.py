@@ -12,6 +12,7 @@ environment (see `app.settings.Settings` and the README).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -161,6 +162,20 @@ UserId = Annotated[
         description="Budget key (default: client address): at most 128 characters, no control characters.",
     ),
 ]
+
+
+#: The tenant's budget key of /summary (with TENANT_DAILY_CALL_LIMIT).
+TenantId = Annotated[
+    str | None,
+    Header(
+        max_length=128,
+        pattern=r"^[^\x00-\x1f\x7f]*$",
+        description="Tenant budget key (default: client address): at most 128 characters, no control characters.",
+    ),
+]
+
+#: /summary's output tokens per call when a token limit is set (the label is a short JSON).
+SUMMARY_MAX_TOKENS = 200
 
 
 class ReportRequest(SummaryRequest):
@@ -382,10 +397,30 @@ def create_app(
     budget = Budget(
         per_minute=settings.rate_limit_per_minute,
         per_day=settings.daily_call_limit,
+        per_month=settings.monthly_call_limit,
         key=header_key("x-user-id"),
         scope="summary",
         on_store_failure=failure or "closed",
     )
+    # /summary's own: the user's tokens (a request holds its estimated input tokens plus
+    # SUMMARY_MAX_TOKENS), and the tenant's daily calls, admitted together with the user's.
+    token_limited = settings.tokens_per_minute is not None or settings.tokens_per_day is not None
+    summary_budgets = [
+        dataclasses.replace(
+            budget, tokens_per_minute=settings.tokens_per_minute, tokens_per_day=settings.tokens_per_day
+        )
+        if token_limited
+        else budget
+    ]
+    if settings.tenant_daily_call_limit is not None:
+        summary_budgets.append(
+            Budget(
+                per_day=settings.tenant_daily_call_limit,
+                key=header_key("x-tenant-id"),
+                scope="tenant",
+                on_store_failure=failure or "closed",
+            )
+        )
 
     @app.post("/summary")
     @guards.route(
@@ -395,13 +430,16 @@ def create_app(
         first_output_s=settings.ai_first_output_s,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
-        budget=budget,
+        budget=summary_budgets,
+        max_tokens=SUMMARY_MAX_TOKENS if token_limited else None,
         # The last good summary of the same text, while fresh; then the keyword label.
         fallback=LastGood(key=summary_key, max_age_s=settings.last_good_max_age_s, otherwise=keyword_summary),
         moderation=mentions_personal_data,
         on_rejected=settings.ai_on_rejected,
     )
-    async def summary(body: SummaryRequest, ai: AI[Summary], x_user_id: UserId = None) -> Summary:
+    async def summary(
+        body: SummaryRequest, ai: AI[Summary], x_user_id: UserId = None, x_tenant_id: TenantId = None
+    ) -> Summary:
         """Label a customer message. Degrading: always the envelope; on failure the last good
         label of the same text (while fresh), else a keyword label."""
         return await ai.run(summary_inputs(body.text))

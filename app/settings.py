@@ -57,6 +57,13 @@ class Settings(BaseSettings):
     ai_stream_max_chars: int = Field(default=1 << 20, ge=1)
     daily_call_limit: int = Field(default=20, ge=1)
     rate_limit_per_minute: int = Field(default=60, ge=1)
+    #: Tokens per user on /summary (unset: no token limit): in any 60 seconds, per UTC day.
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_day: int | None = Field(default=None, ge=1)
+    #: Calls per tenant (`x-tenant-id`) per UTC day on /summary, admitted with the user's budget.
+    tenant_daily_call_limit: int | None = Field(default=None, ge=1)
+    #: Calls per user per UTC calendar month, on /summary and /report together.
+    monthly_call_limit: int | None = Field(default=None, ge=1)
     breaker_failure_threshold: int = Field(default=5, ge=1)
     breaker_reset_s: float = Field(default=30.0, gt=0)
     #: Count failures within this many seconds instead of consecutive ones (unset: consecutive).

@@ -1,5 +1,6 @@
-"""Budget guard: per-key rate limit, daily call cap and daily spend cap, checked and charged
-before any model call.
+"""Budget guard: per-key rate limits, daily and monthly call caps, spend caps and token
+limits, checked and charged before any model call, for each of a route's budgets (scopes)
+together, all or nothing.
 
 The daily cap charges one unit per request (its retries included) before the first call, so a
 failed call still spends. Its key is scoped to the UTC day as the store sees it, and lives
@@ -7,13 +8,16 @@ longer than a day so a late request cannot find its day's counter gone.
 
 The spend cap holds the request's worst-case cost before the first call (every attempt at
 `max_tokens` of output, and at most one token per byte of input) and settles it to the actual
-cost afterwards, so concurrent requests can never push settled spend past the cap.
+cost afterwards, so concurrent requests can never push settled spend past the cap. Token
+limits hold a request's estimated input tokens plus its `max_tokens`, settled to the usage the
+provider reports (see docs/guards/budget.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +25,7 @@ from starlette.requests import Request
 
 from ._errors import ConfigurationError, GuardTripped
 from ._vocabulary import Reason
-from .stores import Admission
+from .stores import Admission, Charge, MoreLimits
 
 __all__ = ["Budget", "Price", "StoreFailureMode", "client_key", "header_key"]
 
@@ -68,16 +72,26 @@ class Price:
         return self.call + input_tokens * self.input_token + output_tokens * self.output_token
 
 
+#: A budget's limits in whole units (requests, tokens).
+_COUNTED = ("per_minute", "per_day", "per_month", "tokens_per_minute", "tokens_per_day", "tokens_per_month")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Budget:
-    """Per-key limits checked before any model call.
+    """Per-key limits checked before any model call (see docs/guards/budget.md).
 
     `per_minute`: at most this many requests per key in any sliding 60-second window.
     `per_day`: at most this many requests per key per UTC day (retries included in one).
-    `spend_per_day`: at most this much cost per key per UTC day, priced by `Guards(prices=...)`;
-    the route must declare `max_tokens`.
+    `per_month`: at most this many requests per key per UTC calendar month.
+    `spend_per_day`, `spend_per_month`: at most this much cost per key per UTC day / month,
+    priced by `Guards(prices=...)`; the route must declare `max_tokens`.
+    `tokens_per_minute`: at most this many tokens per key in any sliding 60-second window;
+    `tokens_per_day`, `tokens_per_month`: per UTC day / month. A request holds its estimated
+    input tokens plus its `max_tokens` (the route must declare `max_tokens`), settled to the
+    usage the provider reports.
     `key`: derives the key from the request (default: the client address).
-    `scope`: counters are shared by routes with the same scope (default: the route's name).
+    `scope`: counters are shared by routes with the same scope (default: the route's name);
+    a route's budgets (`route(budget=[...])`) each need their own.
     `on_store_failure`: `"closed"` (default) refuses calls while the store is unreachable:
     a budget that cannot be checked cannot be enforced, and an outage of the store must not
     become unbounded spend. `"open"` admits them, with a warning in the log. `"local"`: each
@@ -95,15 +109,22 @@ class Budget:
     key: Callable[[Request], str] = client_key
     scope: str | None = None
     on_store_failure: StoreFailureMode = "closed"
+    per_month: int | None = None
+    spend_per_month: float | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
     workers: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("per_minute", "per_day"):
+        for name in _COUNTED:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"Budget.{name} must be at least 1 (or None for no limit)")
-        if self.spend_per_day is not None and self.spend_per_day <= 0:
-            raise ValueError("Budget.spend_per_day must be positive (or None for no cap)")
+        for name in ("spend_per_day", "spend_per_month"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"Budget.{name} must be positive (or None for no cap)")
         if self.on_store_failure not in ("open", "closed", "local"):
             raise ValueError('Budget.on_store_failure must be "open", "closed" or "local"')
         local = self.on_store_failure == "local"
@@ -116,7 +137,7 @@ class Budget:
             raise ConfigurationError('Budget.workers is read only with on_store_failure="local"')
         if local:
             assert self.workers is not None
-            for name in ("per_minute", "per_day"):
+            for name in _COUNTED:
                 value = getattr(self, name)
                 if value is not None and value < self.workers:
                     raise ConfigurationError(
@@ -124,6 +145,65 @@ class Budget:
                         f'no share while the store is down: use on_store_failure="closed", or '
                         f"{name} of at least {self.workers}"
                     )
+
+    @property
+    def spend_capped(self) -> bool:
+        """Whether the budget caps spend (daily or monthly)."""
+        return self.spend_per_day is not None or self.spend_per_month is not None
+
+    @property
+    def token_capped(self) -> bool:
+        """Whether the budget limits tokens."""
+        return (
+            self.tokens_per_minute is not None
+            or self.tokens_per_day is not None
+            or self.tokens_per_month is not None
+        )
+
+    @property
+    def plain(self) -> bool:
+        """Whether the budget has only the first three limits (a `Charge` with no `MoreLimits`)."""
+        return self.per_month is None and self.spend_per_month is None and not self.token_capped
+
+
+def scoped_keys(budgets: Sequence[Budget]) -> Callable[[Request], tuple[str, ...]]:
+    """The caller's key for each of a route's `budgets`, together."""
+    keys = tuple(budget.key for budget in budgets)
+
+    def key(request: Request) -> tuple[str, ...]:
+        return tuple(each(request) for each in keys)
+
+    return key
+
+
+def scoped_charge(
+    budgets: Sequence[Budget], scopes: Sequence[str], callers: Sequence[str], hold_s: float
+) -> Charge:
+    """The charge of a route's `budgets` for `callers` (one key each): the first budget's, with
+    the others in its `MoreLimits.also`, each under `guards:{scope}:{caller}`."""
+    charges = []
+    for budget, scope, caller in zip(budgets, scopes, callers, strict=True):
+        more = MoreLimits(
+            per_month=budget.per_month,
+            spend_per_month=budget.spend_per_month,
+            tokens_per_minute=budget.tokens_per_minute,
+            tokens_per_day=budget.tokens_per_day,
+            tokens_per_month=budget.tokens_per_month,
+        )
+        charges.append(
+            Charge(
+                f"guards:{scope}:{caller}",
+                budget.per_minute,
+                budget.per_day,
+                None,
+                budget.spend_per_day or 0.0,
+                hold_s,
+                more,
+            )
+        )
+    first = charges[0]
+    assert first.more is not None
+    return dataclasses.replace(first, more=dataclasses.replace(first.more, also=tuple(charges[1:])))
 
 
 def input_tokens_bound(inputs: Mapping[str, Any]) -> int:
@@ -133,22 +213,27 @@ def input_tokens_bound(inputs: Mapping[str, Any]) -> int:
     return len(json.dumps(inputs, separators=(",", ":"), default=str).encode())
 
 
-def budget_refusal(budget: Budget, admission: Admission) -> GuardTripped:
-    """What a guarded call raises when the store refused to charge `budget`."""
-    if admission.refused_by == "spend_per_day":
-        return GuardTripped(
-            Reason.budget_exceeded,
-            f"daily spend cap of {budget.spend_per_day:g} reached",
-            retry_after_s=admission.retry_after_s,
-        )
-    if admission.refused_by == "per_minute":
-        return GuardTripped(
-            Reason.rate_limited,
-            f"at most {budget.per_minute} requests per minute",
-            retry_after_s=admission.retry_after_s,
-        )
-    return GuardTripped(
-        Reason.budget_exceeded,
-        f"daily cap of {budget.per_day} calls reached",
-        retry_after_s=admission.retry_after_s,
-    )
+#: What each limit refuses with, and how its detail reads (`{}`: the limit's value).
+_REFUSALS: dict[str, tuple[Reason, str]] = {
+    "per_minute": (Reason.rate_limited, "at most {} requests per minute"),
+    "per_day": (Reason.budget_exceeded, "daily cap of {} calls reached"),
+    "per_month": (Reason.budget_exceeded, "monthly cap of {} calls reached"),
+    "spend_per_day": (Reason.budget_exceeded, "daily spend cap of {:g} reached"),
+    "spend_per_month": (Reason.budget_exceeded, "monthly spend cap of {:g} reached"),
+    "tokens_per_minute": (Reason.rate_limited, "at most {} tokens per minute"),
+    "tokens_per_day": (Reason.budget_exceeded, "daily cap of {} tokens reached"),
+    "tokens_per_month": (Reason.budget_exceeded, "monthly cap of {} tokens reached"),
+}
+
+
+def budget_refusal(budget: Budget, admission: Admission, scope: str) -> GuardTripped:
+    """What a guarded call raises when the store refused to charge `budget` (of `scope`): the
+    detail names the scope and the limit; a hold larger than a token limit itself says so,
+    with no Retry-After (it never fits)."""
+    limit = admission.refused_by or "per_day"
+    reason, text = _REFUSALS.get(limit, _REFUSALS["per_day"])
+    value = getattr(budget, limit, None)
+    detail = text.format(value)
+    if admission.retry_after_s is None and limit.startswith("tokens_"):
+        detail = f"the request holds more tokens than {limit}={value} allows"
+    return GuardTripped(reason, f"{scope}: {detail}", retry_after_s=admission.retry_after_s, scope=scope)

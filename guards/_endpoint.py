@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ._budget import scoped_charge, scoped_keys
 from ._envelope import FallbackInfo
 from ._errors import GuardTripped
 from ._event_stream import EventStream
@@ -73,6 +74,7 @@ class GuardedEndpoint:
         "__dict__",
         "_ai_name",
         "_budget",
+        "_budget_key",
         "_budget_prefix",
         "_data_adapter",
         "_data_class",
@@ -118,6 +120,15 @@ class GuardedEndpoint:
         self._observers = Observers(shared)
         self._budget = route.budget
         self._budget_prefix = f"guards:{route.scope}:"
+        #: The caller's key per budget: the budget's own (one budget), else every budget's
+        #: keys in a tuple (`scoped_keys`).
+        self._budget_key: Callable[[Request], Any] | None = (
+            None
+            if route.budget is None
+            else route.budget.key
+            if len(route.budgets) == 1
+            else scoped_keys(route.budgets)
+        )
         # The walk's first store step: the route's own without a budget; else one per caller,
         # with their budget's charge (a spend cap's amount is set per request, in the walk),
         # each built once and kept, bounded (`_first_step`).
@@ -145,11 +156,11 @@ class GuardedEndpoint:
             observe, trace_id = self._observers, request_trace_id(request)
         else:
             observe, trace_id = Observers(shared, trace), trace.trace_id
-        budget = self._budget
-        if budget is None:
+        budget_key = self._budget_key
+        if budget_key is None:
             first = self._unbudgeted
         else:
-            caller = budget.key(request)
+            caller = budget_key(request)
             first = self._first_steps.get(caller) or self._first_step(caller)
         ai: AI[Any] = AI(shared, route, first, trace_id, request, started, observe)
         kwargs[ai_name := self._ai_name] = ai
@@ -259,24 +270,32 @@ class GuardedEndpoint:
         answers[(reason, detail)] = answer
         return answer
 
-    def _first_step(self, caller: str) -> Step:
-        """The walk's first store step for `caller`, with their budget's charge, built and kept
-        (emptied when full; a long caller key is not kept). Budget keys are scoped to the
-        route (or the budget's scope): `guards:{scope}:{caller}`."""
+    def _first_step(self, caller: Any) -> Step:
+        """The walk's first store step for `caller` (a key, or a tuple of one key per budget),
+        with their budget's charge, built and kept (emptied when full; a long caller key is
+        not kept). Budget keys are scoped to the route (or the budget's scope):
+        `guards:{scope}:{caller}`."""
         route = self._route
         budget = self._budget
         assert budget is not None
-        charge = Charge(
-            f"{self._budget_prefix}{caller}",
-            budget.per_minute,
-            budget.per_day,
-            None,
-            budget.spend_per_day or 0.0,
-            2 * route.timeout_s + 60,  # a spend hold outlives the walk
-        )
+        hold_s = 2 * route.timeout_s + 60  # a hold outlives the walk
+        if isinstance(caller, str) and budget.plain:
+            charge = Charge(
+                f"{self._budget_prefix}{caller}",
+                budget.per_minute,
+                budget.per_day,
+                None,
+                budget.spend_per_day or 0.0,
+                hold_s,
+            )
+            kept = len(caller)
+        else:
+            callers = (caller,) if isinstance(caller, str) else caller
+            charge = scoped_charge(route.budgets, route.scopes, callers, hold_s)
+            kept = sum(len(key) for key in callers)
         step = walk_step(route, 0, None, charge)
         steps = self._first_steps
-        if len(caller) <= _MAX_KEPT_CALLER:
+        if kept <= _MAX_KEPT_CALLER:
             if len(steps) >= _MAX_FIRST_STEPS:
                 steps.clear()
             steps[caller] = step

@@ -111,7 +111,8 @@ class GuardTripped(GuardsError):
     `retry_after_s` (when the wait is known), `model` (the model concerned, if any),
     `problems` (an answer the output guard rejected: what was wrong with it, as field paths and
     problem tokens such as `answer.score: missing` or `tool[get_weather].city: missing`, at
-    most 10; never the answer's text; empty for every other verdict).
+    most 10; never the answer's text; empty for every other verdict), `scope` (the scope of the
+    budget that refused, for `rate_limited` and `budget_exceeded`).
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class GuardTripped(GuardsError):
         retry_after_s: float | None = None,
         model: str | None = None,
         problems: tuple[str, ...] = (),
+        scope: str | None = None,
     ) -> None:
         self.reason = reason
         self.detail = detail
@@ -132,6 +134,7 @@ class GuardTripped(GuardsError):
         self.retry_after_s = retry_after_s
         self.model = model
         self.problems = problems
+        self.scope = scope
         super().__init__(detail)
 
     def __str__(self) -> str:

@@ -237,7 +237,7 @@ class Guards:
         attempts: int | None = None,
         timeout_s: float = 8.0,
         retry: Retry = Retry(),
-        budget: Budget | None = None,
+        budget: Budget | Sequence[Budget] | None = None,
         breaker: Breaker | None = Breaker(),
         fallback: Any = NO_FALLBACK,
         moderation: Moderation | None = None,
@@ -279,14 +279,16 @@ class Guards:
           moves to the next model, the deadline permitting; a stream that sent output fails
           with its `error` event after `stream_idle_s` without its next part.
         - `retry`: bounded retry of transient failures (`retry.attempts` calls per model at
-          most); `budget`: per-key limits; `breaker`: circuit breaker policy, one breaker per
-          model (None to disable).
+          most); `budget`: per-key limits, or several budgets of different scopes (a user's,
+          a tenant's, a global one) admitted together, all or nothing; `breaker`: circuit
+          breaker policy, one breaker per model (None to disable).
         - `fallback`: makes the route *degrading*: it answers `Envelope[ReturnType]`, with this
           value (or, if callable, `fallback(arguments, tripped)`, or the route's last good
           answer: `LastGood`) as `data` when a guard trips. Without it the route is *strict*
           and answers public errors.
         - `moderation`: a hook given the validated output; returning True blocks it.
-        - `max_tokens`: sent with each call unless the inputs set it; required with a spend cap.
+        - `max_tokens`: sent with each call unless the inputs set it; required with a spend cap
+          or a token limit.
         - `stream_max_s`, `stream_max_chars`: a streamed answer (`ai.stream`) ends with the
           `error` event once this long has passed since the request began (`call`/`timeout`),
           or before its output (text, reasoning, tool calls) would pass this many characters

@@ -54,6 +54,8 @@ __all__ = [
     "ATTEMPT_SECONDS",
     "BREAKER_STATE",
     "BREAKER_TRANSITIONS",
+    "BUDGET_HELD",
+    "BUDGET_SETTLED",
     "COST",
     "EFFORT_DECISIONS",
     "FALLBACKS",
@@ -204,6 +206,22 @@ COST = Metric(
     "Guards(prices=...) (times Guards(cost_unit_usd=...)). Models without a price, and calls "
     "that report no usage, add nothing.",
     ["route", "model"],
+)
+BUDGET_HELD = Metric(
+    "Counter",
+    "guards_budget_held",
+    "What requests held against their budgets before their first call, by budget scope and "
+    "unit: tokens (the estimated input tokens plus max_tokens), or spend (the worst-case cost, "
+    "in the cost units of Guards(prices=...)). Only budgets with token limits or spend caps hold.",
+    ["scope", "unit"],
+)
+BUDGET_SETTLED = Metric(
+    "Counter",
+    "guards_budget_settled",
+    "What the holds of guards_budget_held settled to when their request ended, by budget "
+    "scope and unit: the tokens the providers reported (a billed call that reported none: its "
+    "hold), or the cost of the calls.",
+    ["scope", "unit"],
 )
 BREAKER_TRANSITIONS = Metric(
     "Counter",

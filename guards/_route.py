@@ -62,7 +62,7 @@ def guard_route(
     attempts: int | None,
     timeout_s: float,
     retry: Retry,
-    budget: Budget | None,
+    budget: Budget | Sequence[Budget] | None,
     breaker: Breaker | None,
     fallback: Any,
     moderation: Moderation | None,
@@ -102,10 +102,17 @@ def guard_route(
     if shed_at not in (None, Level.degraded, Level.minimal):
         raise ConfigurationError('shed_at must be "degraded", "minimal" or None (never shed)')
     route_name = name or handler.__name__
-    spend_capped = budget is not None and budget.spend_per_day is not None
+    budgets, scopes = route_budgets(handler.__qualname__, budget, route_name)
+    spend_capped = any(each.spend_capped for each in budgets)
     if spend_capped and max_tokens is None:
         raise ConfigurationError(
             f"{handler.__qualname__} has a spend cap: declare max_tokens to bound its cost"
+        )
+    token_capped = any(each.token_capped for each in budgets)
+    if token_capped and max_tokens is None:
+        raise ConfigurationError(
+            f"{handler.__qualname__} has a token limit: declare max_tokens to bound the tokens "
+            "a request holds (its estimated input tokens plus max_tokens)"
         )
     problems: dict[str, None] = {}  # each logged once, whichever tier's chain has it
 
@@ -240,11 +247,11 @@ def guard_route(
             )
         answers = Answers(on_rejected, Tools(tools, handler.__qualname__) if tools is not None else None)
     local_share = None
-    if budget is not None and budget.on_store_failure == "local":
+    if any(each.on_store_failure == "local" for each in budgets):
         # The local fallback's module, only for a budget that uses it (at start-up, once).
         from ._local_budget import LocalShare
 
-        local_share = LocalShare.of(budget)
+        local_share = LocalShare.of(budgets)
     route = GuardedRoute(
         name=route_name,
         model=legs[0].ref.key,
@@ -253,12 +260,12 @@ def guard_route(
         attempt_budget=attempt_budget,
         timeout_s=timeout_s,
         retry=retry,
-        budget=budget,
+        budget=budgets[0] if budgets else None,
         breaker=breaker,
         output=output,
         data_type=data_type,
         fallback=fallback,
-        scope=budget.scope if budget is not None and budget.scope else route_name,
+        scope=scopes[0] if scopes else route_name,
         response_format=(
             {"type": "json_schema", "json_schema": output.json_schema}
             if output.json_schema is not None
@@ -280,6 +287,10 @@ def guard_route(
         answers=answers,
         slow_call_s=breaker.slow_call_s if breaker is not None else None,
         local_share=local_share,
+        budgets=budgets,
+        scopes=scopes,
+        holds=spend_capped or token_capped,
+        token_capped=token_capped,
     )
     if effort is not None:
         # Effort routing's module, only for a route that uses it (at start-up, once).
@@ -329,3 +340,23 @@ def guard_route(
     )
     guarded.__guards_route__ = route  # type: ignore[attr-defined]
     return guarded
+
+
+def route_budgets(
+    where: str, budget: Budget | Sequence[Budget] | None, route_name: str
+) -> tuple[tuple[Budget, ...], tuple[str, ...]]:
+    """A route's budgets and their scopes (a budget's `scope`, else the route's name), each
+    scope once."""
+    budgets = () if budget is None else (budget,) if isinstance(budget, Budget) else tuple(budget)
+    for each in budgets:
+        if not isinstance(each, Budget):
+            raise ConfigurationError(
+                f"{where}: budget must be a Budget or a sequence of Budget, not {each!r}"
+            )
+    scopes = tuple(each.scope or route_name for each in budgets)
+    if len(set(scopes)) < len(scopes):
+        raise ConfigurationError(
+            f"{where}: two budgets of the route have the scope {sorted(s for s in scopes if scopes.count(s) > 1)[0]!r}: "
+            "give each its own `scope`"
+        )
+    return budgets, scopes

@@ -262,7 +262,7 @@ class GuardedRoute:
     response_format: dict[str, Any] | None
     #: Added to the inputs when they do not set it; bounds the cost a spend cap holds.
     max_tokens: int | None
-    #: True when the route has a spend cap (every leg then has a price).
+    #: True when the route has a spend cap, daily or monthly (every leg then has a price).
     spend_capped: bool
     #: True when the route answers an `EventStream` (Server-Sent Events).
     streaming: bool
@@ -296,6 +296,14 @@ class GuardedRoute:
     slow_call_s: float | None = None
     #: The budget's share per worker while the store is down (`on_store_failure="local"`).
     local_share: LocalShare | None = None
+    #: Every budget of the route, admitted together, and each one's scope (`budget` and
+    #: `scope` are the first's).
+    budgets: tuple[Budget, ...] = ()
+    scopes: tuple[str, ...] = ()
+    #: True when a request's charge holds spend or tokens, set per request and settled after.
+    holds: bool = False
+    #: True when a budget of the route limits tokens.
+    token_capped: bool = False
 
     @property
     def degrading(self) -> bool:

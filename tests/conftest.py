@@ -239,6 +239,16 @@ def workers_ai_settings(server: FakeWorkersAI, **overrides: Any) -> Settings:
     return Settings(**values)
 
 
+def estimated_tokens(inputs: Mapping[str, Any]) -> int:
+    """The documented default estimate of a call's input tokens (docs/guards/budget.md), from
+    the inputs a fake received: the characters of the messages' text and of the JSON of
+    `response_format`, divided by four, rounded up."""
+    chars = sum(len(message["content"]) for message in inputs.get("messages", ()))
+    if "response_format" in inputs:
+        chars += len(json.dumps(inputs["response_format"], separators=(",", ":")))
+    return -(-chars // 4)
+
+
 async def no_sleep(seconds: float) -> None:
     """Retry delays in tests: recorded by nobody, waited by nobody."""
 

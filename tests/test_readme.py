@@ -141,8 +141,9 @@ CHECKED = {
     ("streaming.md", "", 0): "test_stream_sample_has_the_documented_events",
     ("operating/logs.md", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
     ("counting.md", "python", 0): "test_budget_keys_example_keys_by_the_principal",
-    ("guards/budget.md", "python", 0): "test_breaker_examples_do_what_their_comments_say",
+    ("guards/budget.md", "python", 0): "test_scoped_budgets_example_admits_every_scope_together",
     ("guards/budget.md", "python", 1): "test_breaker_examples_do_what_their_comments_say",
+    ("guards/budget.md", "python", 2): "test_breaker_examples_do_what_their_comments_say",
     ("effort-routing.md", "python", 0): "test_effort_example_routes_by_effort",
     ("effort-routing.md", "python", 1): "test_effort_override_example_escalates_premium_users",
     ("last-good.md", "python", 0): "test_last_good_example_serves_the_last_answer",
@@ -495,8 +496,8 @@ def test_readme_example_degrades_as_documented(use_fake_ai: Any) -> None:
 def test_breaker_examples_do_what_their_comments_say() -> None:
     """The slow-call breaker opens on the fifth slow call within a minute once the minute saw
     ten calls; the probing one, open 30 s, then probes every 5 s."""
-    slow_aware = page_example("guards/budget.md", 0)["slow_aware"]
-    recovering = page_example("guards/budget.md", 1)["recovering"]
+    slow_aware = page_example("guards/budget.md", 1)["slow_aware"]
+    recovering = page_example("guards/budget.md", 2)["recovering"]
     clock = ManualClock()
     store = MemoryStore(clock=clock)
 
@@ -516,6 +517,31 @@ def test_breaker_examples_do_what_their_comments_say() -> None:
         assert (await store.breaker_admit("probing", recovering)).retry_after_s == 5
 
     anyio.run(scenario)
+
+
+def test_scoped_budgets_example_admits_every_scope_together(use_fake_ai: Any) -> None:
+    # The section's block, on top of "Guard a route of your own" (its app, guards and types).
+    example = readme_example()
+    run_block(example, "guards/budget.md")
+    fake = use_fake_ai(example["app"])
+    fake.default = Reply({"label": "billing", "urgent": False})
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            body = {"text": "I was charged twice"}
+            ada = {"x-user-id": "ada", "x-tenant-id": "acme"}
+            answers = [await client.post("/triage/team", json=body, headers=ada) for _ in range(101)]
+            bob = {"x-user-id": "bob", "x-tenant-id": "acme"}
+            return [*answers, await client.post("/triage/team", json=body, headers=bob)]
+
+    *ada, bob = anyio.run(scenario)
+    assert all(answer.json()["fallback"] is None for answer in ada[:100])
+    refused = ada[100].json()["fallback"]
+    assert refused["reason"] == "budget_exceeded"
+    assert refused["detail"] == "triage_team: daily cap of 100 calls reached"
+    assert bob.json()["fallback"] is None  # the tenant (101 calls of 1,000) and the global cap have room
+    assert len(fake.calls) == 101
+    assert all(call.inputs["max_tokens"] == 300 for call in fake.calls)
 
 
 def test_budget_keys_example_keys_by_the_principal(use_fake_ai: Any) -> None:

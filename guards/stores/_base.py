@@ -9,6 +9,7 @@ store bounds its operations by its own short timeout.
 
 from __future__ import annotations
 
+import calendar
 import functools
 import hashlib
 import time
@@ -36,11 +37,14 @@ __all__ = [
     "DAY_S",
     "MAX_KEY_CHARS",
     "MINUTE_S",
+    "MONTHLY_TTL_S",
+    "TOKEN_WINDOW_CAP",
     "Admission",
     "BreakerDecision",
     "BreakerState",
     "Charge",
     "Health",
+    "MoreLimits",
     "Outcome",
     "Passage",
     "Report",
@@ -52,7 +56,9 @@ __all__ = [
     "TaskClaim",
     "TaskStatus",
     "bounded_key",
+    "next_month_s",
     "utc_day",
+    "utc_month",
 ]
 
 
@@ -61,6 +67,11 @@ DAY_S = 86_400.0
 DAILY_TTL_S = DAY_S + 3_600.0
 #: The window of `per_minute` limits.
 MINUTE_S = 60.0
+#: Monthly counters outlive their UTC calendar month (31 days at most) by a day and an hour.
+MONTHLY_TTL_S = 32 * DAY_S + 3_600.0
+#: The most token holds a key's `tokens_per_minute` window keeps: a charge that would add one
+#: more is refused (`tokens_per_minute`) until the oldest leaves the window.
+TOKEN_WINDOW_CAP = 10_000
 
 
 #: The longest key a store keeps as it is given; a longer one is hashed (see `bounded_key`).
@@ -91,14 +102,30 @@ def utc_day(now: float) -> str:
     return _day_name(int(now // DAY_S))
 
 
+def utc_month(now: float) -> str:
+    """The UTC calendar month of `now` as `YYYY-MM`: part of monthly keys."""
+    return _day_name(int(now // DAY_S))[:7]
+
+
+def next_month_s(now: float) -> float:
+    """Seconds from `now` to the start of the next UTC calendar month."""
+    year, month = time.gmtime(now)[:2]
+    year, month = (year + 1, 1) if month == 12 else (year, month + 1)
+    return calendar.timegm((year, month, 1, 0, 0, 0)) - now
+
+
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """The answer of a budget check. When refused, `refused_by` names the limit
-    (`"per_minute"` or `"per_day"`) and `retry_after_s` says when it frees up."""
+    """The answer of a budget check. When refused, `refused_by` names the limit (`"per_minute"`,
+    `"per_day"`, `"per_month"`, `"spend_per_day"`, `"spend_per_month"`, `"tokens_per_minute"`,
+    `"tokens_per_day"` or `"tokens_per_month"`), `retry_after_s` says when it frees up (None: a
+    hold larger than the limit itself, which never fits), and `charge` which of the step's
+    charges refused (0: `Step.charge` itself; i: `Step.charge.more.also[i - 1]`)."""
 
     allowed: bool
     refused_by: str | None = None
     retry_after_s: float | None = None
+    charge: int = 0
 
 
 ADMITTED = Admission(True)
@@ -136,8 +163,11 @@ class Charge:
       settled spend plus live holds plus `spend` stays within `spend_cap`; a hold not settled
       within `hold_s` seconds (its worker crashed) lapses and frees its room.
 
-    `None` disables a limit. The charge is all or nothing: a refusal by any limit charges none
-    of them; when several are spent, the refusal names the one that frees up last."""
+    `more`, when set, adds monthly periods, token limits and other scopes (see `MoreLimits`).
+
+    `None` disables a limit. The charge is all or nothing: a refusal by any limit (of any of
+    its scopes) charges none of them; when several are spent, the refusal names the one that
+    frees up last."""
 
     key: str
     per_minute: int | None = None
@@ -145,6 +175,36 @@ class Charge:
     spend: float | None = None
     spend_cap: float = 0.0
     hold_s: float = 0.0
+    more: MoreLimits | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MoreLimits:
+    """What a `Charge` pays beyond a rate, a daily count and a daily spend (issue 29), under
+    the charge's `key`, in the same all-or-nothing step:
+
+    - `per_month`: admitted if fewer than this many were charged during the current UTC
+      calendar month (counter `{key}:month:{YYYY-MM}`, kept `MONTHLY_TTL_S`);
+    - `spend` with `spend_per_month`: holds `spend` cost units of the month's spend
+      (`{key}:spend:{YYYY-MM}`) as `Charge.spend` does of the day's;
+    - `tokens` with `tokens_per_minute`, `tokens_per_day`, `tokens_per_month`: holds `tokens`
+      tokens in each window set: a sliding 60 seconds (`{key}:tokens:minute`: each hold counts
+      until 60 s after it was made, at most `TOKEN_WINDOW_CAP` holds), the UTC day
+      (`{key}:tokens:{YYYY-MM-DD}`) and the UTC month (`{key}:tokens:{YYYY-MM}`), the day's and
+      month's holds lapsing after `Charge.hold_s` as spend holds do;
+    - `also`: the charges of the request's other scopes (each under its own key, with no
+      `also` of its own), admitted with this one or not at all.
+
+    A hold (spend or tokens) is settled by a `Report` carrying the charge (`Report.charge`)."""
+
+    per_month: int | None = None
+    spend: float | None = None
+    spend_per_month: float | None = None
+    tokens: int | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+    also: tuple[Charge, ...] = ()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -163,7 +223,12 @@ class Report:
       UTC day: the hold is replaced by the `actual` cost, which is added even if the hold
       already lapsed (the call happened); None: no hold;
     - `success_age`: how many seconds ago the caller's last success on the breaker's model
-      ended (None: none known), applied before the outcome, as `Step.success_ages` is.
+      ended (None: none known), applied before the outcome, as `Step.success_ages` is;
+    - `charge` (with `reservation`, `actual` and `tokens`): settle every hold of a charge with
+      `more` (every scope's): each spend hold is replaced by `actual` in its period, each
+      token hold of the day and month by `tokens` (added even if the hold lapsed, as spend
+      is), and the hold in the minute window takes `tokens` in its place while it is still in
+      the window. `spend_key` is then None.
     """
 
     breaker_key: str | None = None
@@ -177,6 +242,8 @@ class Report:
     spend_key: str | None = None
     reservation: str | None = None
     actual: float = 0.0
+    charge: Charge | None = None
+    tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -217,9 +284,8 @@ class Passage:
       skipped for its cooldown, and for every leg when the step has no breaker);
     - `admitted`: the index in `legs` of the leg admitted, or None (every leg skipped, or the
       charge refused);
-    - `refusal`: why the charge was refused (`refused_by`: `per_minute`, `per_day` or
-      `spend_per_day`), or None;
-    - `reservation`: the spend hold to settle later, when the charge held spend;
+    - `refusal`: why the charge was refused (see `Admission`), or None;
+    - `reservation`: the hold to settle later, when the charge held spend or tokens;
     - `recorded`: the reported breaker's state after the report, when one was recorded;
     - `transitions`: each breaker state change this step made, as (breaker key, the state
       entered): the report's (to open, or to closed), then the admission's (open to half_open).
@@ -314,7 +380,7 @@ class Store(Protocol):
         Redis, one synchronous call in memory): report the last call, then admit the next
         one and charge the request's budget (see `Step`). What a guard needs per request:
         one operation to admit its first call, and one more per call that failed or must
-        report (a probe, a success after counted failures, a spend hold to settle).
+        report (a probe, a success after counted failures, a spend or token hold to settle).
 
         A breaker whose state does not change is not written: a closed breaker's success,
         an open breaker's refusal. A success that is not reported still ends a run of

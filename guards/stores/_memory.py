@@ -39,6 +39,7 @@ from ._base import (
     bounded_key,
     utc_day,
 )
+from ._limits import charge_with_more
 from ._step import first_admitted, plainly_admitted, run_step
 from ._task import TaskRecord, new_lease, refusal
 
@@ -370,7 +371,17 @@ class _State:
         else:
             self._store._data[key] = (state, now + keep_s(state, policy))
 
-    def charge(self, charge: Charge, now: float) -> tuple[Admission | None, str | None]:
+    def charge(
+        self,
+        charge: Charge,
+        now: float,
+        *,
+        dry: bool = False,
+        reservation: str | None = None,
+        alone: bool = False,
+    ) -> tuple[Admission | None, str | None]:
+        if charge.more is not None and not alone:  # months, tokens, scopes (`_limits`)
+            return charge_with_more(self, charge, now)
         store, key = self._store, charge.key
         if len(key) > MAX_KEY_CHARS:
             key = bounded_key(key)
@@ -404,7 +415,7 @@ class _State:
             next_day = DAY_S - now % DAY_S
             if over and (refusal is None or next_day > (refusal.retry_after_s or 0.0)):
                 refusal = Admission(False, "spend_per_day", next_day)
-        if refusal is not None:
+        if refusal is not None or dry:
             return refusal, None
         if per_day is not None or per_minute is not None:
             if budget is None:
@@ -421,7 +432,7 @@ class _State:
         if spend is None:
             return _PASSED
         assert charge.spend is not None
-        reservation = os.urandom(8).hex()
+        reservation = reservation or os.urandom(8).hex()
         spend[2][reservation] = (charge.spend, now + charge.hold_s)
         store._data[spend[0]] = ((spend[1], spend[2]), now + DAILY_TTL_S)
         return None, reservation
@@ -432,3 +443,34 @@ class _State:
         (settled, holds), expires = store._get(day_key, now, ((0.0, {}), now + DAILY_TTL_S))
         holds = {rid: hold for rid, hold in holds.items() if rid != reservation and hold[1] > now}
         store._data[day_key] = ((settled + actual, holds), expires)
+
+    # The primitives of `_limits` (monthly counts, held counters), in `_data`: a count is an
+    # int, a held counter (settled, {reservation: (amount, until)}), each with its expiry.
+
+    def count(self, key: str, now: float) -> int:
+        return int(self._store._get(key, now, (0, 0.0))[0])
+
+    def add_count(self, key: str, ttl_s: float, now: float) -> None:
+        count, expires = self._store._get(key, now, (0, now + ttl_s))
+        self._store._data[key] = (count + 1, expires)
+
+    def holds(self, key: str, now: float) -> tuple[float, list[tuple[float, float]]]:
+        settled, holds = self._store._get(key, now, ((0.0, {}), 0.0))[0]
+        return settled, [hold for hold in holds.values() if hold[1] > now]
+
+    def hold(self, key: str, reservation: str, amount: float, until: float, ttl_s: float, now: float) -> None:
+        settled, holds = self._store._get(key, now, ((0.0, {}), 0.0))[0]
+        holds = {rid: hold for rid, hold in holds.items() if hold[1] > now}
+        holds[reservation] = (amount, until)
+        self._store._data[key] = ((settled, holds), now + ttl_s)
+
+    def settle_hold(self, key: str, reservation: str, actual: float, ttl_s: float, now: float) -> None:
+        (settled, holds), expires = self._store._get(key, now, ((0.0, {}), now + ttl_s))
+        holds = {rid: hold for rid, hold in holds.items() if rid != reservation and hold[1] > now}
+        self._store._data[key] = ((settled + actual, holds), expires)
+
+    def replace_hold(self, key: str, reservation: str, actual: float, now: float) -> None:
+        item = self._store._get(key, now, ((0.0, {}), 0.0))
+        held = item[0][1].get(reservation)
+        if held is not None and held[1] > now:
+            item[0][1][reservation] = (actual, held[1])

@@ -104,7 +104,9 @@ from .._log import emit, emit_warning
 from ._base import (
     ADMITTED,
     Admission,
+    Charge,
     Health,
+    MoreLimits,
     Passage,
     SpendReservation,
     Step,
@@ -196,11 +198,12 @@ local function int(x)
   return string.format('%d', x)
 end
 
--- The day's spend hash: drops lapsed holds (and `drop`, a hold field) and returns the settled
--- total, the sum of live holds and the fields to delete.
+-- The day's spend hash (or another held counter: see `more_check`): drops lapsed holds (and
+-- `drop`, a hold field) and returns the settled total, the sum of live holds, the fields to
+-- delete and the live holds as {amount, expires}.
 local function read_spend(key, drop)
   local flat = redis.call('HGETALL', key)
-  local settled, held, gone = 0, 0, {}
+  local settled, held, gone, live = 0, 0, {}, {}
   for i = 1, #flat, 2 do
     local field, value = flat[i], flat[i + 1]
     if field == 'settled' then
@@ -211,10 +214,102 @@ local function read_spend(key, drop)
         gone[#gone + 1] = field
       else
         held = held + tonumber(amount)
+        live[#live + 1] = {tonumber(amount), tonumber(expires)}
       end
     end
   end
-  return settled, held, gone
+  return settled, held, gone, live
+end
+
+local MONTHLY_TTL_MS = 2768400000 -- MONTHLY_TTL_S: 32 days and an hour
+local TOKEN_WINDOW_CAP = 10000
+
+-- Seconds from t to the start of the next UTC calendar month.
+local function month_left(t)
+  local name = day_name(t)
+  local y, m, d = tonumber(name:sub(1, 4)), tonumber(name:sub(6, 7)), tonumber(name:sub(9, 10))
+  local days = ({31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31})[m]
+  if m == 2 and (y % 4 == 0 and (y % 100 ~= 0 or y % 400 == 0)) then days = 29 end
+  return (days - d + 1) * DAY - second_of_day(t)
+end
+
+-- Of two refusals {refused_by, retry} (retry nil: never frees up), the one that frees up last.
+local function later(r, o)
+  if o == nil then return r end
+  if r == nil or (r[2] ~= nil and (o[2] == nil or o[2] > r[2])) then return o end
+  return r
+end
+
+-- A charge's held counters (guards.stores._limits._held_limits): {key, limit, amount, cap}.
+local function held_limits(c)
+  local held, month = {}, day_name(now):sub(1, 7)
+  if c.mspend and c.spend_per_month then
+    held[#held + 1] = {c.tag .. ':spend:' .. month, 'spend_per_month', c.mspend, c.spend_per_month}
+  end
+  if c.tokens then
+    if c.tpm then held[#held + 1] = {c.tag .. ':tokens:minute', 'tokens_per_minute', c.tokens, c.tpm} end
+    if c.tpd then held[#held + 1] = {c.tag .. ':tokens:' .. day_name(now), 'tokens_per_day', c.tokens, c.tpd} end
+    if c.tpmo then held[#held + 1] = {c.tag .. ':tokens:' .. month, 'tokens_per_month', c.tokens, c.tpmo} end
+  end
+  return held
+end
+
+-- A charge's MoreLimits, checked (guards.stores._limits._check_more): the refusal or nil.
+local function more_check(c)
+  local refusal = nil
+  if c.per_month then
+    local count = tonumber(redis.call('GET', c.tag .. ':month:' .. day_name(now):sub(1, 7)) or '0')
+    if count >= c.per_month then refusal = {'per_month', month_left(now)} end
+  end
+  for _, h in ipairs(held_limits(c)) do
+    local key, limit, amount, cap = h[1], h[2], h[3], h[4]
+    if amount > cap then
+      refusal = later(refusal, {limit, nil})
+    else
+      local settled, held, _, live = read_spend(key, nil)
+      held = settled + held
+      if limit == 'tokens_per_minute' then
+        if held + amount > cap or #live >= TOKEN_WINDOW_CAP then
+          table.sort(live, function(x, y) return x[2] < y[2] end)
+          local wait, freed, left = 0, 0, #live
+          for _, hold in ipairs(live) do
+            freed, left, wait = freed + hold[1], left - 1, hold[2] - now
+            if held - freed + amount <= cap and left < TOKEN_WINDOW_CAP then break end
+          end
+          refusal = later(refusal, {limit, math.max(wait, 0)})
+        end
+      elseif held + amount > cap then
+        local wait
+        if limit == 'tokens_per_day' then wait = DAY - second_of_day(now) else wait = month_left(now) end
+        refusal = later(refusal, {limit, wait})
+      end
+    end
+  end
+  return refusal
+end
+
+-- A charge's MoreLimits, written (guards.stores._limits._apply_more).
+local function more_apply(c, reservation)
+  if c.per_month then
+    local key = c.tag .. ':month:' .. day_name(now):sub(1, 7)
+    if redis.call('INCR', key) == 1 then redis.call('PEXPIRE', key, MONTHLY_TTL_MS) end
+  end
+  for _, h in ipairs(held_limits(c)) do
+    local key, limit, amount = h[1], h[2], h[3]
+    local _, _, gone = read_spend(key, nil)
+    if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
+    if limit == 'tokens_per_minute' then
+      redis.call('HSET', key, 'h:' .. reservation, fmt(amount) .. ' ' .. fmt(now + MINUTE))
+      redis.call('PEXPIRE', key, MINUTE_MS)
+    else
+      redis.call('HSET', key, 'h:' .. reservation, fmt(amount) .. ' ' .. fmt(now + c.hold_s))
+      if limit == 'tokens_per_day' then
+        redis.call('PEXPIRE', key, DAILY_TTL_MS)
+      else
+        redis.call('PEXPIRE', key, MONTHLY_TTL_MS)
+      end
+    end
+  end
 end
 
 -- A request's charge, all or nothing: c = {window, day_stem, spend_stem, per_minute, per_day,
@@ -226,7 +321,7 @@ end
 -- window has room when the admission `per_minute` places back is gone or older than 60 s: one
 -- HGET, whatever the traffic. Each admission deletes at most two expired admissions at the
 -- tail; the hash expires a minute after the last admission.
-local function charge(c)
+local function charge(c, dry)
   local refused_by, retry = nil, nil
   local seq = 0
   if c.per_minute then
@@ -260,6 +355,7 @@ local function charge(c)
     end
   end
   if refused_by then return {refused_by, fmt(retry)} end
+  if dry then return nil end
   if c.per_minute then
     local tail = tonumber(redis.call('HGET', c.window, 't') or '0')
     for _ = 1, 2 do
@@ -289,6 +385,45 @@ local function settle(stem, reservation, actual)
   redis.call('HSET', key, 'settled', fmt(settled + actual))
   if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
   ensure_ttl(key, DAILY_TTL_MS)
+end
+
+-- Settle the holds a charge with MoreLimits made (guards.stores._limits.settle_charge).
+local function settle_more(c, reservation, actual, tokens)
+  if c.spend then settle(c.tag .. ':spend:', reservation, actual) end
+  for _, h in ipairs(held_limits(c)) do
+    local key, limit = h[1], h[2]
+    if limit == 'tokens_per_minute' then
+      local value = redis.call('HGET', key, 'h:' .. reservation)
+      local expires = value and tonumber(string.match(value, ' (%S+)$'))
+      if expires and expires > now then
+        redis.call('HSET', key, 'h:' .. reservation, fmt(tokens) .. ' ' .. fmt(expires))
+      end
+    else
+      local amount = tokens
+      local ttl = MONTHLY_TTL_MS
+      if limit == 'spend_per_month' then amount = actual end
+      if limit == 'tokens_per_day' then ttl = DAILY_TTL_MS end
+      local settled, _, gone = read_spend(key, 'h:' .. reservation)
+      redis.call('HSET', key, 'settled', fmt(settled + amount))
+      if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
+      ensure_ttl(key, ttl)
+    end
+  end
+end
+
+-- The charges of ARGV[4] from field `at` of `e` (11 fields each), their tags from KEYS[k0 + 1].
+local function more_charges(e, at, count, k0, hold_s)
+  local charges = {}
+  for j = 1, count do
+    local f = at + 11 * (j - 1)
+    local tag = KEYS[k0 + j]
+    charges[j] = {tag = tag, window = tag .. ':window', day_stem = tag .. ':day:', spend_stem = tag .. ':spend:',
+      per_minute = tonumber(e[f]), per_day = tonumber(e[f + 1]), spend = tonumber(e[f + 2]),
+      cap = tonumber(e[f + 3]), per_month = tonumber(e[f + 4]), mspend = tonumber(e[f + 5]),
+      spend_per_month = tonumber(e[f + 6]), tokens = tonumber(e[f + 7]), tpm = tonumber(e[f + 8]),
+      tpd = tonumber(e[f + 9]), tpmo = tonumber(e[f + 10]), hold_s = hold_s}
+  end
+  return charges
 end
 
 -- Seconds left on a cooldown ('0' when not cooling down). A key whose end has passed on the
@@ -570,6 +705,25 @@ local function step()
   if cool_s and ends_by then cool_s = math.min(cool_s, ends_by - now) end
   if cool_s and cool_s > 0 then start_cooldown(KEYS[base + 5], cool_s) end
   if a[26] ~= '' then settle(KEYS[base + 6], a[26], tonumber(a[27])) end
+  -- ARGV[4], when given: the charges with MoreLimits (a[10] '2') and the charges to settle
+  -- (see `RedisStore._more_arguments`): C, C x 11 fields, S, reservation, actual, tokens,
+  -- S x 11 fields; their tags are KEYS[base + 7...], the C charges' then the S settled.
+  local e, more, settles = {}, {}, {}
+  if #ARGV > 4 then -- (the last is the epoch the worker knows: `check_epoch`)
+    local j = 1
+    for field in string.gmatch(ARGV[4] .. '|', '([^|]*)|') do
+      e[j] = field
+      j = j + 1
+    end
+    local count = tonumber(e[1])
+    more = more_charges(e, 2, count, base + 6, tonumber(a[15]))
+    local s0 = 2 + 11 * count
+    local settled = tonumber(e[s0])
+    settles = more_charges(e, s0 + 4, settled, base + 6 + count, 0)
+    for _, c in ipairs(settles) do
+      settle_more(c, e[s0 + 1], tonumber(e[s0 + 2]), tonumber(e[s0 + 3]))
+    end
+  end
   local policy = read_policy(a, 4)
   local waits, decisions = {}, {}
   for i = 1, n do waits[i] = cooldown_left(KEYS[i]) end
@@ -608,6 +762,28 @@ local function step()
       admitted = nil -- nothing of the admission is written: no probe slot taken
     elseif c.spend then
       reservation = c.reservation
+    end
+  elseif admitted and a[10] == '2' then
+    -- Every scope checked with nothing written, then every one charged: all or nothing.
+    local refusal, index = nil, 0
+    for j, c in ipairs(more) do
+      c.reservation = a[16]
+      local found = charge(c, true)
+      if found then found = {found[1], tonumber(found[2])} end
+      found = later(found, more_check(c))
+      if found and later(refusal, found) == found then refusal, index = found, j - 1 end
+    end
+    if refusal then
+      refused_by = refusal[1]
+      if refusal[2] then retry = fmt(refusal[2]) else retry = 'none' end
+      retry = retry .. ' ' .. string.format('%d', index)
+      admitted = nil
+    else
+      for _, c in ipairs(more) do
+        charge(c, false)
+        more_apply(c, a[16])
+      end
+      if a[16] ~= '' then reservation = a[16] end
     end
   end
   if admitted and opened then
@@ -968,7 +1144,8 @@ class RedisStore:
     async def step(self, step: Step) -> Passage:
         legs, report, charge = step.legs, step.report, step.charge
         if report is None and (
-            charge is None or (charge.spend is None and len(charge.key) <= _MAX_FIXED_KEY)
+            charge is None
+            or (charge.spend is None and len(charge.key) <= _MAX_FIXED_KEY and charge.more is None)
         ):
             # Nothing of its own in it (a request's first step, which the route keeps per
             # caller): its keys and fixed arguments are made once.
@@ -980,7 +1157,18 @@ class RedisStore:
         ages = step.success_ages
         if ages:
             args = "|".join([args, *[_num(age) for age in ages[: len(legs)]]])
-        replies = await self._call(_pack("step", keys, self._now_arg(), (args, self._epoch.known)))
+        if (charge is not None and charge.more is not None) or (
+            report is not None and report.charge is not None
+        ):
+            # The charges' tags before the epoch marker's key, which stays last; their fields
+            # are ARGV[4], before the epoch the worker knows (last: ARGV[5]).
+            more_keys, more = self._more_arguments(step, args)
+            command = _pack(
+                "step", [*keys[:-1], *more_keys, keys[-1]], self._now_arg(), (args, more, self._epoch.known)
+            )
+        else:
+            command = _pack("step", keys, self._now_arg(), (args, self._epoch.known))
+        replies = await self._call(command)
         if len(replies) > 1:  # the store's epoch is not the one this worker knew
             self._epoch.found(replies[1])
         reply = replies[0]
@@ -1001,15 +1189,15 @@ class RedisStore:
         keys = [self._key(cooldown_key) + ":cooldown" for cooldown_key, _ in legs]
         keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
         args: list[str] = [str(len(legs)), *_policy_args(step.breaker)]
-        reservation = os.urandom(8).hex() if charge is not None and charge.spend is not None else ""
+        reservation = os.urandom(8).hex() if charge is not None and _holds(charge) else ""
         if charge is None:
             keys += ["", "", ""]
             args += ["", "", "", "", "", "", ""]
         else:
             tag = self._key(charge.key)
             keys += [tag + ":window", tag + ":day:", tag + ":spend:"]
-            args += ["1", _num(charge.per_minute), _num(charge.per_day), _num(charge.spend)]
-            args += [_num(charge.spend_cap), _num(charge.hold_s), reservation]
+            args += ["1" if charge.more is None else "2", _num(charge.per_minute), _num(charge.per_day)]
+            args += [_num(charge.spend), _num(charge.spend_cap), _num(charge.hold_s), reservation]
         record = report is not None and report.breaker_key is not None and report.breaker is not None
         if report is None:
             keys += ["", "", ""]
@@ -1032,6 +1220,29 @@ class RedisStore:
         keys.append(self._epoch_key)  # always the last key (the script's `check_epoch`)
         # Every field is a number, a token or a hex reservation: none holds a '|'.
         return keys, "|".join(args)
+
+    def _more_arguments(self, step: Step, args: str) -> tuple[list[str], str]:
+        """The script's keys and ARGV[4] for the charges with `MoreLimits` of `step` (its
+        charge's scopes) and of its report (to settle): the tag of each charge's keys, and
+        their fields (see the script's `step`)."""
+        charge, report = step.charge, step.report
+        charged = () if charge is None or charge.more is None else (charge, *charge.more.also)
+        settled = (
+            ()
+            if report is None or report.charge is None or report.reservation is None
+            else (
+                report.charge,
+                *(report.charge.more.also if report.charge.more is not None else ()),
+            )
+        )
+        keys = [self._key(each.key) for each in (*charged, *settled)]
+        fields = [str(len(charged)), *[f for each in charged for f in _more_fields(each)], str(len(settled))]
+        if report is not None:
+            fields += [report.reservation or "", _num(report.actual), _num(report.tokens)]
+        else:
+            fields += ["", "", ""]
+        fields += [f for each in settled for f in _more_fields(each)]
+        return keys, "|".join(fields)
 
     @staticmethod
     def _passage(step: Step, reply: list[str]) -> Passage:
@@ -1057,7 +1268,7 @@ class RedisStore:
             waits,
             decisions,
             int(admitted) if admitted else None,
-            Admission(False, refused_by, float(retry_after)) if refused_by else None,
+            _refusal(refused_by, retry_after) if refused_by else None,
             held or None,
             _state(recorded.split(" ")) if recorded else None,
             tuple(transitions),
@@ -1281,6 +1492,42 @@ class RedisStore:
             if self._links.get(loop) is link:
                 del self._links[loop]
             await link.wire.close()
+
+
+def _holds(charge: Charge) -> bool:
+    """Whether `charge` (any of its scopes) holds spend or tokens."""
+    return any(
+        each.spend is not None
+        or (
+            (more := each.more) is not None
+            and (more.tokens is not None or (more.spend is not None and more.spend_per_month is not None))
+        )
+        for each in (charge, *(charge.more.also if charge.more is not None else ()))
+    )
+
+
+def _more_fields(charge: Charge) -> list[str]:
+    """A charge's 11 fields in the script's ARGV[4] (see `more_charges` in the script)."""
+    more = charge.more or MoreLimits()
+    return [
+        _num(charge.per_minute),
+        _num(charge.per_day),
+        _num(charge.spend),
+        _num(charge.spend_cap),
+        _num(more.per_month),
+        _num(more.spend),
+        _num(more.spend_per_month),
+        _num(more.tokens),
+        _num(more.tokens_per_minute),
+        _num(more.tokens_per_day),
+        _num(more.tokens_per_month),
+    ]
+
+
+def _refusal(refused_by: str, retry_after: str) -> Admission:
+    """A step's refusal: '<retry>' (one charge), or '<retry or none> <scope index>'."""
+    retry, _, index = retry_after.partition(" ")
+    return Admission(False, refused_by, None if retry == "none" else float(retry), int(index or 0))
 
 
 def _pack(op: str, keys: Sequence[str], now: str, args: Sequence[str]) -> bytes:

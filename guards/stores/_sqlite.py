@@ -10,10 +10,13 @@ time, `NOT NULL`):
 - `guards_rate (key, ts, expires_at)`: one row per request admitted under a `per_minute` limit,
   at `ts`, kept until `ts + 60` (so a key's last row goes a minute after its last admission);
 - `guards_counter (key, n, expires_at)`: the daily counter `{key}:day:{YYYY-MM-DD}`, kept
-  `DAILY_TTL_S` after its first unit;
+  `DAILY_TTL_S` after its first unit, and the monthly one `{key}:month:{YYYY-MM}`, kept
+  `MONTHLY_TTL_S`;
 - `guards_spend (key, settled, expires_at)`: settled spend `{key}:spend:{YYYY-MM-DD}`, kept
-  `DAILY_TTL_S` after its first settlement;
-- `guards_hold (id, key, amount, expires_at)`: a spend hold, kept `hold_s` (then it lapses);
+  `DAILY_TTL_S` after its first settlement, and likewise the month's (`{key}:spend:{YYYY-MM}`,
+  `MONTHLY_TTL_S`) and the settled tokens of the day and month (`{key}:tokens:...`);
+- `guards_hold (id, key, amount, expires_at)`: a spend or token hold, kept `hold_s` (then it
+  lapses); the tokens of the minute window (`{key}:tokens:minute`) are holds kept 60 s;
 - `guards_breaker (key, state, expires_at)`: a breaker's `BreakerState` as JSON, kept
   `policy.ttl_s` (or longer: `_breaker.keep_s`) after its last change. A closed breaker with
   no failures (and no calls counted: `Breaker.slow_call_s`) keeps no row;
@@ -114,6 +117,7 @@ from ._base import (
     utc_day,
 )
 from ._epoch import Epoch
+from ._limits import charge_with_more
 from ._step import first_admitted, run_step
 from ._task import TaskRecord, new_lease, refusal
 
@@ -202,6 +206,8 @@ _SETTLED = "SELECT settled FROM guards_spend WHERE key = ? AND expires_at > ?"
 _HELD = "SELECT coalesce(sum(amount), 0.0) FROM guards_hold WHERE key = ? AND expires_at > ?"
 _HOLD = "INSERT INTO guards_hold (id, key, amount, expires_at) VALUES (?, ?, ?, ?)"
 _RELEASE_HOLD = "DELETE FROM guards_hold WHERE id = :id AND key = :key"
+_HOLDS = "SELECT amount, expires_at FROM guards_hold WHERE key = ? AND expires_at > ?"
+_REPLACE_HOLD = "UPDATE guards_hold SET amount = ? WHERE id = ? AND key = ? AND expires_at > ?"
 _SETTLE = """INSERT INTO guards_spend (key, settled, expires_at) VALUES (:key, :actual, :expires)
     ON CONFLICT (key) DO UPDATE SET
         settled = CASE WHEN expires_at > :now THEN settled + excluded.settled ELSE excluded.settled END,
@@ -391,7 +397,17 @@ class _Tx:
         self._breakers[key] = (state, expires)
         self._dirty.add(key)
 
-    def charge(self, charge: Charge, now: float) -> tuple[Admission | None, str | None]:
+    def charge(
+        self,
+        charge: Charge,
+        now: float,
+        *,
+        dry: bool = False,
+        reservation: str | None = None,
+        alone: bool = False,
+    ) -> tuple[Admission | None, str | None]:
+        if charge.more is not None and not alone:  # months, tokens, scopes (`_limits`)
+            return charge_with_more(self, charge, now)
         conn, key = self.conn, bounded_key(charge.key)
         refusal: Admission | None = None
         per_minute, per_day = charge.per_minute, charge.per_day
@@ -425,7 +441,7 @@ class _Tx:
                 refusal is None or next_day > (refusal.retry_after_s or 0.0)
             ):
                 refusal = Admission(False, "spend_per_day", next_day)
-        if refusal is not None:
+        if refusal is not None or dry:
             return refusal, None  # nothing written
         if per_minute is not None:
             conn.execute(_WINDOW_ADD, (key, seq, now, now + MINUTE_S))
@@ -437,7 +453,7 @@ class _Tx:
                 conn.execute(_COUNT_DAY, (day_key,))
         if charge.spend is None:
             return None, None
-        reservation = os.urandom(8).hex()
+        reservation = reservation or os.urandom(8).hex()
         conn.execute(_HOLD, (reservation, spend_key, charge.spend, now + charge.hold_s))
         return None, reservation
 
@@ -447,6 +463,35 @@ class _Tx:
         self.conn.execute(
             _SETTLE, {"key": day_key, "actual": actual, "expires": now + DAILY_TTL_S, "now": now}
         )
+
+    # The primitives of `_limits`: a count is a `guards_counter` row; a held counter a
+    # `guards_spend` row (its settled total) and `guards_hold` rows (its holds, each one's id
+    # the reservation and the counter's key: a reservation holds in several counters).
+
+    def count(self, key: str, now: float) -> int:
+        row = self.conn.execute(_DAY_COUNT, (key, now)).fetchone()
+        return 0 if row is None else int(row[0])
+
+    def add_count(self, key: str, ttl_s: float, now: float) -> None:
+        if self.conn.execute(_DAY_COUNT, (key, now)).fetchone() is None:
+            self.conn.execute(_START_DAY, (key, now + ttl_s))
+        else:
+            self.conn.execute(_COUNT_DAY, (key,))
+
+    def holds(self, key: str, now: float) -> tuple[float, list[tuple[float, float]]]:
+        settled = self.conn.execute(_SETTLED, (key, now)).fetchone()
+        holds = self.conn.execute(_HOLDS, (key, now)).fetchall()
+        return (0.0 if settled is None else float(settled[0])), holds
+
+    def hold(self, key: str, reservation: str, amount: float, until: float, ttl_s: float, now: float) -> None:
+        self.conn.execute(_HOLD, (f"{reservation} {key}", key, amount, until))
+
+    def settle_hold(self, key: str, reservation: str, actual: float, ttl_s: float, now: float) -> None:
+        self.conn.execute(_RELEASE_HOLD, {"id": f"{reservation} {key}", "key": key})
+        self.conn.execute(_SETTLE, {"key": key, "actual": actual, "expires": now + ttl_s, "now": now})
+
+    def replace_hold(self, key: str, reservation: str, actual: float, now: float) -> None:
+        self.conn.execute(_REPLACE_HOLD, (actual, f"{reservation} {key}", key, now))
 
     def spent(self, key: str, now: float) -> float:
         row = self.conn.execute(_SETTLED, (f"{bounded_key(key)}:spend:{utc_day(now)}", now)).fetchone()

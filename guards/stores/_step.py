@@ -18,13 +18,15 @@ from typing import Protocol
 from .._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, forget_before
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
-from ._base import Admission, Charge, Passage, Step
+from ._base import Admission, Passage, Step
+from ._limits import LimitState, settle_charge
 
 __all__ = ["StepState", "first_admitted", "plainly_admitted", "run_step"]
 
 
-class StepState(Protocol):
-    """The state a step reads and writes, inside the store's atomic operation."""
+class StepState(LimitState, Protocol):
+    """The state a step reads and writes, inside the store's atomic operation (with the
+    charge's primitives of `LimitState`)."""
 
     def cooldowns(self, keys: Sequence[str], now: float) -> tuple[float, ...]:
         """Seconds of cooldown left on each key (0.0: none)."""
@@ -41,15 +43,6 @@ class StepState(Protocol):
 
     def put_breaker(self, key: str, state: BreakerState, policy: Breaker, now: float) -> None:
         """Keep `state`, `policy.ttl_s` from now (a closed, healthy breaker: no key at all)."""
-        ...
-
-    def charge(self, charge: Charge, now: float) -> tuple[Admission | None, str | None]:
-        """Charge every limit of `charge`, or none: (the refusal, None) or (None, the spend
-        reservation when `charge.spend` is set)."""
-        ...
-
-    def settle(self, key: str, reservation: str, actual: float, now: float) -> None:
-        """Replace the hold `reservation` by the `actual` cost (see `Report.spend_key`)."""
         ...
 
 
@@ -78,6 +71,8 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
                 state.start_cooldown(report.cooldown_key, seconds, now)
         if report.spend_key is not None and report.reservation is not None:
             state.settle(report.spend_key, report.reservation, report.actual, now)
+        if report.charge is not None and report.reservation is not None:
+            settle_charge(state, report.charge, report.reservation, report.actual, report.tokens, now)
     legs = step.legs
     if not legs:
         return Passage(recorded=recorded, transitions=tuple(transitions or ()))

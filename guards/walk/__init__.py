@@ -5,6 +5,7 @@
     _state.py        `RequestState`: the request's state, each field written by one stage
     _chain_walk.py   the walk along the fallback chain, its deadline, the client watcher
     _store_steps.py  one store operation between calls; the store-down policy
+    _holds.py        a request's spend and token holds, and what they settle to
     _known.py        the refusals a worker knows of (open breakers, cooldowns): skipped locally
     _retries.py      a leg's share of the attempt budget; the retry budget's admission
     _accounting.py   attempts, tokens, cost (the spend settles to it)

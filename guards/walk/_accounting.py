@@ -85,6 +85,11 @@ def account(
             state._cost += cost
         elif billed and route.spend_capped:
             state._cost += worst(leg, state._tokens, route.max_tokens)
+    if route.token_capped:  # what the token hold settles to (`_holds.settled`)
+        if usage is not None:
+            state._used_tokens += usage.prompt_tokens + usage.completion_tokens
+        elif billed:
+            state._used_tokens += state._token_hold
     state._held = state._observe.attempt_ended(
         (
             route,

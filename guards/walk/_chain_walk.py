@@ -155,7 +155,7 @@ async def walk(
                         and report is None
                         and not state._charged
                         and first.legs is route.step_legs
-                        and not route.spend_capped
+                        and not route.holds
                     ):
                         step = first  # `next_step`'s usual answer, inline: every request's path
                     else:
@@ -237,7 +237,7 @@ async def walk(
                                 inflight = None
                                 report, last, start, inputs = moved
                                 continue
-                        if type(result) is AIResult and leg.price is None:
+                        if type(result) is AIResult and leg.price is None and not route.token_capped:
                             # `on_attempt`'s usual case, inline (every request's path): a
                             # success with no price, so no cost to add.
                             state.attempts += 1

@@ -82,6 +82,16 @@ class StoreFailed(NamedTuple):
     op: str | None = None
 
 
+class BudgetCounted(NamedTuple):
+    """What a request `held` against a budget's scope before its first call, or what that
+    hold `settled` to: `amount` of `unit` (`tokens`, or `spend` in cost units)."""
+
+    stage: str
+    scope: str
+    unit: str
+    amount: float
+
+
 class Checkpointed(NamedTuple):
     """A task's step was `saved` after its call, or `resumed` from the store instead of one."""
 

@@ -15,6 +15,7 @@ method below is where that event's subscribers are listed, in the order they run
     cooldown started                               cooldown
     breaker moved     breaker transitions
     step checkpointed task steps
+    budget counted    budget held / settled
     request ended     requests, seconds, fallbacks request                  route span ends
 
 The default ledger is the `attempt` lines, and a request's only attempt has none: its fields are
@@ -33,10 +34,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._ledger import Attempt, LogLedger
 from .._log import emit, emit_skip, emit_warning, logger
-from .._metrics import RETRY_BUDGET_EXHAUSTED, SKIPS, STORE_UNAVAILABLE, TASK_STEPS, counter
+from .._metrics import (
+    BUDGET_HELD,
+    BUDGET_SETTLED,
+    RETRY_BUDGET_EXHAUSTED,
+    SKIPS,
+    STORE_UNAVAILABLE,
+    TASK_STEPS,
+    counter,
+)
 from ._events import (
     AttemptEnded,
     BreakerMoved,
+    BudgetCounted,
     Checkpointed,
     CooldownStarted,
     Retried,
@@ -190,6 +200,11 @@ class Observers:
             trace_id=event.trace_id,
             model=event.model,
             seconds=round(event.seconds, 3),
+        )
+
+    def budget_counted(self, event: BudgetCounted) -> None:
+        counter(BUDGET_HELD if event.stage == "held" else BUDGET_SETTLED, event.scope, event.unit).add(
+            event.amount
         )
 
     def checkpointed(self, event: Checkpointed) -> None:

@@ -92,6 +92,8 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
             "provider_code": provider_code,
         }
         extra = attempt if extra is None else {**attempt, **extra}
+    if tripped is not None and tripped.scope is not None:  # the budget scope that refused
+        extra = {**(extra or {}), "scope": tripped.scope}
     emit(
         "request",
         route=route.name,

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .._shared import Shared
     from .._tools import ToolCall
     from .._vocabulary import ErrorCode
-    from ..stores import Step
+    from ..stores import Charge, Step
     from ._events import AttemptEnded, RequestEnded
     from ._observers import Observers
 
@@ -76,12 +76,15 @@ class RequestState:
         "_first",
         "_charged",
         "_hold",
+        "_charge",
         "_waits",
         # Accounting (`_accounting`): calls made, their cost, the input tokens' bound, the
         # record of an attempt whose log line the request's line carries (`_observers`).
         "attempts",
         "_cost",
         "_tokens",
+        "_token_hold",
+        "_used_tokens",
         "_held",
         # Answers of a route with `on_rejected` or tools (`_rejected`): set at its first call,
         # never on other routes (not even here: their requests pay nothing for it), so read
@@ -95,6 +98,11 @@ class RequestState:
     )
     _answered: Answered
     _slow: bool  # (not set in `__init__`: see above)
+
+    # Set only on a route that holds (see `_hold` below), before they are read.
+    _charge: Charge
+    _token_hold: int
+    _used_tokens: int
 
     def __init__(
         self,
@@ -130,7 +138,11 @@ class RequestState:
         #: has a spend cap, is set at the first admission.
         self._first = first
         self._charged = False
-        #: The spend hold of this request (None without a spend cap).
+        #: The spend and token holds of this request (None without a spend cap or a token
+        #: limit). Only a route that holds (`GuardedRoute.holds`) sets the charge as held
+        #: (`_charge`), and only a token-limited one the tokens held and used (`_token_hold`,
+        #: `_used_tokens`): when it charges (`_holds.holding`), so that no other request
+        #: pays for them.
         self._hold: str | None = None
         #: Seconds of cooldown left per leg, as the last store step read them (None: unknown).
         self._waits: list[float] | None = None

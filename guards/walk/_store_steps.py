@@ -17,12 +17,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._breaker import CircuitState, Outcome
-from .._budget import budget_refusal, input_tokens_bound
+from .._budget import budget_refusal
 from .._errors import GuardTripped, ProviderError
 from .._vocabulary import Reason
 from ..stores import Charge, Passage, Report, Step, StoreUnavailable
-from ._accounting import worst
 from ._events import BreakerMoved, CooldownStarted, StoreFailed
+from ._holds import holding, settled
 from ._known import forget, remember, skip
 from ._verdicts import COOLDOWN_KINDS, LIMIT_REASONS, failed
 
@@ -71,14 +71,13 @@ def next_step(state: RequestState, start: int, report: Report | None, inputs: Ma
     route, first = state._route, state._first
     charge = None
     if first is not None and not state._charged:
-        if not start and report is None and first.legs is route.step_legs and not route.spend_capped:
+        if not start and report is None and first.legs is route.step_legs and not route.holds:
             return first  # the route's own, the same every request (of this caller)
-        # What the request's first admission pays: rate, daily cap, and its worst-case spend.
+        # What the request's first admission pays: rate, counts, its worst-case spend and
+        # its tokens.
         charge = first.charge
-        if charge is not None and route.spend_capped:
-            state._tokens = tokens = input_tokens_bound(inputs)
-            spend = max(worst(leg, tokens, route.max_tokens) for leg in route.legs) * state.attempt_budget
-            charge = dataclasses.replace(charge, spend=spend, hold_s=2 * route.timeout_s + 60)
+        if charge is not None and route.holds:
+            charge = holding(state, charge, inputs)
     return walk_step(route, start, report, charge)
 
 
@@ -100,13 +99,15 @@ def admitted(
         if charge is not None and route.budget is not None:
             local = route.local_share
             if local is None:
-                store_failed(state, "budget", route.budget.on_store_failure)
+                closed = any(budget.on_store_failure == "closed" for budget in route.budgets)
+                store_failed(state, "budget", "closed" if closed else "open")
             else:  # this worker's share, in its own memory (`guards._local_budget`)
                 state._observe.store_failed(StoreFailed(route, state.trace_id, "budget", mode="local"))
                 refusal = local.charge(charge)
                 if refusal is not None:
                     state._charged = True
-                    raise budget_refusal(route.budget, refusal)
+                    refused = refusal.charge if refusal.charge < len(route.budgets) else 0
+                    raise budget_refusal(route.budgets[refused], refusal, route.scopes[refused])
             state._charged = True
         return start, None, False
     if passage.plain:  # the usual answer (`Passage.plain`): the first leg from `start`
@@ -144,9 +145,10 @@ def admitted(
         if leg.known.until:
             forget(leg)  # admitted (or its charge refused): the store let it through
         break  # the leg admitted, or the one whose charge was refused
-    if passage.refusal is not None:
+    if (refusal := passage.refusal) is not None:
         assert route.budget is not None
-        raise budget_refusal(route.budget, passage.refusal)
+        refused = refusal.charge if refusal.charge < len(route.budgets) else 0
+        raise budget_refusal(route.budgets[refused], refusal, route.scopes[refused])
     if charge is not None:
         state._charged = True
         state._hold = passage.reservation
@@ -242,17 +244,29 @@ def report(
         cooldown_until=cool_until if cool_s > 0 else None,
     )
     made = report_end(state, made) if settle else made
-    if made is None or made.breaker_key is made.cooldown_key is made.spend_key is None:
+    if made is None or (
+        made.breaker_key is made.cooldown_key is made.spend_key is None and made.charge is None
+    ):
         return None  # nothing to report
     return made
 
 
 def report_end(state: RequestState, made: Report | None) -> Report | None:
-    """`made` with the spend settled too (the walk is over), if the request holds spend."""
+    """`made` with the holds settled too (the walk is over), if the request holds spend or
+    tokens: the spend to what the calls cost, the tokens to the usage they reported (a billed
+    call that reported none: its whole hold)."""
     charge = state._first.charge if state._first is not None else None
     if state._hold is None or charge is None:
         return made
     reservation, state._hold = state._hold, None
+    settled(state)
+    if charge.more is not None:  # months, tokens, scopes: the charge as held settles itself
+        held, tokens = state._charge, state._used_tokens if state._route.token_capped else 0
+        if made is None:
+            return Report(charge=held, reservation=reservation, actual=state._cost, tokens=tokens)
+        return dataclasses.replace(
+            made, charge=held, reservation=reservation, actual=state._cost, tokens=tokens
+        )
     key = charge.key
     if made is None:
         return Report(spend_key=key, reservation=reservation, actual=state._cost)
@@ -322,7 +336,7 @@ def report_lost(state: RequestState, made: Report | None) -> None:
         observe.store_failed(StoreFailed(route, trace_id, "breaker", op="breaker_record"))
     if made.cooldown_key is not None:
         observe.store_failed(StoreFailed(route, trace_id, "cooldown", op="start_cooldown"))
-    if made.spend_key is not None:
+    if made.spend_key is not None or made.charge is not None:
         observe.store_failed(StoreFailed(route, trace_id, "budget", op="settle_spend"))
 
 

@@ -100,6 +100,8 @@ def assert_no_user_data(text: str, *secrets: str) -> None:
         "to",
         "tier",
         "hint",
+        "scope",  # a budget's scope: a name the app configured, never a budget key
+        "unit",  # tokens, spend
     }
     for (name, labels), _ in parse(text).items():
         assert {label for label, _ in labels} <= allowed, name
