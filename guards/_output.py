@@ -104,7 +104,7 @@ class OutputGuard:
                 where = f"{count} errors"
             else:
                 errors = exc.errors(include_url=False, include_context=False, include_input=False)
-                where = ", ".join(sorted({_loc(e["loc"]) + e["type"] for e in errors}))[:200]
+                where = ", ".join(sorted({_loc(_named(e)) + e["type"] for e in errors}))[:200]
             raise GuardTripped(
                 Reason.schema_invalid,
                 f"answer does not match the schema ({where})",
@@ -212,11 +212,20 @@ def problems_of(exc: ValidationError, path: str) -> tuple[str, ...]:
     errors = exc.errors(include_url=False, include_context=False, include_input=False)
     found: dict[str, None] = {}
     for error in errors:
-        where = ".".join((path, *map(str, error["loc"])))
+        where = ".".join((path, *map(str, _named(error))))
         found[f"{where}: {error['type']}"[:_MAX_PROBLEM_CHARS]] = None
         if len(found) == MAX_PROBLEMS:
             break
     return tuple(found)
+
+
+def _named(error: Any) -> tuple[int | str, ...]:
+    """An error's location as it may be told: a key the schema does not declare
+    (`extra_forbidden`) was written by the model, so it is told as `<extra>`, never by name."""
+    loc: tuple[int | str, ...] = error["loc"]
+    if error["type"] == "extra_forbidden" and loc:
+        return (*loc[:-1], "<extra>")
+    return loc
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Reply
 from guards import AI, Attempt, Breaker, ConfigurationError, EventStream, Guards, ToolCall
@@ -506,3 +506,51 @@ def declare_stream(**options: Any) -> None:
 def test_declared_wrong_fails_at_start_up(declared: Callable[[], None], message: str) -> None:
     with pytest.raises(ConfigurationError, match=message.replace("(", r"\(").replace("[", r"\[")):
         declared()
+
+
+class ClosedLabel(BaseModel):
+    """A label that allows no other key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: str
+
+
+def test_a_key_the_model_wrote_is_never_told_by_name(
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, ledger: Recorder, guards_log: LogLines
+) -> None:
+    """A key the schema does not declare is the model's text: the problems, the reasked turn,
+    the 502's body, the ledger and the log lines say `<extra>`, never the key."""
+    guards = Guards(
+        WorkersAI(
+            account_id=fake_workers_ai.account_id,
+            api_token=fake_workers_ai.api_token,
+            base_url=fake_workers_ai.base_url,
+        ),
+        sleep=no_sleep,
+        ledger=ledger,
+    )
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/label")
+    @guards.route(model=PRIMARY, on_rejected="reask", breaker=None)
+    async def label(body: Ask, ai: AI[ClosedLabel]) -> ClosedLabel:
+        return await ai.run({"prompt": body.text})
+
+    fake_workers_ai.script(PRIMARY, *[Reply({"label": "shipping", CANARY: 1})] * 2)
+    response = ask(app_client(app, socket=True))
+    assert_error(response, 502, "incompatible_model_response", False)
+    assert len(fake_workers_ai.calls) == 2
+    assert (
+        fake_workers_ai.calls[1]
+        .inputs["prompt"]
+        .endswith(
+            "Your previous answer was rejected: answer.<extra>: extra_forbidden. "
+            "Answer again, and fix these problems."
+        )
+    )
+    assert [a.problems for a in ledger.attempts] == [("answer.<extra>: extra_forbidden",)] * 2
+    assert CANARY not in json.dumps(fake_workers_ai.calls[1].inputs)
+    assert CANARY not in response.text + str(response.headers)
+    assert CANARY not in "\n".join(guards_log.lines)
