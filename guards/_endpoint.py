@@ -328,11 +328,15 @@ def _attribution(headers: list[tuple[bytes, bytes]], ai: AI[Any], mode: str) -> 
     `detailed` mode; only `x-ai-fallback: true` in `redacted` mode; nothing when `off`, or
     when no model answered. A model whose answer the output guard rejected answered too. On a
     route that moves rejected answers on, `x-ai-rejected` names the chain entries whose answers
-    were rejected, one per answer, in order (`detailed`), or says how many were (`redacted`)."""
+    were rejected, one per answer, in order (`detailed`), or says how many were (`redacted`).
+    Whatever the mode, a request admitted past a budget's soft limit carries `x-ai-budget`."""
+    route = ai._route
+    if route.soft_limited and (near := getattr(ai, "_near", None)) is not None:
+        headers.append((b"x-ai-budget", near))
     model = ai.model
     if mode == "off" or model is None:
         return
-    answers = ai._route.answers
+    answers = route.answers
     if answers is not None and (rejected := answers.rejected_header(ai, mode)) is not None:
         headers.append((b"x-ai-rejected", _header_value(rejected)))
     if mode == "redacted":

@@ -291,6 +291,7 @@ def guard_route(
         scopes=scopes,
         holds=spend_capped or token_capped,
         token_capped=token_capped,
+        soft_limited=any(budget.soft_limit is not None for budget in budgets),
     )
     if effort is not None:
         # Effort routing's module, only for a route that uses it (at start-up, once).

@@ -304,6 +304,9 @@ class GuardedRoute:
     holds: bool = False
     #: True when a budget of the route limits tokens.
     token_capped: bool = False
+    #: True when a budget of the route has a soft limit: a request admitted past it says so
+    #: (`RequestState._near`, the `x-ai-budget` header).
+    soft_limited: bool = False
 
     @property
     def degrading(self) -> bool:

@@ -95,9 +95,14 @@ class RequestState:
         # walk returns an answer there, and read only there (`_store_steps.finish_leg`): never
         # set on any other route, so it costs their requests nothing.
         "_slow",
+        # The store steps, only on a route with a soft limit (`GuardedRoute.soft_limited`):
+        # the header value naming the scopes the request was admitted past their soft limits
+        # (None: none). Set at the first admission there, and read only there.
+        "_near",
     )
     _answered: Answered
     _slow: bool  # (not set in `__init__`: see above)
+    _near: bytes | None
 
     # Set only on a route that holds (see `_hold` below), before they are read.
     _charge: Charge
