@@ -44,6 +44,7 @@ if typing.TYPE_CHECKING:
     from ._budget import Budget, Price
     from ._call import Retry
     from ._chain import ModelRef
+    from ._downgrade import Downgrade
     from ._local_budget import LocalShare
     from ._output import OutputGuard
     from ._tasks import Task
@@ -307,6 +308,9 @@ class GuardedRoute:
     #: True when a budget of the route has a soft limit: a request admitted past it says so
     #: (`RequestState._near`, the `x-ai-budget` header).
     soft_limited: bool = False
+    #: The route's downgrade chain near a cap (`route(downgrade_to=...)`), on the route and on
+    #: its downgraded copy alike; None: none.
+    downgrade: Downgrade | None = None
 
     @property
     def degrading(self) -> bool:

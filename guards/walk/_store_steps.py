@@ -113,6 +113,8 @@ def admitted(
     if passage.plain:  # the usual answer (`Passage.plain`): the first leg from `start`
         if charge is not None:
             state._charged = True
+            if route.downgrade is not None:
+                route.downgrade.saw(charge, route.scopes, ())
         if state._waits is not None:
             state._waits[start:] = passage.waits
         if route.breaker is not None and legs[start].last_state[0] is not CircuitState.closed:
@@ -154,6 +156,8 @@ def admitted(
         state._hold = passage.reservation
         if passage.near:
             near(state, passage.near)
+        if route.downgrade is not None:
+            route.downgrade.saw(charge, route.scopes, passage.near)
     index = passage.admitted
     if index is None:
         return None

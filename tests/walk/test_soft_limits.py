@@ -5,7 +5,9 @@ it; a route with no soft limit carries nothing."""
 
 from __future__ import annotations
 
+import calendar
 import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -148,3 +150,75 @@ def test_a_route_without_a_soft_limit_says_nothing(
 def test_a_soft_limit_is_a_fraction_between_0_and_1(soft_limit: Any) -> None:
     with pytest.raises(ConfigurationError, match="soft_limit"):
         Budget(per_day=10, soft_limit=soft_limit)
+
+
+CHEAP = "@cf/test/cheap"
+
+
+def downgrade_app(store: Store, fake: FakeBinding, budget: Budget | Sequence[Budget]) -> FastAPI:
+    guards = Guards(fake, store=store, sleep=no_sleep)
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/label")
+    @guards.route(model=MODEL, downgrade_to=CHEAP, max_tokens=20, budget=budget, fallback="fallback")
+    async def label(ai: AI[str]) -> str:
+        return await ai.run({"prompt": PROMPT})
+
+    return app
+
+
+def test_past_the_soft_limit_the_next_requests_run_the_downgrade_chain(
+    make_store: Callable[[ManualClock], Store], manual_clock: ManualClock, guards_log: LogLines
+) -> None:
+    """50 % of 4 a day: the 3rd request is admitted past it on the route's own model (the store
+    says so as it admits it); the 4th runs the cheaper model and says so. The next UTC day the
+    first request still runs downgraded (its admission says the key is no longer near), the
+    second runs the route's own model again. Another user is never downgraded."""
+    fake = FakeBinding(Reply("ok"))
+    app = downgrade_app(make_store(manual_clock), fake, user(per_day=4, soft_limit=0.5))
+    manual_clock.set(float(calendar.timegm((2026, 3, 10, 12, 0, 0))))
+
+    def run(count: int, who: str) -> list[tuple[str | None, str | None]]:
+        async def scenario() -> list[tuple[str | None, str | None]]:
+            seen = []
+            async with asgi_client(app, timeout=30) as client:
+                for _ in range(count):
+                    answer = await client.post("/label", headers={"x-user-id": who})
+                    assert answer.json()["fallback"] is None
+                    seen.append((answer.headers.get("x-ai-downgraded"), answer.headers.get("x-ai-budget")))
+            return seen
+
+        return anyio.run(scenario)
+
+    assert run(4, "u") == [(None, None), (None, None), (None, NEAR), ("label", NEAR)]
+    assert [call.model for call in fake.calls] == [MODEL, MODEL, MODEL, CHEAP]
+    assert run(1, "v") == [(None, None)]
+    manual_clock.advance(86_400)
+    assert run(2, "u") == [("label", None), (None, None)]
+    assert [call.model for call in fake.calls[-3:]] == [MODEL, CHEAP, MODEL]
+    lines = [json.loads(line) for line in guards_log.lines]
+    downgraded = [line for line in lines if line.get("event") == "request" and "downgraded" in line]
+    assert [line["downgraded"] for line in downgraded] == ["label", "label"]
+    assert [line["model"] for line in downgraded] == [CHEAP, CHEAP]
+
+
+def test_downgrade_to_needs_a_soft_limit() -> None:
+    guards = Guards(FakeBinding(Reply("ok")), sleep=no_sleep)
+    with pytest.raises(ConfigurationError, match="downgrade_to needs a budget with a soft limit"):
+
+        @guards.route(model=MODEL, downgrade_to=CHEAP, budget=user(per_day=4))
+        async def label(ai: AI[str]) -> str:
+            return await ai.run({"prompt": PROMPT})
+
+
+def test_the_headers_are_in_the_openapi_schema_of_the_routes_that_send_them() -> None:
+    fake = FakeBinding(Reply("ok"))
+    soft = downgrade_app(MemoryStore(), fake, user(per_day=4, soft_limit=0.5)).openapi()
+    plain = app_of(MemoryStore(), fake, user(per_day=4)).openapi()
+    headers = soft["paths"]["/label"]["post"]["responses"]["200"]["headers"]
+    assert re.fullmatch(headers["x-ai-budget"]["schema"]["pattern"], "near; scope=user,team")
+    assert "x-ai-downgraded" in headers
+    plain_headers = plain["paths"]["/label"]["post"]["responses"]["200"]["headers"]
+    assert "x-ai-budget" not in plain_headers
+    assert "x-ai-downgraded" not in plain_headers
