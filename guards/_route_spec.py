@@ -44,11 +44,11 @@ if typing.TYPE_CHECKING:
     from ._budget import Budget, Price
     from ._call import Retry
     from ._chain import ModelRef
-    from ._downgrade import Downgrade
     from ._local_budget import LocalShare
     from ._output import OutputGuard
     from ._tasks import Task
     from ._vocabulary import Level
+    from .stores import Charge
 
 __all__ = [
     "NO_FALLBACK",
@@ -201,6 +201,18 @@ class SuccessAges(Sequence[float | None]):
             yield None if ended is None else now - ended
 
 
+class DowngradeChoice(Protocol):
+    """A route's downgrade chain near a cap (`guards._downgrade.Downgrade`, at start-up)."""
+
+    def choose(self, state: Any) -> GuardedRoute:
+        """The route whose chain a request (its `RequestState`) runs, before its first call."""
+        ...
+
+    def saw(self, charge: Charge, scopes: Sequence[str], near: Sequence[int]) -> None:
+        """A request's charge was admitted, past the soft limits of its budgets `near`."""
+        ...
+
+
 class EffortChoice(Protocol):
     """A route's chain per effort tier (`guards._effort.EffortRoutes`, attached at start-up)."""
 
@@ -310,7 +322,7 @@ class GuardedRoute:
     soft_limited: bool = False
     #: The route's downgrade chain near a cap (`route(downgrade_to=...)`), on the route and on
     #: its downgraded copy alike; None: none.
-    downgrade: Downgrade | None = None
+    downgrade: DowngradeChoice | None = None
 
     @property
     def degrading(self) -> bool:
