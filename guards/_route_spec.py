@@ -204,6 +204,9 @@ class SuccessAges(Sequence[float | None]):
 class DowngradeChoice(Protocol):
     """A route's downgrade chain near a cap (`guards._downgrade.Downgrade`, at start-up)."""
 
+    #: The route with the downgrade chain.
+    route: GuardedRoute | None
+
     def choose(self, state: Any) -> GuardedRoute:
         """The route whose chain a request (its `RequestState`) runs, before its first call."""
         ...

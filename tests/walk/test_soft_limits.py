@@ -159,6 +159,7 @@ def downgrade_app(store: Store, fake: FakeBinding, budget: Budget | Sequence[Bud
     guards = Guards(fake, store=store, sleep=no_sleep)
     app = FastAPI()
     guards.install(app)
+    app.include_router(guards.status_router())
 
     @app.post("/label")
     @guards.route(model=MODEL, downgrade_to=CHEAP, max_tokens=20, budget=budget, fallback="fallback")
@@ -201,6 +202,13 @@ def test_past_the_soft_limit_the_next_requests_run_the_downgrade_chain(
     downgraded = [line for line in lines if line.get("event") == "request" and "downgraded" in line]
     assert [line["downgraded"] for line in downgraded] == ["label", "label"]
     assert [line["model"] for line in downgraded] == [CHEAP, CHEAP]
+
+    async def models() -> list[str]:
+        async with asgi_client(app, timeout=30) as client:
+            report = (await client.get("/status", headers={"accept": "application/json"})).json()
+        return [model["model"] for model in report["models"]]
+
+    assert anyio.run(models) == [MODEL, CHEAP]  # the downgrade chain counts in the service level
 
 
 def test_downgrade_to_needs_a_soft_limit() -> None:
