@@ -62,8 +62,8 @@ if typing.TYPE_CHECKING:
 
 __all__ = [
     "DAY_S",
-    "History",
     "BudgetStatus",
+    "History",
     "ModelStatus",
     "RouteStatus",
     "StatusPage",

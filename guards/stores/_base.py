@@ -196,7 +196,7 @@ class MoreLimits:
       `also` of its own), admitted with this one or not at all;
     - `soft`: the scope's soft limit, as a charge under the same key whose limits are the soft
       ones (each count limit `floor(fraction x limit) + 1`, each held limit `fraction x limit`,
-      its amounts 0): once the charge passed, the step checks it with nothing written, and a
+      a token limit its floor, its amounts 0): once the charge passed, the step checks it with nothing written, and a
       refusal means the scope is past its soft limit, this charge included
       (`Passage.near`); `watched` (on the first charge's `more` only): some scope has one.
 
