@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -101,6 +102,10 @@ class Budget:
     `workers`: how many workers (processes) share the store, across every machine; required
     with `"local"` (and only then), and at most each limit, so every worker's share is at
     least one.
+    `soft_limit`: a fraction between 0 and 1 (say 0.8); a request admitted while any of the
+    budget's limits is past that fraction of itself, this request's charge included, is near
+    the cap: its answer says so (`x-ai-budget`), and it is logged (`budget_near`) and counted
+    (`guards_budget_near_total`). None (the default): no soft limit.
     """
 
     per_minute: int | None = None
@@ -115,8 +120,15 @@ class Budget:
     tokens_per_day: int | None = None
     tokens_per_month: int | None = None
     workers: int | None = None
+    soft_limit: float | None = None
 
     def __post_init__(self) -> None:
+        soft = self.soft_limit
+        if soft is not None and not (isinstance(soft, int | float) and 0 < soft < 1):
+            raise ConfigurationError(
+                f"Budget.soft_limit={soft!r}: a fraction of each limit strictly between 0 and 1 "
+                "(0.8: past 80 %), or None for no soft limit"
+            )
         for name in _COUNTED:
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -162,8 +174,14 @@ class Budget:
 
     @property
     def plain(self) -> bool:
-        """Whether the budget has only the first three limits (a `Charge` with no `MoreLimits`)."""
-        return self.per_month is None and self.spend_per_month is None and not self.token_capped
+        """Whether the budget has only the first three limits and no soft limit (a `Charge` with
+        no `MoreLimits`)."""
+        return (
+            self.per_month is None
+            and self.spend_per_month is None
+            and not self.token_capped
+            and self.soft_limit is None
+        )
 
 
 def scoped_keys(budgets: Sequence[Budget]) -> Callable[[Request], tuple[str, ...]]:
@@ -183,27 +201,63 @@ def scoped_charge(
     the others in its `MoreLimits.also`, each under `guards:{scope}:{caller}`."""
     charges = []
     for budget, scope, caller in zip(budgets, scopes, callers, strict=True):
+        key = f"guards:{scope}:{caller}"
         more = MoreLimits(
             per_month=budget.per_month,
             spend_per_month=budget.spend_per_month,
             tokens_per_minute=budget.tokens_per_minute,
             tokens_per_day=budget.tokens_per_day,
             tokens_per_month=budget.tokens_per_month,
+            soft=None if budget.soft_limit is None else soft_charge(budget, key),
         )
         charges.append(
-            Charge(
-                f"guards:{scope}:{caller}",
-                budget.per_minute,
-                budget.per_day,
-                None,
-                budget.spend_per_day or 0.0,
-                hold_s,
-                more,
-            )
+            Charge(key, budget.per_minute, budget.per_day, None, budget.spend_per_day or 0.0, hold_s, more)
         )
     first = charges[0]
     assert first.more is not None
-    return dataclasses.replace(first, more=dataclasses.replace(first.more, also=tuple(charges[1:])))
+    watched = any(budget.soft_limit is not None for budget in budgets)
+    return dataclasses.replace(
+        first, more=dataclasses.replace(first.more, also=tuple(charges[1:]), watched=watched)
+    )
+
+
+def soft_charge(budget: Budget, key: str) -> Charge:
+    """`budget`'s soft limit as a charge under `key` (see `MoreLimits.soft`): refused, with
+    nothing written, exactly when a limit is past `soft_limit` of itself. A count past the
+    fraction `f` of its limit `n` is one above `floor(f x n)`: the dry check refuses a count
+    that is already `floor(f x n) + 1`; a held amount is past it when above `f x limit` (for
+    tokens, a whole number: above its floor), what a hold of 0 against that cap refuses."""
+    fraction = budget.soft_limit
+    assert fraction is not None
+
+    def count(limit: int | None) -> int | None:
+        return None if limit is None else math.floor(fraction * limit) + 1
+
+    def held(limit: float | None) -> float | None:
+        return None if limit is None else fraction * limit
+
+    def whole(limit: int | None) -> int | None:  # tokens are whole: past f x n is past its floor
+        return None if limit is None else math.floor(fraction * limit)
+
+    more = MoreLimits(
+        per_month=count(budget.per_month),
+        spend=0.0 if budget.spend_per_month is not None else None,
+        spend_per_month=held(budget.spend_per_month),
+        tokens=0 if budget.token_capped else None,
+        tokens_per_minute=whole(budget.tokens_per_minute),
+        tokens_per_day=whole(budget.tokens_per_day),
+        tokens_per_month=whole(budget.tokens_per_month),
+    )
+    spend_cap = held(budget.spend_per_day)
+    return Charge(
+        key,
+        count(budget.per_minute),
+        count(budget.per_day),
+        None if spend_cap is None else 0.0,
+        spend_cap or 0.0,
+        0.0,
+        more,
+    )
 
 
 def input_tokens_bound(inputs: Mapping[str, Any]) -> int:

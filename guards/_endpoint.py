@@ -209,7 +209,9 @@ class GuardedEndpoint:
         except Exception as exc:
             return _application_failure(ai, exc, shared.attribution)
         else:
-            if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
+            if route.downgrade is not None and not isinstance(value, EventStream):
+                observe.request_ended(ai._ended("ok", 200))  # (its line says `downgraded`)
+            elif not isinstance(value, EventStream):  # a stream counts its outcome when it ends
                 # `ai._ended("ok", 200)`, inline: every request's path.
                 observe.request_ended(
                     (
@@ -328,11 +330,19 @@ def _attribution(headers: list[tuple[bytes, bytes]], ai: AI[Any], mode: str) -> 
     `detailed` mode; only `x-ai-fallback: true` in `redacted` mode; nothing when `off`, or
     when no model answered. A model whose answer the output guard rejected answered too. On a
     route that moves rejected answers on, `x-ai-rejected` names the chain entries whose answers
-    were rejected, one per answer, in order (`detailed`), or says how many were (`redacted`)."""
+    were rejected, one per answer, in order (`detailed`), or says how many were (`redacted`).
+    Whatever the mode, a request admitted past a budget's soft limit carries `x-ai-budget`, and
+    one that ran the route's downgrade chain `x-ai-downgraded` (the scopes that sent it)."""
+    route = ai._route
+    if route.soft_limited:
+        if (near := getattr(ai, "_near", None)) is not None:
+            headers.append((b"x-ai-budget", near))
+        if route.downgrade is not None and (downgraded := getattr(ai, "_downgraded", None)) is not None:
+            headers.append((b"x-ai-downgraded", _header_value(downgraded)))
     model = ai.model
     if mode == "off" or model is None:
         return
-    answers = ai._route.answers
+    answers = route.answers
     if answers is not None and (rejected := answers.rejected_header(ai, mode)) is not None:
         headers.append((b"x-ai-rejected", _header_value(rejected)))
     if mode == "redacted":

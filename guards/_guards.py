@@ -255,6 +255,7 @@ class Guards:
         content_filter_fallback: bool = False,
         on_rejected: Literal["fallback", "next_model", "reask"] = "fallback",
         tools: Mapping[str, type[BaseModel]] | None = None,
+        downgrade_to: str | Model | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -282,6 +283,11 @@ class Guards:
           most); `budget`: per-key limits, or several budgets of different scopes (a user's,
           a tenant's, a global one) admitted together, all or nothing; `breaker`: circuit
           breaker policy, one breaker per model (None to disable).
+        - `downgrade_to`: a cheaper model (as `model` is named) that replaces `model` for the
+          callers a budget's soft limit (`Budget(soft_limit=...)`) found near their cap at
+          their last admission on this worker, followed by `fallbacks` as usual; such an
+          answer carries `x-ai-downgraded` (see docs/guards/budget.md). Needs a budget with a
+          soft limit; not with `effort`.
         - `fallback`: makes the route *degrading*: it answers `Envelope[ReturnType]`, with this
           value (or, if callable, `fallback(arguments, tripped)`, or the route's last good
           answer: `LastGood`) as `data` when a guard trips. Without it the route is *strict*
@@ -355,6 +361,7 @@ class Guards:
                 content_filter_fallback=content_filter_fallback,
                 on_rejected=on_rejected,
                 tools=tools,
+                downgrade_to=downgrade_to,
             )
             route = route_of(endpoint)
             assert route is not None

@@ -154,10 +154,13 @@ class Levels:
         self.in_flight = 0
 
     def watch(self, route: GuardedRoute) -> None:
-        """Count `route`'s models in the level (at start-up, once per route): its chain, and
-        each effort tier's chain when it routes by effort."""
+        """Count `route`'s models in the level (at start-up, once per route): its chain, each
+        effort tier's chain when it routes by effort, and its downgrade chain."""
         tiers = route.effort.tiers.values() if route.effort is not None else ()
-        legs = dict.fromkeys((*route.legs, *(leg for tier in tiers for leg in tier[0].legs)))
+        chains = [tier[0] for tier in tiers]
+        if route.downgrade is not None and route.downgrade.route is not None:
+            chains.append(route.downgrade.route)
+        legs = dict.fromkeys((*route.legs, *(leg for chain in chains for leg in chain.legs)))
         for leg in legs:
             model = self._models.get(leg.ref.key)
             if model is None:

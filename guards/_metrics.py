@@ -55,6 +55,7 @@ __all__ = [
     "BREAKER_STATE",
     "BREAKER_TRANSITIONS",
     "BUDGET_HELD",
+    "BUDGET_NEAR",
     "BUDGET_SETTLED",
     "COST",
     "EFFORT_DECISIONS",
@@ -222,6 +223,13 @@ BUDGET_SETTLED = Metric(
     "scope and unit: the tokens the providers reported (a billed call that reported none: its "
     "hold), or the cost of the calls.",
     ["scope", "unit"],
+)
+BUDGET_NEAR = Metric(
+    "Counter",
+    "guards_budget_near",
+    "Requests admitted past a budget's soft limit (Budget(soft_limit=...)), by budget scope: "
+    "some limit of the scope was past that fraction of itself once the request was charged.",
+    ["scope"],
 )
 BREAKER_TRANSITIONS = Metric(
     "Counter",

@@ -74,6 +74,26 @@ _REJECTED = {
         },
     },
 }
+#: `x-ai-budget`, on a route with a soft limit (`Budget(soft_limit=...)`).
+_NEAR = {
+    "x-ai-budget": {
+        "description": (
+            "`near; scope=<scope>[,<scope>...]` when the request was admitted past the soft limit "
+            "of the named budgets (`Budget(soft_limit=...)`)."
+        ),
+        "schema": {"type": "string", "pattern": "^near; scope=[^ ,;]+(,[^ ,;]+)*$"},
+    }
+}
+#: `x-ai-downgraded`, on a route with `downgrade_to`.
+_DOWNGRADED = {
+    "x-ai-downgraded": {
+        "description": (
+            "The budget scopes (comma-separated) whose soft limits sent the request to the "
+            "route's downgrade chain (`route(downgrade_to=...)`)."
+        ),
+        "schema": {"type": "string"},
+    }
+}
 _STREAM_DESCRIPTION = (
     "Server-Sent Events: `delta` {text}, `reasoning` {text}, `tool_call` {index, id, name, "
     "arguments}, then exactly one of `done` {finish_reason, usage, model, fallback_model, "
@@ -266,6 +286,12 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
                         headers.update(_ATTRIBUTION[attribution])
                         if moves_on:
                             headers.update(_REJECTED[attribution])
+            if route.soft_limited:  # any answer of a request the budget admitted
+                for admitted in ("200", "500", "502", "503"):
+                    if admitted in responses:
+                        responses[admitted].setdefault("headers", {}).update(_NEAR)
+                        if route.downgrade is not None:
+                            responses[admitted]["headers"].update(_DOWNGRADED)
             for response in responses.values():
                 headers = response.setdefault("headers", {})
                 headers["x-trace-id"] = _TRACE_HEADER

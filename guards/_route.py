@@ -13,6 +13,7 @@ start-up, here; what runs per request is its `GuardedEndpoint` (`guards._endpoin
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import typing
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -80,6 +81,7 @@ def guard_route(
     content_filter_fallback: bool = False,
     on_rejected: str = "fallback",
     tools: Mapping[str, type[BaseModel]] | None = None,
+    downgrade_to: str | Model | None = None,
 ) -> Callable[..., Awaitable[Any]]:
     """Build the FastAPI endpoint for a guarded handler (see `Guards.route`)."""
     if not inspect.iscoroutinefunction(handler):
@@ -109,6 +111,14 @@ def guard_route(
             f"{handler.__qualname__} has a spend cap: declare max_tokens to bound its cost"
         )
     token_capped = any(each.token_capped for each in budgets)
+    soft = [each.soft_limit is not None for each in budgets]
+    if downgrade_to is not None and not any(soft):
+        raise ConfigurationError(
+            f"{handler.__qualname__}: downgrade_to needs a budget with a soft limit "
+            "(Budget(soft_limit=...)), past which a caller's requests are downgraded"
+        )
+    if downgrade_to is not None and effort is not None:
+        raise ConfigurationError(f"{handler.__qualname__}: a route downgrades or routes by effort, not both")
     if token_capped and max_tokens is None:
         raise ConfigurationError(
             f"{handler.__qualname__} has a token limit: declare max_tokens to bound the tokens "
@@ -291,7 +301,24 @@ def guard_route(
         scopes=scopes,
         holds=spend_capped or token_capped,
         token_capped=token_capped,
+        soft_limited=any(soft),
     )
+    if downgrade_to is not None:
+        # The downgrade's module, only for a route that uses it (at start-up, once).
+        from ._downgrade import Downgrade
+
+        downgrade = Downgrade(soft)
+        cheap, cheap_budget = chain_of(downgrade_to)
+        route = dataclasses.replace(route, downgrade=downgrade)
+        downgrade.route = dataclasses.replace(
+            route,
+            model=cheap[0].ref.key,
+            legs=cheap,
+            step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in cheap),
+            attempt_budget=cheap_budget,
+            success_ages=route.success_ages.over(cheap),
+            windowed=any(leg.window is not None for leg in cheap),
+        )
     if effort is not None:
         # Effort routing's module, only for a route that uses it (at start-up, once).
         from ._effort import EffortRoutes

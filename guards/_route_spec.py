@@ -48,6 +48,7 @@ if typing.TYPE_CHECKING:
     from ._output import OutputGuard
     from ._tasks import Task
     from ._vocabulary import Level
+    from .stores import Charge
 
 __all__ = [
     "NO_FALLBACK",
@@ -200,6 +201,21 @@ class SuccessAges(Sequence[float | None]):
             yield None if ended is None else now - ended
 
 
+class DowngradeChoice(Protocol):
+    """A route's downgrade chain near a cap (`guards._downgrade.Downgrade`, at start-up)."""
+
+    #: The route with the downgrade chain.
+    route: GuardedRoute | None
+
+    def choose(self, state: Any) -> GuardedRoute:
+        """The route whose chain a request (its `RequestState`) runs, before its first call."""
+        ...
+
+    def saw(self, charge: Charge, scopes: Sequence[str], near: Sequence[int]) -> None:
+        """A request's charge was admitted, past the soft limits of its budgets `near`."""
+        ...
+
+
 class EffortChoice(Protocol):
     """A route's chain per effort tier (`guards._effort.EffortRoutes`, attached at start-up)."""
 
@@ -304,6 +320,12 @@ class GuardedRoute:
     holds: bool = False
     #: True when a budget of the route limits tokens.
     token_capped: bool = False
+    #: True when a budget of the route has a soft limit: a request admitted past it says so
+    #: (`RequestState._near`, the `x-ai-budget` header).
+    soft_limited: bool = False
+    #: The route's downgrade chain near a cap (`route(downgrade_to=...)`), on the route and on
+    #: its downgraded copy alike; None: none.
+    downgrade: DowngradeChoice | None = None
 
     @property
     def degrading(self) -> bool:

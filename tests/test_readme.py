@@ -144,6 +144,7 @@ CHECKED = {
     ("guards/budget.md", "python", 0): "test_scoped_budgets_example_admits_every_scope_together",
     ("guards/budget.md", "python", 1): "test_breaker_examples_do_what_their_comments_say",
     ("guards/budget.md", "python", 2): "test_breaker_examples_do_what_their_comments_say",
+    ("guards/budget.md", "python", 3): "test_soft_limit_example_warns_then_downgrades",
     ("effort-routing.md", "python", 0): "test_effort_example_routes_by_effort",
     ("effort-routing.md", "python", 1): "test_effort_override_example_escalates_premium_users",
     ("last-good.md", "python", 0): "test_last_good_example_serves_the_last_answer",
@@ -542,6 +543,27 @@ def test_scoped_budgets_example_admits_every_scope_together(use_fake_ai: Any) ->
     assert bob.json()["fallback"] is None  # the tenant (101 calls of 1,000) and the global cap have room
     assert len(fake.calls) == 101
     assert all(call.inputs["max_tokens"] == 300 for call in fake.calls)
+
+
+def test_soft_limit_example_warns_then_downgrades(use_fake_ai: Any) -> None:
+    # The section's block, on top of "Guard a route of your own" (its app, guards and types).
+    example = readme_example()
+    run_block(example, "guards/budget.md", 3)
+    fake = use_fake_ai(example["app"])
+    fake.default = Reply({"label": "billing", "urgent": False})
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            body, acme = {"text": "I was charged twice"}, {"x-tenant-id": "acme"}
+            return [await client.post("/triage/metered", json=body, headers=acme) for _ in range(101)]
+
+    answers = anyio.run(scenario)
+    seen = [(a.headers.get("x-ai-budget"), a.headers.get("x-ai-downgraded")) for a in answers[:100]]
+    near = "near; scope=metered"
+    assert seen == [(None, None)] * 80 + [(near, None)] + [(near, "metered")] * 19
+    big, small = "@cf/meta/llama-3.3-70b-instruct-fp8-fast", "@cf/meta/llama-3.1-8b-instruct"
+    assert [call.model for call in fake.calls] == [big] * 81 + [small] * 19
+    assert answers[100].json()["fallback"]["reason"] == "budget_exceeded"
 
 
 def test_budget_keys_example_keys_by_the_principal(use_fake_ai: Any) -> None:

@@ -10,7 +10,7 @@ import hashlib
 import html
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .._vocabulary import Level
 from ._report import DAY_S, ModelStatus, RouteStatus, StatusReport
@@ -153,6 +153,17 @@ def _percent(share: float | None) -> str:
     return "—" if share is None else f"{share * 100:.0f} %"
 
 
+def _limits(limits: Mapping[str, float], soft_limit: float | None) -> str:
+    """A budget's limits, as `per_day 100 · spend_per_day $5.00`, and its soft limit."""
+    shown = [
+        f"{name} {_dollars(value) if name.startswith('spend_') else f'{value:,.0f}'}"
+        for name, value in limits.items()
+    ]
+    if soft_limit is not None:
+        shown.append(f"soft at {soft_limit:.0%}")
+    return " · ".join(shown) or "none"
+
+
 def _dollars(usd: float) -> str:
     if usd == 0:
         return "$0"
@@ -260,19 +271,15 @@ def render_html(report: StatusReport, window_s: float) -> str:
     )
     models = [_model_row(model, now) for model in report.models]
     routes = [_route_row(route) for route in report.routes]
-    caps: dict[tuple[str, float], list[str]] = {}
-    for route in report.routes:
-        if route.spend_cap is not None:
-            caps.setdefault((route.spend_cap.scope, route.spend_cap.usd_per_key_per_day), []).append(
-                route.route
-            )
     cap_rows = [
         "<tr>"
-        + _cell("Budget scope", _e(scope), "name")
-        + _cell("Routes", _e(", ".join(names)))
-        + _cell("Cap per key per day", _e(_dollars(usd)), "num")
+        + _cell("Budget scope", _e(budget.scope), "name")
+        + _cell("Routes", _e(", ".join(budget.routes)))
+        + _cell("Limits per key", _e(_limits(budget.limits, budget.soft_limit)))
+        + _cell("Spent today", _e(_dollars(budget.spent_usd_today)), "num")
+        + _cell("Tokens today", _e(f"{budget.tokens_today:,}"), "num")
         + "</tr>"
-        for (scope, usd), names in caps.items()
+        for budget in report.budgets
     ]
     today = report.today
     since = (
@@ -285,10 +292,19 @@ def render_html(report: StatusReport, window_s: float) -> str:
         f"{_e(since)}, by priced calls.</p>"
     )
     if cap_rows:
-        spend += _table((("Budget scope", ""), ("Routes", ""), ("Cap per key per day", "num")), cap_rows)
-        spend += '<p class="note">Each cap applies to each budget key on its own; what one key spent is not shown here.</p>'
+        spend += _table(
+            (
+                ("Budget scope", ""),
+                ("Routes", ""),
+                ("Limits per key", ""),
+                ("Spent today", "num"),
+                ("Tokens today", "num"),
+            ),
+            cap_rows,
+        )
+        spend += '<p class="note">Each limit applies to each budget key on its own; spent and tokens are every key\'s together, what one key spent is not shown here.</p>'
     else:
-        spend += '<p class="note">No route has a spend cap.</p>'
+        spend += '<p class="note">No route has a budget.</p>'
     main = f"""<main data-refresh="{_e(f"{report.refresh_s:g}")}">
 <header>
 <h1>Status</h1>

@@ -40,6 +40,7 @@ from .._levels import down_for, level_of
 from .._log import emit_warning
 from .._metrics import (
     ATTEMPTS,
+    BUDGET_SETTLED,
     COST,
     FALLBACKS,
     REQUESTS,
@@ -61,6 +62,7 @@ if typing.TYPE_CHECKING:
 
 __all__ = [
     "DAY_S",
+    "BudgetStatus",
     "History",
     "ModelStatus",
     "RouteStatus",
@@ -135,6 +137,26 @@ class Trip(BaseModel):
 class SpendCap(BaseModel):
     usd_per_key_per_day: float = Field(description="Budget(spend_per_day=...), in US dollars.")
     scope: str = Field(description="The budget's scope: routes of one scope share each key's spend.")
+
+
+class BudgetStatus(BaseModel):
+    scope: str = Field(description="The budget's scope: its routes share each key's counts.")
+    routes: list[str] = Field(description="The routes that charge it.")
+    limits: dict[str, float] = Field(
+        description="Its limits by name (per_minute, per_day, per_month, tokens_per_minute, "
+        "tokens_per_day, tokens_per_month; spend_per_day and spend_per_month in US dollars), "
+        "each applying to each key on its own; only those set."
+    )
+    soft_limit: float | None = Field(
+        description="Budget(soft_limit=...): the fraction past which a key is near."
+    )
+    spent_usd_today: float = Field(
+        description="What its spend holds settled to today, every key together, in US dollars "
+        "(since today.since; 0 without a spend cap)."
+    )
+    tokens_today: int = Field(
+        description="The tokens its holds settled to today, every key together (0 without a token limit)."
+    )
 
 
 class RouteStatus(BaseModel):
@@ -212,6 +234,10 @@ class StatusReport(BaseModel):
     routes: list[RouteStatus]
     recent: Recent
     today: Today
+    budgets: list[BudgetStatus] = Field(
+        description="Each budget scope of the routes, once: its limits and what every key "
+        "together settled today. A key's own counts live in the store: never read or shown."
+    )
 
 
 # --- this worker's counts over time ---------------------------------------------------------------
@@ -225,7 +251,7 @@ class _Copy:
 
 
 #: The counters the page reads.
-_COUNTED = (REQUESTS, SERVED, FALLBACKS, ATTEMPTS, COST)
+_COUNTED = (REQUESTS, SERVED, FALLBACKS, ATTEMPTS, COST, BUDGET_SETTLED)
 
 
 async def _copy() -> _Copy:
@@ -430,6 +456,7 @@ class StatusPage:
                 counts=whose,
                 worker=os.getpid(),
             ),
+            budgets=_budgets(shared, _grown(reading, reading.today, BUDGET_SETTLED), unit),
         )
 
     def _route(
@@ -475,6 +502,43 @@ class StatusPage:
             cost_usd_today=_usd(sum(n for (r, _), n in spent.items() if r == name)),
             spend_cap=cap,
         )
+
+
+#: A budget's limits as the page names them, and whether each is spend (cost units).
+_LIMITS = (
+    ("per_minute", False),
+    ("per_day", False),
+    ("per_month", False),
+    ("spend_per_day", True),
+    ("spend_per_month", True),
+    ("tokens_per_minute", False),
+    ("tokens_per_day", False),
+    ("tokens_per_month", False),
+)
+
+
+def _budgets(shared: Shared, settled: dict[tuple[str, ...], float], unit: float) -> list[BudgetStatus]:
+    """Each budget scope of the routes, once (the first route's budget of that scope), with
+    what its holds settled to today (`guards_budget_settled_total`, by scope: never by key)."""
+    found: dict[str, tuple[Any, list[str]]] = {}
+    for route in _routes(shared):
+        for budget, scope in zip(route.budgets, route.scopes, strict=False):
+            found.setdefault(scope, (budget, []))[1].append(route.name)
+    return [
+        BudgetStatus(
+            scope=scope,
+            routes=names,
+            limits={
+                name: value * unit if spend else value
+                for name, spend in _LIMITS
+                if (value := getattr(budget, name)) is not None
+            },
+            soft_limit=budget.soft_limit,
+            spent_usd_today=_usd(settled.get((scope, "spend"), 0.0) * unit),
+            tokens_today=round(settled.get((scope, "tokens"), 0.0)),
+        )
+        for scope, (budget, names) in found.items()
+    ]
 
 
 def _routes(shared: Shared) -> list[GuardedRoute]:

@@ -193,7 +193,12 @@ class MoreLimits:
       (`{key}:tokens:{YYYY-MM-DD}`) and the UTC month (`{key}:tokens:{YYYY-MM}`), the day's and
       month's holds lapsing after `Charge.hold_s` as spend holds do;
     - `also`: the charges of the request's other scopes (each under its own key, with no
-      `also` of its own), admitted with this one or not at all.
+      `also` of its own), admitted with this one or not at all;
+    - `soft`: the scope's soft limit, as a charge under the same key whose limits are the soft
+      ones (each count limit `floor(fraction x limit) + 1`, each held limit `fraction x limit`,
+      a token limit its floor, its amounts 0): once the charge passed, the step checks it with nothing written, and a
+      refusal means the scope is past its soft limit, this charge included
+      (`Passage.near`); `watched` (on the first charge's `more` only): some scope has one.
 
     A hold (spend or tokens) is settled by a `Report` carrying the charge (`Report.charge`)."""
 
@@ -205,6 +210,8 @@ class MoreLimits:
     tokens_per_day: int | None = None
     tokens_per_month: int | None = None
     also: tuple[Charge, ...] = ()
+    soft: Charge | None = None
+    watched: bool = False
 
 
 @dataclass(slots=True, kw_only=True)
@@ -294,7 +301,10 @@ class Passage:
     - `plain`: True when the step did only the usual, which the rest then says: no report, no
       leg cooling down, the first leg admitted with no probe and no success to record (a closed
       breaker counting no failure, or no breaker), the charge (if any) passed without a spend
-      hold. A caller may then skip reading the rest; a store may always leave it False.
+      hold and with no scope past its soft limit. A caller may then skip reading the rest; a
+      store may always leave it False;
+    - `near`: the index of each scope of the charge (0: `Step.charge` itself; i: its
+      `more.also[i - 1]`) past its soft limit after this charge (`MoreLimits.soft`).
     """
 
     waits: tuple[float, ...] = ()
@@ -305,6 +315,7 @@ class Passage:
     recorded: BreakerState | None = None
     transitions: tuple[tuple[str, CircuitState], ...] = ()
     plain: bool = False
+    near: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from ._base import (
     utc_month,
 )
 
-__all__ = ["LimitState", "charge_with_more", "later", "settle_charge"]
+__all__ = ["LimitState", "charge_with_more", "later", "near_scopes", "settle_charge"]
 
 
 class LimitState(Protocol):
@@ -209,3 +209,22 @@ def settle_charge(
             else:
                 ttl = DAILY_TTL_S if limit == "tokens_per_day" else MONTHLY_TTL_S
                 state.settle_hold(counter, sub, float(tokens), ttl, now)
+
+
+def near_scopes(state: LimitState, charge: Charge, now: float) -> tuple[int, ...]:
+    """The scopes of `charge` (just written) past their soft limits (`MoreLimits.soft`): those
+    whose soft charge the store would refuse now. Reads only."""
+    more = charge.more
+    if more is None or not more.watched:
+        return ()
+    near = []
+    for index, scoped in enumerate((charge, *more.also)):
+        soft = scoped.more.soft if scoped.more is not None else None
+        if soft is None:
+            continue
+        found, _ = state.charge(soft, now, dry=True, alone=True)
+        if found is None and soft.more is not None:
+            found = _check_more(state, soft, soft.more, now)
+        if found is not None:
+            near.append(index)
+    return tuple(near)

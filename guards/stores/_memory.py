@@ -39,7 +39,7 @@ from ._base import (
     bounded_key,
     utc_day,
 )
-from ._limits import charge_with_more
+from ._limits import charge_with_more, near_scopes
 from ._step import first_admitted, plainly_admitted, run_step
 from ._task import TaskRecord, new_lease, refusal
 
@@ -164,9 +164,14 @@ class MemoryStore:
                     # Only the charge remains to decide (the common answer is shared).
                     charge = step.charge
                     refusal, reservation = (None, None) if charge is None else self._state.charge(charge, now)
-                    if refusal is None and reservation is None:  # (one call less: every request)
+                    if (  # (one call less: every request)
+                        refusal is None
+                        and reservation is None
+                        and (charge is None or (more := charge.more) is None or not more.watched)
+                    ):
                         return plainly_admitted(len(legs), step.breaker is not None)
-                    return first_admitted(len(legs), step.breaker is not None, refusal, reservation)
+                    near = () if charge is None or refusal else near_scopes(self._state, charge, now)
+                    return first_admitted(len(legs), step.breaker is not None, refusal, reservation, near)
         return run_step(self._state, step, now)
 
     async def put_answer(self, key: str, value: str, *, ttl_s: float) -> None:

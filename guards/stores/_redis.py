@@ -707,8 +707,9 @@ local function step()
   if a[26] ~= '' then settle(KEYS[base + 6], a[26], tonumber(a[27])) end
   -- ARGV[4], when given: the charges with MoreLimits (a[10] '2') and the charges to settle
   -- (see `RedisStore._more_arguments`): C, C x 11 fields, S, reservation, actual, tokens,
-  -- S x 11 fields; their tags are KEYS[base + 7...], the C charges' then the S settled.
-  local e, more, settles = {}, {}, {}
+  -- S x 11 fields; their tags are KEYS[base + 7...], the C charges' then the S settled. Then,
+  -- when some scope has a soft limit: W, W x (the scope's index, its soft charge's 11 fields).
+  local e, more, settles, softs, near = {}, {}, {}, {}, {}
   if #ARGV > 4 then -- (the last is the epoch the worker knows: `check_epoch`)
     local j = 1
     for field in string.gmatch(ARGV[4] .. '|', '([^|]*)|') do
@@ -722,6 +723,12 @@ local function step()
     settles = more_charges(e, s0 + 4, settled, base + 6 + count, 0)
     for _, c in ipairs(settles) do
       settle_more(c, e[s0 + 1], tonumber(e[s0 + 2]), tonumber(e[s0 + 3]))
+    end
+    local w0 = s0 + 4 + 11 * settled
+    for j = 1, tonumber(e[w0]) or 0 do
+      local f = w0 + 1 + 12 * (j - 1)
+      local index = tonumber(e[f])
+      softs[j] = {index, more_charges(e, f + 1, 1, base + 6 + index, 0)[1]}
     end
   end
   local policy = read_policy(a, 4)
@@ -784,13 +791,18 @@ local function step()
         more_apply(c, a[16])
       end
       if a[16] ~= '' then reservation = a[16] end
+      -- A scope past its soft limit: its soft charge refused, nothing written
+      -- (guards.stores._limits.near_scopes).
+      for _, soft in ipairs(softs) do
+        if charge(soft[2], true) or more_check(soft[2]) then near[#near + 1] = string.format('%d', soft[1]) end
+      end
     end
   end
   if admitted and opened then
     save_changed(opened[1], opened[2], opened[3], policy.ttl_s)
     if opened[3].state ~= opened[2].state then admit_to = opened[3].state end
   end
-  if admitted == 1 and refused_by == '' and reservation == '' and a[23] == '' and admit_to == '' then
+  if admitted == 1 and refused_by == '' and reservation == '' and a[23] == '' and admit_to == '' and #near == 0 then
     -- The usual answer, in one letter: no report, no leg cooling down, the first leg admitted
     -- with no probe and no success to record, the charge passed without a hold.
     local plain = true
@@ -810,6 +822,7 @@ local function step()
     local d = decisions[i] or {'', '', '', '', ''}
     for j = 1, 5 do reply[#reply + 1] = d[j] end
   end
+  if #near > 0 then reply[#reply + 1] = table.concat(near, ' ') end
   return {table.concat(reply, '|')}
 end
 
@@ -1242,6 +1255,15 @@ class RedisStore:
         else:
             fields += ["", "", ""]
         fields += [f for each in settled for f in _more_fields(each)]
+        if charge is not None and charge.more is not None and charge.more.watched:
+            softs = [
+                (index, each.more.soft)
+                for index, each in enumerate(charged)
+                if each.more is not None and each.more.soft is not None
+            ]
+            fields.append(str(len(softs)))
+            for index, soft in softs:
+                fields += [str(index), *_more_fields(soft)]
         return keys, "|".join(fields)
 
     @staticmethod
@@ -1272,6 +1294,7 @@ class RedisStore:
             held or None,
             _state(recorded.split(" ")) if recorded else None,
             tuple(transitions),
+            near=tuple(int(index) for index in reply[7 + 6 * n].split(" ")) if len(reply) > 7 + 6 * n else (),
         )
 
     async def health(self, legs: Sequence[tuple[str, str]]) -> Health:

@@ -117,7 +117,7 @@ from ._base import (
     utc_day,
 )
 from ._epoch import Epoch
-from ._limits import charge_with_more
+from ._limits import charge_with_more, near_scopes
 from ._step import first_admitted, run_step
 from ._task import TaskRecord, new_lease, refusal
 
@@ -351,7 +351,8 @@ class _Tx:
         ):
             charge = step.charge
             refusal, reservation = (None, None) if charge is None else self.charge(charge, now)
-            return first_admitted(len(legs), step.breaker is not None, refusal, reservation)
+            near = () if charge is None or refusal else near_scopes(self, charge, now)
+            return first_admitted(len(legs), step.breaker is not None, refusal, reservation, near)
         return run_step(self, step, now)
 
     # The primitives of a step (see `guards.stores._step`), each on the caller's key as the

@@ -19,7 +19,7 @@ from .._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, Cir
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from ._base import Admission, Passage, Step
-from ._limits import LimitState, settle_charge
+from ._limits import LimitState, near_scopes, settle_charge
 
 __all__ = ["StepState", "first_admitted", "plainly_admitted", "run_step"]
 
@@ -107,10 +107,13 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
             break
     refusal: Admission | None = None
     reservation: str | None = None
+    near: tuple[int, ...] = ()
     if admitted is not None and step.charge is not None:
         refusal, reservation = state.charge(step.charge, now)
         if refusal is not None:
             admitted = None  # nothing of the admission is written: no probe slot taken
+        else:
+            near = near_scopes(state, step.charge, now)
     if admitted is not None and opened is not None:
         assert policy is not None
         state.put_breaker(opened[0], opened[2], policy, now)
@@ -124,18 +127,22 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
         reservation,
         recorded,
         tuple(transitions) if transitions else (),
+        near=near,
     )
 
 
-def first_admitted(legs: int, breaker: bool, refusal: Admission | None, reservation: str | None) -> Passage:
+def first_admitted(
+    legs: int, breaker: bool, refusal: Admission | None, reservation: str | None, near: tuple[int, ...] = ()
+) -> Passage:
     """What `run_step` answers when the first of `legs` legs, none cooling down, is admitted by
     a closed breaker counting no failure (`breaker`: the step has one) or has none, and the
-    charge is refused (`refusal`) or passes (with `reservation` when it held spend). The stores
-    that decide this usual step without `run_step`'s general walk answer with it."""
-    if refusal is None and reservation is None:
+    charge is refused (`refusal`) or passes (with `reservation` when it held spend, `near` the
+    scopes past their soft limits). The stores that decide this usual step without
+    `run_step`'s general walk answer with it."""
+    if refusal is None and reservation is None and not near:
         return plainly_admitted(legs, breaker)
     decisions = (ADMIT_CLOSED if breaker else None,)
-    return Passage((0.0,) * legs, decisions, None if refusal else 0, refusal, reservation)
+    return Passage((0.0,) * legs, decisions, None if refusal else 0, refusal, reservation, near=near)
 
 
 @functools.lru_cache(maxsize=64)

@@ -92,6 +92,14 @@ class BudgetCounted(NamedTuple):
     amount: float
 
 
+class BudgetNear(NamedTuple):
+    """A request was admitted past the soft limit of each of `scopes` (`Budget.soft_limit`)."""
+
+    route: GuardedRoute
+    trace_id: str
+    scopes: tuple[str, ...]
+
+
 class Checkpointed(NamedTuple):
     """A task's step was `saved` after its call, or `resumed` from the store instead of one."""
 

@@ -97,6 +97,8 @@ class AI(RequestState, Generic[T]):
         route = self._route
         if route.effort is not None:
             route = by_effort(self, inputs)
+        elif route.downgrade is not None and not self._charged:
+            route = route.downgrade.choose(self)
         if route.response_format is not None and "response_format" not in inputs:
             inputs = {**inputs, "response_format": route.response_format}
         if route.max_tokens is not None and "max_tokens" not in inputs:
@@ -190,6 +192,8 @@ class AI(RequestState, Generic[T]):
         route = self._route
         if route.effort is not None:
             route = by_effort(self, inputs)
+        elif route.downgrade is not None and not self._charged:
+            route = route.downgrade.choose(self)
         if route.max_tokens is not None and "max_tokens" not in inputs:
             inputs = {**inputs, "max_tokens": route.max_tokens}
         leg, opened, probe, record_success = await walk(

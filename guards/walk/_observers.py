@@ -36,6 +36,7 @@ from .._ledger import Attempt, LogLedger
 from .._log import emit, emit_skip, emit_warning, logger
 from .._metrics import (
     BUDGET_HELD,
+    BUDGET_NEAR,
     BUDGET_SETTLED,
     RETRY_BUDGET_EXHAUSTED,
     SKIPS,
@@ -47,6 +48,7 @@ from ._events import (
     AttemptEnded,
     BreakerMoved,
     BudgetCounted,
+    BudgetNear,
     Checkpointed,
     CooldownStarted,
     Retried,
@@ -206,6 +208,15 @@ class Observers:
         counter(BUDGET_HELD if event.stage == "held" else BUDGET_SETTLED, event.scope, event.unit).add(
             event.amount
         )
+
+    def budget_near(self, event: BudgetNear) -> None:
+        # One line per request admitted past a soft limit (never more: a request is admitted
+        # once), naming the scopes, never the keys (a key is a caller's identity).
+        emit_warning(
+            "budget_near", route=event.route.name, trace_id=event.trace_id, scope=",".join(event.scopes)
+        )
+        for scope in event.scopes:
+            counter(BUDGET_NEAR, scope).add()
 
     def checkpointed(self, event: Checkpointed) -> None:
         counter(TASK_STEPS, event.route.name, event.action).add()

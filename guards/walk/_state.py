@@ -95,9 +95,18 @@ class RequestState:
         # walk returns an answer there, and read only there (`_store_steps.finish_leg`): never
         # set on any other route, so it costs their requests nothing.
         "_slow",
+        # The store steps, only on a route with a soft limit (`GuardedRoute.soft_limited`):
+        # the header value naming the scopes the request was admitted past their soft limits
+        # (None: none). Set at the first admission there, and read only there.
+        "_near",
+        # Only on a route with `downgrade_to` (`guards._downgrade`): the scopes whose soft
+        # limits sent the request to the downgrade chain. Set there, read only there.
+        "_downgraded",
     )
     _answered: Answered
     _slow: bool  # (not set in `__init__`: see above)
+    _near: bytes | None
+    _downgraded: str
 
     # Set only on a route that holds (see `_hold` below), before they are read.
     _charge: Charge
@@ -189,6 +198,8 @@ class RequestState:
         route = self._route
         if route.answers is not None and (rejected := route.answers.logged(self)) is not None:
             extra = {**extra, **rejected} if extra is not None else rejected
+        if route.downgrade is not None and (downgraded := getattr(self, "_downgraded", None)) is not None:
+            extra = {**(extra or {}), "downgraded": downgraded}
         return (
             route,
             self.trace_id,

@@ -21,7 +21,7 @@ from .._budget import budget_refusal
 from .._errors import GuardTripped, ProviderError
 from .._vocabulary import Reason
 from ..stores import Charge, Passage, Report, Step, StoreUnavailable
-from ._events import BreakerMoved, CooldownStarted, StoreFailed
+from ._events import BreakerMoved, BudgetNear, CooldownStarted, StoreFailed
 from ._holds import holding, settled
 from ._known import forget, remember, skip
 from ._verdicts import COOLDOWN_KINDS, LIMIT_REASONS, failed
@@ -113,6 +113,8 @@ def admitted(
     if passage.plain:  # the usual answer (`Passage.plain`): the first leg from `start`
         if charge is not None:
             state._charged = True
+            if route.downgrade is not None:
+                route.downgrade.saw(charge, route.scopes, ())
         if state._waits is not None:
             state._waits[start:] = passage.waits
         if route.breaker is not None and legs[start].last_state[0] is not CircuitState.closed:
@@ -152,6 +154,10 @@ def admitted(
     if charge is not None:
         state._charged = True
         state._hold = passage.reservation
+        if passage.near:
+            near(state, passage.near)
+        if route.downgrade is not None:
+            route.downgrade.saw(charge, route.scopes, passage.near)
     index = passage.admitted
     if index is None:
         return None
@@ -159,6 +165,27 @@ def admitted(
     if decision is None:
         return start + index, None, False
     return start + index, decision.probe, decision.record_success
+
+
+def near(state: RequestState, indices: Sequence[int]) -> None:
+    """The request was admitted past the soft limits of its budgets `indices` (`Passage.near`):
+    its answer says so (`x-ai-budget`), and the observers are told."""
+    route = state._route
+    scopes = tuple(route.scopes[index] for index in indices if index < len(route.scopes))
+    if not scopes:
+        return
+    state._near = near_header(scopes)
+    state._observe.budget_near(BudgetNear(route, state.trace_id, scopes))
+
+
+def near_header(scopes: Sequence[str]) -> bytes:
+    """`x-ai-budget`'s value for `scopes`: `near; scope=<scope>[,<scope>...]`, each scope a
+    printable ASCII token (any other character as `?`), at most 200 characters in all."""
+    clean = ",".join(
+        "".join(c if c.isascii() and c.isprintable() and c not in ' ,;"' else "?" for c in scope)
+        for scope in scopes
+    )
+    return f"near; scope={clean[:200]}".encode("ascii")
 
 
 async def leg_down(

@@ -245,6 +245,7 @@ def test_the_json_has_the_documented_shape(fake_workers_ai: FakeWorkersAI, app_c
         "routes",
         "recent",
         "today",
+        "budgets",
     }
     assert report["level"] == "full"
     assert report["store"] == "ok"
@@ -284,6 +285,14 @@ def test_the_json_has_the_documented_shape(fake_workers_ai: FakeWorkersAI, app_c
     }
     assert report["recent"]["seconds"] <= 300
     assert set(report["today"]) == {"day", "since", "cost_usd", "counts", "worker"}
+    assert set(report["budgets"][0]) == {
+        "scope",
+        "routes",
+        "limits",
+        "soft_limit",
+        "spent_usd_today",
+        "tokens_today",
+    }
     assert report["recent"]["counts"] == report["today"]["counts"] == "this_worker"
     # The schema in the OpenAPI document is the answer's: every field it requires is there.
     schema = client.get("/openapi.json").json()
@@ -407,6 +416,64 @@ def test_spend_today_and_the_caps_of_an_app_with_prices(fake_ai: FakeBinding, ap
     page = client.get("/status", headers={"accept": "text/html"}).text
     assert "$0.1020" in page
     assert "$0.5000" in page
+
+
+def test_the_budgets_are_shown_per_scope_with_what_every_key_settled_today(
+    fake_ai: FakeBinding, app_client: AppClient
+) -> None:
+    guards = Guards(
+        fake_ai, store=MemoryStore(), sleep=no_sleep, prices={A: Price(call=100)}, cost_unit_usd=0.0001
+    )
+    app = FastAPI()
+    guards.install(app)
+    app.include_router(guards.status_router())
+    users = Budget(per_day=10, spend_per_day=5000, key=lambda request: request.headers["x-user-id"])
+    tenants = Budget(
+        tokens_per_day=1000,
+        soft_limit=0.5,
+        key=lambda request: request.headers["x-tenant-id"],
+        scope="tenant",
+    )
+
+    @app.post("/ask")
+    @guards.route(model=A, max_tokens=50, budget=[users, tenants])
+    async def ask(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "hello"})
+
+    @app.post("/other")
+    @guards.route(model=A, max_tokens=50, budget=Budget(per_minute=5, scope="tenant"))
+    async def other(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "hello"})
+
+    client = app_client(app)
+    fake_ai.default = Reply("hi", usage={"prompt_tokens": 10, "completion_tokens": 5})
+    for who in (USER, KEY):
+        assert client.post("/ask", headers={"x-user-id": who, "x-tenant-id": who}).status_code == 200
+    report = status(client)
+    assert report["budgets"] == [
+        {
+            "scope": "ask",
+            "routes": ["ask"],
+            "limits": {"per_day": 10, "spend_per_day": pytest.approx(0.5)},
+            "soft_limit": None,
+            "spent_usd_today": pytest.approx(2 * 100 * 0.0001),
+            "tokens_today": 0,
+        },
+        {
+            "scope": "tenant",
+            "routes": ["ask", "other"],  # the first route's budget of the scope
+            "limits": {"tokens_per_day": 1000},
+            "soft_limit": 0.5,
+            "spent_usd_today": 0.0,
+            "tokens_today": 2 * 15,
+        },
+    ]
+    page = client.get("/status", headers=HTML).text
+    assert "tokens_per_day 1,000 · soft at 50%" in page
+    assert "per_day 10 · spend_per_day $0.5000" in page
+    for text in (page, json.dumps(report)):
+        assert USER not in text
+        assert KEY not in text
 
 
 # --- privacy --------------------------------------------------------------------------------------
