@@ -15,9 +15,15 @@ __all__ = ["AIResult", "Binding", "Usage"]
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """A call's tokens, normalized whatever the provider's wire: `prompt_tokens` counts every
+    input token, those read from the provider's prompt cache (`cached_input_tokens`) and
+    written to it (`cache_write_tokens`) included, so that `Price.cost` bills each token once."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
