@@ -71,8 +71,8 @@ class Guards:
     route sends with `model_temporarily_unavailable`. `prices` maps model keys (`model` or
     `provider:model`) to their `Price`, for spend caps and `guards_cost_usd_total` (`"*"`: the
     price of every model without one of its own; a spend-capped route calling a model with
-    no price is refused at start-up); `cost_unit_usd` is what one unit of those prices is worth in US dollars (default 1.0:
-    prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
+    no price is refused at start-up); `cost_unit_usd` is what one unit of those prices is
+    worth in US dollars (default 1.0: prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
     model is skipped, and the longest wait a provider may ask for (`Cooldown.max_s`, 10
     minutes by default); `cooldowns` says it per model key (`model` or `provider:model`),
     for the models that differ; `context_windows` declares models' context windows in tokens,

@@ -175,10 +175,13 @@ def ended_early(found: Binding, model: str, inputs: Mapping[str, Any], delivered
     input tokens as estimated for the token limits (`binding_estimate`) and the characters
     of output delivered over `CHARS_PER_TOKEN`, rounded up; None (the hold stands: the worst
     case, the tokens held) when the binding says its provider bills such a stream in full
-    (`bills_cancelled_streams_in_full = True`)."""
+    (`bills_cancelled_streams_in_full = True`), or when its own estimate fails."""
     if getattr(found, "bills_cancelled_streams_in_full", False):
         return None
-    prompt = binding_estimate(found)(model, inputs)
+    try:
+        prompt = binding_estimate(found)(model, inputs)
+    except Exception:  # the binding's own estimate: the hold stands, the settlement goes on
+        return None
     completion = -(-delivered // CHARS_PER_TOKEN)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
