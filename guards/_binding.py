@@ -15,9 +15,15 @@ __all__ = ["AIResult", "Binding", "Usage"]
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """A call's tokens, normalized whatever the provider's wire: `prompt_tokens` counts every
+    input token, those read from the provider's prompt cache (`cached_input_tokens`) and
+    written to it (`cache_write_tokens`) included, so that `Price.cost` bills each token once."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,11 @@ class Binding(Protocol):
     call, when it knows better than `guards.estimate_tokens` (characters / 4), e.g. with the
     model's tokenizer. Guards then asks it before calling a model with a declared context
     window (`Guards(context_windows=...)`). Optional: a binding without it gets the default.
+
+    A binding whose provider bills a stream that ends early (its client gone, or cut) in full
+    says so with `bills_cancelled_streams_in_full = True`: such a stream then keeps its whole
+    spend and token holds, instead of the estimate from its input and the characters
+    delivered (see docs/guards/budget.md, "A stream that ends early").
     """
 
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult: ...

@@ -63,14 +63,81 @@ StoreFailureMode = Literal["open", "closed", "local"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Price:
-    """What a model costs, in the cost units of spend caps (say, US cents)."""
+    """What a model costs, in the cost units of spend caps (say, US cents), per token and per
+    call (see docs/guards/budget.md, "Prices").
+
+    `input_token` and `output_token`: each input and output token. `cached_input_token`: each
+    input token read from the provider's prompt cache, `cache_write_token`: each input token
+    written to it (None: billed as `input_token`). `long_context_above` and `long_context`,
+    together: a request with more input tokens than `long_context_above` is billed whole at
+    `long_context`'s rates (as Anthropic and Gemini bill long prompts); `long_context` has no
+    tier of its own.
+    """
 
     input_token: float = 0.0
     output_token: float = 0.0
     call: float = 0.0
+    cached_input_token: float | None = None
+    cache_write_token: float | None = None
+    long_context_above: int | None = None
+    long_context: Price | None = None
 
-    def cost(self, input_tokens: int, output_tokens: int) -> float:
-        return self.call + input_tokens * self.input_token + output_tokens * self.output_token
+    def __post_init__(self) -> None:
+        for name in ("input_token", "output_token", "call", "cached_input_token", "cache_write_token"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and 0 <= value < float("inf")):
+                raise ConfigurationError(f"Price.{name} must be a finite number of at least 0")
+        if (self.long_context_above is None) != (self.long_context is None):
+            raise ConfigurationError(
+                "Price.long_context_above and Price.long_context go together: the input tokens "
+                "above which a request is billed at long_context's rates, and those rates"
+            )
+        if self.long_context_above is not None and self.long_context_above < 1:
+            raise ConfigurationError("Price.long_context_above must be at least 1 (input tokens)")
+        if self.long_context is not None and self.long_context.long_context is not None:
+            raise ConfigurationError("Price.long_context has no long_context tier of its own")
+
+    def cost(
+        self, input_tokens: int, output_tokens: int, cached_input_tokens: int = 0, cache_write_tokens: int = 0
+    ) -> float:
+        """The cost of a call: `input_tokens` counts every input token, those read from the
+        cache (`cached_input_tokens`) and written to it (`cache_write_tokens`) included (each
+        token is billed once, at its own rate; cached tokens past `input_tokens` are not
+        counted); with a tier, above `long_context_above` input tokens, at its rates."""
+        rates = self
+        if self.long_context is not None and input_tokens > (self.long_context_above or 0):
+            rates = self.long_context
+        cost = rates.call + input_tokens * rates.input_token + output_tokens * rates.output_token
+        if cached_input_tokens or cache_write_tokens:
+            read = min(max(cached_input_tokens, 0), input_tokens)
+            written = min(max(cache_write_tokens, 0), input_tokens - read)
+            if rates.cached_input_token is not None:
+                cost += read * (rates.cached_input_token - rates.input_token)
+            if rates.cache_write_token is not None:
+                cost += written * (rates.cache_write_token - rates.input_token)
+        return cost
+
+    def most(self, input_tokens: int, output_tokens: int) -> float:
+        """The most a call of at most `input_tokens` input and `output_tokens` output tokens
+        can cost: every input token at the highest of its rates, and at the tier's rates too
+        once `input_tokens` passes its threshold (the higher of the two costs)."""
+        cost = self.call + input_tokens * self._input_most() + output_tokens * self.output_token
+        tier = self.long_context
+        if tier is not None and input_tokens > (self.long_context_above or 0):
+            cost = max(
+                cost, tier.call + input_tokens * tier._input_most() + output_tokens * tier.output_token
+            )
+        return cost
+
+    def _input_most(self) -> float:
+        return max(self.input_token, self.cached_input_token or 0.0, self.cache_write_token or 0.0)
+
+
+def price_of(prices: Mapping[str, Price], key: str) -> Price | None:
+    """The price of the model `key` (`model` or `provider:model`) in `Guards(prices=...)`: its
+    own, else the one under `"*"` (every model without a price of its own), else None."""
+    found = prices.get(key)
+    return found if found is not None else prices.get("*")
 
 
 #: A budget's limits in whole units (requests, tokens).

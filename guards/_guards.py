@@ -69,9 +69,10 @@ class Guards:
     budget, breaker and cooldown state (default: a `MemoryStore`, one process). `sleep` is what
     retries wait with (inject a no-op in tests). `retry_after_s` is the `Retry-After` a strict
     route sends with `model_temporarily_unavailable`. `prices` maps model keys (`model` or
-    `provider:model`) to their `Price`, for spend caps and `guards_cost_usd_total`;
-    `cost_unit_usd` is what one unit of those prices is worth in US dollars (default 1.0:
-    prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
+    `provider:model`) to their `Price`, for spend caps and `guards_cost_usd_total` (`"*"`: the
+    price of every model without one of its own; a spend-capped route calling a model with
+    no price is refused at start-up); `cost_unit_usd` is what one unit of those prices is
+    worth in US dollars (default 1.0: prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
     model is skipped, and the longest wait a provider may ask for (`Cooldown.max_s`, 10
     minutes by default); `cooldowns` says it per model key (`model` or `provider:model`),
     for the models that differ; `context_windows` declares models' context windows in tokens,

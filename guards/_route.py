@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ._breaker import Breaker
-from ._budget import Budget
+from ._budget import Budget, price_of
 from ._call import Retry
 from ._chain import HINT_PREFIX, Model, check_limit, entry_parts, flatten_chain
 from ._endpoint import REQUEST_PARAMETER, RESPONSE_PARAMETER, GuardedEndpoint, request_trace_id
@@ -148,16 +148,18 @@ def guard_route(
         attempt_budget = attempts if attempts is not None else len(chain.models) + retry.attempts - 1
         if attempt_budget < 1:
             raise ConfigurationError("attempts must be at least 1")
-        unpriced = [ref.key for ref in chain.models if guards.prices.get(ref.key) is None]
+        prices = guards.prices
+        unpriced = [ref.key for ref in chain.models if price_of(prices, ref.key) is None]
         if spend_capped and unpriced:
             raise ConfigurationError(
                 f"{handler.__qualname__} has a spend cap: Guards(prices=...) has no price for "
                 + ", ".join(unpriced)
+                + ': add one under its key, or a price for every model without one under "*"'
             )
         legs = tuple(
             Leg.of(
                 ref,
-                guards.prices.get(ref.key),
+                price_of(prices, ref.key),
                 route_name,
                 index == 0,
                 guards.last_success,

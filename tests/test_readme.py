@@ -33,7 +33,7 @@ from fastapi import FastAPI
 from app.service import create_app
 from app.settings import Settings
 from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Hang, ManualClock, Reply, Stream, Text
-from guards import AI, CircuitState, Envelope, Outcome, StatusReport
+from guards import AI, Budget, CircuitState, Envelope, Guards, Outcome, StatusReport
 from guards.stores import MemoryStore
 
 from .app.test_ui_stream import check_ui_stream
@@ -145,6 +145,7 @@ CHECKED = {
     ("guards/budget.md", "python", 1): "test_breaker_examples_do_what_their_comments_say",
     ("guards/budget.md", "python", 2): "test_breaker_examples_do_what_their_comments_say",
     ("guards/budget.md", "python", 3): "test_soft_limit_example_warns_then_downgrades",
+    ("guards/budget.md", "python", 4): "test_prices_example_bills_as_its_comments_say",
     ("effort-routing.md", "python", 0): "test_effort_example_routes_by_effort",
     ("effort-routing.md", "python", 1): "test_effort_override_example_escalates_premium_users",
     ("last-good.md", "python", 0): "test_last_good_example_serves_the_last_answer",
@@ -518,6 +519,22 @@ def test_breaker_examples_do_what_their_comments_say() -> None:
         assert (await store.breaker_admit("probing", recovering)).retry_after_s == 5
 
     anyio.run(scenario)
+
+
+def test_prices_example_bills_as_its_comments_say() -> None:
+    example = page_example("guards/budget.md", 4)
+    assert example["cost"] == pytest.approx(0.0159)
+    claude, prices = example["claude"], example["prices"]
+    assert claude.cost(10_000, 500) == pytest.approx(0.0375)
+    assert claude.cost(200_001, 0) == pytest.approx(200_001 * 6e-6)  # twice the rate, whole
+    assert prices["*"].cost(1_000_000, 0) == pytest.approx(5.0)
+    # "*" prices a spend-capped route's unlisted model: it starts.
+    guards = Guards(FakeBinding(), prices=prices)
+    guards.route(model="@cf/unlisted/model", max_tokens=10, budget=Budget(spend_per_day=1.0))(ask)
+
+
+async def ask(ai: AI[str]) -> str:
+    return await ai.run({"prompt": "hi"})
 
 
 def test_scoped_budgets_example_admits_every_scope_together(use_fake_ai: Any) -> None:

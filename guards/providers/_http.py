@@ -221,18 +221,23 @@ def bounded_wait(seconds: float) -> float | None:
 
 
 def parse_usage(raw: Any) -> Usage | None:
-    """`{prompt_tokens, completion_tokens, total_tokens}` (Workers AI and OpenAI agree); counts
-    that are not integers from 0 to 2**53 are left at 0, and anything but an object is no usage
-    at all."""
+    """`{prompt_tokens, completion_tokens, total_tokens}` (Workers AI and OpenAI agree), and the
+    input tokens read from the prompt cache, `prompt_tokens_details.cached_tokens` (OpenAI's;
+    `prompt_tokens` includes them, and they are capped to it); counts that are not integers
+    from 0 to 2**53 are left at 0, and anything but an object is no usage at all."""
     if not isinstance(raw, dict):
         return None
-    numbers = {k: raw.get(k) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    return Usage(
-        **{
-            k: v
-            for k, v in numbers.items()
-            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_TOKENS
-        }
+    numbers = {k: _count(raw.get(k)) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    details = raw.get("prompt_tokens_details")
+    if isinstance(details, dict) and (cached := _count(details.get("cached_tokens"))):
+        numbers["cached_input_tokens"] = min(cached, numbers["prompt_tokens"])
+    return Usage(**numbers)
+
+
+def _count(value: Any) -> int:
+    """`value` if it is an integer from 0 to 2**53, else 0."""
+    return (
+        value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_TOKENS else 0
     )
 
 

@@ -36,6 +36,7 @@ from typing import Any, Literal
 import anyio.to_thread
 from pydantic import BaseModel, Field
 
+from .._budget import price_of
 from .._levels import down_for, level_of
 from .._log import emit_warning
 from .._metrics import (
@@ -393,7 +394,7 @@ class StatusPage:
         seen_down = {model.model: model.until for model in seen.down} if seen is not None else {}
         for index, (key, model) in enumerate(watched.items()):
             calls = {kind: n for (k, kind), n in recent[ATTEMPTS].items() if k == key}
-            price = shared.prices.get(key)
+            price = price_of(shared.prices, key)
             entry: dict[str, Any] = {
                 "model": model.name,
                 "last_failure": _last_failure(key),

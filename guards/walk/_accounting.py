@@ -73,21 +73,29 @@ def account(
     status: int | None = None,
     code: int | None = None,
     problems: tuple[str, ...] | None = None,
+    estimate: Usage | None = None,
 ) -> None:
-    """Account for one call to `leg` ended as `kind`: its cost (the reported usage's; else,
-    under a spend cap, the worst case when the provider may have billed), then its record
-    (`problems`: a rejected answer's)."""
+    """Account for one call to `leg` ended as `kind`: its cost (the reported usage's; else
+    `estimate`'s, a stream that ended early (`_streaming`); else, under a spend cap, the worst
+    case when the provider may have billed), then its record (`problems`: a rejected
+    answer's)."""
     route = state._route
     cost = None
+    charged = usage if usage is not None else estimate
     if leg.price is not None:
-        if usage is not None:
-            cost = leg.price.cost(usage.prompt_tokens, usage.completion_tokens)
+        if charged is not None:
+            cost = leg.price.cost(
+                charged.prompt_tokens,
+                charged.completion_tokens,
+                charged.cached_input_tokens,
+                charged.cache_write_tokens,
+            )
             state._cost += cost
         elif billed and route.spend_capped:
             state._cost += worst(leg, state._tokens, route.max_tokens)
     if route.token_capped:  # what the token hold settles to (`_holds.settled`)
-        if usage is not None:
-            state._used_tokens += usage.prompt_tokens + usage.completion_tokens
+        if charged is not None:
+            state._used_tokens += charged.prompt_tokens + charged.completion_tokens
         elif billed:
             state._used_tokens += state._token_hold
     state._held = state._observe.attempt_ended(
@@ -113,4 +121,4 @@ def account(
 
 def worst(leg: Leg, input_tokens: int, max_tokens: int | None) -> float:
     """What one call to `leg` may cost at most."""
-    return leg.price.cost(input_tokens, max_tokens or 0) if leg.price is not None else 0.0
+    return leg.price.most(input_tokens, max_tokens or 0) if leg.price is not None else 0.0

@@ -201,7 +201,7 @@ class AI(RequestState, Generic[T]):
         )
         if opened.committed:
             self._served(leg, opened.model)
-            return relayed(self, leg, opened, probe, record_success)
+            return relayed(self, leg, opened, probe, record_success, inputs=inputs)
         # Complete, and nothing in it: the model answered, just not with anything.
         end = opened.end
         if end is not None and end.finish_reason == "content_filter":

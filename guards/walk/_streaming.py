@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._binding import AIResult
+from .._binding import AIResult, Usage
 from .._breaker import Outcome
 from .._call import CallFailed, call_model
 from .._chain import DEFAULT_PROVIDER
@@ -20,6 +20,7 @@ from .._event_stream import EventStream, end_data
 from .._first_output import idle_limited
 from .._relay import Opened, Relayed, relay
 from .._stream import StreamEnd, StreamingBinding
+from .._tokens import CHARS_PER_TOKEN, binding_estimate
 from .._vocabulary import Reason
 from ._accounting import account, on_attempt
 from ._chain_walk import Call, binding, first_output_limited, traced
@@ -29,6 +30,7 @@ from ._verdicts import timed_out
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from .._binding import Binding
     from .._route_spec import Leg
     from ._state import RequestState
 
@@ -90,14 +92,15 @@ def relayed(
     record_success: bool,
     *,
     recorded: bool = False,
+    inputs: Mapping[str, Any] | None = None,
 ) -> EventStream:
-    """The response relaying a committed attempt; when it ends, the attempt (unless
-    `recorded` already), the breaker outcome, the spend and the request's outcome are
-    recorded, however it ends."""
+    """The response relaying a committed attempt (called with `inputs`); when it ends, the
+    attempt (unless `recorded` already), the breaker outcome, the spend and the request's
+    outcome are recorded, however it ends."""
     observe = state._observe
 
     async def on_end(relayed: Relayed) -> None:
-        _stream_done(state, leg, opened, relayed.kind, relayed.end, relayed.delivered, recorded)
+        _stream_done(state, leg, opened, relayed.kind, relayed.end, relayed.delivered, recorded, inputs)
         await finish_leg(state, leg, relayed.outcome, probe, record_success)
         failure = relayed.failure
         if relayed.stopped:
@@ -142,12 +145,18 @@ def _stream_done(
     end: StreamEnd | None,
     delivered: int,
     recorded: bool,
+    inputs: Mapping[str, Any] | None,
 ) -> None:
-    """Account for the committed stream attempt once it ended (its ledger record)."""
+    """Account for the committed stream attempt once it ended (its ledger record). A stream
+    that ended early (its client gone, or cut) with no usage from the provider is charged,
+    under a spend cap or a token limit, an estimate (`ended_early`)."""
     state._observe.stream_ended(opened, kind, end, delivered)
     if not recorded:
         usage = end.usage if end is not None else None
         served = (end.model if end is not None else None) or opened.model or leg.ref.model
+        estimate = None
+        if usage is None and kind != "ok" and state._route.holds and inputs is not None:
+            estimate = ended_early(binding(state, leg), leg.ref.model, inputs, delivered)
         account(
             state,
             leg,
@@ -157,7 +166,24 @@ def _stream_done(
             time.perf_counter() - opened.started,
             billed=True,
             delivered=delivered,
+            estimate=estimate,
         )
+
+
+def ended_early(found: Binding, model: str, inputs: Mapping[str, Any], delivered: int) -> Usage | None:
+    """What a stream through `found` that ended early, with no usage reported, is charged: its
+    input tokens as estimated for the token limits (`binding_estimate`) and the characters
+    of output delivered over `CHARS_PER_TOKEN`, rounded up; None (the hold stands: the worst
+    case, the tokens held) when the binding says its provider bills such a stream in full
+    (`bills_cancelled_streams_in_full = True`), or when its own estimate fails."""
+    if getattr(found, "bills_cancelled_streams_in_full", False):
+        return None
+    try:
+        prompt = binding_estimate(found)(model, inputs)
+    except Exception:  # the binding's own estimate: the hold stands, the settlement goes on
+        return None
+    completion = -(-delivered // CHARS_PER_TOKEN)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 def _done_data(state: RequestState, end: StreamEnd | None) -> dict[str, Any]:
