@@ -37,7 +37,9 @@ class Attempt:
     (`AI.step`) instead of calling, when the call was made. An answer the output guard
     rejected, on a route that moves rejected answers on (`route(on_rejected=...)`), has
     `outcome` `"rejected"` and its `problems` (field paths and problem tokens, such as
-    `answer.score: missing`; never the answer's text).
+    `answer.score: missing`; never the answer's text). `downgraded` is True for a call of a
+    route's downgrade chain (`route(downgrade_to=...)`: its caller was near a budget's cap);
+    `requested_model` is then the downgrade chain's first model.
     """
 
     trace_id: str
@@ -55,6 +57,7 @@ class Attempt:
     entry: str | None = None
     resumed_steps: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
+    downgraded: bool = False
 
 
 @runtime_checkable

@@ -266,4 +266,6 @@ def _attempt(event: AttemptEnded) -> Attempt:
         code=code,
         resumed_steps=steps,
         problems=problems or (),
+        # The downgraded copy of a route is its downgrade's own (`guards._downgrade`).
+        downgraded=route.downgrade is not None and route is route.downgrade.route,
     )

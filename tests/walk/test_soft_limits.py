@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from fixtures import FakeBinding, ManualClock, Reply
-from guards import AI, Budget, ConfigurationError, Guards, Price, header_key, render_metrics
+from guards import AI, Attempt, Budget, ConfigurationError, Guards, Ledger, Price, header_key, render_metrics
 from guards.stores import MemoryStore, Store
 
 from ..conftest import LogLines, asgi_client, no_sleep
@@ -155,8 +155,10 @@ def test_a_soft_limit_is_a_fraction_between_0_and_1(soft_limit: Any) -> None:
 CHEAP = "@cf/test/cheap"
 
 
-def downgrade_app(store: Store, fake: FakeBinding, budget: Budget | Sequence[Budget]) -> FastAPI:
-    guards = Guards(fake, store=store, sleep=no_sleep)
+def downgrade_app(
+    store: Store, fake: FakeBinding, budget: Budget | Sequence[Budget], ledger: Ledger | None = None
+) -> FastAPI:
+    guards = Guards(fake, store=store, sleep=no_sleep, ledger=ledger)
     app = FastAPI()
     guards.install(app)
     app.include_router(guards.status_router())
@@ -177,7 +179,9 @@ def test_past_the_soft_limit_the_next_requests_run_the_downgrade_chain(
     first request still runs downgraded (its admission says the key is no longer near), the
     second runs the route's own model again. Another user is never downgraded."""
     fake = FakeBinding(Reply("ok"))
-    app = downgrade_app(make_store(manual_clock), fake, user(per_day=4, soft_limit=0.5))
+    records: list[Attempt] = []
+    ledger = type("Kept", (), {"record": staticmethod(records.append)})()
+    app = downgrade_app(make_store(manual_clock), fake, user(per_day=4, soft_limit=0.5), ledger)
     manual_clock.set(float(calendar.timegm((2026, 3, 10, 12, 0, 0))))
 
     def run(count: int, who: str) -> list[tuple[str | None, str | None]]:
@@ -194,6 +198,8 @@ def test_past_the_soft_limit_the_next_requests_run_the_downgrade_chain(
 
     assert run(4, "u") == [(None, None), (None, None), (None, NEAR), ("label", NEAR)]
     assert [call.model for call in fake.calls] == [MODEL, MODEL, MODEL, CHEAP]
+    # The ledger says which calls ran the downgrade chain.
+    assert [(a.requested_model, a.downgraded) for a in records] == [(MODEL, False)] * 3 + [(CHEAP, True)]
     assert run(1, "v") == [(None, None)]
     manual_clock.advance(86_400)
     assert run(2, "u") == [("label", None), (None, None)]
