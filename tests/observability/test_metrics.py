@@ -102,6 +102,7 @@ def assert_no_user_data(text: str, *secrets: str) -> None:
         "hint",
         "scope",  # a budget's scope: a name the app configured, never a budget key
         "unit",  # tokens, spend
+        "store",  # the store's kind (redis, sqlite): never its URL
     }
     for (name, labels), _ in parse(text).items():
         assert {label for label, _ in labels} <= allowed, name

