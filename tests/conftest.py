@@ -8,6 +8,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -31,6 +32,7 @@ from fixtures import FakeWorkersAI, ManualClock
 from fixtures.stores import PiecewiseStore
 from guards import AIResult, Binding, Clock
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
+from guards.testing.redis_cluster import RedisCluster
 
 #: The SQLite and Redis store timeout of tests about state, not timeouts: on a loaded machine
 #: an operation can take longer than the default 0.1 s.
@@ -342,8 +344,35 @@ class RedisReads:
 
 
 # --- stores -------------------------------------------------------------------------------------
-#: Every store implementation; tests taking the `make_store` fixture run against each.
-STORE_KINDS = ("memory", "sqlite", "redis")
+#: Every store implementation; tests taking the `make_store` fixture run against each
+#: (`redis-cluster`: RedisStore on a real Redis Cluster of three primaries and three replicas).
+STORE_KINDS = ("memory", "sqlite", "redis", "redis-cluster")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """The session's Redis Cluster (three primaries, each with a replica), started on loopback
+    ports. Skipped where no redis-server can start one, unless GUARDS_REQUIRE_REDIS_CLUSTER is
+    set (CI): then that fails."""
+    try:
+        cluster = RedisCluster().start()
+    except (OSError, RuntimeError) as exc:
+        if os.environ.get("GUARDS_REQUIRE_REDIS_CLUSTER"):
+            raise
+        pytest.skip(f"no Redis Cluster could start here ({exc})")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def redis_admins(store_kind: str, request: pytest.FixtureRequest) -> list[redis.Redis]:
+    """Plain clients (text replies) to every primary holding a Redis store kind's keys: the
+    session's server, or each primary of the session's cluster. The caller closes them."""
+    if store_kind == "redis-cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        return [redis.Redis(host=host, port=port, decode_responses=True) for host, port in cluster.primaries]
+    return [redis.Redis.from_url(request.getfixturevalue("redis_url"), decode_responses=True)]
 
 
 @pytest.fixture(params=STORE_KINDS)
@@ -370,8 +399,12 @@ def make_store(
         elif store_kind == "sqlite":
             store = SQLiteStore(tmp_path / "guards.db", clock=clock, timeout_s=STORE_TIMEOUT_S)
         else:
+            url = request.getfixturevalue("redis_cluster" if store_kind == "redis-cluster" else "redis_url")
             store = RedisStore(
-                request.getfixturevalue("redis_url"), clock=clock, prefix=prefix, timeout_s=STORE_TIMEOUT_S
+                url if isinstance(url, str) else url.url,
+                clock=clock,
+                prefix=prefix,
+                timeout_s=STORE_TIMEOUT_S,
             )
         made.append(store)
         return store

@@ -14,6 +14,14 @@ remade the marker, and again at the next reset. A worker that knew none yet (its
 operation) learns the id silently: it cannot tell a new store from one that forgot before it
 started, and it lost nothing it had seen. `MemoryStore` cannot forget while its process lives,
 and has no marker.
+
+On Redis Cluster a script reaches the keys of one hash slot only, so each slot an operation
+uses keeps a marker of its own (at most 16,384, a few bytes each): a node that loses its data
+loses its slots' markers with them, and a resharding moves them with their slots. A worker
+knows each slot's id (`found_in`) and which of its resets it last used the slot after
+(`seen_in`): a slot found reset that it had not used since the last reset it noticed is part
+of that reset (a flush or a restart reaches every slot of a node at once, and each slot is
+found as traffic reaches it), so a reset is warned and counted once.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ class Epoch:
     """The epoch a worker last saw in its store (`known`, "" before the first), and the resets
     it noticed (`resets`; `last_reset_at`: when the last was noticed, this worker's clock)."""
 
-    __slots__ = ("_lock", "_store", "known", "last_reset_at", "resets")
+    __slots__ = ("_lock", "_parts", "_store", "known", "last_reset_at", "resets")
 
     def __init__(self, store: str) -> None:
         self._store = store
@@ -48,6 +56,38 @@ class Epoch:
         self.known = ""
         self.resets = 0
         self.last_reset_at: float | None = None
+        #: Redis Cluster: per hash slot, the id this worker knows and the count of resets it
+        #: had noticed when it last used the slot (see `found_in`).
+        self._parts: dict[int, tuple[str, int]] = {}
+
+    def known_in(self, part: int) -> str:
+        """The id this worker knows of hash slot `part`'s marker ("" before the first)."""
+        known = self._parts.get(part)
+        return "" if known is None else known[0]
+
+    def seen_in(self, part: int) -> None:
+        """Redis Cluster: an operation found hash slot `part`'s marker as known."""
+        known = self._parts.get(part)
+        if known is not None and known[1] != self.resets:
+            self._parts[part] = (known[0], self.resets)
+
+    def found_in(self, part: int, epoch: str) -> None:
+        """Redis Cluster: the marker of hash slot `part` is `epoch`, which was not the one
+        known there when the operation was sent. A slot seen for the first time is learnt
+        silently; a slot whose marker changed is a reset, unless the worker has not used the
+        slot since the last reset it noticed (then it is part of that one)."""
+        with self._lock:
+            known = self._parts.get(part)
+            if known is not None and epoch == known[0]:
+                return
+            self._parts[part] = (epoch, self.resets)
+            if known is None or known[1] != self.resets:
+                return
+            self.resets += 1
+            self.last_reset_at = time.time()
+            self._parts[part] = (epoch, self.resets)
+        emit_warning("store_reset", store=self._store, resets=self.resets, detail=_DETAIL[self._store])
+        STORE_RESETS.labels(store=self._store).inc()
 
     def found(self, epoch: str) -> None:
         """The store answered with marker `epoch`, which was not `known` when the operation

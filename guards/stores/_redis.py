@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import hashlib
 import os
@@ -98,7 +99,7 @@ try:
 except ModuleNotFoundError as _error:  # the extra [redis]
     raise missing_extra(_error, "redis", "RedisStore") from None
 
-from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
+from .._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from .._clock import Clock
 from .._log import emit, emit_warning
 from ._base import (
@@ -108,6 +109,7 @@ from ._base import (
     Health,
     MoreLimits,
     Passage,
+    Report,
     SpendReservation,
     Step,
     StoredAnswer,
@@ -116,6 +118,7 @@ from ._base import (
     TaskStatus,
     bounded_key,
 )
+from ._cluster import key_slot, slot_tag
 from ._epoch import Epoch
 from ._step import plainly_admitted
 from ._task import new_lease
@@ -679,7 +682,7 @@ end
 -- dozen): admitted index (0-based) or '', refused_by or '', retry_after, reservation or '',
 -- recorded state or '', the state the report moved its breaker to or '', the state the
 -- admission moved its breaker to or '', the L waits, then L decisions of 5 fields ('' for none).
-local function step()
+local function step(mode)
   local a, i = {}, 3
   for field in string.gmatch(ARGV[3] .. '|', '([^|]*)|') do
     a[i] = field
@@ -758,16 +761,20 @@ local function step()
       end
     end
   end
+  -- Redis Cluster (RedisStore._split_step): 'pay' and 'dry' charge (or, dry, only check) with
+  -- no leg, as if one were admitted; 'peek' decides the legs but writes no admission (no probe
+  -- taken) and charges nothing.
+  if mode == 'pay' or mode == 'dry' then admitted = 1 end
   local refused_by, retry, reservation = '', '', ''
   if admitted and a[10] == '1' then
     local c = {window = KEYS[base + 1], day_stem = KEYS[base + 2], spend_stem = KEYS[base + 3],
       per_minute = tonumber(a[11]), per_day = tonumber(a[12]), spend = tonumber(a[13]),
       cap = tonumber(a[14]), hold_s = tonumber(a[15]), reservation = a[16]}
-    local refusal = charge(c)
+    local refusal = charge(c, mode == 'dry')
     if refusal then
       refused_by, retry = refusal[1], refusal[2]
       admitted = nil -- nothing of the admission is written: no probe slot taken
-    elseif c.spend then
+    elseif c.spend and mode ~= 'dry' then
       reservation = c.reservation
     end
   elseif admitted and a[10] == '2' then
@@ -785,7 +792,7 @@ local function step()
       if refusal[2] then retry = fmt(refusal[2]) else retry = 'none' end
       retry = retry .. ' ' .. string.format('%d', index)
       admitted = nil
-    else
+    elseif mode ~= 'dry' then
       for _, c in ipairs(more) do
         charge(c, false)
         more_apply(c, a[16])
@@ -798,7 +805,7 @@ local function step()
       end
     end
   end
-  if admitted and opened then
+  if admitted and opened and mode ~= 'peek' then
     save_changed(opened[1], opened[2], opened[3], policy.ttl_s)
     if opened[3].state ~= opened[2].state then admit_to = opened[3].state end
   end
@@ -854,8 +861,17 @@ end
 
 -- Returns {status, lease, response, retry_after, then the saved steps' names and values}.
 -- `owner`: the owner's set of live tasks ('' for none); `max_live`: its cap (nil for none).
-local function task_claim(key, owner, fp, lease, lease_s, ttl_s, max_live)
+-- `elsewhere` (Redis Cluster): the owner's set key, in another slot: a new task records it,
+-- touches no set and answers retry_after 'new' (RedisStore then tracks it with `task_track`).
+local function task_claim(key, owner, fp, lease, lease_s, ttl_s, max_live, elsewhere)
   if not task_live(key) then
+    if elsewhere then
+      redis.call('DEL', key)
+      redis.call('HSET', key, 'fp', fp, 'lease', lease, 'until', fmt(now + lease_s), 'exp', fmt(now + ttl_s),
+        'own', elsewhere)
+      redis.call('PEXPIRE', key, math.ceil(ttl_s * 1000))
+      return {'claimed', lease, '', 'new'}
+    end
     if owner ~= '' then
       redis.call('ZREMRANGEBYSCORE', owner, '-inf', fmt(now))
       if max_live and redis.call('ZCARD', owner) >= max_live then
@@ -893,17 +909,20 @@ local function task_claim(key, owner, fp, lease, lease_s, ttl_s, max_live)
   return reply
 end
 
-if op == 'step' then
+if op == 'step' or op == 'peek' or op == 'pay' or op == 'dry' then
   check_epoch()
-  local reply = step()
+  local reply = step(op)
   if epoch then reply[#reply + 1] = epoch end -- a second element: the epoch found
   return reply
 end
 if op == 'health' then return health() end
 if op == 'task_claim' then
   check_epoch()
-  local reply = task_claim(KEYS[1], KEYS[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]),
-    tonumber(ARGV[7]))
+  local elsewhere, owner = nil, KEYS[2]
+  if #ARGV == 9 then elsewhere = ARGV[8] end
+  if owner == KEYS[#KEYS] then owner = '' end -- Redis Cluster: an unused key is the marker
+  local reply = task_claim(KEYS[1], owner, ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]),
+    tonumber(ARGV[7]), elsewhere)
   if epoch then reply[#reply + 1] = epoch end -- after the steps' pairs: an odd one out
   return reply
 end
@@ -932,7 +951,28 @@ if op == 'task_drop' then
   end
   local owner = redis.call('HGET', KEYS[1], 'own')
   redis.call('DEL', KEYS[1])
-  if owner and owner ~= '' then redis.call('ZREM', owner, KEYS[1]) end
+  if owner and owner ~= '' then
+    if ARGV[4] == 'c' then return {owner} end -- Redis Cluster: another slot (`task_untrack`)
+    redis.call('ZREM', owner, KEYS[1])
+  end
+  return {}
+end
+-- Redis Cluster: a new task's entry in its owner's set (KEYS[1]), as `task_claim` makes it on
+-- one server: {'full', retry_after} when the owner has `max_live` live tasks already.
+if op == 'task_track' then
+  local owner, ttl_s, max_live = KEYS[1], tonumber(ARGV[4]), tonumber(ARGV[5])
+  redis.call('ZREMRANGEBYSCORE', owner, '-inf', fmt(now))
+  if max_live and redis.call('ZCARD', owner) >= max_live then
+    local oldest = redis.call('ZRANGE', owner, 0, 0, 'WITHSCORES')
+    return {'full', fmt(tonumber(oldest[2]) - now)}
+  end
+  redis.call('ZADD', owner, fmt(now + ttl_s), ARGV[3])
+  local last = redis.call('ZRANGE', owner, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIRE', owner, math.max(1, math.ceil((tonumber(last[2]) - now) * 1000)))
+  return {}
+end
+if op == 'task_untrack' then
+  redis.call('ZREM', KEYS[1], ARGV[3])
   return {}
 end
 if op == 'task_release' then
@@ -1063,6 +1103,8 @@ class RedisStore:
         #: when the next line may be written (monotonic).
         self._oom_count = 0
         self._oom_next = 0.0
+        #: Redis Cluster: every operation's keys in one hash slot (see "Redis Cluster" below).
+        self._split = bool(os.environ.get("GUARDS_SPLIT_TEST"))  # TEMPORARY: set for a cluster at the merge
 
     def __repr__(self) -> str:
         return f"RedisStore(prefix={self._prefix!r})"  # never the URL: it may carry a password
@@ -1137,9 +1179,7 @@ class RedisStore:
             return ()
         now = self._now_arg()
         # One EVALSHA per key, all written in this turn: one round trip.
-        replies = await asyncio.gather(
-            *(self._call(_pack("cooldown", [self._key(key) + ":cooldown"], now, ())) for key in keys)
-        )
+        replies = await asyncio.gather(*(self._call(*self._cooldown_read(key, now)) for key in keys))
         return tuple(float(reply[0]) for reply in replies)
 
     async def start_cooldown(self, key: str, seconds: float) -> None:
@@ -1155,6 +1195,8 @@ class RedisStore:
         return StoredAnswer(reply[0], float(reply[1])) if reply else None
 
     async def step(self, step: Step) -> Passage:
+        if self._split:
+            return await self._split_step(step)
         legs, report, charge = step.legs, step.report, step.charge
         if report is None and (
             charge is None
@@ -1195,14 +1237,15 @@ class RedisStore:
         fixed = self._fixed[id(step)] = (step, *self._step_arguments(step))
         return fixed
 
-    def _step_arguments(self, step: Step) -> tuple[list[str], str]:
+    def _step_arguments(self, step: Step, reservation: str | None = None) -> tuple[list[str], str]:
         """The script's keys for `step`, and its fields joined by '|' up to the legs' success
-        ages (see the script's `step`)."""
+        ages (see the script's `step`). `reservation`: the hold's (made here when None)."""
         legs, report, charge = step.legs, step.report, step.charge
         keys = [self._key(cooldown_key) + ":cooldown" for cooldown_key, _ in legs]
         keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
         args: list[str] = [str(len(legs)), *_policy_args(step.breaker)]
-        reservation = os.urandom(8).hex() if charge is not None and _holds(charge) else ""
+        if reservation is None:
+            reservation = os.urandom(8).hex() if charge is not None and _holds(charge) else ""
         if charge is None:
             keys += ["", "", ""]
             args += ["", "", "", "", "", "", ""]
@@ -1298,6 +1341,8 @@ class RedisStore:
         )
 
     async def health(self, legs: Sequence[tuple[str, str]]) -> Health:
+        if self._split:
+            return await self._split_health(legs)
         keys = [self._key(cooldown_key) + ":cooldown" for cooldown_key, _ in legs]
         keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
         reply = await self._run("health", keys)
@@ -1315,22 +1360,34 @@ class RedisStore:
         owner: str | None = None,
         max_live: int | None = None,
     ) -> TaskClaim:
+        if self._split:
+            return await self._split_task_claim(key, fingerprint, lease_s, ttl_s, owner, max_live)
         keys = [self._key(key) + ":task", self._key(owner) + ":tasks" if owner is not None else ""]
         keys.append(self._epoch_key)  # last (the script's `check_epoch`)
         known = self._epoch.known
         reply = await self._run(
             "task_claim", keys, fingerprint, new_lease(), _num(lease_s), _num(ttl_s), _num(max_live), known
         )
+        return self._task_claim_reply(reply, None)
+
+    def _task_claim_reply(self, reply: list[str], slot: int | None) -> TaskClaim:
+        """`task_claim`'s answer from the script's reply (its epoch learnt for `slot`: Redis
+        Cluster; None: the store's one marker)."""
         status, lease, response, retry_after = reply[:4]
         pairs = reply[4:]
         if len(pairs) % 2:  # the store's epoch, after the steps' pairs: not the one this worker knew
-            self._epoch.found(pairs.pop())
+            if slot is None:
+                self._epoch.found(pairs.pop())
+            else:
+                self._epoch.found_in(slot, pairs.pop())
+        elif slot is not None:
+            self._epoch.seen_in(slot)
         return TaskClaim(
             TaskStatus(status),
             lease or None,
             dict(zip(pairs[::2], pairs[1::2], strict=True)),
             response if status == TaskStatus.done else None,
-            float(retry_after) if retry_after else None,
+            float(retry_after) if retry_after and retry_after != "new" else None,
         )
 
     async def task_save(self, key: str, lease: str, name: str, value: str, *, lease_s: float) -> bool:
@@ -1345,7 +1402,12 @@ class RedisStore:
         await self._run("task_release", [self._key(key) + ":task"], lease)
 
     async def task_drop(self, key: str, lease: str) -> None:
-        await self._run("task_drop", [self._key(key) + ":task"], lease)
+        if not self._split:
+            await self._run("task_drop", [self._key(key) + ":task"], lease)
+            return
+        owner = await self._run("task_drop", [self._key(key) + ":task"], lease, "c")
+        if owner:  # the owner's set of live tasks: in another slot
+            await self._run("task_untrack", owner, self._key(key) + ":task")
 
     async def aclose(self) -> None:
         """Close the clients: this loop's now, other running loops' in their own loop. Clients
@@ -1359,10 +1421,302 @@ class RedisStore:
                 with suppress(RuntimeError):  # that loop closed meanwhile
                     asyncio.run_coroutine_threadsafe(_close(link), loop)
 
+    # --- Redis Cluster: operations split per slot ------------------------------------------
+    #
+    # A script reaches the keys of one hash slot only. An operation whose keys all share a slot
+    # (a one-model route without a budget: a model's breaker and cooldown share the model's
+    # slot, see `_key`) is the one script it is on one server, with that slot's epoch marker.
+    # A step whose keys span slots is split (`_split_step`):
+    #
+    # 1. one round trip: each part of its report in its slot (written whatever follows), and
+    #    the legs peeked, one script per slot ('peek': each slot's legs decided in order, success
+    #    ages applied, nothing of an admission written);
+    # 2. when the first leg that may be admitted is a half-open probe: that leg admitted for
+    #    real, alone in its slot (another worker may have taken the probe meanwhile: the next
+    #    legs are then admitted one at a time, for real);
+    # 3. when a leg is admitted and the step charges: one script ('pay') when every scope of the
+    #    charge shares a slot, all or nothing as on one server; else every scope checked with
+    #    nothing written ('dry', one round trip), then each charged in its own slot ('pay', one
+    #    round trip). A probe taken in 2 is given back when the charge is refused.
+    #
+    # Atomic: each script. Not atomic across slots: the legs' decision and the charge (a leg
+    # admitted in 1 may open before 3: as if the request had come a moment earlier), and the
+    # scopes of a charge in different slots (a scope that refuses in 3 after passing its check
+    # leaves the scopes charged before it charged: a race at the cap may count a request that
+    # was refused; it never admits one over a cap).
+
+    def _slot_keys(self, keys: list[str]) -> tuple[list[str], int | None]:
+        """A script's `keys` (the epoch marker's last) on a cluster: the keys with the marker
+        and every unused key ('': the script never touches those) turned into the slot's
+        marker, and the slot (None when the keys span slots)."""
+        slots = {key_slot(key) for key in keys[:-1] if key}
+        if len(slots) > 1:
+            return keys, None
+        slot = slots.pop() if slots else 0
+        marker = f"{self._prefix}{{{slot_tag(slot)}}}:epoch"
+        return [key or marker for key in keys[:-1]] + [marker], slot
+
+    def _script(self, op: str, step: Step, reservation: str | None = None) -> tuple[Step, bytes, int] | None:
+        """`step` as the script's `op` in one slot (None when its keys span slots): the step,
+        the packed command and the slot."""
+        keys, args = self._step_arguments(step, reservation)
+        ages = step.success_ages
+        if ages:
+            args = "|".join([args, *[_num(age) for age in ages[: len(step.legs)]]])
+        charge, report = step.charge, step.report
+        more = None
+        if (charge is not None and charge.more is not None) or (
+            report is not None and report.charge is not None
+        ):
+            more_keys, more = self._more_arguments(step, args)
+            keys = [*keys[:-1], *more_keys, keys[-1]]
+        keys, slot = self._slot_keys(keys)
+        if slot is None:
+            return None
+        known = self._epoch.known_in(slot)
+        fields = (args, known) if more is None else (args, more, known)
+        return step, _pack(op, keys, self._now_arg(), fields), slot
+
+    async def _scripts(self, scripts: Sequence[tuple[Step, bytes, int]]) -> list[Passage]:
+        """Each script sent to its slot, all in one round trip; their passages."""
+        replies = await asyncio.gather(
+            *(self._call(command, slot) for _, command, slot in scripts), return_exceptions=True
+        )
+        passages = []
+        for (step, _, slot), replies_ in zip(scripts, replies, strict=True):
+            if isinstance(replies_, BaseException):
+                raise replies_
+            if len(replies_) > 1:  # the slot's epoch is not the one this worker knew
+                self._epoch.found_in(slot, replies_[1])
+            else:
+                self._epoch.seen_in(slot)
+            reply = replies_[0]
+            if reply == "P":
+                passages.append(plainly_admitted(len(step.legs), step.breaker is not None))
+            else:
+                passages.append(self._passage(step, reply.split("|")))
+        return passages
+
+    def _one_slot(self, op: str, step: Step, reservation: str | None = None) -> tuple[Step, bytes, int]:
+        script = self._script(op, step, reservation)
+        if script is None:
+            raise ValueError(
+                "on Redis Cluster, a leg's cooldown and breaker keys share a slot: name them "
+                "guards:cooldown:<model> and guards:breaker:<model>"
+            )
+        return script
+
+    async def _split_step(self, step: Step) -> Passage:
+        """`step` on a cluster (see the section's comment)."""
+        whole = self._script("step", step)
+        if whole is not None:
+            return (await self._scripts([whole]))[0]
+        legs, report, policy, charge = step.legs, step.report, step.breaker, step.charge
+        ages = step.success_ages
+        # 1. The report's parts and the legs peeked, per slot, in one round trip.
+        scripts = []
+        for part in _report_parts(report):
+            script = self._script("step", Step(part))
+            if script is None:  # a breaker and a cooldown in two slots: one script each
+                scripts += [self._one_slot("step", Step(half)) for half in _halves(part)]
+            else:
+                scripts.append(script)
+        parts = len(scripts)
+        groups: dict[int, list[int]] = {}
+        for index, (_, breaker_key) in enumerate(legs):
+            groups.setdefault(key_slot(self._key(breaker_key)), []).append(index)
+        grouped = list(groups.values())
+        for indices in grouped:
+            scripts.append(
+                self._one_slot(
+                    "peek",
+                    Step(
+                        None,
+                        [legs[i] for i in indices],
+                        policy,
+                        None,
+                        [ages[i] if i < len(ages) else None for i in indices] if ages else (),
+                    ),
+                )
+            )
+        passages = await self._scripts(scripts)
+        recorded = None
+        transitions: list[tuple[str, CircuitState]] = []
+        for passage in passages[:parts]:
+            if passage.recorded is not None:
+                recorded = passage.recorded
+            transitions += passage.transitions
+        n = len(legs)
+        waits = [0.0] * n
+        decisions: list[BreakerDecision | None] = [None] * n
+        for indices, passage in zip(grouped, passages[parts:], strict=True):
+            for j, i in enumerate(indices):
+                waits[i] = passage.waits[j]
+                if j < len(passage.decisions):
+                    decisions[i] = passage.decisions[j]
+        # 2. The first leg that may be admitted; a probe taken for real (and, once a probe was
+        # lost to another worker, each next leg decided for real, one at a time).
+        admitted: int | None = None
+        probe: float | None = None
+        lost = False
+        for index in range(n):
+            decision = decisions[index]
+            if not lost:
+                if waits[index] > 0:
+                    continue
+                if policy is None or (decision is not None and decision.allowed and decision.probe is None):
+                    admitted = index
+                    break
+                if decision is None or not decision.allowed:
+                    continue
+            real = Step(None, [legs[index]], policy, None, [ages[index]] if index < len(ages) else ())
+            (taken,) = await self._scripts([self._one_slot("step", real)])
+            waits[index] = taken.waits[0]
+            decisions[index] = decision = taken.decisions[0] if taken.decisions else None
+            transitions += taken.transitions
+            if taken.admitted is not None:
+                admitted = index
+                probe = decision.probe if decision is not None else None
+                break
+            lost = True
+        refusal: Admission | None = None
+        reservation: str | None = None
+        near: tuple[int, ...] = ()
+        if admitted is not None and charge is not None:
+            refusal, reservation, near = await self._split_charge(charge)
+            if refusal is not None:
+                if probe is not None:  # the probe given back (a released outcome: see `Report`)
+                    release = Report(breaker_key=legs[admitted][1], breaker=policy, probe=probe)
+                    await self._scripts([self._one_slot("step", Step(release))])
+                admitted = None
+        kept = decisions[: admitted + 1] if admitted is not None else decisions
+        if (
+            report is None
+            and admitted == 0
+            and refusal is None
+            and reservation is None
+            and not near
+            and not any(waits)
+            and (policy is None or kept[0] == ADMIT_CLOSED)
+        ):
+            return plainly_admitted(n, policy is not None)
+        return Passage(
+            tuple(waits),
+            tuple(kept),
+            admitted,
+            refusal,
+            reservation,
+            recorded,
+            tuple(transitions),
+            near=near,
+        )
+
+    async def _split_charge(self, charge: Charge) -> tuple[Admission | None, str | None, tuple[int, ...]]:
+        """Step 3 of `_split_step`: the charge's refusal (None: paid), its hold's reservation,
+        and the scopes past their soft limits."""
+        reservation = os.urandom(8).hex() if _holds(charge) else ""
+        whole = self._script("pay", Step(None, (), None, charge), reservation)
+        if whole is not None:
+            (paid,) = await self._scripts([whole])
+            return paid.refusal, paid.reservation, paid.near
+        assert charge.more is not None  # (scopes in several slots)
+        alone = [_alone(each, charge.hold_s) for each in (charge, *charge.more.also)]
+        checked = await self._scripts(
+            [self._one_slot("dry", Step(None, (), None, each), reservation) for each in alone]
+        )
+        refusal = _latest(checked)
+        if refusal is not None:
+            return refusal, None, ()
+        charged = await self._scripts(
+            [self._one_slot("pay", Step(None, (), None, each), reservation) for each in alone]
+        )
+        refusal = _latest(charged)
+        if refusal is not None:
+            return refusal, None, ()
+        held = reservation if any(passage.reservation for passage in charged) else None
+        return None, held, tuple(index for index, passage in enumerate(charged) if passage.near)
+
+    async def _split_health(self, legs: Sequence[tuple[str, str]]) -> Health:
+        """`health` on a cluster: one script per slot of the legs, in one round trip."""
+        groups: dict[int, list[int]] = {}
+        for index, (cooldown_key, breaker_key) in enumerate(legs):
+            slot = key_slot(self._key(breaker_key))
+            if key_slot(self._key(cooldown_key)) != slot:
+                raise ValueError(
+                    "on Redis Cluster, a leg's cooldown and breaker keys share a slot: name them "
+                    "guards:cooldown:<model> and guards:breaker:<model>"
+                )
+            groups.setdefault(slot, []).append(index)
+        if not groups:
+            return Health(float((await self._run("health", []))[0]), (), ())
+        grouped = list(groups.items())
+        sent = []
+        for slot, indices in grouped:
+            keys = [self._key(legs[i][0]) + ":cooldown" for i in indices]
+            keys += [self._key(legs[i][1]) + ":breaker" for i in indices]
+            sent.append(self._call(_pack("health", keys, self._now_arg(), ()), slot))
+        replies = await asyncio.gather(*sent, return_exceptions=True)
+        n = len(legs)
+        waits = [0.0] * n
+        breakers = [BreakerState()] * n
+        for (_, indices), reply in zip(grouped, replies, strict=True):
+            if isinstance(reply, BaseException):
+                raise reply
+            m = len(indices)
+            for j, i in enumerate(indices):
+                waits[i] = float(reply[1 + j])
+                breakers[i] = _state(reply[1 + m + 10 * j : 11 + m + 10 * j])
+        first = replies[0]
+        assert not isinstance(first, BaseException)
+        return Health(float(first[0]), tuple(breakers), tuple(waits))
+
+    async def _split_task_claim(
+        self,
+        key: str,
+        fingerprint: str,
+        lease_s: float,
+        ttl_s: float,
+        owner: str | None,
+        max_live: int | None,
+    ) -> TaskClaim:
+        """`task_claim` on a cluster: one script when the task and its owner's set share a
+        slot; else the task claimed in its slot, and a new one entered in its owner's set
+        (`task_track`) in a second round trip, undone when the owner has `max_live` already
+        (meanwhile the task is there: a retry with the same key is told `busy`)."""
+        task = self._key(key) + ":task"
+        owned = self._key(owner) + ":tasks" if owner is not None else ""
+        lease = new_lease()
+        args = [fingerprint, lease, _num(lease_s), _num(ttl_s), _num(max_live)]
+        keys, slot = self._slot_keys([task, owned, ""])
+        elsewhere = slot is None
+        if elsewhere:
+            keys, slot = self._slot_keys([task, "", ""])
+            args.append(owned)
+        assert slot is not None
+        args.append(self._epoch.known_in(slot))
+        reply = await self._call(_pack("task_claim", keys, self._now_arg(), args), slot)
+        claim = self._task_claim_reply(reply, slot)
+        if elsewhere and reply[3] == "new":
+            tracked = await self._run("task_track", [owned], task, _num(ttl_s), _num(max_live))
+            if tracked:  # the owner's live tasks are at `max_live`: the new task undone
+                await self._run("task_drop", [task], lease, "c")
+                return TaskClaim(TaskStatus.full, None, {}, None, float(tracked[1]))
+        return claim
+
+    def _cooldown_read(self, key: str, now: str) -> tuple[bytes, int | None]:
+        """`cooldowns`' read of `key`: the packed script and, on a cluster, its slot."""
+        redis_key = self._key(key) + ":cooldown"
+        return _pack("cooldown", [redis_key], now, ()), key_slot(redis_key) if self._split else None
+
     # --- machinery -------------------------------------------------------------------------
 
     def _key(self, key: str) -> str:
-        return f"{self._prefix}{{{_tag(bounded_key(key))}}}"
+        key = bounded_key(key)
+        if self._split and key.startswith(_MODEL_KEYS):
+            # Redis Cluster: a model's breaker and cooldown in one slot, the model's (the whole
+            # key after the tag keeps every key distinct).
+            return f"{self._prefix}{{{_tag('m:' + key.partition(':')[2].partition(':')[2])}}}{_tag(key)}"
+        return f"{self._prefix}{{{_tag(key)}}}"
 
     def _now_arg(self) -> str:
         """The script's time argument: '' (Redis TIME) unless the store has a clock."""
@@ -1372,7 +1726,7 @@ class RedisStore:
         """One operation: one EVALSHA of the script."""
         return await self._call(_pack(op, keys, self._now_arg(), args))
 
-    async def _call(self, command: bytes) -> list[str]:
+    async def _call(self, command: bytes, slot: int | None = None) -> list[str]:
         """One packed EVALSHA, sent on this loop's connection with every other command of the
         loop's turn (see `_Wire`); its reply. The script reloaded once if the server lost it
         (restarted, or its script cache flushed). Any failure raises `StoreUnavailable`."""
@@ -1517,6 +1871,73 @@ class RedisStore:
             await link.wire.close()
 
 
+def _report_parts(report: Report | None) -> list[Report]:
+    """Redis Cluster: `report` in parts that each touch one key's slot: the model's (its
+    breaker and cooldown), the day's spend, and each scope of a charge to settle."""
+    if report is None:
+        return []
+    parts = []
+    if (report.breaker_key is not None and report.breaker is not None) or report.cooldown_key is not None:
+        parts.append(
+            Report(
+                breaker_key=report.breaker_key,
+                breaker=report.breaker,
+                outcome=report.outcome,
+                probe=report.probe,
+                success_age=report.success_age,
+                cooldown_key=report.cooldown_key,
+                cooldown_s=report.cooldown_s,
+                cooldown_until=report.cooldown_until,
+            )
+        )
+    if report.spend_key is not None and report.reservation is not None:
+        parts.append(Report(spend_key=report.spend_key, reservation=report.reservation, actual=report.actual))
+    if report.charge is not None and report.reservation is not None:
+        scopes = (report.charge, *(report.charge.more.also if report.charge.more is not None else ()))
+        for scope in scopes:
+            parts.append(
+                Report(
+                    charge=_alone(scope, report.charge.hold_s),
+                    reservation=report.reservation,
+                    actual=report.actual,
+                    tokens=report.tokens,
+                )
+            )
+    return parts
+
+
+def _halves(part: Report) -> list[Report]:
+    """A model's report part as its breaker's and its cooldown's (keys in two slots)."""
+    return [
+        dataclasses.replace(part, cooldown_key=None, cooldown_s=0.0, cooldown_until=None),
+        Report(
+            cooldown_key=part.cooldown_key, cooldown_s=part.cooldown_s, cooldown_until=part.cooldown_until
+        ),
+    ]
+
+
+def _alone(charge: Charge, hold_s: float) -> Charge:
+    """One scope of a charge on its own (no other scope), with the request's `hold_s` (the
+    first scope's, which one script gives every scope)."""
+    more = charge.more
+    if more is not None:
+        more = dataclasses.replace(more, also=(), watched=more.soft is not None)
+    return dataclasses.replace(charge, hold_s=hold_s, more=more)
+
+
+def _latest(passages: Sequence[Passage]) -> Admission | None:
+    """The refusal among `passages` (one per scope, in order) that frees up last (a hold that
+    never fits: last of all), its `charge` the scope's index; None when none refused."""
+    refusals = [
+        dataclasses.replace(passage.refusal, charge=index)
+        for index, passage in enumerate(passages)
+        if passage.refusal is not None
+    ]
+    if not refusals:
+        return None
+    return max(refusals, key=lambda r: float("inf") if r.retry_after_s is None else r.retry_after_s)
+
+
 def _holds(charge: Charge) -> bool:
     """Whether `charge` (any of its scopes) holds spend or tokens."""
     return any(
@@ -1568,6 +1989,9 @@ _LOAD_SCRIPT = _packed("SCRIPT", "LOAD", _SCRIPT)
 #: The most steps a store keeps the fixed arguments of (a route keeps one per caller), and
 #: the longest budget key of a step kept: what they hold stays within a few megabytes.
 _MAX_FIXED = 4096
+#: The walk's per-model keys (`guards:breaker:<model>`, `guards:cooldown:<model>`): on Redis
+#: Cluster both in the model's slot (`RedisStore._key`).
+_MODEL_KEYS = ("guards:breaker:", "guards:cooldown:")
 _MAX_FIXED_KEY = 128
 
 

@@ -22,7 +22,9 @@ def open_store(url: str, *, clock: Clock | None = None, timeout_s: float = 0.1) 
       (`?prefix=app:` starts every key of the store with `app:`, default `guards:`);
     - `redis+sentinel://[:password@]host:port[,host:port...]/master-name[/db]` or
       `rediss+sentinel://...`: the same, behind Redis Sentinel (the primary found, and followed
-      across a failover, by asking the sentinels).
+      across a failover, by asking the sentinels);
+    - `redis+cluster://[:password@]host:port[,host:port...]` or `rediss+cluster://...`: the
+      same, on Redis Cluster (the nodes named are where the client first learns the cluster).
 
     `timeout_s` bounds each operation of a shared store. Raises `ConfigurationError` for a URL
     it cannot use; the message never repeats the URL (it may hold a password).
@@ -38,11 +40,11 @@ def open_store(url: str, *, clock: Clock | None = None, timeout_s: float = 0.1) 
         from ._sqlite import SQLiteStore  # sqlite3, only when a SQLite store is asked for
 
         return SQLiteStore(url[len("sqlite:///") :], clock=clock, timeout_s=timeout_s)
-    if scheme in ("redis", "rediss", "redis+sentinel", "rediss+sentinel"):
+    if scheme in ("redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster"):
         from ._redis import RedisStore  # the Redis client, only when a Redis store is asked for
 
         return RedisStore(url, clock=clock, timeout_s=timeout_s)
     raise ConfigurationError(
         f"unknown store scheme {scheme!r}: use memory://, sqlite:///path, redis://host:port/db "
-        "or redis+sentinel://host:port,.../master-name"
+        "redis+sentinel://host:port,.../master-name or redis+cluster://host:port,..."
     )

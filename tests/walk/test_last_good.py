@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
@@ -26,7 +25,7 @@ from guards import AI, ConfigurationError, Guards, LastGood
 from guards.providers import WorkersAI
 from guards.stores import RedisStore, SQLiteStore, Store
 
-from ..conftest import AppClient, ExampleClient, LogLines, assert_fallback, no_sleep
+from ..conftest import AppClient, ExampleClient, LogLines, assert_fallback, no_sleep, redis_admins
 
 T0 = 86_400.0 * 20_000 + 3_600
 MODEL = "@cf/test/model"
@@ -106,7 +105,7 @@ def test_only_validated_successes_are_stored(
     assert summarize(client).json()["data"] == KEYWORD
 
 
-@pytest.mark.parametrize("store_kind", ["sqlite", "redis"], indirect=True)
+@pytest.mark.parametrize("store_kind", ["sqlite", "redis", "redis-cluster"], indirect=True)
 def test_keys_are_hashed_before_they_reach_the_store(
     make_client: Callable[..., httpx.Client],
     fake_workers_ai: FakeWorkersAI,
@@ -130,10 +129,13 @@ def test_keys_are_hashed_before_they_reach_the_store(
         assert re.fullmatch(r"guards:last_good:[0-9a-f]{64}", key)
     else:
         assert isinstance(store, RedisStore)
-        with redis.Redis.from_url(request.getfixturevalue("redis_url"), decode_responses=True) as admin:
-            keys = admin.scan_iter(match="*{guards:last_good:*}:answer")
-            [(key, value)] = [(k, v) for k in keys if label in (v := admin.get(k) or "")]
-            assert 0 < admin.pttl(key) <= 600_000
+        found = []
+        for admin in redis_admins(store_kind, request):
+            with admin:
+                keys = admin.scan_iter(match="*{guards:last_good:*}:answer")
+                found += [(k, v, admin.pttl(k)) for k in keys if label in (v := admin.get(k) or "")]
+        [(key, value, ttl)] = found
+        assert 0 < ttl <= 600_000
         assert re.search(r"\{guards:last_good:[0-9a-f]{64}\}:answer$", key)
     assert secret.lower() not in key.lower()
     assert label in value  # the answer is what is stored, under the hash
