@@ -139,8 +139,8 @@ class Cluster:
         reply, redirections followed. `StoreUnavailable` when the cluster cannot answer."""
         if self._stale:
             await self._refreshed()
-        slots, loop = self._slots, self._loop
-        node = slots[slot] if slot is not None else next((n for n in slots if n is not None), None)
+        loop = self._loop
+        node = self._slots[slot] if slot is not None else self._any()
         if node is None:
             raise StoreUnavailable("Redis store unavailable (CLUSTERDOWN)")
         end = loop.time() + self._timeout_s
@@ -179,16 +179,15 @@ class Cluster:
             if code == "TRYAGAIN":
                 await asyncio.sleep(_TRYAGAIN_S)
                 asking = False
-                found = slots[slot] if slot is not None else None
-                node = found or node
+                node = (self._slots[slot] if slot is not None else None) or node
                 continue
             target = _redirection(text, node[0])
             if target is None:
                 raise StoreUnavailable(f"Redis store unavailable ({code})")
             moved, node = target
             asking = code == "ASK"
-            if not asking and slots:
-                slots[moved] = node
+            if not asking:
+                self._slots[moved] = node
                 if slot is not None:  # our map was wrong: read it again, in the background
                     self._refresh()
 
@@ -251,6 +250,10 @@ class Cluster:
                 for ask in asks:
                     ask.cancel()
         self._stale = True
+
+    def _any(self) -> Node | None:
+        """A primary, for a command without a slot: the first slot's."""
+        return next((node for node in self._slots if node is not None), None)
 
     def _known(self) -> list[Node]:
         return list(dict.fromkeys(node for node in self._slots if node is not None))
