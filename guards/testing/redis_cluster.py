@@ -1,7 +1,8 @@
 """A throwaway Redis Cluster on free loopback ports, for tests that need a real one.
 
 Six `redis-server --cluster-enabled yes` nodes (three primaries, each with a replica), made
-into a cluster by `redis-cli --cluster create`. The binaries are `RedisServer`'s
+into a cluster by `redis-cli --cluster create`; a `password`, when given, is every node's
+(`requirepass`, and `masterauth` for the replicas). The binaries are `RedisServer`'s
 (`redis_server_binary`, and the `redis-cli` beside it, else on PATH). Nothing is persisted. A
 node times out after `node_timeout_ms` (300 by default: a killed primary's replica takes over
 about a second later). The `redis` client library talks to the nodes here (tests only; the
@@ -73,8 +74,9 @@ class RedisCluster:
 
     HOST = "127.0.0.1"
 
-    def __init__(self, *, node_timeout_ms: int = 300) -> None:
+    def __init__(self, *, node_timeout_ms: int = 300, password: str | None = None) -> None:
         self.node_timeout_ms = node_timeout_ms
+        self.password = password
         self.ports = _free_ports(6)
         self.start_s = 0.0
         self._dir = tempfile.TemporaryDirectory(prefix="guards-cluster-")
@@ -86,7 +88,8 @@ class RedisCluster:
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"{self.HOST}:{port}" for port in self._seeds)
+        login = f":{self.password}@" if self.password is not None else ""
+        return f"redis+cluster://{login}" + ",".join(f"{self.HOST}:{port}" for port in self._seeds)
 
     @property
     def primaries(self) -> list[tuple[str, int]]:
@@ -98,7 +101,7 @@ class RedisCluster:
         """A client of the node at `port` (strings decoded), kept for the cluster's life."""
         if port not in self._clients:
             self._clients[port] = redis.Redis(
-                host=self.HOST, port=port, decode_responses=True, socket_timeout=5
+                host=self.HOST, port=port, password=self.password, decode_responses=True, socket_timeout=5
             )
         return self._clients[port]
 
@@ -126,7 +129,16 @@ class RedisCluster:
             self._wait_ping(port, deadline)
         nodes = [f"{self.HOST}:{port}" for port in self.ports]
         subprocess.run(
-            [redis_cli_binary(), "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"],
+            [
+                redis_cli_binary(),
+                *self._login(),
+                "--cluster",
+                "create",
+                *nodes,
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
             check=True,
             capture_output=True,
             timeout=30,
@@ -154,7 +166,7 @@ class RedisCluster:
         --cluster reshard`; returns once every node agrees on the new map."""
         subprocess.run(
             [
-                redis_cli_binary(), "--cluster", "reshard", f"{self.HOST}:{source_port}",
+                redis_cli_binary(), *self._login(), "--cluster", "reshard", f"{self.HOST}:{source_port}",
                 "--cluster-from", self.node_id(source_port),
                 "--cluster-to", self.node_id(target_port),
                 "--cluster-slots", str(slots),
@@ -178,7 +190,8 @@ class RedisCluster:
         if between is not None:
             between()
         while keys := _command(source, "CLUSTER", "GETKEYSINSLOT", slot, 100):
-            _command(source, "MIGRATE", self.HOST, target_port, "", 0, 5000, "KEYS", *keys)
+            login = ["AUTH", self.password] if self.password is not None else []
+            _command(source, "MIGRATE", self.HOST, target_port, "", 0, 5000, *login, "KEYS", *keys)
         _command(target, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
         _command(source, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
         for _, port in self.primaries:
@@ -233,7 +246,13 @@ class RedisCluster:
             "--appendonly", "no",
             "--dir", self._dir.name,
         ]  # fmt: skip
+        if self.password is not None:
+            args += ["--requirepass", self.password, "--masterauth", self.password]
         self._processes[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _login(self) -> list[str]:
+        """`redis-cli`'s password options (`--no-auth-warning`: nothing said about `-a`)."""
+        return ["-a", self.password, "--no-auth-warning"] if self.password is not None else []
 
     def _wait_ping(self, port: int, deadline: float) -> None:
         while True:

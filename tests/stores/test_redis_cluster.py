@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 import subprocess
 import time
 import uuid
@@ -222,6 +223,78 @@ def test_single_key_operations_across_the_primaries(cluster: RedisCluster, prefi
     asyncio.run(main())
     for _, port in cluster.primaries:  # every primary holds some of the keys
         assert cluster.client(port).dbsize() > 0
+
+
+def test_each_node_gets_the_script_again_after_losing_it(cluster: RedisCluster, prefix: str) -> None:
+    """`SCRIPT FLUSH` on every primary: the next operation on each node is answered NOSCRIPT,
+    and the script is loaded on that node's connection ahead of the operation sent again."""
+    keys = [f"s{i}" for i in range(30)]
+    store = RedisStore(cluster.url, prefix=prefix, timeout_s=TIMEOUT_S)
+
+    async def main() -> None:
+        await asyncio.gather(*(store.start_cooldown(k, 30) for k in keys))
+        for _, port in cluster.primaries:
+            cluster.client(port).script_flush()
+        waits = await store.cooldowns(keys)
+        assert all(25 < wait <= 30 for wait in waits)
+        admitted = await asyncio.gather(*(store.charge_budget(k, per_minute=None, per_day=1) for k in keys))
+        assert all(admission.allowed for admission in admitted)
+        await store.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_client_per_event_loop_closed_with_it(cluster: RedisCluster, prefix: str) -> None:
+    """Each event loop has its own cluster client (one connection per primary), closed when
+    that loop shuts down; the store goes on in the next loop. A seed that does not answer (the
+    first of the URL here) is passed over: another gives the map."""
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connection refused
+    url = cluster.url.replace("redis+cluster://", f"redis+cluster://127.0.0.1:{dead.getsockname()[1]},")
+    store = RedisStore(url, prefix=prefix, timeout_s=TIMEOUT_S)
+
+    async def charge() -> bool:
+        admission = await store.charge_budget("looped", per_minute=None, per_day=2)
+        assert set(clients(store)._wires) <= set(cluster.primaries)
+        return admission.allowed
+
+    try:
+        assert [asyncio.run(charge()) for _ in range(3)] == [True, True, False]
+        assert not store._clusters
+    finally:
+        dead.close()
+
+
+def test_a_cluster_with_a_password(prefix: str) -> None:
+    """Every node's connection logs in (AUTH in its first write); a wrong password is
+    `StoreUnavailable` naming the error's code, never the password or an address."""
+    try:
+        protected = RedisCluster(password="s3cret-pw").__enter__()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        if os.environ.get("GUARDS_REQUIRE_REDIS_CLUSTER") == "1":
+            pytest.fail(f"a Redis Cluster is required (GUARDS_REQUIRE_REDIS_CLUSTER=1): {exc}")
+        pytest.skip(f"no Redis Cluster could start here: {exc}")
+    try:
+        store = RedisStore(protected.url, prefix=prefix, timeout_s=TIMEOUT_S)
+        wrong = RedisStore(protected.url.replace("s3cret-pw", "wrong-pw"), prefix=prefix, timeout_s=TIMEOUT_S)
+
+        async def main() -> None:
+            keys = [f"p{i}" for i in range(30)]
+            await asyncio.gather(*(store.put_answer(k, k, ttl_s=60) for k in keys))
+            answers = await asyncio.gather(*(store.get_answer(k, max_age_s=60) for k in keys))
+            assert [answer.value if answer else None for answer in answers] == keys
+            assert set(clients(store)._wires) == set(protected.primaries)
+            with pytest.raises(StoreUnavailable) as raised:
+                await wrong.get_answer("p0", max_age_s=60)
+            assert "WRONGPASS" in str(raised.value)
+            assert "pw" not in str(raised.value)
+            assert "127.0.0.1" not in str(raised.value)
+            await store.aclose()
+            await wrong.aclose()
+
+        asyncio.run(main())
+    finally:
+        protected.__exit__(None, None, None)
 
 
 def test_moved_is_followed_after_a_reshard(cluster: RedisCluster, prefix: str) -> None:
