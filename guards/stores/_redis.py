@@ -75,9 +75,9 @@ with `CLUSTER SLOTS` and follows `MOVED`, `ASK` and `TRYAGAIN` (a bounded number
 `timeout_s`). Each node's first connection carries the handshake and the SCRIPT LOAD; a
 connection lost, or `CLUSTERDOWN`, fails the operation and the next one reads the slots again.
 
-At each new connection (to each node, on a cluster) the server's `maxmemory-policy`, `maxmemory`, `appendonly` and `save`
-are read (`CONFIG GET`, behind that turn's operations) and a setting under which guards' keys
-can be evicted or lost is warned once (`_check_settings`).
+At each new connection (to each node, on a cluster) the server's `maxmemory-policy`,
+`maxmemory`, `appendonly` and `save` are read (`CONFIG GET`, behind that turn's operations) and
+a setting under which guards' keys can be evicted or lost is warned once (`_check_settings`).
 
 Event loops: a connection belongs to one event loop, so the store keeps one per running loop,
 made on first use there and closed when that loop shuts down (or by `aclose`).
@@ -1047,9 +1047,9 @@ class RedisStore:
 
     `url`: `redis://[[user]:password@]host:port/db`, `rediss://...` (TLS),
     `unix:///path/to/socket?db=n`, `redis+sentinel://...` or `redis+cluster://host:port,...`,
-    with the options `_Address` lists. `clock`: tests only
-    (by default the time is Redis'). `timeout_s` bounds every round trip. `prefix` starts every
-    key (no `{` or `}` in it: hash tags are the store's): by default the URL's `prefix` option
+    with the options `_Address` lists. `clock`: tests only (by default the time is Redis').
+    `timeout_s` bounds every round trip. `prefix` starts every key (no `{` or `}` in it: hash
+    tags are the store's): by default the URL's `prefix` option
     (`redis://host:6379/0?prefix=billing:`), else `guards:`. Apps that share one Redis share
     the state of what they name alike (a model's breaker and cooldown, a budget of the same
     scope and caller); a prefix of their own keeps them apart.
@@ -2001,7 +2001,7 @@ class _Address:
         its username, password, hosts (at most 16, `what`s), path and query."""
         rest = url[len(scheme) + 3 :] if url[len(scheme) : len(scheme) + 3] == "://" else None
         if rest is None:
-            raise ValueError(f"invalid Redis URL: it reads {spelling}")
+            raise ValueError(f"invalid Redis URL: expected {spelling}")
         rest, _, query_text = rest.partition("?")
         hosts_part, _, path = rest.partition("/")
         login, _, hosts_text = hosts_part.rpartition("@")

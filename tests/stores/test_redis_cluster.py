@@ -118,7 +118,7 @@ def test_a_tls_cluster_url_has_the_rediss_options() -> None:
         ("redis+cluster://:s3cret-pw@h1:99999", "node's host:port is malformed"),
         ("redis+cluster://:s3cret-pw@h1:7000,,h2:7001", "node's host:port is malformed"),
         ("redis+cluster://:s3cret-pw@", "node's host:port is malformed"),
-        ("redis+cluster:/:s3cret-pw@h1:7000", "it reads redis+cluster://"),
+        ("redis+cluster:/:s3cret-pw@h1:7000", "expected redis+cluster://"),
         ("redis+cluster://:s3cret-pw@" + ",".join(f"h{i}:7000" for i in range(17)), "at most 16 nodes"),
         ("redis+cluster://:s3cret-pw@h1:7000?sentinel_password=s3cret-pw", "needs redis+sentinel://"),
         ("redis+cluster://:s3cret-pw@h1:7000?ssl_cert_reqs=none", "need rediss+cluster://"),
