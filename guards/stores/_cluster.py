@@ -14,15 +14,17 @@ node per turn), and follows the cluster's answers:
   to the named node.
 - `ASK <slot> <host:port>`: the slot is being migrated and the key is not (or no longer) on
   this node: `ASKING` and the command, in one write, on the named node; the map is unchanged.
-- `TRYAGAIN`: a multi-key script whose keys are split by a migration in progress: sent again
-  (from the map's node) after `_TRYAGAIN_S`.
+- `TRYAGAIN`: a multi-key script whose keys are not all on one node while their slot migrates
+  (a key the script is given but has not written yet counts as not there): sent again (from
+  the map's node) every `_TRYAGAIN_S`, until the migration ends or the call's time is up.
 - `NOSCRIPT`: the node lost the script (restarted, or a replica promoted): loaded on that
   node's connection, ahead of the command sent again (once per call).
 - `CLUSTERDOWN`, and a connection that fails: `StoreUnavailable`, and the map is asked again
   on the next call (which waits for it).
 
-A call follows at most `_MAX_HOPS` redirections and starts none later than `timeout_s` after
-it began; each reply is itself bounded by `timeout_s` (`_Wire`). So a call that cannot finish
+A call follows at most `_MAX_HOPS` redirections in a row (TRYAGAIN starts the count again) and
+starts none later than `timeout_s` after it began; each reply is itself bounded by `timeout_s`
+(`_Wire`). So a call that cannot finish
 raises `StoreUnavailable` within a few `timeout_s`. Any other error reply is returned to the
 store (its `_refused` says what it raises).
 
@@ -90,7 +92,7 @@ def _tag_table() -> list[str]:
     return [found[slot] for slot in range(SLOTS)]
 
 
-#: The most redirections (MOVED, ASK, TRYAGAIN) one call follows.
+#: The most redirections (MOVED, ASK) one call follows in a row.
 _MAX_HOPS = 5
 #: The pause before a command answered TRYAGAIN is sent again.
 _TRYAGAIN_S = 0.005
@@ -176,9 +178,9 @@ class Cluster:
             hops += 1
             if hops > _MAX_HOPS or loop.time() > end:
                 raise StoreUnavailable(f"Redis store unavailable ({code})")
-            if code == "TRYAGAIN":
+            if code == "TRYAGAIN":  # bounded by the call's time
                 await asyncio.sleep(_TRYAGAIN_S)
-                asking = False
+                asking, hops = False, 0
                 node = (self._slots[slot] if slot is not None else None) or node
                 continue
             target = _redirection(text, node[0])

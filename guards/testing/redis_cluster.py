@@ -181,22 +181,25 @@ class RedisCluster:
     def move_slot(self, slot: int, target_port: int, between: Callable[[], Any] | None = None) -> None:
         """Migrate `slot` to the primary at `target_port` by hand: IMPORTING on the target,
         MIGRATING on the source, then `between()` (the slot is half-way: the source answers ASK
-        for a key it does not have), then MIGRATE of its keys and SETSLOT NODE on every primary."""
+        for a key it does not have), then `finish_move`."""
         source_port = self.owner(slot)
-        source, target = self.client(source_port), self.client(target_port)
         source_id, target_id = self.node_id(source_port), self.node_id(target_port)
-        _command(target, "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
-        _command(source, "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
+        _command(self.client(target_port), "CLUSTER", "SETSLOT", slot, "IMPORTING", source_id)
+        _command(self.client(source_port), "CLUSTER", "SETSLOT", slot, "MIGRATING", target_id)
         if between is not None:
             between()
+        self.finish_move(slot, source_port, target_port)
+
+    def finish_move(self, slot: int, source_port: int, target_port: int) -> None:
+        """The end of `move_slot` (which `between` may run itself, from another thread: done
+        twice, it changes nothing the second time): MIGRATE of the slot's keys, SETSLOT NODE on
+        the target, the source and every other primary; returns once every node agrees."""
+        source, target_id = self.client(source_port), self.node_id(target_port)
+        login = ["AUTH", self.password] if self.password is not None else []
         while keys := _command(source, "CLUSTER", "GETKEYSINSLOT", slot, 100):
-            login = ["AUTH", self.password] if self.password is not None else []
             _command(source, "MIGRATE", self.HOST, target_port, "", 0, 5000, *login, "KEYS", *keys)
-        _command(target, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
-        _command(source, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
-        for _, port in self.primaries:
-            if port not in (source_port, target_port):
-                _command(self.client(port), "CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        for port in dict.fromkeys([target_port, source_port, *(port for _, port in self.primaries)]):
+            _command(self.client(port), "CLUSTER", "SETSLOT", slot, "NODE", target_id)
         self.wait_agreed()
 
     def kill(self, port: int) -> None:
