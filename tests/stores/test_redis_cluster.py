@@ -368,7 +368,7 @@ def test_ask_is_followed_during_a_migration(cluster: RedisCluster, prefix: str) 
         assert 25 < wait <= 30
         hurried = RedisStore(cluster.url, prefix=prefix, timeout_s=0.2)
         began = time.monotonic()
-        with pytest.raises(StoreUnavailable, match="TRYAGAIN|ASK"):  # (whichever came last)
+        with pytest.raises(StoreUnavailable, match=r"TRYAGAIN|ASK"):  # (whichever came last)
             await hurried.charge_budget("asked", per_minute=None, per_day=5)
         assert time.monotonic() - began < 3 * 0.2
         await hurried.aclose()
@@ -394,6 +394,36 @@ def test_ask_is_followed_during_a_migration(cluster: RedisCluster, prefix: str) 
             await store.aclose()
 
         loop.run_until_complete(after())
+    finally:
+        loop.close()
+
+
+def test_clusterdown_fails_the_operation_and_the_store_comes_back(cluster: RedisCluster, prefix: str) -> None:
+    """A slot no node serves (DELSLOTS everywhere): the cluster refuses every command
+    (CLUSTERDOWN, full coverage required), which the store raises as StoreUnavailable; once the
+    slot is served again, the store reads the slots afresh and works."""
+    store = RedisStore(cluster.url, prefix=prefix, timeout_s=TIMEOUT_S)
+    slot = key_slot(store._key("down") + ":answer")
+    owner = cluster.owner(slot)
+    orphan = (slot + 1) % 16384
+    orphan_owner = cluster.owner(orphan)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(store.put_answer("down", "kept", ttl_s=60))
+        for port in cluster.ports:
+            cluster.client(port).execute_command("CLUSTER", "DELSLOTS", orphan)
+        deadline = time.monotonic() + 5
+        while "cluster_state:fail" not in str(cluster.client(owner).execute_command("CLUSTER", "INFO")):
+            assert time.monotonic() < deadline, "the cluster did not go down"
+            time.sleep(0.02)
+        with pytest.raises(StoreUnavailable, match="CLUSTERDOWN"):
+            loop.run_until_complete(store.get_answer("down", max_age_s=60))
+        cluster.client(orphan_owner).execute_command("CLUSTER", "ADDSLOTS", orphan)
+        cluster.wait_agreed()
+        answer = loop.run_until_complete(store.get_answer("down", max_age_s=60))
+        assert answer is not None
+        assert answer.value == "kept"
+        loop.run_until_complete(store.aclose())
     finally:
         loop.close()
 
