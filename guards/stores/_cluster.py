@@ -37,12 +37,9 @@ from __future__ import annotations
 import asyncio
 import binascii
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ._base import StoreUnavailable
-
-if TYPE_CHECKING:
-    from ._redis import _Wire
 
 __all__ = ["SLOTS", "Cluster", "key_slot", "slot_tag"]
 
@@ -50,6 +47,18 @@ __all__ = ["SLOTS", "Cluster", "key_slot", "slot_tag"]
 SLOTS = 16384
 
 Node = tuple[str, int]
+
+
+class _Wire(Protocol):
+    """What the client uses of a connection (`guards.stores._redis._Wire`)."""
+
+    failure: str | None
+    loads: int
+
+    def send(self, command: bytes) -> asyncio.Future[Any]: ...
+    def load(self, command: bytes) -> None: ...
+    def fail(self, error: StoreUnavailable) -> None: ...
+    async def close(self) -> None: ...
 
 
 def key_slot(key: str) -> int:
