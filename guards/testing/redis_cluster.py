@@ -4,9 +4,9 @@ Six `redis-server --cluster-enabled yes` nodes (three primaries, each with a rep
 into a cluster by `redis-cli --cluster create`; a `password`, when given, is every node's
 (`requirepass`, and `masterauth` for the replicas). The binaries are `RedisServer`'s
 (`redis_server_binary`, and the `redis-cli` beside it, else on PATH). Nothing is persisted. A
-node times out after `node_timeout_ms` (300 by default: a killed primary's replica takes over
-about a second later). The `redis` client library talks to the nodes here (tests only; the
-store speaks the protocol itself).
+node times out after `node_timeout_ms` (1000 by default: a killed primary's replica takes over
+about two seconds later, and a loaded machine does not fail nodes over by mistake). The `redis`
+client library talks to the nodes here (tests only; the store speaks the protocol itself).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class RedisCluster:
 
     HOST = "127.0.0.1"
 
-    def __init__(self, *, node_timeout_ms: int = 300, password: str | None = None) -> None:
+    def __init__(self, *, node_timeout_ms: int = 1000, password: str | None = None) -> None:
         self.node_timeout_ms = node_timeout_ms
         self.password = password
         self.ports = _free_ports(6)
