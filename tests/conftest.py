@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import threading
 import time
 import tracemalloc
@@ -352,18 +353,19 @@ STORE_KINDS = ("memory", "sqlite", "redis", "redis-cluster")
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisCluster]:
     """The session's Redis Cluster (three primaries, each with a replica), started on loopback
-    ports. Skipped where no redis-server can start one, unless GUARDS_REQUIRE_REDIS_CLUSTER is
-    set (CI): then that fails."""
+    ports. Skipped where no redis-server can start one, unless GUARDS_REQUIRE_REDIS_CLUSTER=1
+    (CI): then that fails."""
+    cluster = RedisCluster()
     try:
-        cluster = RedisCluster().start()
-    except (OSError, RuntimeError) as exc:
-        if os.environ.get("GUARDS_REQUIRE_REDIS_CLUSTER"):
-            raise
-        pytest.skip(f"no Redis Cluster could start here ({exc})")
+        cluster.__enter__()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        if os.environ.get("GUARDS_REQUIRE_REDIS_CLUSTER") == "1":
+            pytest.fail(f"a Redis Cluster is required (GUARDS_REQUIRE_REDIS_CLUSTER=1): {exc}")
+        pytest.skip(f"no Redis Cluster could start here (redis-server and redis-cli needed): {exc}")
     try:
         yield cluster
     finally:
-        cluster.stop()
+        cluster.__exit__(None, None, None)
 
 
 def redis_admins(store_kind: str, request: pytest.FixtureRequest) -> list[redis.Redis]:

@@ -68,9 +68,16 @@ Behind Redis Sentinel (`redis+sentinel://`), each new connection first asks the 
 the primary is and checks its `ROLE` in the handshake; a connection lost, or an operation
 answered `READONLY`, `LOADING` or `MASTERDOWN`, drops it, and the next operation asks again.
 
-At each new connection the server's `maxmemory-policy`, `maxmemory`, `appendonly` and `save`
-are read (`CONFIG GET`, behind that turn's operations) and a setting under which guards' keys
-can be evicted or lost is warned once (`_check_settings`).
+On Redis Cluster (`redis+cluster://`), each operation goes to the primary of its keys' slot (the
+slot of its first key's hash tag: `key_slot`), on that loop's one connection to that primary;
+the client (`guards.stores._cluster.Cluster`, one per event loop) learns the slots' primaries
+with `CLUSTER SLOTS` and follows `MOVED`, `ASK` and `TRYAGAIN` (a bounded number of times, within
+`timeout_s`). Each node's first connection carries the handshake and the SCRIPT LOAD; a
+connection lost, or `CLUSTERDOWN`, fails the operation and the next one reads the slots again.
+
+At each new connection (to each node, on a cluster) the server's `maxmemory-policy`,
+`maxmemory`, `appendonly` and `save` are read (`CONFIG GET`, behind that turn's operations) and
+a setting under which guards' keys can be evicted or lost is warned once (`_check_settings`).
 
 Event loops: a connection belongs to one event loop, so the store keeps one per running loop,
 made on first use there and closed when that loop shuts down (or by `aclose`).
@@ -118,7 +125,7 @@ from ._base import (
     TaskStatus,
     bounded_key,
 )
-from ._cluster import key_slot, slot_tag
+from ._cluster import Cluster, Node, key_slot, slot_tag
 from ._epoch import Epoch
 from ._step import plainly_admitted
 from ._task import new_lease
@@ -1065,13 +1072,23 @@ class _Link:
     keeper: AsyncGenerator[None, None] = field(init=False)
 
 
+@dataclass(slots=True)
+class _ClusterLink:
+    """On Redis Cluster, the store's client in one event loop, and what closes it when that
+    loop shuts down."""
+
+    cluster: Cluster
+    keeper: AsyncGenerator[None, None] = field(init=False)
+
+
 class RedisStore:
     """A `Store` in Redis: exact across every worker and machine sharing the server.
 
-    `url`: `redis://[[user]:password@]host:port/db`, `rediss://...` (TLS) or
-    `unix:///path/to/socket?db=n`, with the options `_Address` lists. `clock`: tests only
-    (by default the time is Redis'). `timeout_s` bounds every round trip. `prefix` starts every
-    key (no `{` or `}` in it: hash tags are the store's): by default the URL's `prefix` option
+    `url`: `redis://[[user]:password@]host:port/db`, `rediss://...` (TLS),
+    `unix:///path/to/socket?db=n`, `redis+sentinel://...` or `redis+cluster://host:port,...`,
+    with the options `_Address` lists. `clock`: tests only (by default the time is Redis').
+    `timeout_s` bounds every round trip. `prefix` starts every key (no `{` or `}` in it: hash
+    tags are the store's): by default the URL's `prefix` option
     (`redis://host:6379/0?prefix=billing:`), else `guards:`. Apps that share one Redis share
     the state of what they name alike (a model's breaker and cooldown, a budget of the same
     scope and caller); a prefix of their own keeps them apart.
@@ -1090,6 +1107,11 @@ class RedisStore:
         self._timeout_s = timeout_s
         self._prefix = prefix
         self._links: dict[asyncio.AbstractEventLoop, _Link] = {}
+        #: On Redis Cluster: the client per event loop (`_links` stays empty), and the nodes
+        #: that were sent the script (a node's first connection sends it).
+        self._cluster = bool(self._address.cluster)
+        self._clusters: dict[asyncio.AbstractEventLoop, _ClusterLink] = {}
+        self._scripted: set[Node] = set()
         #: Per step without anything of its own (see `step`): its keys and fixed arguments.
         self._fixed: dict[int, tuple[Step, list[str], str]] = {}
         #: Whether the script is in the server's cache as far as we know (NOSCRIPT says otherwise).
@@ -1103,11 +1125,14 @@ class RedisStore:
         #: when the next line may be written (monotonic).
         self._oom_count = 0
         self._oom_next = 0.0
-        #: Redis Cluster: every operation's keys in one hash slot (see "Redis Cluster" below).
-        self._split = bool(os.environ.get("GUARDS_SPLIT_TEST"))  # TEMPORARY: set for a cluster at the merge
 
     def __repr__(self) -> str:
         return f"RedisStore(prefix={self._prefix!r})"  # never the URL: it may carry a password
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the store is on Redis Cluster (`redis+cluster://`, `rediss+cluster://`)."""
+        return self._cluster
 
     @property
     def epoch(self) -> Epoch:
@@ -1195,7 +1220,7 @@ class RedisStore:
         return StoredAnswer(reply[0], float(reply[1])) if reply else None
 
     async def step(self, step: Step) -> Passage:
-        if self._split:
+        if self._cluster:
             return await self._split_step(step)
         legs, report, charge = step.legs, step.report, step.charge
         if report is None and (
@@ -1341,7 +1366,7 @@ class RedisStore:
         )
 
     async def health(self, legs: Sequence[tuple[str, str]]) -> Health:
-        if self._split:
+        if self._cluster:
             return await self._split_health(legs)
         keys = [self._key(cooldown_key) + ":cooldown" for cooldown_key, _ in legs]
         keys += [self._key(breaker_key) + ":breaker" for _, breaker_key in legs]
@@ -1360,7 +1385,7 @@ class RedisStore:
         owner: str | None = None,
         max_live: int | None = None,
     ) -> TaskClaim:
-        if self._split:
+        if self._cluster:
             return await self._split_task_claim(key, fingerprint, lease_s, ttl_s, owner, max_live)
         keys = [self._key(key) + ":task", self._key(owner) + ":tasks" if owner is not None else ""]
         keys.append(self._epoch_key)  # last (the script's `check_epoch`)
@@ -1402,7 +1427,7 @@ class RedisStore:
         await self._run("task_release", [self._key(key) + ":task"], lease)
 
     async def task_drop(self, key: str, lease: str) -> None:
-        if not self._split:
+        if not self._cluster:
             await self._run("task_drop", [self._key(key) + ":task"], lease)
             return
         owner = await self._run("task_drop", [self._key(key) + ":task"], lease, "c")
@@ -1413,7 +1438,8 @@ class RedisStore:
         """Close the clients: this loop's now, other running loops' in their own loop. Clients
         of loops that already shut down were closed then. The store stays usable."""
         running = asyncio.get_running_loop()
-        links, self._links = self._links, {}
+        links: dict[asyncio.AbstractEventLoop, _Link | _ClusterLink] = {**self._links, **self._clusters}
+        self._links, self._clusters = {}, {}
         for loop, link in links.items():
             if loop is running:
                 await link.keeper.aclose()
@@ -1706,13 +1732,13 @@ class RedisStore:
     def _cooldown_read(self, key: str, now: str) -> tuple[bytes, int | None]:
         """`cooldowns`' read of `key`: the packed script and, on a cluster, its slot."""
         redis_key = self._key(key) + ":cooldown"
-        return _pack("cooldown", [redis_key], now, ()), key_slot(redis_key) if self._split else None
+        return _pack("cooldown", [redis_key], now, ()), key_slot(redis_key) if self._cluster else None
 
     # --- machinery -------------------------------------------------------------------------
 
     def _key(self, key: str) -> str:
         key = bounded_key(key)
-        if self._split and key.startswith(_MODEL_KEYS):
+        if self._cluster and key.startswith(_MODEL_KEYS):
             # Redis Cluster: a model's breaker and cooldown in one slot, the model's (the whole
             # key after the tag keeps every key distinct).
             return f"{self._prefix}{{{_tag('m:' + key.partition(':')[2].partition(':')[2])}}}{_tag(key)}"
@@ -1723,13 +1749,22 @@ class RedisStore:
         return "" if self._clock is None else _num(self._clock.time())
 
     async def _run(self, op: str, keys: Sequence[str], *args: str) -> list[str]:
-        """One operation: one EVALSHA of the script."""
-        return await self._call(_pack(op, keys, self._now_arg(), args))
+        """One operation: one EVALSHA of the script (on a cluster, to its first key's slot)."""
+        command = _pack(op, keys, self._now_arg(), args)
+        if self._cluster:
+            return await self._call(command, key_slot(keys[0]) if keys else None)
+        return await self._call(command)
 
     async def _call(self, command: bytes, slot: int | None = None) -> list[str]:
         """One packed EVALSHA, sent on this loop's connection with every other command of the
         loop's turn (see `_Wire`); its reply. The script reloaded once if the server lost it
-        (restarted, or its script cache flushed). Any failure raises `StoreUnavailable`."""
+        (restarted, or its script cache flushed). Any failure raises `StoreUnavailable`.
+
+        On a cluster, sent to the primary of `slot` (that of every key of the command; None:
+        any node, which redirects a keyed command once): see `_cluster_call`. Else `slot` is
+        ignored."""
+        if self._cluster:
+            return await self._cluster_call(command, slot)
         loop = asyncio.get_running_loop()
         link = self._links.get(loop)
         if link is None:
@@ -1750,12 +1785,25 @@ class RedisStore:
                 return reply
         raise self._refused(wire, reply)
 
-    def _refused(self, wire: _Wire, reply: Any) -> StoreUnavailable:
+    async def _cluster_call(self, command: bytes, slot: int | None) -> list[str]:
+        """`_call` on a cluster: through this loop's `Cluster` client (which follows redirections
+        and reloads the script on `NOSCRIPT`)."""
+        loop = asyncio.get_running_loop()
+        link = self._clusters.get(loop)
+        if link is None:
+            link = await self._open_cluster(loop)
+        reply = await link.cluster.send(slot, command)
+        if reply.__class__ is list:
+            return cast(list[str], reply)
+        raise self._refused(None, reply)
+
+    def _refused(self, wire: _Wire | None, reply: Any) -> StoreUnavailable:
         """What an error reply to an operation raises: a write refused for memory is said so
         (`store_out_of_memory`, at most one line a second, with the count since the last); a
         server that no longer takes writes (a replica: `READONLY`, or one loading its data:
         `LOADING`) drops the connection, so the next operation connects again (and, behind
-        Sentinel, asks where the primary is now). Else a script error: that operation alone."""
+        Sentinel, asks where the primary is now; on a cluster, `Cluster.send` dropped it and
+        `wire` is None). Else a script error: that operation alone."""
         text = str(reply) if isinstance(reply, hiredis.ReplyError) else ""
         if text.startswith("OOM") or "-OOM " in text:  # (inside a script, Redis prefixes the error)
             self._oom_count += 1
@@ -1774,7 +1822,8 @@ class RedisStore:
             return StoreUnavailable("Redis store unavailable (OOM)")
         code = _code(reply) if isinstance(reply, hiredis.ReplyError) else "ResponseError"
         if code in ("READONLY", "LOADING", "MASTERDOWN"):
-            wire.fail(StoreUnavailable(f"Redis store unavailable ({code})"))
+            if wire is not None:
+                wire.fail(StoreUnavailable(f"Redis store unavailable ({code})"))
             return StoreUnavailable(f"Redis store unavailable ({code})")
         return StoreUnavailable("Redis store unavailable (ResponseError)")  # a script error
 
@@ -1834,41 +1883,64 @@ class RedisStore:
         await anext(link.keeper)  # its first iteration registers it with the loop
         return link
 
-    def _dial(self, loop: asyncio.AbstractEventLoop) -> _Wire:
-        """A new connection, usable at once: commands wait in it until it is connected. Its
-        handshake (AUTH, SELECT, SCRIPT LOAD: whichever it needs) goes first, in the same write
-        as the first commands."""
+    async def _open_cluster(self, loop: asyncio.AbstractEventLoop) -> _ClusterLink:
+        """This loop's cluster client, made on its first operation (as `_open`)."""
+        for other in [other for other in self._clusters if other.is_closed()]:
+            del self._clusters[other]
+        dial = functools.partial(self._dial, loop)
+        link = _ClusterLink(Cluster(loop, self._address.cluster, dial, _LOAD_SCRIPT, self._timeout_s))
+        link.keeper = self._keep(loop, link)
+        self._clusters[loop] = link
+        await anext(link.keeper)
+        return link
+
+    def _dial(self, loop: asyncio.AbstractEventLoop, node: Node | None = None) -> _Wire:
+        """A new connection (on a cluster, to `node`), usable at once: commands wait in it
+        until it is connected. Its handshake (AUTH, SELECT, SCRIPT LOAD: whichever it needs; on
+        a cluster, the SCRIPT LOAD on each node's first connection) goes first, in the same
+        write as the first commands."""
         wire = _Wire(loop, self._timeout_s)
         handshake = self._address.handshake()
-        if not self._loaded:
+        if node is None:
+            if not self._loaded:
+                handshake.append(_LOAD_SCRIPT)
+                self._loaded = True
+        elif node not in self._scripted:
             handshake.append(_LOAD_SCRIPT)
-            self._loaded = True
-        wire.begin(handshake, loop.create_task(self._connect(wire)))
+            self._scripted.add(node)
+        wire.begin(handshake, loop.create_task(self._connect(wire, node)))
         # Its server's settings, read behind this turn's operations (see `_check_settings`).
         wire.checking = loop.create_task(self._check_settings(wire))
         return wire
 
-    async def _connect(self, wire: _Wire) -> None:
+    async def _connect(self, wire: _Wire, node: Node | None = None) -> None:
         try:
             # Behind Sentinel: one timeout to ask the sentinels, one to connect to the primary.
             with _Bound(self._timeout_s * (2 if self._address.master is not None else 1)):
-                await self._address.connect(wire, self._timeout_s)
+                await self._address.connect(wire, self._timeout_s, node)
         except (OSError, TimeoutError) as exc:  # refused, unreachable, TLS refused, too slow
             wire.fail(_unavailable(exc))
         except BaseException:  # cancelled (its loop shutting down)
             wire.fail(StoreUnavailable("Redis store unavailable (cancelled)"))
             raise
 
-    async def _keep(self, loop: asyncio.AbstractEventLoop, link: _Link) -> AsyncGenerator[None, None]:
+    async def _keep(
+        self, loop: asyncio.AbstractEventLoop, link: _Link | _ClusterLink
+    ) -> AsyncGenerator[None, None]:
         """Suspended for the link's life in its loop. An event loop closes its unfinished async
-        generators when it shuts down (`asyncio.run` does), which closes the connection in the
-        loop that owns it."""
+        generators when it shuts down (`asyncio.run` does), which closes the connection (or the
+        cluster client's) in the loop that owns it."""
         try:
             yield
         finally:
-            if self._links.get(loop) is link:
-                del self._links[loop]
-            await link.wire.close()
+            if isinstance(link, _Link):
+                if self._links.get(loop) is link:
+                    del self._links[loop]
+                await link.wire.close()
+            else:
+                if self._clusters.get(loop) is link:
+                    del self._clusters[loop]
+                await link.cluster.close()
 
 
 def _report_parts(report: Report | None) -> list[Report]:
@@ -2189,7 +2261,9 @@ class _Address:
     `unix://[[username]:password@]/path/to/socket[?db=n]`; or, behind Redis Sentinel,
     `redis+sentinel://[[username]:password@]host[:port][,host[:port]...]/master-name[/db]`
     (`rediss+sentinel://`: TLS to the sentinels and the primary; the sentinels' port is 26379
-    by default). Options, in the query string: `db`, and for TLS `ssl_cert_reqs` (`required`,
+    by default); or on Redis Cluster, `redis+cluster://[[username]:password@]host[:port][,...]`
+    (`rediss+cluster://`: TLS to every node; the seeds, at most 16, any nodes of the cluster;
+    database 0 only). Options, in the query string: `db`, and for TLS `ssl_cert_reqs` (`required`,
     the default; `optional`; `none`), `ssl_ca_certs` (a CA file), `ssl_certfile` and
     `ssl_keyfile` (a client certificate), `ssl_check_hostname` (`true` by default when
     certificates are required); `sentinel_password` (the sentinels' own, when they require
@@ -2208,6 +2282,8 @@ class _Address:
     sentinels: tuple[tuple[str, int], ...] = ()
     master: str | None = None
     sentinel_password: str | None = None
+    #: On Redis Cluster: the seeds (nodes asked for the slots' primaries).
+    cluster: tuple[tuple[str, int], ...] = ()
 
     _OPTIONS = frozenset(
         {
@@ -2229,6 +2305,8 @@ class _Address:
         scheme = url.split(":", 1)[0].lower()
         if scheme in ("redis+sentinel", "rediss+sentinel"):
             return cls._parse_sentinel(url, scheme)
+        if scheme in ("redis+cluster", "rediss+cluster"):
+            return cls._parse_cluster(url, scheme)
         try:
             parts = urllib.parse.urlsplit(url)
             query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
@@ -2287,29 +2365,9 @@ class _Address:
     def _parse_sentinel(cls, url: str, scheme: str) -> _Address:
         """`redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master-name[/db]`."""
         spelling = "redis+sentinel://[[user]:password@]host:port[,host:port...]/master-name[/db]"
-        rest = url[len(scheme) + 3 :] if url[len(scheme) : len(scheme) + 3] == "://" else None
-        if rest is None:
-            raise ValueError(f"invalid Redis URL: a Sentinel URL reads {spelling}")
-        rest, _, query_text = rest.partition("?")
-        hosts_part, _, path = rest.partition("/")
-        login, _, hosts_text = hosts_part.rpartition("@")
-        username = password = None
-        if login:
-            user_text, _, password_text = login.partition(":")
-            username = urllib.parse.unquote(user_text) or None
-            password = urllib.parse.unquote(password_text) if password_text else None
-        sentinels = []
-        for host_text in hosts_text.split(","):
-            try:
-                parts = urllib.parse.urlsplit(f"//{host_text}")
-                host, port = parts.hostname, parts.port or 26379
-            except ValueError:
-                host = None
-            if not host:
-                raise ValueError(f"invalid Redis URL: a sentinel's host:port is malformed ({spelling})")
-            sentinels.append((host, port))
-        if len(sentinels) > 16:
-            raise ValueError("invalid Redis URL: at most 16 sentinels")
+        username, password, sentinels, path, query_text = cls._split_hosts(
+            url, scheme, spelling, "sentinel", 26379
+        )
         names = [urllib.parse.unquote(part) for part in path.split("/") if part]
         if not names or len(names) > 2:
             raise ValueError(f"invalid Redis URL: name the primary ({spelling})")
@@ -2334,6 +2392,59 @@ class _Address:
             sentinel_password=options.get("sentinel_password"),
         )
 
+    @classmethod
+    def _parse_cluster(cls, url: str, scheme: str) -> _Address:
+        """`redis+cluster://[[user]:password@]host[:port][,host[:port]...][/0][?options]`."""
+        spelling = "redis+cluster://[[user]:password@]host:port[,host:port...][?options]"
+        username, password, seeds, path, query_text = cls._split_hosts(url, scheme, spelling, "node", 6379)
+        options = cls._options(urllib.parse.parse_qs(query_text, keep_blank_values=True))
+        if "sentinel_password" in options:
+            raise ValueError("invalid Redis URL: sentinel_password needs redis+sentinel://")
+        db_text = path.strip("/") or options.get("db", "")
+        if db_text and not db_text.isdigit():
+            raise ValueError("invalid Redis URL: the database must be a number")
+        if int(db_text or 0) != 0:
+            raise ValueError("invalid Redis URL: Redis Cluster has database 0 only")
+        tls = None
+        if scheme == "rediss+cluster":
+            tls = _tls_context(options)
+        elif any(name.startswith("ssl_") for name in options):
+            raise ValueError("invalid Redis URL: ssl_* options need rediss+cluster://")
+        return cls(
+            username=username, password=password, tls=tls, prefix=options.get("prefix"), cluster=tuple(seeds)
+        )
+
+    @staticmethod
+    def _split_hosts(
+        url: str, scheme: str, spelling: str, what: str, default_port: int
+    ) -> tuple[str | None, str | None, list[tuple[str, int]], str, str]:
+        """A URL of several hosts (`<scheme>://[[user]:password@]host[:port][,...][/path][?query]`):
+        its username, password, hosts (at most 16, `what`s), path and query."""
+        rest = url[len(scheme) + 3 :] if url[len(scheme) : len(scheme) + 3] == "://" else None
+        if rest is None:
+            raise ValueError(f"invalid Redis URL: expected {spelling}")
+        rest, _, query_text = rest.partition("?")
+        hosts_part, _, path = rest.partition("/")
+        login, _, hosts_text = hosts_part.rpartition("@")
+        username = password = None
+        if login:
+            user_text, _, password_text = login.partition(":")
+            username = urllib.parse.unquote(user_text) or None
+            password = urllib.parse.unquote(password_text) if password_text else None
+        hosts = []
+        for host_text in hosts_text.split(","):
+            try:
+                parts = urllib.parse.urlsplit(f"//{host_text}")
+                host, port = parts.hostname, parts.port or default_port
+            except ValueError:
+                host = None
+            if not host:
+                raise ValueError(f"invalid Redis URL: a {what}'s host:port is malformed ({spelling})")
+            hosts.append((host, port))
+        if len(hosts) > 16:
+            raise ValueError(f"invalid Redis URL: at most 16 {what}s")
+        return username, password, hosts, path, query_text
+
     def handshake(self) -> list[bytes]:
         """The commands a new connection starts with (none for a default database without a
         password). Behind Sentinel, `ROLE` too: a server that is not (or no longer) the primary
@@ -2348,9 +2459,12 @@ class _Address:
             commands.append(_packed("ROLE"))
         return commands
 
-    async def connect(self, wire: _Wire, timeout_s: float) -> None:
+    async def connect(self, wire: _Wire, timeout_s: float, node: tuple[str, int] | None = None) -> None:
+        """Connect `wire` to the server (on a cluster, to `node`, with the URL's TLS)."""
         loop = wire.loop
-        if self.path is not None:
+        if node is not None:
+            await loop.create_connection(lambda: wire, node[0], node[1], ssl=self.tls)
+        elif self.path is not None:
             await loop.create_unix_connection(lambda: wire, self.path)
         elif self.master is not None:
             host, port = await self._primary(timeout_s)
@@ -2503,7 +2617,7 @@ def _unavailable(exc: BaseException) -> StoreUnavailable:
     return StoreUnavailable(f"Redis store unavailable ({type(exc).__name__})")
 
 
-async def _close(link: _Link) -> None:
+async def _close(link: _Link | _ClusterLink) -> None:
     await link.keeper.aclose()
 
 
