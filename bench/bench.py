@@ -65,7 +65,8 @@ from guards import (
     header_key,
 )
 from guards.providers import SSEParser, WorkersAI
-from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
+from guards.stores import Charge, MemoryStore, RedisStore, SQLiteStore, Step, Store
+from guards.testing.redis_cluster import RedisCluster
 
 MODEL = "@cf/bench/model"
 INPUTS = {"messages": [{"role": "user", "content": "Label this."}]}
@@ -348,6 +349,67 @@ async def window_check(store: PiecewiseStore, in_window: int, count: int = 300) 
         samples.append(time.perf_counter() - began)
     await store.aclose()
     return statistics.median(samples) * 1e6
+
+
+async def _reads(admins: list[Any]) -> int:
+    """Reads the servers made from their clients' connections (`INFO stats`), all together: a
+    client's write to a node is one read there, so a lone client's round trips to its nodes."""
+    total = 0
+    for admin in admins:
+        total += int((await admin.info("stats"))["total_reads_processed"])
+    return total
+
+
+async def node_round_trips(
+    url: str, nodes: list[tuple[str, int]], binding: Any, requests: int = 200
+) -> tuple[float, float]:
+    """Per guarded request (one model, breaker and budget, as `store_operations`): the scripts
+    the store ran (EVALSHA on every node) and its round trips, one per node it wrote to in each
+    sequential exchange (the servers' reads, less the counters' own)."""
+    import redis.asyncio as redis
+
+    admins = [redis.Redis(host=host, port=port) for host, port in nodes]
+    scripts_before, reads_before = sum([await _commands(a) for a in admins]), await _reads(admins)
+    await store_operations(lambda: RedisStore(url), binding, requests)
+    scripts_after, reads_after = sum([await _commands(a) for a in admins]), await _reads(admins)
+    for admin in admins:
+        await admin.aclose()
+    reads = reads_after - reads_before - 2 * len(admins)  # each node's two INFO before the last
+    return (scripts_after - scripts_before) / requests, reads / requests
+
+
+async def step_cost(store: RedisStore, count: int = 2_000) -> float:
+    """Median wall time of a request's store step (one model, its breaker, a daily budget: the
+    walk's first step), in microseconds."""
+    legs = [(f"guards:cooldown:{MODEL}", f"guards:breaker:{MODEL}")]
+    samples = []
+    for i in range(count):
+        step = Step(None, legs, Breaker(), Charge(f"bench:user-{i % 100}", per_minute=10**9, per_day=10**9))
+        start = time.perf_counter()
+        await store.step(step)
+        samples.append(time.perf_counter() - start)
+    await store.aclose()
+    return statistics.median(samples) * 1e6
+
+
+def print_cluster_figures() -> None:
+    """Redis Cluster beside one Redis server: a request's step (wall time), and the scripts and
+    round trips of a guarded request (success and failure)."""
+    success, failure = ConstantBinding(), FailingBinding(500)
+    with RedisServer() as server, RedisCluster() as cluster:
+        one = [("127.0.0.1", server.port)]
+        single = asyncio.run(step_cost(RedisStore(server.url, timeout_s=10)))
+        clustered = asyncio.run(step_cost(RedisStore(cluster.url, timeout_s=10)))
+        print(f"store_redis_step_us = {single:.1f} us")
+        print(f"store_redis_cluster_step_us = {clustered:.1f} us")
+        print(f"store_redis_cluster_step_vs_redis = {clustered / single:.2f} x")
+        for name, binding in (("", success), ("failed_", failure)):
+            scripts, trips = asyncio.run(node_round_trips(server.url, one, binding))
+            print(f"redis_scripts_per_{name}request = {scripts:.2f} scripts")
+            print(f"redis_node_round_trips_per_{name}request = {trips:.2f} round trips")
+            scripts, trips = asyncio.run(node_round_trips(cluster.url, cluster.primaries, binding))
+            print(f"redis_cluster_scripts_per_{name}request = {scripts:.2f} scripts")
+            print(f"redis_cluster_node_round_trips_per_{name}request = {trips:.2f} round trips")
 
 
 def print_store_figures() -> None:
@@ -838,6 +900,7 @@ def main() -> None:
         cooldowns_us = asyncio.run(store_cooldown_reads(RedisStore(server.url)))
         print(f"store_redis_cooldowns_us = {cooldowns_us:.1f} us")
     print_store_figures()
+    print_cluster_figures()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY
 from fixtures import FakeBinding, Reply
 from guards import AI, Budget, Guards, header_key
 from guards.stores import RedisStore, SQLiteStore, TaskClaim, TaskStatus
+from guards.testing.redis_cluster import RedisCluster
 from guards.testing.redis_server import RedisServer
 
 from ..conftest import STORE_TIMEOUT_S, AppClient, LogLines, wait_until
@@ -96,14 +97,17 @@ def empty_sqlite(path: Path) -> None:
     conn.close()
 
 
-@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+@pytest.mark.parametrize("kind", ["redis", "redis-cluster", "sqlite"])
 def test_a_flush_under_traffic_warns_once_per_worker_and_again_at_the_next(
     kind: str,
     app_client: AppClient,
     guards_log: LogLines,
     private_redis: Callable[..., RedisServer],
+    request: pytest.FixtureRequest,
     tmp_path: Path,
 ) -> None:
+    """On Redis Cluster every primary is flushed: each slot's marker goes, and each worker
+    still warns once per flush (the slots it finds reset after the first are that reset)."""
     if kind == "redis":
         server = private_redis()
         stores = [RedisStore(server.url, timeout_s=STORE_TIMEOUT_S) for _ in range(2)]
@@ -111,6 +115,14 @@ def test_a_flush_under_traffic_warns_once_per_worker_and_again_at_the_next(
 
         def flush() -> None:
             admin.flushall()
+    elif kind == "redis-cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        stores = [RedisStore(cluster.url, timeout_s=STORE_TIMEOUT_S) for _ in range(2)]
+
+        def flush() -> None:
+            for host, port in cluster.primaries:
+                with redis.Redis(host=host, port=port) as primary:
+                    primary.flushall()
     else:
         path = tmp_path / "guards.db"
         stores = [SQLiteStore(path, timeout_s=STORE_TIMEOUT_S) for _ in range(2)]
@@ -118,7 +130,8 @@ def test_a_flush_under_traffic_warns_once_per_worker_and_again_at_the_next(
         def flush() -> None:
             empty_sqlite(path)
 
-    before = resets_counted(kind)
+    label = "sqlite" if kind == "sqlite" else "redis"  # (the metric's and the line's `store`)
+    before = resets_counted(label)
     workers = [app_client(cap_app(store)) for store in stores]
     # A user at the cap, both workers agreeing.
     spent = [workers[i % 2].post("/label", headers={"x-user-id": "ada"}).status_code for i in range(CAP + 1)]
@@ -136,7 +149,7 @@ def test_a_flush_under_traffic_warns_once_per_worker_and_again_at_the_next(
         wait_until(lambda: len(traffic.statuses) >= seen + 40, 10)  # and many steps after
         assert resets() == 2
         assert [store.epoch.resets for store in stores] == [1, 1]
-        assert resets_counted(kind) == before + 2
+        assert resets_counted(label) == before + 2
         # What the warning is about: the cap's count is gone, so `ada` is admitted again.
         assert workers[0].post("/label", headers={"x-user-id": "ada"}).status_code == 200
         # A second flush: each worker warns again, once.
@@ -148,9 +161,9 @@ def test_a_flush_under_traffic_warns_once_per_worker_and_again_at_the_next(
         traffic.stop()
     assert resets() == 4
     assert [store.epoch.resets for store in stores] == [2, 2]
-    assert resets_counted(kind) == before + 4
+    assert resets_counted(label) == before + 4
     warnings = guards_log.events("store_reset")
-    assert {line["store"] for line in warnings} == {kind}
+    assert {line["store"] for line in warnings} == {label}
     assert sorted(line["resets"] for line in warnings) == [1, 1, 2, 2]
     assert all("127.0.0.1" not in str(line) for line in warnings)
     assert set(traffic.statuses) <= {200, 503}  # 503: SQLite's budget failing closed, if ever
@@ -285,9 +298,13 @@ def test_the_status_page_shows_the_resets_a_worker_noticed(
     assert "store forgot its state 1 time" in worker.get("/status", headers={"accept": "text/html"}).text
 
 
-@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+@pytest.mark.parametrize("kind", ["redis", "redis-cluster", "sqlite"])
 def test_a_task_claimed_again_after_a_flush_is_said_so(
-    kind: str, guards_log: LogLines, private_redis: Callable[..., RedisServer], tmp_path: Path
+    kind: str,
+    guards_log: LogLines,
+    private_redis: Callable[..., RedisServer],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
 ) -> None:
     """A completed task's answer lost with the store: the claim of its `Idempotency-Key` runs it
     again (charged again): the claim itself finds the marker gone and the worker warns."""
@@ -298,6 +315,14 @@ def test_a_task_claimed_again_after_a_flush_is_said_so(
         def flush() -> None:
             with redis.Redis(port=server.port) as admin:
                 admin.flushall()
+    elif kind == "redis-cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        store = RedisStore(cluster.url, timeout_s=STORE_TIMEOUT_S)
+
+        def flush() -> None:
+            for host, port in cluster.primaries:
+                with redis.Redis(host=host, port=port) as primary:
+                    primary.flushall()
     else:
         path = tmp_path / "guards.db"
         store = SQLiteStore(path, timeout_s=STORE_TIMEOUT_S)
