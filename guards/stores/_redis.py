@@ -376,6 +376,7 @@ local function charge(c, dry)
       tail = tail + 1
     end
     redis.call('HSET', c.window, int(seq), fmt(now), 'n', int(seq + 1), 't', int(tail))
+    c.seq = int(seq) -- (Redis Cluster: the receipt of a 'pay', to give it back: `unpay`)
     redis.call('PEXPIRE', c.window, MINUTE_MS)
   end
   if c.per_day then
@@ -387,6 +388,21 @@ local function charge(c, dry)
     redis.call('PEXPIRE', spend_key, DAILY_TTL_MS)
   end
   return nil
+end
+
+-- Redis Cluster (RedisStore._split_step): a charge 'pay' made, given back at the same `now`
+-- (its receipt's): the window's entry `seq`, a unit of the day's and the month's counts, and its
+-- holds, so the charge counts no more than a refused one.
+local function unpay(c, reservation, seq)
+  if c.per_minute and seq ~= '' then redis.call('HDEL', c.window, seq) end
+  local counts = {}
+  if c.per_day then counts[#counts + 1] = c.day_stem .. day_name(now) end
+  if c.per_month then counts[#counts + 1] = c.tag .. ':month:' .. day_name(now):sub(1, 7) end
+  for _, key in ipairs(counts) do
+    if tonumber(redis.call('GET', key) or '0') > 0 then redis.call('DECR', key) end
+  end
+  if c.spend then redis.call('HDEL', c.spend_stem .. day_name(now), 'h:' .. reservation) end
+  for _, h in ipairs(held_limits(c)) do redis.call('HDEL', h[1], 'h:' .. reservation) end
 end
 
 local function settle(stem, reservation, actual)
@@ -741,6 +757,16 @@ local function step(mode)
       softs[j] = {index, more_charges(e, f + 1, 1, base + 6 + index, 0)[1]}
     end
   end
+  local single = {window = KEYS[base + 1], day_stem = KEYS[base + 2], spend_stem = KEYS[base + 3],
+    per_minute = tonumber(a[11]), per_day = tonumber(a[12]), spend = tonumber(a[13]),
+    cap = tonumber(a[14]), hold_s = tonumber(a[15]), reservation = a[16]}
+  if mode == 'refund' then -- the last ARGV: the window entries of the receipt, one per charge
+    local seqs = {}
+    for field in string.gmatch(ARGV[#ARGV] .. ',', '([^,]*),') do seqs[#seqs + 1] = field end
+    if a[10] == '1' then unpay(single, a[16], seqs[1]) end
+    for j, c in ipairs(more) do unpay(c, a[16], seqs[j]) end
+    return {''}
+  end
   local policy = read_policy(a, 4)
   local waits, decisions = {}, {}
   for i = 1, n do waits[i] = cooldown_left(KEYS[i]) end
@@ -768,20 +794,19 @@ local function step(mode)
       end
     end
   end
-  -- Redis Cluster (RedisStore._split_step): 'pay' and 'dry' charge (or, dry, only check) with
-  -- no leg, as if one were admitted; 'peek' decides the legs but writes no admission (no probe
-  -- taken) and charges nothing.
-  if mode == 'pay' or mode == 'dry' then admitted = 1 end
+  -- Redis Cluster (RedisStore._split_step): 'pay' charges with no leg, as if one were admitted,
+  -- and answers a receipt; 'peek' decides the legs but writes no admission (no probe taken).
+  if mode == 'pay' then admitted = 1 end
   local refused_by, retry, reservation = '', '', ''
+  local paid = {}
   if admitted and a[10] == '1' then
-    local c = {window = KEYS[base + 1], day_stem = KEYS[base + 2], spend_stem = KEYS[base + 3],
-      per_minute = tonumber(a[11]), per_day = tonumber(a[12]), spend = tonumber(a[13]),
-      cap = tonumber(a[14]), hold_s = tonumber(a[15]), reservation = a[16]}
-    local refusal = charge(c, mode == 'dry')
+    local c = single
+    paid = {c}
+    local refusal = charge(c)
     if refusal then
       refused_by, retry = refusal[1], refusal[2]
       admitted = nil -- nothing of the admission is written: no probe slot taken
-    elseif c.spend and mode ~= 'dry' then
+    elseif c.spend then
       reservation = c.reservation
     end
   elseif admitted and a[10] == '2' then
@@ -799,11 +824,12 @@ local function step(mode)
       if refusal[2] then retry = fmt(refusal[2]) else retry = 'none' end
       retry = retry .. ' ' .. string.format('%d', index)
       admitted = nil
-    elseif mode ~= 'dry' then
+    else
       for _, c in ipairs(more) do
         charge(c, false)
         more_apply(c, a[16])
       end
+      paid = more
       if a[16] ~= '' then reservation = a[16] end
       -- A scope past its soft limit: its soft charge refused, nothing written
       -- (guards.stores._limits.near_scopes).
@@ -816,6 +842,13 @@ local function step(mode)
     save_changed(opened[1], opened[2], opened[3], policy.ttl_s)
     if opened[3].state ~= opened[2].state then admit_to = opened[3].state end
   end
+  local receipt = ''
+  if mode == 'pay' and refused_by == '' then
+    -- Redis Cluster: what `unpay` needs to give the charge back (RedisStore._split_step).
+    local seqs = {}
+    for j, c in ipairs(paid) do seqs[j] = c.seq or '' end
+    receipt = '#' .. fmt(now) .. ' ' .. table.concat(seqs, ',')
+  end
   if admitted == 1 and refused_by == '' and reservation == '' and a[23] == '' and admit_to == '' and #near == 0 then
     -- The usual answer, in one letter: no report, no leg cooling down, the first leg admitted
     -- with no probe and no success to record, the charge passed without a hold.
@@ -827,7 +860,7 @@ local function step(mode)
     if d and not (d[1] == '1' and d[2] == '' and d[3] == 'closed' and d[4] == '' and d[5] == '0') then
       plain = false
     end
-    if plain then return {'P'} end
+    if plain then return {'P' .. receipt} end
   end
   local reply = {admitted and string.format('%d', admitted - 1) or '', refused_by, retry,
     reservation, recorded, report_to, admit_to}
@@ -837,7 +870,7 @@ local function step(mode)
     for j = 1, 5 do reply[#reply + 1] = d[j] end
   end
   if #near > 0 then reply[#reply + 1] = table.concat(near, ' ') end
-  return {table.concat(reply, '|')}
+  return {table.concat(reply, '|') .. receipt}
 end
 
 -- The health of models, read only: KEYS are L cooldown keys, then the L breaker keys. Returns
@@ -916,7 +949,8 @@ local function task_claim(key, owner, fp, lease, lease_s, ttl_s, max_live, elsew
   return reply
 end
 
-if op == 'step' or op == 'peek' or op == 'pay' or op == 'dry' then
+if op == 'refund' then return step(op) end
+if op == 'step' or op == 'peek' or op == 'pay' then
   check_epoch()
   local reply = step(op)
   if epoch then reply[#reply + 1] = epoch end -- a second element: the epoch found
@@ -1454,22 +1488,22 @@ class RedisStore:
     # slot, see `_key`) is the one script it is on one server, with that slot's epoch marker.
     # A step whose keys span slots is split (`_split_step`):
     #
-    # 1. one round trip: each part of its report in its slot (written whatever follows), and
-    #    the legs peeked, one script per slot ('peek': each slot's legs decided in order, success
-    #    ages applied, nothing of an admission written);
-    # 2. when the first leg that may be admitted is a half-open probe: that leg admitted for
-    #    real, alone in its slot (another worker may have taken the probe meanwhile: the next
-    #    legs are then admitted one at a time, for real);
-    # 3. when a leg is admitted and the step charges: one script ('pay') when every scope of the
-    #    charge shares a slot, all or nothing as on one server; else every scope checked with
-    #    nothing written ('dry', one round trip), then each charged in its own slot ('pay', one
-    #    round trip). A probe taken in 2 is given back when the charge is refused.
+    # 1. one round trip, a script per slot, all sent together: each part of its report in its
+    #    slot (written whatever follows); the legs of each slot peeked ('peek': decided in order,
+    #    success ages applied, nothing of an admission written); and the charge paid ('pay'):
+    #    one script when every scope shares a slot, all or nothing as on one server, else one
+    #    per scope;
+    # 2. the charge given back ('refund', one round trip, in each slot that took it) when the
+    #    step admits no leg, or when a scope refused: so a refusal charges nothing, as on one
+    #    server;
+    # 3. when the first leg that may be admitted is a half-open probe: that leg admitted for
+    #    real, alone in its slot, once the charge passed (another worker may have taken the
+    #    probe meanwhile: the next legs are then admitted one at a time, for real; none: 2).
     #
-    # Atomic: each script. Not atomic across slots: the legs' decision and the charge (a leg
-    # admitted in 1 may open before 3: as if the request had come a moment earlier), and the
-    # scopes of a charge in different slots (a scope that refuses in 3 after passing its check
-    # leaves the scopes charged before it charged: a race at the cap may count a request that
-    # was refused; it never admits one over a cap).
+    # Atomic: each script. Across slots: the legs' decision and the charge are made at the same
+    # instant, not as one (a breaker that opens in between lets that one request through, as if
+    # it had come a moment earlier), and a charge given back was there meanwhile (a request of
+    # the same caller in that round trip may be refused for it: never admitted over a cap).
 
     def _slot_keys(self, keys: list[str]) -> tuple[list[str], int | None]:
         """A script's `keys` (the epoch marker's last) on a cluster: the keys with the marker
@@ -1482,9 +1516,12 @@ class RedisStore:
         marker = f"{self._prefix}{{{slot_tag(slot)}}}:epoch"
         return [key or marker for key in keys[:-1]] + [marker], slot
 
-    def _script(self, op: str, step: Step, reservation: str | None = None) -> tuple[Step, bytes, int] | None:
+    def _script(
+        self, op: str, step: Step, reservation: str | None = None, receipt: str | None = None
+    ) -> tuple[Step, bytes, int] | None:
         """`step` as the script's `op` in one slot (None when its keys span slots): the step,
-        the packed command and the slot."""
+        the packed command and the slot. `receipt` (a 'refund'): the 'pay' receipt's time and
+        window entries, in place of the time and the epoch."""
         keys, args = self._step_arguments(step, reservation)
         ages = step.success_ages
         if ages:
@@ -1499,32 +1536,16 @@ class RedisStore:
         keys, slot = self._slot_keys(keys)
         if slot is None:
             return None
-        known = self._epoch.known_in(slot)
-        fields = (args, known) if more is None else (args, more, known)
-        return step, _pack(op, keys, self._now_arg(), fields), slot
+        now, last = self._now_arg(), self._epoch.known_in(slot)
+        if receipt is not None:
+            now, _, last = receipt.partition(" ")
+        fields = (args, last) if more is None else (args, more, last)
+        return step, _pack(op, keys, now, fields), slot
 
-    async def _scripts(self, scripts: Sequence[tuple[Step, bytes, int]]) -> list[Passage]:
-        """Each script sent to its slot, all in one round trip; their passages."""
-        replies = await asyncio.gather(
-            *(self._call(command, slot) for _, command, slot in scripts), return_exceptions=True
-        )
-        passages = []
-        for (step, _, slot), replies_ in zip(scripts, replies, strict=True):
-            if isinstance(replies_, BaseException):
-                raise replies_
-            if len(replies_) > 1:  # the slot's epoch is not the one this worker knew
-                self._epoch.found_in(slot, replies_[1])
-            else:
-                self._epoch.seen_in(slot)
-            reply = replies_[0]
-            if reply == "P":
-                passages.append(plainly_admitted(len(step.legs), step.breaker is not None))
-            else:
-                passages.append(self._passage(step, reply.split("|")))
-        return passages
-
-    def _one_slot(self, op: str, step: Step, reservation: str | None = None) -> tuple[Step, bytes, int]:
-        script = self._script(op, step, reservation)
+    def _one_slot(
+        self, op: str, step: Step, reservation: str | None = None, receipt: str | None = None
+    ) -> tuple[Step, bytes, int]:
+        script = self._script(op, step, reservation, receipt)
         if script is None:
             raise ValueError(
                 "on Redis Cluster, a leg's cooldown and breaker keys share a slot: name them "
@@ -1532,14 +1553,36 @@ class RedisStore:
             )
         return script
 
+    async def _scripts(self, scripts: Sequence[tuple[Step, bytes, int]]) -> list[tuple[Passage, str]]:
+        """Each script sent to its slot, all in one round trip; their passages, and each
+        'pay' receipt ('' for other scripts, and for a refused charge)."""
+        replies = await asyncio.gather(
+            *(self._call(command, slot) for _, command, slot in scripts), return_exceptions=True
+        )
+        answers = []
+        for (step, _, slot), replies_ in zip(scripts, replies, strict=True):
+            if isinstance(replies_, BaseException):
+                raise replies_
+            if len(replies_) > 1:  # the slot's epoch is not the one this worker knew
+                self._epoch.found_in(slot, replies_[1])
+            else:
+                self._epoch.seen_in(slot)
+            reply, _, receipt = replies_[0].partition("#")
+            if not reply:  # a 'refund': nothing to say
+                answers.append((Passage(), receipt))
+            elif reply == "P":
+                answers.append((plainly_admitted(len(step.legs), step.breaker is not None), receipt))
+            else:
+                answers.append((self._passage(step, reply.split("|")), receipt))
+        return answers
+
     async def _split_step(self, step: Step) -> Passage:
         """`step` on a cluster (see the section's comment)."""
         whole = self._script("step", step)
         if whole is not None:
-            return (await self._scripts([whole]))[0]
+            return (await self._scripts([whole]))[0][0]
         legs, report, policy, charge = step.legs, step.report, step.breaker, step.charge
         ages = step.success_ages
-        # 1. The report's parts and the legs peeked, per slot, in one round trip.
         scripts = []
         for part in _report_parts(report):
             script = self._script("step", Step(part))
@@ -1553,37 +1596,50 @@ class RedisStore:
             groups.setdefault(key_slot(self._key(breaker_key)), []).append(index)
         grouped = list(groups.values())
         for indices in grouped:
-            scripts.append(
-                self._one_slot(
-                    "peek",
-                    Step(
-                        None,
-                        [legs[i] for i in indices],
-                        policy,
-                        None,
-                        [ages[i] if i < len(ages) else None for i in indices] if ages else (),
-                    ),
-                )
+            peeked = Step(
+                None,
+                [legs[i] for i in indices],
+                policy,
+                None,
+                [ages[i] if i < len(ages) else None for i in indices] if ages else (),
             )
-        passages = await self._scripts(scripts)
+            scripts.append(self._one_slot("peek", peeked))
+        # 1. The report, the legs peeked and the charge paid, in one round trip.
+        reservation = os.urandom(8).hex() if charge is not None and _holds(charge) else ""
+        scopes: list[Charge] = []
+        if charge is not None and legs:
+            whole_charge = self._script("pay", Step(None, (), None, charge), reservation)
+            if whole_charge is not None:
+                scopes = [charge]
+                scripts.append(whole_charge)
+            else:
+                assert charge.more is not None  # (scopes in several slots)
+                scopes = [_alone(each, charge.hold_s) for each in (charge, *charge.more.also)]
+                scripts += [self._one_slot("pay", Step(None, (), None, each), reservation) for each in scopes]
+        answers = await self._scripts(scripts)
         recorded = None
         transitions: list[tuple[str, CircuitState]] = []
-        for passage in passages[:parts]:
+        for passage, _ in answers[:parts]:
             if passage.recorded is not None:
                 recorded = passage.recorded
             transitions += passage.transitions
         n = len(legs)
         waits = [0.0] * n
         decisions: list[BreakerDecision | None] = [None] * n
-        for indices, passage in zip(grouped, passages[parts:], strict=True):
+        for indices, (passage, _) in zip(grouped, answers[parts : parts + len(grouped)], strict=True):
             for j, i in enumerate(indices):
                 waits[i] = passage.waits[j]
                 if j < len(passage.decisions):
                     decisions[i] = passage.decisions[j]
-        # 2. The first leg that may be admitted; a probe taken for real (and, once a probe was
-        # lost to another worker, each next leg decided for real, one at a time).
+        paid = answers[parts + len(grouped) :]
+        refusal: Admission | None = None
+        if len(paid) == 1:
+            refusal = paid[0][0].refusal  # (its scope already named: one script for them all)
+        elif paid:
+            refusal = _latest([passage for passage, _ in paid])
+        # 2. The first leg that may be admitted; a probe taken for real once the charge passed
+        # (and, once a probe was lost to another worker, each next leg decided for real).
         admitted: int | None = None
-        probe: float | None = None
         lost = False
         for index in range(n):
             decision = decisions[index]
@@ -1595,32 +1651,44 @@ class RedisStore:
                     break
                 if decision is None or not decision.allowed:
                     continue
+                if refusal is not None:  # a probe the charge refused: nothing of it taken
+                    admitted = index
+                    break
             real = Step(None, [legs[index]], policy, None, [ages[index]] if index < len(ages) else ())
-            (taken,) = await self._scripts([self._one_slot("step", real)])
+            taken = (await self._scripts([self._one_slot("step", real)]))[0][0]
             waits[index] = taken.waits[0]
             decisions[index] = decision = taken.decisions[0] if taken.decisions else None
             transitions += taken.transitions
             if taken.admitted is not None:
                 admitted = index
-                probe = decision.probe if decision is not None else None
                 break
             lost = True
-        refusal: Admission | None = None
-        reservation: str | None = None
+        if admitted is None:
+            refusal = None  # no leg: the charge is not the answer (as on one server)
+        if (admitted is None or refusal is not None) and any(receipt for _, receipt in paid):
+            # Given back: no leg admitted, or a scope refused.
+            await self._scripts(
+                [
+                    self._one_slot("refund", Step(None, (), None, scope), reservation, receipt)
+                    for scope, (_, receipt) in zip(scopes, paid, strict=True)
+                    if receipt
+                ]
+            )
+        reserved: str | None = None
         near: tuple[int, ...] = ()
-        if admitted is not None and charge is not None:
-            refusal, reservation, near = await self._split_charge(charge)
-            if refusal is not None:
-                if probe is not None:  # the probe given back (a released outcome: see `Report`)
-                    release = Report(breaker_key=legs[admitted][1], breaker=policy, probe=probe)
-                    await self._scripts([self._one_slot("step", Step(release))])
-                admitted = None
+        if refusal is not None:
+            admitted = None
+        elif admitted is not None and paid:
+            reserved = reservation if any(passage.reservation for passage, _ in paid) else None
+            if len(paid) == 1:
+                near = paid[0][0].near
+            else:
+                near = tuple(index for index, (passage, _) in enumerate(paid) if passage.near)
         kept = decisions[: admitted + 1] if admitted is not None else decisions
         if (
             report is None
             and admitted == 0
-            and refusal is None
-            and reservation is None
+            and reserved is None
             and not near
             and not any(waits)
             and (policy is None or kept[0] == ADMIT_CLOSED)
@@ -1631,36 +1699,11 @@ class RedisStore:
             tuple(kept),
             admitted,
             refusal,
-            reservation,
+            reserved,
             recorded,
             tuple(transitions),
             near=near,
         )
-
-    async def _split_charge(self, charge: Charge) -> tuple[Admission | None, str | None, tuple[int, ...]]:
-        """Step 3 of `_split_step`: the charge's refusal (None: paid), its hold's reservation,
-        and the scopes past their soft limits."""
-        reservation = os.urandom(8).hex() if _holds(charge) else ""
-        whole = self._script("pay", Step(None, (), None, charge), reservation)
-        if whole is not None:
-            (paid,) = await self._scripts([whole])
-            return paid.refusal, paid.reservation, paid.near
-        assert charge.more is not None  # (scopes in several slots)
-        alone = [_alone(each, charge.hold_s) for each in (charge, *charge.more.also)]
-        checked = await self._scripts(
-            [self._one_slot("dry", Step(None, (), None, each), reservation) for each in alone]
-        )
-        refusal = _latest(checked)
-        if refusal is not None:
-            return refusal, None, ()
-        charged = await self._scripts(
-            [self._one_slot("pay", Step(None, (), None, each), reservation) for each in alone]
-        )
-        refusal = _latest(charged)
-        if refusal is not None:
-            return refusal, None, ()
-        held = reservation if any(passage.reservation for passage in charged) else None
-        return None, held, tuple(index for index, passage in enumerate(charged) if passage.near)
 
     async def _split_health(self, legs: Sequence[tuple[str, str]]) -> Health:
         """`health` on a cluster: one script per slot of the legs, in one round trip."""

@@ -172,3 +172,54 @@ def test_holds_of_several_scopes_settle_together(store: PiecewiseStore) -> None:
         assert (await admit(store, charge("user:ann", tokens=1, tokens_per_day=1_000))).admitted is None
 
     asyncio.run(scenario())
+
+
+def every_limit(key: str, also: tuple[Charge, ...] = ()) -> Charge:
+    """A charge under `key` with one unit of every limit a store keeps: a minute's, a day's and a
+    month's count, a day's and a month's spend, and tokens in the minute, the day and the month."""
+    more = MoreLimits(
+        per_month=1,
+        spend=1.0,
+        spend_per_month=1.0,
+        tokens=100,
+        tokens_per_minute=100,
+        tokens_per_day=100,
+        tokens_per_month=100,
+        also=also,
+    )
+    return Charge(key, 1, 1, 1.0, 1.0, 60.0, more)
+
+
+def test_a_scope_that_refuses_charges_no_limit_of_the_others(store: PiecewiseStore) -> None:
+    """On Redis Cluster the scopes live in different slots, each charged in its own: a scope
+    that passed is given back when another refuses, every limit of it."""
+
+    async def scenario() -> None:
+        tenant = charge("tenant:full", per_day=1)
+        assert (await admit(store, tenant)).admitted == 0  # the tenant's one call
+        refused = await admit(store, every_limit("user:ann", also=(tenant,)))
+        assert refused.admitted is None
+        assert refused.refusal is not None
+        assert (refused.refusal.refused_by, refused.refusal.charge) == ("per_day", 1)
+        # Every limit of ann's is whole: the same charge, alone, is admitted once.
+        assert (await admit(store, every_limit("user:ann"))).admitted == 0
+        assert (await admit(store, every_limit("user:ann"))).admitted is None
+
+    asyncio.run(scenario())
+
+
+def test_a_step_that_admits_no_leg_charges_no_limit(store: PiecewiseStore, clock: ManualClock) -> None:
+    """Every leg cooling down: nothing admitted, nothing charged (on Redis Cluster the charge,
+    paid beside the legs' decision, is given back)."""
+
+    async def scenario() -> None:
+        await store.start_cooldown(LEGS[0][0], 30)
+        skipped = await admit(store, every_limit("user:bo"))
+        assert skipped.admitted is None
+        assert skipped.refusal is None
+        assert skipped.waits[0] > 0
+        clock.advance(31)  # the cooldown is over: the charge's every unit is still there
+        assert (await admit(store, every_limit("user:bo"))).admitted == 0
+        assert (await admit(store, every_limit("user:bo"))).admitted is None
+
+    asyncio.run(scenario())

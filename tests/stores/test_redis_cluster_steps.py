@@ -1,0 +1,108 @@
+"""A request's step on Redis Cluster, counted by the servers: the scripts of one step go to
+every node involved at once, one write each (the legs' slot and the budget's: one round trip);
+a charge given back (no leg admitted) costs one more to the budget's node. What is atomic
+across slots is in docs/stores.md ("Redis Cluster"); that every store, the cluster included,
+gives back a refused scope's charges is `tests/stores/test_store_limits.py`'s."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+
+import pytest
+import redis
+
+from guards import Breaker
+from guards.stores import Charge, Passage, RedisStore, Step
+from guards.testing.redis_cluster import RedisCluster
+
+from ..conftest import RedisReads
+
+LEGS = [("guards:cooldown:m", "guards:breaker:m")]
+
+
+def owner_of(cluster: RedisCluster, tag: str) -> int:
+    """The port of the primary serving the slot of hash tag `tag`."""
+    with redis.Redis(*cluster.primaries[0]) as admin:
+        return cluster.owner(int(admin.cluster("KEYSLOT", "{" + tag + "}")))
+
+
+@pytest.fixture
+def reads(redis_cluster: RedisCluster) -> dict[int, RedisReads]:
+    """Each primary's reads from its clients (its port -> `RedisReads`)."""
+    made = {port: RedisReads(f"redis://{host}:{port}/0") for host, port in redis_cluster.primaries}
+    yield made
+    for each in made.values():
+        each.close()
+
+
+def counted(
+    cluster: RedisCluster, store: RedisStore, reads: dict[int, RedisReads], step: Step
+) -> tuple[Passage, dict[int, int]]:
+    """`step` once the store is warm (a connection to every primary, its script and settings
+    read there, the map learnt), and the writes each primary read for it (the primaries it
+    did not touch left out)."""
+    tags, covered = [], set()
+    for n in itertools.count():  # a key on every primary
+        if (port := owner_of(cluster, f"warm-{n}")) not in covered:
+            covered.add(port)
+            tags.append(f"warm-{n}")
+        if len(covered) == len(cluster.primaries):
+            break
+
+    async def scenario() -> tuple[Passage, dict[int, int]]:
+        try:
+            # Twice: the second answers come after the first connection's settings reads.
+            for _ in range(2):
+                await asyncio.gather(*(store.get_answer(tag, max_age_s=1) for tag in tags))
+            for each in reads.values():
+                each.take()
+            passage = await store.step(step)
+            return passage, {port: n for port, each in reads.items() if (n := each.take())}
+        finally:
+            await store.aclose()
+
+    return asyncio.run(scenario())
+
+
+def test_a_budgeted_step_is_one_write_to_each_node_involved(
+    redis_cluster: RedisCluster, reads: dict[int, RedisReads]
+) -> None:
+    store = RedisStore(redis_cluster.url, prefix=f"s-{uuid.uuid4().hex[:8]}:", timeout_s=2)
+    user = "user:ada"
+    passage, writes = counted(
+        redis_cluster, store, reads, Step(None, LEGS, Breaker(), Charge(user, per_minute=5, per_day=5))
+    )
+    assert passage.admitted == 0
+    involved = {owner_of(redis_cluster, "m:m"), owner_of(redis_cluster, user)}
+    assert writes == dict.fromkeys(involved, 1)
+
+
+def test_a_one_model_step_without_a_budget_is_one_script(
+    redis_cluster: RedisCluster, reads: dict[int, RedisReads]
+) -> None:
+    store = RedisStore(redis_cluster.url, prefix=f"s-{uuid.uuid4().hex[:8]}:", timeout_s=2)
+    passage, writes = counted(redis_cluster, store, reads, Step(None, LEGS, Breaker()))
+    assert passage.admitted == 0
+    assert writes == {owner_of(redis_cluster, "m:m"): 1}
+
+
+def test_a_charge_given_back_costs_one_more_write_to_the_budgets_node(
+    redis_cluster: RedisCluster, reads: dict[int, RedisReads]
+) -> None:
+    prefix = f"s-{uuid.uuid4().hex[:8]}:"
+    user = "user:bo"
+    cooling = RedisStore(redis_cluster.url, prefix=prefix, timeout_s=2)
+    asyncio.run(cooling.start_cooldown(LEGS[0][0], 60))
+    asyncio.run(cooling.aclose())
+    store = RedisStore(redis_cluster.url, prefix=prefix, timeout_s=2)
+    passage, writes = counted(
+        redis_cluster, store, reads, Step(None, LEGS, Breaker(), Charge(user, per_day=1))
+    )
+    assert passage.admitted is None
+    assert passage.refusal is None  # skipped for its cooldown, not refused by the budget
+    budget, model = owner_of(redis_cluster, user), owner_of(redis_cluster, "m:m")
+    expected = {model: 1} if model != budget else {}
+    expected[budget] = expected.get(budget, 0) + 2  # paid, then given back
+    assert writes == expected
