@@ -7,7 +7,8 @@ the server. Nothing is read in Python and written back. The one multi-key operat
 pipeline: still one round trip for a whole fallback chain.
 
 Keys (`<prefix>` is the store's; `{<key>}` is a Redis Cluster hash tag holding the guard's key,
-with `%`, `{` and `}` percent-escaped, so every key of one operation lives in one slot):
+with `%`, `{` and `}` percent-escaped, so every key of one budget, or of one model, lives in one
+slot):
 
 - `<prefix>{<key>}:rate`: sorted set of admission times (the sliding minute), kept 60 s after
   the last admission;
@@ -29,11 +30,19 @@ with `%`, `{` and `}` percent-escaped, so every key of one operation lives in on
   step; kept `ttl_s` from its creation.
 - `<prefix>epoch`: the store's epoch marker (see `guards.stores._epoch`), the one key without a
   TTL: read (and made again when missing) by every `step` and `task_claim`, whose KEYS end with
-  it. It has no hash tag: its own slot.
+  it. It has no hash tag: its own slot. On Redis Cluster, one per hash slot used instead,
+  `<prefix>{<slot's tag>}:epoch` (`slot_tag`), read by each script of a step in that slot.
 - `<prefix>{<owner>}:tasks`: an owner's live tasks, a sorted set of task keys scored by their
   expiry (store time), kept until the last of them expires. (Dropping a task removes it from
   its owner's set, whose key the task's hash names: a key the script is not given, in
   another slot on Redis Cluster.)
+
+On Redis Cluster a model's breaker and cooldown (the walk's `guards:breaker:<model>` and
+`guards:cooldown:<model>`) share the tag `m:<model>`, each key then spelt whole after it
+(`_key`): a model's keys in one slot. A step whose keys span slots is split into one script
+per slot (see the "Redis Cluster" section of `RedisStore`); so are `health` and `task_claim`
+(whose owner's set is in another slot), and `task_drop` leaves the owner's set to a script of
+its own.
 
 Cooldowns of different keys live in different slots (each its own hash tag, like every other
 key), so `cooldowns(keys)` never sends a multi-key script (a cross-slot error on Redis Cluster):
