@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import re
 import threading
 import uuid
@@ -192,3 +193,71 @@ def _slots_in_use(cluster: RedisCluster, prefix: str) -> set[int]:
                 if not key.endswith(b"}:epoch"):
                     slots.add(int(admin.cluster("KEYSLOT", key)))
     return slots
+
+
+def test_redis_cli_resharding_a_primarys_every_slot_under_traffic(
+    redis_cluster: RedisCluster, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """`redis-cli --cluster reshard` moves every slot of the primary that holds the most of the
+    slots in use (the users' budgets, the model's) to another primary, while two app processes
+    serve 20 users without a pause: every request answered, a store failure only as the
+    budget's `on_store_failure`, and no user over the cap."""
+    users, cap = 20, 20
+    fake_workers_ai.default = SUMMARY
+    env = app_process_env(fake_workers_ai, cluster_url(redis_cluster), DAILY_CALL_LIMIT=str(cap))
+    apps = [AppProcess(env) for _ in range(2)]
+    urls = [app.url for app in apps]
+    try:
+        for app in apps:
+            app.wait_ready()
+        warm = asyncio.run(_requests(urls, [f"user-{i}" for i in range(users)]))
+        assert all(r.status_code == 200 and r.json()["fallback"] is None for r in warm)
+        in_use = _slots_in_use(redis_cluster, env["GUARDS_STORE"].rsplit("prefix=", 1)[1])
+        with redis.Redis(*redis_cluster.primaries[0]) as admin:
+            in_use.add(int(admin.cluster("KEYSLOT", "{m:" + MODEL + "}")))
+        owners = collections.Counter(redis_cluster.owner(slot) for slot in in_use)
+        source = owners.most_common(1)[0][0]
+        ports = [port for _, port in redis_cluster.primaries]
+        target = ports[(ports.index(source) + 1) % len(ports)]
+        held = sum(last - first + 1 for first, last, port in redis_cluster.slots(source) if port == source)
+        done = threading.Event()
+
+        def reshard() -> None:
+            try:
+                redis_cluster.reshard(held, source, target)
+            finally:
+                done.set()
+
+        async def traffic() -> tuple[list[httpx.Response], int]:
+            """Rounds of 20 concurrent requests until the resharding ends, then one more."""
+            responses: list[httpx.Response] = []
+            for n in itertools.count():
+                ended = done.is_set()
+                names = [f"user-{(n * 20 + i) % users}" for i in range(20)]
+                responses += await _requests(urls, names, concurrency=20)
+                if ended:
+                    return responses, n  # n rounds began while it ran
+                assert n < 2_000, "the resharding did not end"
+            raise AssertionError  # (unreachable)
+
+        mover = threading.Thread(target=reshard)
+        mover.start()
+        try:
+            responses, during = asyncio.run(traffic())
+        finally:
+            mover.join(120)
+        assert not any(port == source for _, _, port in redis_cluster.slots(target))  # all moved
+    finally:
+        for app in apps:
+            app.stop()
+    assert during >= 2, "the traffic did not overlap the resharding"
+    assert {r.status_code for r in responses} == {200}
+    bodies = [r.json() for r in responses]
+    reasons = collections.Counter(b["fallback"]["reason"] for b in bodies if b["fallback"])
+    assert set(reasons) <= {"budget_exceeded", "circuit_open"}, reasons
+    calls = collections.Counter(_user(call.inputs) for call in fake_workers_ai.calls)
+    assert max(calls.values()) <= cap
+    print(
+        f"\nredis-cli reshard: {held} slots ({owners[source]} of the {len(in_use)} in use), {during} rounds "
+        f"of 20 during it; {len(responses)} requests, calls {sum(calls.values())}, refusals {dict(reasons)}"
+    )
