@@ -5,6 +5,7 @@ the assertions on the two public answer shapes, bounded polling, and the store f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -350,12 +351,13 @@ class RedisReads:
 STORE_KINDS = ("memory", "sqlite", "redis", "redis-cluster")
 
 
-@pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[RedisCluster]:
-    """The session's Redis Cluster (three primaries, each with a replica), started on loopback
-    ports. Skipped where no redis-server can start one, unless GUARDS_REQUIRE_REDIS_CLUSTER=1
-    (CI): then that fails."""
-    cluster = RedisCluster()
+@contextlib.contextmanager
+def running_cluster(**options: Any) -> Iterator[RedisCluster]:
+    """A Redis Cluster (three primaries, each with a replica) on loopback ports, for the block
+    (`options`: `RedisCluster`'s, a password say).
+    Skipped where no redis-server can start one, unless GUARDS_REQUIRE_REDIS_CLUSTER=1 (CI):
+    then that fails."""
+    cluster = RedisCluster(**options)
     try:
         cluster.__enter__()
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -366,6 +368,14 @@ def redis_cluster() -> Iterator[RedisCluster]:
         yield cluster
     finally:
         cluster.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """The session's Redis Cluster (see `running_cluster`): the `redis-cluster` store kind's,
+    and the e2e tests'. A test that kills its nodes starts one of its own."""
+    with running_cluster() as cluster:
+        yield cluster
 
 
 def redis_admins(store_kind: str, request: pytest.FixtureRequest) -> list[redis.Redis]:

@@ -1116,6 +1116,21 @@ class _Link:
 
 
 @dataclass(slots=True)
+class _Plan:
+    """A step's scripts on Redis Cluster (`RedisStore._plan`): `whole`, the one script of a
+    step whose keys share a slot; else `scripts`, the report's `parts` first, then a peek per
+    group of legs (`grouped`: the legs' indices, per slot), then a pay per scope (`scopes`),
+    all holds under `reservation`."""
+
+    whole: tuple[Step, bytes, int] | None
+    scripts: list[tuple[Step, bytes, int]] = field(default_factory=list)
+    parts: int = 0
+    grouped: list[list[int]] = field(default_factory=list)
+    scopes: list[Charge] = field(default_factory=list)
+    reservation: str = ""
+
+
+@dataclass(slots=True)
 class _ClusterLink:
     """On Redis Cluster, the store's client in one event loop, and what closes it when that
     loop shuts down."""
@@ -1155,6 +1170,8 @@ class RedisStore:
         self._cluster = bool(self._address.cluster)
         self._clusters: dict[asyncio.AbstractEventLoop, _ClusterLink] = {}
         self._scripted: set[Node] = set()
+        #: On Redis Cluster, per step without anything of its own: its scripts (`_split_step`).
+        self._plans: dict[int, tuple[Step, _Plan]] = {}
         #: Per step without anything of its own (see `step`): its keys and fixed arguments.
         self._fixed: dict[int, tuple[Step, list[str], str]] = {}
         #: Whether the script is in the server's cache as far as we know (NOSCRIPT says otherwise).
@@ -1574,6 +1591,7 @@ class RedisStore:
                 raise replies_
             if len(replies_) > 1:  # the slot's epoch is not the one this worker knew
                 self._epoch.found_in(slot, replies_[1])
+                self._plans.clear()  # (their scripts carry the epoch they knew)
             else:
                 self._epoch.seen_in(slot)
             reply, _, receipt = replies_[0].partition("#")
@@ -1587,44 +1605,29 @@ class RedisStore:
 
     async def _split_step(self, step: Step) -> Passage:
         """`step` on a cluster (see the section's comment)."""
-        whole = self._script("step", step)
-        if whole is not None:
-            return (await self._scripts([whole]))[0][0]
-        legs, report, policy, charge = step.legs, step.report, step.breaker, step.charge
-        ages = step.success_ages
-        scripts = []
-        for part in _report_parts(report):
-            script = self._script("step", Step(part))
-            if script is None:  # a breaker and a cooldown in two slots: one script each
-                scripts += [self._one_slot("step", Step(half)) for half in _halves(part)]
-            else:
-                scripts.append(script)
-        parts = len(scripts)
-        groups: dict[int, list[int]] = {}
-        for index, (_, breaker_key) in enumerate(legs):
-            groups.setdefault(key_slot(self._key(breaker_key)), []).append(index)
-        grouped = list(groups.values())
-        for indices in grouped:
-            peeked = Step(
-                None,
-                [legs[i] for i in indices],
-                policy,
-                None,
-                [ages[i] if i < len(ages) else None for i in indices] if ages else (),
-            )
-            scripts.append(self._one_slot("peek", peeked))
-        # 1. The report, the legs peeked and the charge paid, in one round trip.
-        reservation = os.urandom(8).hex() if charge is not None and _holds(charge) else ""
-        scopes: list[Charge] = []
-        if charge is not None and legs:
-            whole_charge = self._script("pay", Step(None, (), None, charge), reservation)
-            if whole_charge is not None:
-                scopes = [charge]
-                scripts.append(whole_charge)
-            else:
-                assert charge.more is not None  # (scopes in several slots)
-                scopes = [_alone(each, charge.hold_s) for each in (charge, *charge.more.also)]
-                scripts += [self._one_slot("pay", Step(None, (), None, each), reservation) for each in scopes]
+        if step.report is not None or step.success_ages or self._clock is not None:
+            plan = self._plan(step)  # (ages read now; a clock's time)
+        elif (planned := self._plans.get(id(step))) is not None and planned[0] is step:
+            plan = planned[1]
+        else:
+            plan = self._plan(step)
+            if not plan.reservation:
+                # Nothing of its own in it (a request's first step, which the route keeps per
+                # caller): its scripts are made once (until an epoch changes: `_scripts`).
+                # (The entry holds the step: no other object can have its id while it is kept.)
+                if len(self._plans) >= _MAX_FIXED:
+                    del self._plans[next(iter(self._plans))]  # the oldest
+                self._plans[id(step)] = (step, plan)
+        if plan.whole is not None:
+            return (await self._scripts([plan.whole]))[0][0]
+        legs, report, policy, ages = step.legs, step.report, step.breaker, step.success_ages
+        scripts, parts, grouped, scopes, reservation = (
+            plan.scripts,
+            plan.parts,
+            plan.grouped,
+            plan.scopes,
+            plan.reservation,
+        )
         answers = await self._scripts(scripts)
         recorded = None
         transitions: list[tuple[str, CircuitState]] = []
@@ -1713,6 +1716,48 @@ class RedisStore:
             tuple(transitions),
             near=near,
         )
+
+    def _plan(self, step: Step) -> _Plan:
+        """`step`'s scripts on a cluster: the one script when its keys share a slot; else the
+        report's parts, the legs' peeks (one per slot) and the charge's pays, in that order."""
+        whole = self._script("step", step)
+        if whole is not None:
+            return _Plan(whole)
+        legs, report, policy, charge = step.legs, step.report, step.breaker, step.charge
+        ages = step.success_ages
+        scripts = []
+        for part in _report_parts(report):
+            script = self._script("step", Step(part))
+            if script is None:  # a breaker and a cooldown in two slots: one script each
+                scripts += [self._one_slot("step", Step(half)) for half in _halves(part)]
+            else:
+                scripts.append(script)
+        parts = len(scripts)
+        groups: dict[int, list[int]] = {}
+        for index, (_, breaker_key) in enumerate(legs):
+            groups.setdefault(key_slot(self._key(breaker_key)), []).append(index)
+        grouped = list(groups.values())
+        for indices in grouped:
+            peeked = Step(
+                None,
+                [legs[i] for i in indices],
+                policy,
+                None,
+                [ages[i] if i < len(ages) else None for i in indices] if ages else (),
+            )
+            scripts.append(self._one_slot("peek", peeked))
+        reservation = os.urandom(8).hex() if charge is not None and _holds(charge) else ""
+        scopes: list[Charge] = []
+        if charge is not None and legs:
+            whole_charge = self._script("pay", Step(None, (), None, charge), reservation)
+            if whole_charge is not None:
+                scopes = [charge]
+                scripts.append(whole_charge)
+            else:
+                assert charge.more is not None  # (scopes in several slots)
+                scopes = [_alone(each, charge.hold_s) for each in (charge, *charge.more.also)]
+                scripts += [self._one_slot("pay", Step(None, (), None, each), reservation) for each in scopes]
+        return _Plan(None, scripts, parts, grouped, scopes, reservation)
 
     async def _split_health(self, legs: Sequence[tuple[str, str]]) -> Health:
         """`health` on a cluster: one script per slot of the legs, in one round trip."""
@@ -2387,11 +2432,7 @@ class _Address:
                 password=password,
                 prefix=options.get("prefix"),
             )
-        tls = None
-        if parts.scheme == "rediss":
-            tls = _tls_context(options)
-        elif any(name.startswith("ssl_") for name in options):
-            raise ValueError("invalid Redis URL: ssl_* options need rediss://")
+        tls = _tls_of(parts.scheme, "rediss", options)
         return cls(
             parts.hostname or "localhost",
             port or 6379,
@@ -2428,11 +2469,7 @@ class _Address:
         db_text = db_text or options.get("db", "")
         if db_text and not db_text.isdigit():
             raise ValueError("invalid Redis URL: the database must be a number")
-        tls = None
-        if scheme == "rediss+sentinel":
-            tls = _tls_context(options)
-        elif any(name.startswith("ssl_") for name in options):
-            raise ValueError("invalid Redis URL: ssl_* options need rediss+sentinel://")
+        tls = _tls_of(scheme, "rediss+sentinel", options)
         return cls(
             db=int(db_text or 0),
             username=username,
@@ -2457,11 +2494,7 @@ class _Address:
             raise ValueError("invalid Redis URL: the database must be a number")
         if int(db_text or 0) != 0:
             raise ValueError("invalid Redis URL: Redis Cluster has database 0 only")
-        tls = None
-        if scheme == "rediss+cluster":
-            tls = _tls_context(options)
-        elif any(name.startswith("ssl_") for name in options):
-            raise ValueError("invalid Redis URL: ssl_* options need rediss+cluster://")
+        tls = _tls_of(scheme, "rediss+cluster", options)
         return cls(
             username=username, password=password, tls=tls, prefix=options.get("prefix"), cluster=tuple(seeds)
         )
@@ -2567,6 +2600,16 @@ class _Address:
         if not isinstance(answer, list) or len(answer) != 2 or not str(answer[1]).isdigit():
             return None
         return str(answer[0]), int(answer[1])
+
+
+def _tls_of(scheme: str, secure: str, options: dict[str, str]) -> ssl.SSLContext | None:
+    """The TLS context of a URL whose scheme is `scheme` (`secure`: its TLS spelling), from its
+    `ssl_*` options; None without TLS, where an `ssl_*` option is an error."""
+    if scheme == secure:
+        return _tls_context(options)
+    if any(name.startswith("ssl_") for name in options):
+        raise ValueError(f"invalid Redis URL: ssl_* options need {secure}://")
+    return None
 
 
 def _tls_context(options: dict[str, str]) -> ssl.SSLContext:

@@ -10,10 +10,8 @@ cluster and run in this file's order (the last kills a primary)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,23 +27,17 @@ from guards.stores._cluster import Cluster, key_slot, slot_tag
 from guards.stores._redis import _Address
 from guards.testing.redis_cluster import RedisCluster
 
+from ..conftest import running_cluster
+
 #: The store's timeout in these tests (most of them: a loaded CI machine answers within it).
 TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisCluster]:
-    made = RedisCluster()
-    try:
-        made.__enter__()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        if os.environ.get("GUARDS_REQUIRE_REDIS_CLUSTER") == "1":
-            pytest.fail(f"a Redis Cluster is required (GUARDS_REQUIRE_REDIS_CLUSTER=1): {exc}")
-        pytest.skip(f"no Redis Cluster could start here (redis-server and redis-cli needed): {exc}")
-    try:
+    """A cluster of this module's own: its tests kill nodes and move slots."""
+    with running_cluster() as made:
         yield made
-    finally:
-        made.__exit__(None, None, None)
 
 
 @pytest.fixture
@@ -268,13 +260,7 @@ def test_a_client_per_event_loop_closed_with_it(cluster: RedisCluster, prefix: s
 def test_a_cluster_with_a_password(prefix: str) -> None:
     """Every node's connection logs in (AUTH in its first write); a wrong password is
     `StoreUnavailable` naming the error's code, never the password or an address."""
-    try:
-        protected = RedisCluster(password="s3cret-pw").__enter__()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        if os.environ.get("GUARDS_REQUIRE_REDIS_CLUSTER") == "1":
-            pytest.fail(f"a Redis Cluster is required (GUARDS_REQUIRE_REDIS_CLUSTER=1): {exc}")
-        pytest.skip(f"no Redis Cluster could start here: {exc}")
-    try:
+    with running_cluster(password="s3cret-pw") as protected:
         store = RedisStore(protected.url, prefix=prefix, timeout_s=TIMEOUT_S)
         wrong = RedisStore(protected.url.replace("s3cret-pw", "wrong-pw"), prefix=prefix, timeout_s=TIMEOUT_S)
 
@@ -293,8 +279,6 @@ def test_a_cluster_with_a_password(prefix: str) -> None:
             await wrong.aclose()
 
         asyncio.run(main())
-    finally:
-        protected.__exit__(None, None, None)
 
 
 def test_moved_is_followed_after_a_reshard(cluster: RedisCluster, prefix: str) -> None:
