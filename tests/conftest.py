@@ -34,6 +34,7 @@ from fixtures import FakeWorkersAI, ManualClock
 from fixtures.stores import PiecewiseStore
 from guards import AIResult, Binding, Clock
 from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
+from guards.testing.pytest_plugin import immortal_keys
 from guards.testing.redis_cluster import RedisCluster
 
 #: The SQLite and Redis store timeout of tests about state, not timeouts: on a loaded machine
@@ -376,6 +377,9 @@ def redis_cluster() -> Iterator[RedisCluster]:
     and the e2e tests'. A test that kills its nodes starts one of its own."""
     with running_cluster() as cluster:
         yield cluster
+        # As the session's Redis: every key the tests left has a TTL, but the epoch markers.
+        immortal = [key for _, port in cluster.primaries for key in immortal_keys(port, databases=1)]
+        assert not immortal, f"keys without a TTL after the session: {immortal[:20]}"
 
 
 def redis_admins(store_kind: str, request: pytest.FixtureRequest) -> list[redis.Redis]:
