@@ -16,8 +16,19 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from fixtures import FakeBinding, ManualClock, Reply
-from guards import AI, Attempt, Budget, ConfigurationError, Guards, Ledger, Price, header_key, render_metrics
+from fixtures import FakeBinding, ManualClock, Reply, Stream, Text
+from guards import (
+    AI,
+    Attempt,
+    Budget,
+    ConfigurationError,
+    EventStream,
+    Guards,
+    Ledger,
+    Price,
+    header_key,
+    render_metrics,
+)
 from guards.stores import MemoryStore, Store
 
 from ..conftest import LogLines, asgi_client, no_sleep
@@ -215,6 +226,36 @@ def test_past_the_soft_limit_the_next_requests_run_the_downgrade_chain(
         return [model["model"] for model in report["models"]]
 
     assert anyio.run(models) == [MODEL, CHEAP]  # the downgrade chain counts in the service level
+
+
+def test_a_downgraded_stream_says_so_on_its_request_line(guards_log: LogLines) -> None:
+    """A streamed answer of the downgrade chain: its header, and its request line (written when
+    the stream ends), name the scopes, as a whole answer's do."""
+    fake = FakeBinding(Stream(parts=(Text("o"), Text("k"))))
+    guards = Guards(fake, store=MemoryStore(), sleep=no_sleep)
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/label")
+    @guards.route(model=MODEL, downgrade_to=CHEAP, max_tokens=20, budget=user(per_day=4, soft_limit=0.5))
+    async def label(ai: AI[str]) -> EventStream:
+        return await ai.stream({"prompt": PROMPT})
+
+    async def scenario() -> list[str | None]:
+        seen = []
+        async with asgi_client(app, timeout=30) as client:
+            for _ in range(4):
+                answer = await client.post("/label", headers={"x-user-id": "u"})
+                assert answer.status_code == 200
+                seen.append(answer.headers.get("x-ai-downgraded"))
+        return seen
+
+    assert anyio.run(scenario) == [None, None, None, "label"]
+    assert [call.model for call in fake.calls] == [MODEL, MODEL, MODEL, CHEAP]
+    lines = [json.loads(line) for line in guards_log.lines]
+    requests = [line for line in lines if line.get("event") == "request"]
+    assert [line.get("downgraded") for line in requests] == [None, None, None, "label"]
+    assert requests[-1]["model"] == CHEAP
 
 
 def test_downgrade_to_needs_a_soft_limit() -> None:
