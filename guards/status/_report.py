@@ -36,6 +36,7 @@ from typing import Any, Literal
 import anyio.to_thread
 from pydantic import BaseModel, Field
 
+from .._budget import Price as Rates
 from .._budget import price_of
 from .._levels import down_for, level_of
 from .._log import emit_warning
@@ -94,6 +95,42 @@ class Price(BaseModel):
     input_usd_per_mtok: float = Field(description="US dollars per million input tokens.")
     output_usd_per_mtok: float = Field(description="US dollars per million output tokens.")
     call_usd: float = Field(description="US dollars per call.")
+    cached_input_usd_per_mtok: float | None = Field(
+        default=None,
+        description="US dollars per million input tokens read from the provider's prompt cache; "
+        "null: billed as input tokens.",
+    )
+    cache_write_usd_per_mtok: float | None = Field(
+        default=None,
+        description="US dollars per million input tokens written to the prompt cache; null: billed "
+        "as input tokens.",
+    )
+    long_context_above_tokens: int | None = Field(
+        default=None,
+        description="A request with more input tokens than this is billed whole at `long_context`'s "
+        "rates; null: one tier.",
+    )
+    long_context: Price | None = Field(
+        default=None, description="The rates above `long_context_above_tokens`."
+    )
+
+
+def _price(price: Rates, unit: float) -> Price:
+    """A `guards.Price` (in cost units: `unit` US dollars each) as the status page shows it."""
+    per_mtok = unit * 1e6
+    return Price(
+        input_usd_per_mtok=price.input_token * per_mtok,
+        output_usd_per_mtok=price.output_token * per_mtok,
+        call_usd=price.call * unit,
+        cached_input_usd_per_mtok=None
+        if price.cached_input_token is None
+        else price.cached_input_token * per_mtok,
+        cache_write_usd_per_mtok=None
+        if price.cache_write_token is None
+        else price.cache_write_token * per_mtok,
+        long_context_above_tokens=price.long_context_above,
+        long_context=None if price.long_context is None else _price(price.long_context, unit),
+    )
 
 
 class ModelStatus(BaseModel):
@@ -403,13 +440,7 @@ class StatusPage:
                 "cost_usd_today": None
                 if price is None
                 else _usd(sum(n for (_, k), n in spent.items() if k == key)),
-                "price": None
-                if price is None
-                else Price(
-                    input_usd_per_mtok=price.input_token * unit * 1e6,
-                    output_usd_per_mtok=price.output_token * unit * 1e6,
-                    call_usd=price.call * unit,
-                ),
+                "price": None if price is None else _price(price, unit),
             }
             if health is not None:
                 breaker, cooldown_s = health.breakers[index], health.cooldowns[index]

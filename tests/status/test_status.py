@@ -380,6 +380,49 @@ def test_two_workers_on_one_store_show_the_same_breakers(
         assert status(worker)["level"] == "degraded"
 
 
+def test_a_price_with_cache_rates_and_a_long_context_tier_is_shown_whole(
+    fake_ai: FakeBinding, app_client: AppClient
+) -> None:
+    tier = Price(input_token=4, output_token=8, cached_input_token=1)
+    priced = Price(
+        input_token=2,
+        output_token=4,
+        cached_input_token=0.5,
+        cache_write_token=2.5,
+        long_context_above=200_000,
+        long_context=tier,
+    )
+    guards = Guards(fake_ai, store=MemoryStore(), sleep=no_sleep, prices={A: priced}, cost_unit_usd=0.0001)
+    app = FastAPI()
+    guards.install(app)
+    app.include_router(guards.status_router())
+
+    @app.post("/ask")
+    @guards.route(model=A)
+    async def ask(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "hello"})
+
+    client = app_client(app)
+    assert client.post("/ask").status_code == 200
+    assert model(status(client), A)["price"] == {
+        "input_usd_per_mtok": pytest.approx(200.0),
+        "output_usd_per_mtok": pytest.approx(400.0),
+        "call_usd": 0.0,
+        "cached_input_usd_per_mtok": pytest.approx(50.0),
+        "cache_write_usd_per_mtok": pytest.approx(250.0),
+        "long_context_above_tokens": 200_000,
+        "long_context": {
+            "input_usd_per_mtok": pytest.approx(400.0),
+            "output_usd_per_mtok": pytest.approx(800.0),
+            "call_usd": 0.0,
+            "cached_input_usd_per_mtok": pytest.approx(100.0),
+            "cache_write_usd_per_mtok": None,
+            "long_context_above_tokens": None,
+            "long_context": None,
+        },
+    }
+
+
 def test_spend_today_and_the_caps_of_an_app_with_prices(fake_ai: FakeBinding, app_client: AppClient) -> None:
     guards = Guards(
         fake_ai,
@@ -408,6 +451,10 @@ def test_spend_today_and_the_caps_of_an_app_with_prices(fake_ai: FakeBinding, ap
         "input_usd_per_mtok": pytest.approx(200.0),
         "output_usd_per_mtok": pytest.approx(400.0),
         "call_usd": pytest.approx(0.01),
+        "cached_input_usd_per_mtok": None,
+        "cache_write_usd_per_mtok": None,
+        "long_context_above_tokens": None,
+        "long_context": None,
     }
     ask_route = route(report, "ask")
     assert ask_route["cost_usd_today"] == pytest.approx(cost)
