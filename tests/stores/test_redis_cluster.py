@@ -18,14 +18,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 from redis.crc import key_slot as redis_py_key_slot
 
 from guards import Breaker
-from guards.stores import RedisStore, StoreUnavailable
+from guards.stores import Charge, RedisStore, Step, StoreUnavailable
 from guards.stores import _cluster as cluster_module
 from guards.stores._cluster import Cluster, key_slot, slot_tag
 from guards.stores._redis import _Address
-from guards.testing.redis_cluster import RedisCluster
+from guards.testing.redis_cluster import ClusterTLS, RedisCluster
 
 from ..conftest import running_cluster
 
@@ -462,3 +463,36 @@ def test_a_dead_primary_fails_its_slots_within_the_timeout_until_its_replica_tak
 def test_ci_requires_the_cluster_tests() -> None:
     script = (Path(__file__).parents[2] / ".ci" / "run").read_text()
     assert "export GUARDS_REQUIRE_REDIS_CLUSTER=1" in script
+
+
+def test_a_tls_cluster_checks_every_nodes_certificate(tmp_path: Path, prefix: str) -> None:
+    """`rediss+cluster://...?ssl_ca_certs=...` on a cluster that speaks TLS only (Debian's Redis
+    7, built with it): every primary's connection is TLS, its certificate checked, budgets and
+    a step work across them; a client that does not trust the CA is `StoreUnavailable`, naming
+    no address."""
+    ca = trustme.CA()
+    node = ca.issue_cert("127.0.0.1", "localhost")
+    files = ClusterTLS(str(tmp_path / "node.pem"), str(tmp_path / "node.key"), str(tmp_path / "ca.pem"))
+    node.cert_chain_pems[0].write_to_path(files.cert_file)
+    node.private_key_pem.write_to_path(files.key_file)
+    ca.cert_pem.write_to_path(files.ca_file)
+    with running_cluster(tls=files, replicas=0) as cluster:
+        store = RedisStore(cluster.url + "&prefix=" + prefix, timeout_s=TIMEOUT_S)
+        untrusting = RedisStore(cluster.url.split("?")[0], timeout_s=TIMEOUT_S)  # the system's CAs
+
+        async def scenario() -> None:
+            users = [f"user-{i}" for i in range(12)]  # spread over the three primaries
+            first = await asyncio.gather(*(store.charge_budget(u, per_minute=None, per_day=1) for u in users))
+            again = await asyncio.gather(*(store.charge_budget(u, per_minute=None, per_day=1) for u in users))
+            assert [a.allowed for a in first] == [True] * 12
+            assert [a.allowed for a in again] == [False] * 12
+            legs = [("guards:cooldown:m", "guards:breaker:m")]
+            assert (await store.step(Step(None, legs, Breaker(), Charge("user-x", per_day=1)))).admitted == 0
+            assert set(clients(store)._wires) == set(cluster.primaries)
+            with pytest.raises(StoreUnavailable) as raised:
+                await untrusting.get_answer("k", max_age_s=1)
+            assert "127.0.0.1" not in str(raised.value)
+            await store.aclose()
+            await untrusting.aclose()
+
+        asyncio.run(scenario())
