@@ -908,34 +908,38 @@ local function task_held(key, lease)
   return f[1] == lease and not f[2]
 end
 
+-- A new task `member` in its owner's set of live tasks, kept ttl_s: the seconds until the
+-- oldest leaves when the owner has `max_live` live already (nothing written), else nil.
+local function track(owner, member, ttl_s, max_live)
+  redis.call('ZREMRANGEBYSCORE', owner, '-inf', fmt(now))
+  if max_live and redis.call('ZCARD', owner) >= max_live then
+    local oldest = redis.call('ZRANGE', owner, 0, 0, 'WITHSCORES')
+    return fmt(tonumber(oldest[2]) - now)
+  end
+  redis.call('ZADD', owner, fmt(now + ttl_s), member)
+  local last = redis.call('ZRANGE', owner, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIRE', owner, math.max(1, math.ceil((tonumber(last[2]) - now) * 1000)))
+  return nil
+end
+
 -- Returns {status, lease, response, retry_after, then the saved steps' names and values}.
 -- `owner`: the owner's set of live tasks ('' for none); `max_live`: its cap (nil for none).
 -- `elsewhere` (Redis Cluster): the owner's set key, in another slot: a new task records it,
 -- touches no set and answers retry_after 'new' (RedisStore then tracks it with `task_track`).
 local function task_claim(key, owner, fp, lease, lease_s, ttl_s, max_live, elsewhere)
   if not task_live(key) then
+    local retry = ''
     if elsewhere then
-      redis.call('DEL', key)
-      redis.call('HSET', key, 'fp', fp, 'lease', lease, 'until', fmt(now + lease_s), 'exp', fmt(now + ttl_s),
-        'own', elsewhere)
-      redis.call('PEXPIRE', key, math.ceil(ttl_s * 1000))
-      return {'claimed', lease, '', 'new'}
-    end
-    if owner ~= '' then
-      redis.call('ZREMRANGEBYSCORE', owner, '-inf', fmt(now))
-      if max_live and redis.call('ZCARD', owner) >= max_live then
-        local oldest = redis.call('ZRANGE', owner, 0, 0, 'WITHSCORES')
-        return {'full', '', '', fmt(tonumber(oldest[2]) - now)}
-      end
-      redis.call('ZADD', owner, fmt(now + ttl_s), key)
-      local last = redis.call('ZRANGE', owner, -1, -1, 'WITHSCORES')
-      redis.call('PEXPIRE', owner, math.max(1, math.ceil((tonumber(last[2]) - now) * 1000)))
+      owner, retry = elsewhere, 'new'
+    elseif owner ~= '' then
+      local full = track(owner, key, ttl_s, max_live)
+      if full then return {'full', '', '', full} end
     end
     redis.call('DEL', key)
     redis.call('HSET', key, 'fp', fp, 'lease', lease, 'until', fmt(now + lease_s), 'exp', fmt(now + ttl_s),
       'own', owner)
     redis.call('PEXPIRE', key, math.ceil(ttl_s * 1000))
-    return {'claimed', lease, '', ''}
+    return {'claimed', lease, '', retry}
   end
   local flat = redis.call('HGETALL', key)
   local t, steps = {}, {}
@@ -1010,15 +1014,8 @@ end
 -- Redis Cluster: a new task's entry in its owner's set (KEYS[1]), as `task_claim` makes it on
 -- one server: {'full', retry_after} when the owner has `max_live` live tasks already.
 if op == 'task_track' then
-  local owner, ttl_s, max_live = KEYS[1], tonumber(ARGV[4]), tonumber(ARGV[5])
-  redis.call('ZREMRANGEBYSCORE', owner, '-inf', fmt(now))
-  if max_live and redis.call('ZCARD', owner) >= max_live then
-    local oldest = redis.call('ZRANGE', owner, 0, 0, 'WITHSCORES')
-    return {'full', fmt(tonumber(oldest[2]) - now)}
-  end
-  redis.call('ZADD', owner, fmt(now + ttl_s), ARGV[3])
-  local last = redis.call('ZRANGE', owner, -1, -1, 'WITHSCORES')
-  redis.call('PEXPIRE', owner, math.max(1, math.ceil((tonumber(last[2]) - now) * 1000)))
+  local full = track(KEYS[1], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]))
+  if full then return {'full', full} end
   return {}
 end
 if op == 'task_untrack' then

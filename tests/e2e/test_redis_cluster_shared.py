@@ -24,7 +24,14 @@ import redis
 from guards.testing import Fail, FakeWorkersAI
 from guards.testing.redis_cluster import RedisCluster
 
-from .test_shared_state import MODEL, SUMMARY, AppProcess, app_process_env, assert_exact_daily_cap, burst
+from .test_shared_state import (
+    MODEL,
+    SUMMARY,
+    AppProcess,
+    app_process_env,
+    assert_exact_daily_cap,
+    burst_across_processes,
+)
 
 pytestmark = pytest.mark.serial
 
@@ -39,15 +46,7 @@ def test_daily_cap_is_exact_across_two_app_processes_on_redis_cluster(
 ) -> None:
     """200 concurrent requests of one user, a daily cap of 20, two app processes: 20 calls."""
     fake_workers_ai.default = SUMMARY
-    env = app_process_env(fake_workers_ai, cluster_url(redis_cluster))
-    apps = [AppProcess(env) for _ in range(2)]
-    try:
-        for app in apps:
-            app.wait_ready()
-        responses = asyncio.run(burst([app.url for app in apps], 200))
-    finally:
-        for app in apps:
-            app.stop()
+    responses = burst_across_processes(app_process_env(fake_workers_ai, cluster_url(redis_cluster)), 200)
     assert_exact_daily_cap(responses, fake_workers_ai, 20)
 
 

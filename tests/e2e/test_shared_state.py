@@ -135,15 +135,20 @@ def test_redis_daily_cap_is_exact_across_two_app_processes(
     # A database of its own, so no other test's keys meet these.
     url = redis_url.rsplit("/", 1)[0] + "/3"
     asyncio.run(_flush(url))
-    apps = [AppProcess(app_process_env(fake_workers_ai, url)) for _ in range(2)]
+    responses = burst_across_processes(app_process_env(fake_workers_ai, url), 200)
+    assert_exact_daily_cap(responses, fake_workers_ai, 20)
+
+
+def burst_across_processes(env: dict[str, str], count: int, processes: int = 2) -> list[httpx.Response]:
+    """`burst` of `count` requests spread over `processes` app processes started with `env`."""
+    apps = [AppProcess(env) for _ in range(processes)]
     try:
         for app in apps:
             app.wait_ready()
-        responses = asyncio.run(burst([app.url for app in apps], 200))
+        return asyncio.run(burst([app.url for app in apps], count))
     finally:
         for app in apps:
             app.stop()
-    assert_exact_daily_cap(responses, fake_workers_ai, 20)
 
 
 async def _flush(url: str) -> None:

@@ -400,7 +400,7 @@ def test_clusterdown_fails_the_operation_and_the_store_comes_back(cluster: Redis
         deadline = time.monotonic() + 5
         while "cluster_state:fail" not in str(cluster.client(owner).execute_command("CLUSTER", "INFO")):
             assert time.monotonic() < deadline, "the cluster did not go down"
-            time.sleep(0.02)
+            time.sleep(0.02)  # polling the cluster's state, bounded by the deadline
         with pytest.raises(StoreUnavailable, match="CLUSTERDOWN"):
             loop.run_until_complete(store.get_answer("down", max_age_s=60))
         cluster.client(orphan_owner).execute_command("CLUSTER", "ADDSLOTS", orphan)
@@ -450,7 +450,7 @@ def test_a_dead_primary_fails_its_slots_within_the_timeout_until_its_replica_tak
             except StoreUnavailable:
                 assert time.monotonic() - began_call < 3 * timeout_s
                 assert time.monotonic() < deadline, "the replica was not promoted within 10 s"
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # polling for the promotion, bounded by the deadline
         assert answer is not None
         assert answer.value == f"kept {doomed}"
         await store.aclose()
