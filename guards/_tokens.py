@@ -97,9 +97,11 @@ def with_max_tokens(inputs: Mapping[str, Any], default: int | None) -> Mapping[s
     `max_tokens_of` theirs and the route's `default`, an `int`, or absent when neither is one.
     `inputs` themselves when that is what they already say."""
     value = inputs.get("max_tokens")
+    if type(value) is int and 0 < value <= MAX_TOKENS:  # the usual cases first, inline
+        return inputs
+    if value is None and "max_tokens" not in inputs:
+        return inputs if default is None else {**inputs, "max_tokens": default}
     most = max_tokens_of(value, default)
     if most is None:
-        return {k: v for k, v in inputs.items() if k != "max_tokens"} if "max_tokens" in inputs else inputs
-    if type(value) is int and value == most:
-        return inputs
+        return {k: v for k, v in inputs.items() if k != "max_tokens"}
     return {**inputs, "max_tokens": most}
