@@ -81,8 +81,8 @@ def binding_estimate(binding: object) -> TokenEstimate:
 def max_tokens_of(value: Any, default: int | None) -> int | None:
     """The `max_tokens` a call asks for, given the inputs' `value` and the route's `default`:
     `value` when it is a number of tokens (an `int`, or a `float` with no fraction, never a
-    `bool`) of at least 1, capped to `MAX_TOKENS`; else `default`. Constant time: a huge `int`
-    is compared, never converted."""
+    `bool`) of at least 1, capped to `MAX_TOKENS`; else `default`. A huge `int` is compared,
+    never converted (linear in its digits, no `OverflowError`)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return default
     if value >= MAX_TOKENS:  # an int of any size, or a float up to infinity
