@@ -294,8 +294,9 @@ class Guards:
           answer: `LastGood`) as `data` when a guard trips. Without it the route is *strict*
           and answers public errors.
         - `moderation`: a hook given the validated output; returning True blocks it.
-        - `max_tokens`: sent with each call unless the inputs set it; required with a spend cap
-          or a token limit.
+        - `max_tokens`: 1 to 1,000,000, sent with each call unless the inputs set a number of
+          tokens (theirs is capped to 1,000,000; see docs/guards/budget.md); required with a
+          spend cap or a token limit.
         - `stream_max_s`, `stream_max_chars`: a streamed answer (`ai.stream`) ends with the
           `error` event once this long has passed since the request began (`call`/`timeout`),
           or before its output (text, reasoning, tool calls) would pass this many characters

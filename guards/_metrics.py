@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from ._breaker import CircuitState
-from ._log import dropped_lines
+from ._log import dropped_lines, emit_warning
 from ._vocabulary import Reason
 
 if TYPE_CHECKING:
@@ -327,10 +327,10 @@ class Tally:
         child = self._child
         if child is None:
             child = self._child = _child(self._metric, self._labels)
-        count = self.count
-        if count != self._flushed:
-            child.inc(count - self._flushed)
-            self._flushed = count
+        count, flushed = self.count, self._flushed
+        if count != flushed:
+            self._flushed = count  # first: an amount prometheus-client refuses is dropped
+            child.inc(count - flushed)
 
 
 class StampedTally(Tally):
@@ -386,13 +386,13 @@ class HistogramTally:
                     "other bounds: guards needs a release that keeps them (0.26 does)"
                 )
         for index, count in enumerate(self._counts):
-            if count != self._flushed[index]:
-                child._buckets[index].inc(count - self._flushed[index])
+            if count != (flushed := self._flushed[index]):
                 self._flushed[index] = count
-        total = self._sum
-        if total != self._flushed_sum:
-            child._sum.inc(total - self._flushed_sum)
-            self._flushed_sum = total
+                child._buckets[index].inc(count - flushed)
+        total, flushed_sum = self._sum, self._flushed_sum
+        if total != flushed_sum:
+            self._flushed_sum = total  # first, as `Tally._flush`
+            child._sum.inc(total - flushed_sum)
 
 
 class GaugeTally:
@@ -438,6 +438,8 @@ class GaugeTally:
 AnyTally: TypeAlias = "Tally | HistogramTally | GaugeTally"
 _tallies: dict[tuple[Source, tuple[str, ...]], AnyTally] = {}
 _flush_lock = threading.Lock()
+#: The metrics whose flush failed, each said once (`flush_metrics`): at most one per metric.
+_failed_metrics: set[str] = set()
 #: When the scheduled flush is overdue (`time.perf_counter()`); 0.0: none scheduled.
 _flush_due = 0.0
 
@@ -527,11 +529,22 @@ def _tally(metric: Any, labels: tuple[str, ...], make: Callable[[Any, tuple[str,
 
 def flush_metrics() -> None:
     """Write this process's new counts to prometheus-client (any thread); the first flush
-    imports it and binds every tally to its series (a series counted 0 included)."""
+    imports it and binds every tally to its series (a series counted 0 included).
+
+    An amount prometheus-client refuses (one no float holds, a negative one: a binding of the
+    app's own may report any usage) is dropped from its series, which counts on from there,
+    and said once per metric (`metrics_flush_failed`, never the amount): one series never
+    stops the others."""
     with _flush_lock:
         _dropped_lines.count = dropped_lines()  # counted by `guards._log`'s writer
         for tally in list(_tallies.values()):
-            tally._flush()
+            try:
+                tally._flush()
+            except (ArithmeticError, TypeError, ValueError) as error:
+                name = getattr(tally._metric, "_name", "")
+                if name not in _failed_metrics:
+                    _failed_metrics.add(name)
+                    emit_warning("metrics_flush_failed", metric=name, error=type(error).__name__)
 
 
 def _flush_later() -> None:

@@ -38,6 +38,7 @@ from ._output import Moderation, OutputGuard
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._route_spec import NO_FALLBACK, GuardedRoute, Leg, SuccessAges
 from ._tasks import Task, key_parameter
+from ._tokens import MAX_TOKENS
 from ._vocabulary import Level
 from .walk import AI
 
@@ -95,8 +96,8 @@ def guard_route(
     if effort is None and (model is None or not entry_parts(model)[0].strip()):
         raise ConfigurationError("a guarded route needs a model id")
     limits = check_limit("first_output_s", first_output_s), check_limit("stream_idle_s", stream_idle_s)
-    if max_tokens is not None and max_tokens < 1:
-        raise ConfigurationError("max_tokens must be at least 1")
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_TOKENS:
+        raise ConfigurationError(f"max_tokens must be 1 to {MAX_TOKENS:,}")
     if not stream_max_s > 0 or stream_max_chars < 1:
         raise ConfigurationError("stream_max_s must be positive and stream_max_chars at least 1")
     if max_body_bytes is not None and max_body_bytes < 1:

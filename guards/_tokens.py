@@ -5,6 +5,9 @@ The estimate is the number of characters the model reads, divided by four and ro
 usual rule of thumb for English text with the tokenizers of current models. A binding that knows
 better (it has the model's tokenizer, or the provider counts) may define
 `estimate_tokens(model, inputs) -> int`; guards then asks it instead (see `binding_estimate`).
+
+The answer's tokens a call asks for, its `max_tokens`, are read here too (`max_tokens_of`): once
+per call, so that what the budgets hold is what the provider is sent.
 """
 
 from __future__ import annotations
@@ -13,10 +16,21 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["CHARS_PER_TOKEN", "TokenEstimate", "binding_estimate", "estimate_tokens"]
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "MAX_TOKENS",
+    "TokenEstimate",
+    "binding_estimate",
+    "estimate_tokens",
+    "max_tokens_of",
+    "with_max_tokens",
+]
 
 #: Characters per token in the default estimate.
 CHARS_PER_TOKEN = 4
+#: The most answer tokens a call may ask for (`max_tokens`): more than any model writes, and
+#: as large as the largest context windows; a larger ask is capped to it.
+MAX_TOKENS = 1_000_000
 
 #: `(model, inputs) -> tokens`: an estimate of the input tokens of a call.
 TokenEstimate = Callable[[str, Mapping[str, Any]], int]
@@ -62,3 +76,32 @@ def binding_estimate(binding: object) -> TokenEstimate:
     when it has one, else `estimate_tokens`."""
     own = getattr(binding, "estimate_tokens", None)
     return own if callable(own) else estimate_tokens
+
+
+def max_tokens_of(value: Any, default: int | None) -> int | None:
+    """The `max_tokens` a call asks for, given the inputs' `value` and the route's `default`:
+    `value` when it is a number of tokens (an `int`, or a `float` with no fraction, never a
+    `bool`) of at least 1, capped to `MAX_TOKENS`; else `default`. A huge `int` is compared,
+    never converted (linear in its digits, no `OverflowError`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return default
+    if value >= MAX_TOKENS:  # an int of any size, or a float up to infinity
+        return MAX_TOKENS
+    if value < 1 or (isinstance(value, float) and not value.is_integer()):  # NaN included
+        return default
+    return int(value)
+
+
+def with_max_tokens(inputs: Mapping[str, Any], default: int | None) -> Mapping[str, Any]:
+    """`inputs` as sent to the provider and held by the budgets: their `max_tokens` is
+    `max_tokens_of` theirs and the route's `default`, an `int`, or absent when neither is one.
+    `inputs` themselves when that is what they already say."""
+    value = inputs.get("max_tokens")
+    if type(value) is int and 0 < value <= MAX_TOKENS:  # the usual cases first, inline
+        return inputs
+    if value is None and "max_tokens" not in inputs:
+        return inputs if default is None else {**inputs, "max_tokens": default}
+    most = max_tokens_of(value, default)
+    if most is None:
+        return {k: v for k, v in inputs.items() if k != "max_tokens"}
+    return {**inputs, "max_tokens": most}

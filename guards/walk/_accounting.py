@@ -92,7 +92,7 @@ def account(
             )
             state._cost += cost
         elif billed and route.spend_capped:
-            state._cost += worst(leg, state._tokens, route.max_tokens)
+            state._cost += worst(leg, state._tokens, state._max_tokens)
     if route.token_capped:  # what the token hold settles to (`_holds.settled`)
         if charged is not None:
             state._used_tokens += charged.prompt_tokens + charged.completion_tokens
@@ -119,6 +119,6 @@ def account(
     )
 
 
-def worst(leg: Leg, input_tokens: int, max_tokens: int | None) -> float:
+def worst(leg: Leg, input_tokens: int, max_tokens: int) -> float:
     """What one call to `leg` may cost at most."""
-    return leg.price.most(input_tokens, max_tokens or 0) if leg.price is not None else 0.0
+    return leg.price.most(input_tokens, max_tokens) if leg.price is not None else 0.0

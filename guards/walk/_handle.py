@@ -19,6 +19,7 @@ from .._event_stream import EventStream
 from .._output import OutputGuard, output_guard
 from .._relay import Opened, no_events, open_stream
 from .._stream import StreamEnd, TextDelta
+from .._tokens import with_max_tokens
 from .._vocabulary import Reason
 from ._chain_walk import by_effort, walk
 from ._checkpoints import resumed, task_of
@@ -89,8 +90,10 @@ class AI(RequestState, Generic[T]):
         call; a failure moves to the next model (after a bounded retry of transient ones);
         the whole walk has one deadline, and the request at most `attempt_budget` calls
         (shared by every `run` and `stream` of the request). JSON mode is
-        requested from the output type when it is not a string, and the route's `max_tokens`
-        when the inputs do not set it. Raises `GuardTripped` when a guard refuses the call
+        requested from the output type when it is not a string. The call's `max_tokens` is
+        the inputs' when it is a number of tokens (an integral float is sent as an int), at
+        most 1,000,000 (a larger one is capped), else the route's: what is sent is what the
+        budgets hold. Raises `GuardTripped` when a guard refuses the call
         or rejects its answer (on a route with `on_rejected`, when no model's answer was
         accepted: see `guards.walk._rejected`).
         """
@@ -101,8 +104,7 @@ class AI(RequestState, Generic[T]):
             route = route.downgrade.choose(self)
         if route.response_format is not None and "response_format" not in inputs:
             inputs = {**inputs, "response_format": route.response_format}
-        if route.max_tokens is not None and "max_tokens" not in inputs:
-            inputs = {**inputs, "max_tokens": route.max_tokens}
+        inputs = with_max_tokens(inputs, route.max_tokens)
         if route.answers is not None:  # rejected answers move on, or tools (`_rejected`)
             checked: T = await route.answers.run(self, inputs, route.output)
             return checked
@@ -160,8 +162,7 @@ class AI(RequestState, Generic[T]):
         route = self._route
         if output.response_format is not None and "response_format" not in inputs:
             inputs = {**inputs, "response_format": output.response_format}
-        if route.max_tokens is not None and "max_tokens" not in inputs:
-            inputs = {**inputs, "max_tokens": route.max_tokens}
+        inputs = with_max_tokens(inputs, route.max_tokens)
         if route.answers is not None:
             return await route.answers.run(self, inputs, output)
         leg, result, probe, record_success = await walk(self, inputs)
@@ -194,8 +195,7 @@ class AI(RequestState, Generic[T]):
             route = by_effort(self, inputs)
         elif route.downgrade is not None and not self._charged:
             route = route.downgrade.choose(self)
-        if route.max_tokens is not None and "max_tokens" not in inputs:
-            inputs = {**inputs, "max_tokens": route.max_tokens}
+        inputs = with_max_tokens(inputs, route.max_tokens)
         leg, opened, probe, record_success = await walk(
             self, inputs, lambda leg: functools.partial(open_stream, streaming(self, leg))
         )

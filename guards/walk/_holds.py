@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._budget import input_tokens_bound
-from .._tokens import binding_estimate
+from .._tokens import binding_estimate, max_tokens_of
 from ._accounting import worst
 from ._events import BudgetCounted
 
@@ -25,13 +25,16 @@ def holding(state: RequestState, charge: Charge, inputs: Mapping[str, Any]) -> C
     """`charge` (every scope's) with the request's holds: its worst-case spend (every attempt
     at `max_tokens` of output, one token per byte of input) where a scope caps spend, and its
     tokens (the estimated input tokens, the largest of the chain's bindings' estimates, plus
-    `max_tokens`: the inputs', else the route's) where a scope limits tokens. Kept for the
-    settlement (`state._charge`)."""
+    `max_tokens`) where a scope limits tokens; `max_tokens` is the call's, as sent
+    (`guards._tokens.max_tokens_of`: the inputs', at most `MAX_TOKENS`, else the route's).
+    Kept for the settlement (`state._charge`)."""
     route = state._route
+    # What the call is sent (`AI.run` set it by the same rule): the holds are priced by it.
+    state._max_tokens = most = max_tokens_of(inputs.get("max_tokens"), route.max_tokens) or 0
     spend = None
     if route.spend_capped:
         state._tokens = bound = input_tokens_bound(inputs)
-        spend = max(worst(leg, bound, route.max_tokens) for leg in route.legs) * state.attempt_budget
+        spend = max(worst(leg, bound, most) for leg in route.legs) * state.attempt_budget
     hold_s = 2 * route.timeout_s + 60
     if charge.more is None:  # one budget with only the first three limits: as ever
         state._charge = charge = dataclasses.replace(charge, spend=spend, hold_s=hold_s)
@@ -45,8 +48,7 @@ def holding(state: RequestState, charge: Charge, inputs: Mapping[str, Any]) -> C
                 )
                 for leg in route.legs
             )
-            most = inputs.get("max_tokens")
-            tokens += most if isinstance(most, int) and most > 0 else route.max_tokens or 0
+            tokens += most
             state._token_hold, state._used_tokens = tokens, 0
         scoped = []
         for each in (charge, *charge.more.also):

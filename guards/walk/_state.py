@@ -78,11 +78,13 @@ class RequestState:
         "_hold",
         "_charge",
         "_waits",
-        # Accounting (`_accounting`): calls made, their cost, the input tokens' bound, the
-        # record of an attempt whose log line the request's line carries (`_observers`).
+        # Accounting (`_accounting`): calls made, their cost, the input tokens' bound and the
+        # `max_tokens` the holds were priced by (`_holds.holding`), the record of an attempt
+        # whose log line the request's line carries (`_observers`).
         "attempts",
         "_cost",
         "_tokens",
+        "_max_tokens",
         "_token_hold",
         "_used_tokens",
         "_held",
@@ -158,6 +160,7 @@ class RequestState:
         self.attempts = 0
         self._cost = 0.0
         self._tokens = 0
+        self._max_tokens = route.max_tokens or 0
         self._held: AttemptEnded | None = None
 
     def _note(self, leg: Leg, what: str, wait_s: float | None) -> None:
