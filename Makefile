@@ -26,15 +26,23 @@ help: ## list the targets
 		| sed $(foreach v,$(HELP_VARS),-e 's|$$($(v))|$($(v))|g') \
 		| awk -F':.*## ' '{printf "  make %-20s %s\n", $$1, $$2}'
 
+# PYTHONWARNINGS=ignore: setuptools boxes a warning about every editable install.
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	PYTHONWARNINGS=ignore $(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@ $(BIN)/.app-installed
+
+# What `make run` needs, and no more: guards with the server, and the example app's own needs.
+$(BIN)/.app-installed: pyproject.toml app/requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	PYTHONWARNINGS=ignore $(BIN)/python -m pip install --quiet -e '.[serve,redis,otel]' -r app/requirements.txt
 	touch $@
 
 install: $(BIN)/.installed ## create .venv and install guards with the app and dev tools
 
-run: install ## serve the example app on $(HOST):$(PORT) (offline fake provider by default; WORKERS=n)
+run: $(BIN)/.app-installed ## install what the example app needs into .venv, then serve it on $(HOST):$(PORT) (offline fake provider by default; WORKERS=n)
 	rm -rf $(METRICS_DIR) && mkdir -p $(METRICS_DIR)
 	PROMETHEUS_MULTIPROC_DIR=$(abspath $(METRICS_DIR)) \
 		exec $(BIN)/python -m guards.serve app.main:app --host $(HOST) --port $(PORT) --workers $(WORKERS)

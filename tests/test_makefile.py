@@ -52,3 +52,27 @@ def test_make_test_runs_the_suite_and_not_the_soak() -> None:
     ).stdout
     assert "-m pytest" in commands
     assert "bench.soak" not in commands
+
+
+def _requirements(lines: list[str]) -> set[str]:
+    return {line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()}
+
+
+def test_make_run_installs_what_the_example_app_needs_and_no_dev_tools() -> None:
+    """`make run` installs guards with its [serve,redis,otel] extras and app/requirements.txt,
+    not the [dev] extra (test tools, browsers, docs); `make install` covers both."""
+    tomllib = pytest.importorskip("tomllib")
+    commands = subprocess.run(
+        ["make", "--no-print-directory", "-n", "-B", "-C", str(ROOT), "run", "VENV=/nonexistent/venv"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    installs = [line for line in commands.splitlines() if "pip install" in line]
+    assert installs, commands
+    assert not [line for line in installs if "dev" in line], installs
+    assert any("-r app/requirements.txt" in line and "'.[serve,redis,otel]'" in line for line in installs)
+    app_needs = _requirements((ROOT / "app" / "requirements.txt").read_text().splitlines())
+    dev = _requirements(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"])
+    assert app_needs and app_needs <= dev

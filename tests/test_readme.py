@@ -164,6 +164,7 @@ CHECKED = {
     ("tasks.md", "python", 0): "test_readme_task_example_resumes_and_replays",
     ("development.md", "", 0): "test_layout_names_files_that_exist",
     ("benchmarks.md", "sh", 0): "test_benchmark_commands_are_make_targets",
+    ("stores.md", "python", 0): "test_development_redis_example_answers",
 }
 
 
@@ -1298,3 +1299,12 @@ def test_install_lines_name_the_distribution_and_its_extras() -> None:
         assert name == project["name"], command
         for extra in filter(None, extras.rstrip("]").split(",")):
             assert extra in project["optional-dependencies"], command
+
+
+def test_development_redis_example_answers() -> None:
+    """The stores page's Redis for development starts, answers and stops, as printed."""
+    done = subprocess.run(
+        [sys.executable, "-c", block("stores.md", "python")], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "True\n"

@@ -112,6 +112,36 @@ def test_the_app_gets_its_own_store_back_after_the_test(tmp_path: Path) -> None:
     assert "2 passed" in done.stdout
 
 
+@pytest.mark.parametrize(("flags", "section"), [((), "Captured log call"), (("-p", "no:logging"), "Captured stderr call")])
+def test_guards_log_lines_stay_with_their_test_not_after_the_summary(
+    tmp_path: Path, flags: tuple[str, ...], section: str
+) -> None:
+    """guards' JSON lines are written within the test that caused them (pytest captures them, as
+    log records or as stderr without its logging plugin, and shows them with a failure), never
+    on the terminal after pytest's summary."""
+    (tmp_path / "service.py").write_text(SERVICE)
+    (tmp_path / "test_service.py").write_text(
+        HEADER
+        + textwrap.dedent(RATE_LIMITED)
+        + textwrap.dedent("""
+            def test_failing(use_fake_ai):
+                fake = use_fake_ai(app)
+                fake.script("*", Fail(code=3036, status=429))
+                TestClient(app).post("/triage", json={"text": "hi"})
+                assert False, "shown with its lines"
+            """)
+    )
+    done = run_pytest(tmp_path, *flags)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "1 failed, 1 passed" in done.stdout
+    assert '"event"' not in done.stderr  # nothing written outside pytest's capture
+    summary = done.stdout.rindex("1 failed, 1 passed")
+    assert '"event"' not in done.stdout[summary:]
+    failure = done.stdout[done.stdout.index("test_failing ___") : summary]
+    assert section in failure
+    assert '{"event":"request","route":"triage"' in failure
+
+
 def test_the_plugin_is_loaded_once_by_its_entry_point(pytestconfig: pytest.Config) -> None:
     manager = pytestconfig.pluginmanager
     assert manager.get_plugin("route_guards") is guards.testing.pytest_plugin
