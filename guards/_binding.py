@@ -25,6 +25,16 @@ class Usage:
     cached_input_tokens: int = 0
     cache_write_tokens: int = 0
 
+    def __add__(self, other: Usage) -> Usage:
+        """Both calls' tokens (a request's calls, summed: `AI.usage`)."""
+        return Usage(
+            self.prompt_tokens + other.prompt_tokens,
+            self.completion_tokens + other.completion_tokens,
+            self.total_tokens + other.total_tokens,
+            self.cached_input_tokens + other.cached_input_tokens,
+            self.cache_write_tokens + other.cache_write_tokens,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class AIResult:

@@ -123,7 +123,9 @@ class EventStream(Response):
     Returned by `AI.stream`; a guarded route returns it as is. Headers (status 200, the trace
     id, attribution) go out only once the first output part is in hand. When the client
     disconnects, the relay is cancelled at once (within `_TURN_EVERY` events at the latest, whatever the
-    server), which closes the provider's stream.
+    server), which closes the provider's stream. A `background` task (Starlette's
+    `BackgroundTask`, set by the handler) runs once the stream ended, whichever way, with its
+    calls counted on the `ai` handle (`AI.usage`, `AI.cost`).
     """
 
     media_type = "text/event-stream"
@@ -167,6 +169,8 @@ class EventStream(Response):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+        if self.background is not None:  # the stream ended and its calls were counted
+            await self.background()
 
 
 def end_data(end: StreamEnd | None) -> dict[str, Any]:

@@ -81,6 +81,8 @@ def account(
     answer's)."""
     route = state._route
     cost = None
+    if usage is not None:
+        state.usage = usage if state.usage is None else state.usage + usage
     charged = usage if usage is not None else estimate
     if leg.price is not None:
         if charged is not None:

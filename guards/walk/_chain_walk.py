@@ -241,6 +241,8 @@ async def walk(
                             # `on_attempt`'s usual case, inline (every request's path): a
                             # success with no price, so no cost to add.
                             state.attempts += 1
+                            if (usage := result.usage) is not None:
+                                state.usage = usage if state.usage is None else state.usage + usage
                             state._held = observe.attempt_ended(
                                 (
                                     route,
@@ -248,7 +250,7 @@ async def walk(
                                     leg,
                                     state.attempts,
                                     "ok",
-                                    result.usage,
+                                    usage,
                                     result.model or leg.ref.model,
                                     perf_counter() - started,
                                     None,

@@ -49,7 +49,10 @@ class AI(RequestState, Generic[T]):
     `attempts` the provider calls made and `attempt_budget` the most it could make;
     `trace_id` is the request's trace id (also the `x-trace-id` header); `resumed_steps` the
     names of the steps `step` loaded from the request's task instead of calling, in order;
-    `tool_calls` the last answer's validated tool calls, on a route that declares its tools.
+    `tool_calls` the last answer's validated tool calls, on a route that declares its tools;
+    `usage` the tokens the request's calls reported, summed, and `cost` what its calls cost.
+    A stream's calls are counted when it ends: read them in a `BackgroundTask` set on the
+    stream (`stream.background`), which runs once it ended.
     """
 
     __slots__ = ()
@@ -69,6 +72,14 @@ class AI(RequestState, Generic[T]):
     def requested_model(self) -> str:
         """The chain's first model: what the route asks for before any fallback."""
         return self._route.model
+
+    @property
+    def cost(self) -> float | None:
+        """What the request's calls cost so far, in the units of `Guards(prices=...)`: each
+        call that reported its usage, by its model's price; one that reported none counts
+        nothing, except under a spend cap, which charges it at its worst case when the provider
+        may have billed it. None when the app prices no model."""
+        return self._cost if self._shared.prices else None
 
     @property
     def tool_calls(self) -> tuple[ToolCall, ...]:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from starlette.requests import Request
 
+    from .._binding import Usage
     from .._deadline import Deadline
     from .._errors import GuardTripped
     from .._route_spec import GuardedRoute, Leg
@@ -78,10 +79,11 @@ class RequestState:
         "_hold",
         "_charge",
         "_waits",
-        # Accounting (`_accounting`): calls made, their cost, the input tokens' bound and the
-        # `max_tokens` the holds were priced by (`_holds.holding`), the record of an attempt
-        # whose log line the request's line carries (`_observers`).
+        # Accounting (`_accounting`): calls made, their usage and cost, the input tokens'
+        # bound and the `max_tokens` the holds were priced by (`_holds.holding`), the record of
+        # an attempt whose log line the request's line carries (`_observers`).
         "attempts",
+        "usage",
         "_cost",
         "_tokens",
         "_max_tokens",
@@ -158,6 +160,7 @@ class RequestState:
         #: Seconds of cooldown left per leg, as the last store step read them (None: unknown).
         self._waits: list[float] | None = None
         self.attempts = 0
+        self.usage: Usage | None = None
         self._cost = 0.0
         self._tokens = 0
         self._max_tokens = route.max_tokens or 0
