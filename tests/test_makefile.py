@@ -74,5 +74,8 @@ def test_make_run_installs_what_the_example_app_needs_and_no_dev_tools() -> None
     assert not [line for line in installs if "dev" in line], installs
     assert any("-r app/requirements.txt" in line and "'.[serve,redis,otel]'" in line for line in installs)
     app_needs = _requirements((ROOT / "app" / "requirements.txt").read_text().splitlines())
-    dev = _requirements(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"])
-    assert app_needs and app_needs <= dev
+    dev = _requirements(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    )
+    assert app_needs
+    assert app_needs <= dev

@@ -112,7 +112,9 @@ def test_the_app_gets_its_own_store_back_after_the_test(tmp_path: Path) -> None:
     assert "2 passed" in done.stdout
 
 
-@pytest.mark.parametrize(("flags", "section"), [((), "Captured log call"), (("-p", "no:logging"), "Captured stderr call")])
+@pytest.mark.parametrize(
+    ("flags", "section"), [((), "Captured log call"), (("-p", "no:logging"), "Captured stderr call")]
+)
 def test_guards_log_lines_stay_with_their_test_not_after_the_summary(
     tmp_path: Path, flags: tuple[str, ...], section: str
 ) -> None:
