@@ -134,10 +134,10 @@ def test_trickled_bodies_make_room_for_ready_clients(
     tmp_path: Path, sockets: list[socket.socket], stack: tuple[str, ...]
 ) -> None:
     """300 connections trickle their bodies a byte at a time, past `--limit-concurrency 200`,
-    and 10 more come every round (as an attacker reconnects), for 3 s (the default body
+    and 10 more come every round (as an attacker reconnects), for 2 s (the default body
     bound, 10 s, ends none of them): `/health` and the guarded route keep answering 200, as
     the trickling connections make room for them (408, or closed before their head was read)."""
-    tricklers, limit, rounds, more = 300, 200, 12, 10
+    tricklers, limit, rounds, more = 300, 200, 8, 10
     json_type = {"content-type": "application/json"}
     fresh = httpx.Limits(max_keepalive_connections=0)  # a new connection per request
     with ServedApp(tmp_path / "log", APP, "--limit-concurrency", str(limit), *stack, env=ENV) as served:
@@ -155,7 +155,7 @@ def test_trickled_bodies_make_room_for_ready_clients(
                     start = time.monotonic()
                     statuses.append(client.request(method, path, content=body, headers=json_type).status_code)
                     latencies.append(time.monotonic() - start)
-                time.sleep(0.25)  # pacing the trickle: about 3 s in all
+                time.sleep(0.25)  # pacing the trickle: about 2 s in all
         closed = wait_closed(sockets, SLACK_S)
         for sock in sockets:
             sock.close()  # the requests still trickling end (a graceful stop waits for them)
