@@ -10,15 +10,16 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from ._connections import _HeadBounds
+from ._connections import _ConnectionBounds
 
 __all__ = ["BoundedHttpToolsProtocol"]
 
 
-class BoundedHttpToolsProtocol(_HeadBounds, HttpToolsProtocol):
-    """uvicorn's httptools protocol with a header-read timeout and eviction of waiting
+class BoundedHttpToolsProtocol(_ConnectionBounds, HttpToolsProtocol):
+    """uvicorn's httptools protocol with header and body read bounds, and eviction of slow
     connections. httptools has no state to ask: `_awaiting` is True from the connection's start,
-    and from each response's end that starts no pipelined request, until a head is complete."""
+    and from each response's end that starts no pipelined request, until a head is complete;
+    `_in_body` from a head's end to its message's end."""
 
     def __init__(
         self,
@@ -30,9 +31,14 @@ class BoundedHttpToolsProtocol(_HeadBounds, HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self._init_bounds(config)
         self._awaiting = True
+        self._in_body = False
 
     def _awaits_head(self) -> bool:
-        return self._awaiting
+        # A response may end before its request's body (an app that does not read it).
+        return self._awaiting and not self._in_body
+
+    def _receives_body(self) -> bool:
+        return self._in_body
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._made()
@@ -41,11 +47,16 @@ class BoundedHttpToolsProtocol(_HeadBounds, HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        self._received()
+        self._received(len(data))
 
     def on_headers_complete(self) -> None:
         self._awaiting = False
+        self._in_body = True
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -54,5 +65,5 @@ class BoundedHttpToolsProtocol(_HeadBounds, HttpToolsProtocol):
         self._responded()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_waiting()
+        self._lost()
         super().connection_lost(exc)

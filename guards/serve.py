@@ -5,17 +5,18 @@
 Why not `uvicorn --workers n`: uvicorn binds its shared listening socket without `IPPROTO_TCP`,
 so asyncio never sets `TCP_NODELAY` on the connections it accepts and every keep-alive response
 waits for the client's delayed ACK (about 40 ms on Linux; uvicorn issue 3149); the shared socket
-also hands most keep-alive connections to one worker; and uvicorn has no header-read timeout, so
-slow clients can hold every descriptor a worker has.
+also hands most keep-alive connections to one worker; and uvicorn has no header or body read
+timeout, so slow clients can hold every descriptor a worker has.
 
 Here each worker listens on a socket of its own, bound with `SO_REUSEPORT` and created with
 `IPPROTO_TCP`: the kernel spreads connections across the workers, and every accepted connection
 has `TCP_NODELAY`. Each worker is a `uvicorn.Server` (HTTP/1.1) bounded as
-`guards._connections` describes: a header-read timeout, and at most about `limit_concurrency`
-open connections, with 503 past it. As uvicorn does, a worker runs on uvloop and parses HTTP
-with httptools when they are installed (the extra [serve] installs them where they build), else
-on asyncio's loop with h11; `--loop` and `--http` choose, and the start-up line says which. The open file limit is checked, and raised up to its hard
-limit, before any worker starts.
+`guards._connections` describes: header and body read timeouts, and at most about
+`limit_concurrency` open connections, with 503 past it. As uvicorn does, a worker runs on
+uvloop and parses HTTP with httptools when they are installed (the extra [serve] installs them
+where they build), else on asyncio's loop with h11; `--loop` and `--http` choose, and the
+start-up line says which. The open file limit is checked, and raised up to its hard limit,
+before any worker starts.
 
 The parent process supervises: SIGINT or SIGTERM stops the workers gracefully (uvicorn finishes
 the requests in flight, for at most `timeout_graceful_shutdown_s`: then every stream still
@@ -70,6 +71,8 @@ except ImportError:  # httptools is not installed (it does not build everywhere)
 
 __all__ = [
     "DEFAULT_LIMIT_CONCURRENCY",
+    "DEFAULT_MIN_BODY_RATE",
+    "DEFAULT_TIMEOUT_BODY_S",
     "DEFAULT_TIMEOUT_HEADER_S",
     "RESERVED_FILES",
     "ServeError",
@@ -83,6 +86,11 @@ logger = logging.getLogger("uvicorn.error")
 DEFAULT_LIMIT_CONCURRENCY = 1000
 #: Seconds for a request head to arrive whole.
 DEFAULT_TIMEOUT_HEADER_S = 10.0
+#: Seconds for a request body to arrive whole once its head has, plus one second per
+#: `DEFAULT_MIN_BODY_RATE` bytes received.
+DEFAULT_TIMEOUT_BODY_S = 10.0
+#: Bytes per second a request body keeps up with on average, past `DEFAULT_TIMEOUT_BODY_S`.
+DEFAULT_MIN_BODY_RATE = 1000
 #: Descriptors a worker needs besides its connections: the listening socket, the connections
 #: asyncio accepts in one turn of the loop before any of them counts (`backlog`), and the app's
 #: own (the provider connection pool of 100, the store, log and metric files, the interpreter's).
@@ -110,6 +118,8 @@ class _Options:
     port: int
     limit_concurrency: int
     timeout_header_s: float
+    timeout_body_s: float
+    min_body_rate: int
     timeout_keep_alive_s: int
     timeout_graceful_shutdown_s: int
     backlog: int
@@ -128,6 +138,8 @@ def serve(
     workers: int = 1,
     limit_concurrency: int | None = None,
     timeout_header_s: float = DEFAULT_TIMEOUT_HEADER_S,
+    timeout_body_s: float = DEFAULT_TIMEOUT_BODY_S,
+    min_body_rate: int = DEFAULT_MIN_BODY_RATE,
     timeout_keep_alive_s: int = 5,
     timeout_graceful_shutdown_s: int = 30,
     backlog: int = 128,
@@ -151,12 +163,20 @@ def serve(
     Whatever the workers and the supervisor log through uvicorn's loggers is escaped: no raw
     control character of a client's (a header, a path) reaches the log.
 
+    `timeout_header_s`: seconds for a request head to arrive whole, else 408 and the connection
+    closed. `timeout_body_s` and `min_body_rate`: a request body must arrive whole within
+    `timeout_body_s` of its head plus one second per `min_body_rate` bytes received, else 408
+    and the connection closed; a connection receiving a body behind `min_body_rate` (bytes per
+    second since its head) is closed (408) when a new one needs room under `limit_concurrency`.
+
     `loop` ("auto", "uvloop", "asyncio") and `http` ("auto", "httptools", "h11"): the event
     loop and HTTP parser of the workers; "auto" takes uvloop and httptools when they are
     installed, asyncio and h11 otherwise.
     """
     if workers < 1 or backlog < 1 or timeout_header_s <= 0 or timeout_keep_alive_s < 1:
         raise ServeError("workers, backlog, timeout_header_s and timeout_keep_alive_s must be positive")
+    if timeout_body_s <= 0 or min_body_rate < 1:
+        raise ServeError("timeout_body_s and min_body_rate must be positive")
     if limit_concurrency is not None and limit_concurrency < 2:
         raise ServeError("limit_concurrency must be at least 2")
     chosen_loop, chosen_http = _stack(loop, http)
@@ -168,6 +188,8 @@ def serve(
         port=port,
         limit_concurrency=_fit_open_files(limit_concurrency, backlog),
         timeout_header_s=timeout_header_s,
+        timeout_body_s=timeout_body_s,
+        min_body_rate=min_body_rate,
         timeout_keep_alive_s=timeout_keep_alive_s,
         timeout_graceful_shutdown_s=timeout_graceful_shutdown_s,
         backlog=backlog,
@@ -290,6 +312,8 @@ def _run_worker(options: _Options, ready: Connection) -> None:
     config = BoundedConfig(
         options.app,
         timeout_header_s=options.timeout_header_s,
+        timeout_body_s=options.timeout_body_s,
+        min_body_rate=options.min_body_rate,
         host=options.host,
         port=options.port,
         limit_concurrency=options.limit_concurrency,
@@ -336,7 +360,7 @@ class _Supervisor:
         try:
             logger.info(
                 "guards.serve: http://%s:%d, %d worker(s), %s + %s, limit_concurrency %d, "
-                "timeout_header %g s (Press CTRL+C to quit)",
+                "timeout_header %g s, timeout_body %g s + 1 s per %d bytes (Press CTRL+C to quit)",
                 self.options.host,
                 self.options.port,
                 self.workers,
@@ -344,6 +368,8 @@ class _Supervisor:
                 self.options.http,
                 self.options.limit_concurrency,
                 self.options.timeout_header_s,
+                self.options.timeout_body_s,
+                self.options.min_body_rate,
             )
             self.slots = [self._start() for _ in range(self.workers)]
             status = self._supervise(wake_r)
@@ -472,8 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m guards.serve",
         description="Serve an ASGI app with uvicorn in n worker processes, each on a SO_REUSEPORT "
-        "socket of its own (TCP_NODELAY on every connection), with a header-read timeout and a "
-        "bounded number of connections per worker.",
+        "socket of its own (TCP_NODELAY on every connection), with header and body read "
+        "timeouts and a bounded number of connections per worker.",
     )
     parser.add_argument("app", help='the ASGI app, as "module:attribute"')
     parser.add_argument("--host", default="127.0.0.1")
@@ -491,6 +517,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         default=DEFAULT_TIMEOUT_HEADER_S,
         help="seconds for a request head to arrive whole (default %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout-body",
+        type=float,
+        default=DEFAULT_TIMEOUT_BODY_S,
+        help="seconds for a request body to arrive whole once its head has, plus 1 s per "
+        "--min-body-rate bytes received (default %(default)s)",
+    )
+    parser.add_argument(
+        "--min-body-rate",
+        type=int,
+        default=DEFAULT_MIN_BODY_RATE,
+        help="bytes per second a request body keeps up with past --timeout-body; a connection "
+        "behind it makes room for new ones under the limit (default %(default)s)",
     )
     parser.add_argument("--timeout-keep-alive", type=int, default=5, help="default %(default)s")
     parser.add_argument("--timeout-graceful-shutdown", type=int, default=30, help="default %(default)s")
@@ -527,6 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers=args.workers,
             limit_concurrency=args.limit_concurrency,
             timeout_header_s=args.timeout_header,
+            timeout_body_s=args.timeout_body,
+            min_body_rate=args.min_body_rate,
             timeout_keep_alive_s=args.timeout_keep_alive,
             timeout_graceful_shutdown_s=args.timeout_graceful_shutdown,
             backlog=args.backlog,
