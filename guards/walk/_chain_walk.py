@@ -12,8 +12,9 @@ request's arrival at the app (`guards._arrival`), so the time to take the reques
 a request whose deadline passed before its first call ends then, with nothing called or charged;
 each later walk of the request has its own, from its start. When it passes, the task is
 cancelled where it awaits: the provider request is aborted, its connection closed, and no
-further leg is tried (cancellation never moves on). A walk that outlasts `MARK_AFTER_S` starts watching for the
-client leaving, which ends it at once the same way; quick walks never pay for the watcher.
+further leg is tried (cancellation never moves on). A walk that outlasts `MARK_AFTER_S` starts
+watching for the client leaving, which ends it at once the same way; quick walks never pay for
+the watcher.
 A leg with a first-output limit (`guards.Model`) has each of its attempts cancelled the same
 way when it produced no first output in time (`guards._first_output`): that attempt fails, and
 the walk goes on; legs without one are called as they are.
