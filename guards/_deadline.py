@@ -21,7 +21,9 @@ The queue's timer ticks at most once per `MARK_TICK_S`: under steady load, walks
 few hundred microseconds, and a timer re-armed at each next mark would fire every request or
 two; each tick marks every walk that came due since the last. A deadline within `MARK_AFTER_S +
 MARK_TICK_S` gets its real timer at once, so a mark is never later than its deadline.
-`expire()` ends the walk now, the same way (the client left).
+`expire()` ends the walk now, the same way (the client left). A deadline already passed when
+the block is entered (`timeout_s <= 0`: the request's intake spent it) raises `TimeoutError`
+there, before anything of the block runs.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Deadline:
     """A deadline `timeout_s` from entering a `with` block of the current task; `when` is it in
     event-loop time (`loop.time()`).
 
-    On exit after it expired, the task's cancellation becomes `TimeoutError` (unless the task
+    Entering with `timeout_s <= 0` raises `TimeoutError` at once (the block does not run). On
+    exit after it expired, the task's cancellation becomes `TimeoutError` (unless the task
     was also cancelled from elsewhere: then the `CancelledError` goes on), like
     `asyncio.timeout`.
     """
@@ -86,9 +89,12 @@ class Deadline:
         task = _current_task(loop)
         if task is None:
             raise RuntimeError("a Deadline must be used inside a task")
-        self._task = task
         now = queue.time()
         when = self.when = now + self.timeout_s
+        if self.timeout_s <= 0:
+            self._state = _DONE
+            raise TimeoutError
+        self._task = task
         if self.timeout_s <= MARK_AFTER_S + MARK_TICK_S:
             self._timer = loop.call_at(when, self.expire)
             return self

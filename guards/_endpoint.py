@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ._arrival import ARRIVED
 from ._budget import scoped_charge, scoped_keys
 from ._envelope import FallbackInfo
 from ._errors import GuardTripped
@@ -142,8 +143,12 @@ class GuardedEndpoint:
     async def __call__(self, **kwargs: Any) -> Any:
         request: Request = kwargs.pop(REQUEST_PARAMETER)
         response: Response = kwargs.pop(RESPONSE_PARAMETER)
-        request.scope[_ENTERED] = True
-        started = perf_counter()
+        scope = request.scope
+        scope[_ENTERED] = True
+        # The request's clock runs from its arrival at the app (`guards._arrival`).
+        started = scope.get(ARRIVED)
+        if started is None:  # not stamped (no `Guards.install`): from now
+            started = perf_counter()
         shared, route = self._shared, self._route
         # With tracing on, the request's span (its trace id is the `x-trace-id`), current
         # while the handler runs; ended with the request's outcome (`Observers.request_ended`).

@@ -273,7 +273,9 @@ class Guards:
         - `attempts`: the most provider calls one request makes across the whole chain, every
           `ai.run` / `ai.stream` of the request together (default: the chain's length plus
           `retry.attempts - 1`, i.e. one retry in total).
-        - `timeout_s`: one deadline for the whole call: every model, retry and wait.
+        - `timeout_s`: one deadline for the whole call: every model, retry and wait, counted
+          from the request's arrival at the app for its first call (a later `ai.run` of the
+          request: from its start).
         - `first_output_s`, `stream_idle_s`: call limits for each model of the chain that sets
           none of its own (`Model`; default None: no limit, the deadline alone). An attempt with
           no first output within `first_output_s` (a stream's first output part; a whole

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ._arrival import ARRIVED
 from ._breaker import Breaker, BreakerState, CircuitState
 from ._breaker import admit as breaker_admit
 from ._errors import GuardTripped
@@ -274,8 +275,9 @@ class Levels:
 
 
 class LevelMiddleware:
-    """ASGI middleware (`Guards.install`): keeps the worker's level fresh (`Levels.tick`),
-    adds `x-service-level` to guarded responses while the level is not full, and, with
+    """ASGI middleware (`Guards.install`), guards' outermost: stamps each request's arrival
+    (`guards._arrival`), keeps the worker's level fresh (`Levels.tick`), adds
+    `x-service-level` to guarded responses while the level is not full, and, with
     `max_in_flight`, counts a guarded request out of flight when its response is done (a
     stream included), however it ended."""
 
@@ -288,7 +290,8 @@ class LevelMiddleware:
             await self.app(scope, receive, send)
             return
         levels = self.levels
-        levels.tick(time.perf_counter())
+        scope[ARRIVED] = now = time.perf_counter()
+        levels.tick(now)
         if levels.header is not None:
             send = self._with_level(scope, send)
         if levels.max_in_flight is None:

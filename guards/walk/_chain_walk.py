@@ -7,10 +7,14 @@ policy, the leg's share of the attempt budget and the retry budget allow (`_retr
 walk moves to the next leg. Every call is accounted for (`_accounting`); a walk that ends
 without an answer raises its verdict (`_verdicts`).
 
-One deadline covers every leg, attempt and wait. When it passes, the task is cancelled where it
-awaits: the provider request is aborted, its connection closed, and no further leg is tried
-(cancellation never moves on). A walk that outlasts `MARK_AFTER_S` starts watching for the
-client leaving, which ends it at once the same way; quick walks never pay for the watcher.
+One deadline covers every leg, attempt and wait: the request's first walk's runs from the
+request's arrival at the app (`guards._arrival`), so the time to take the request in counts, and
+a request whose deadline passed before its first call ends then, with nothing called or charged;
+each later walk of the request has its own, from its start. When it passes, the task is
+cancelled where it awaits: the provider request is aborted, its connection closed, and no
+further leg is tried (cancellation never moves on). A walk that outlasts `MARK_AFTER_S` starts
+watching for the client leaving, which ends it at once the same way; quick walks never pay for
+the watcher.
 A leg with a first-output limit (`guards.Model`) has each of its attempts cancelled the same
 way when it produced no first output in time (`guards._first_output`): that attempt fails, and
 the walk goes on; legs without one are called as they are.
@@ -119,10 +123,15 @@ async def walk(
     # Context windows and content filters (`_windows`): made now only when a leg declares a
     # window, else at a call that hits such a limit.
     limits = Limits(state, inputs) if route.windowed else None
+    timeout_s = route.timeout_s
+    if state._scope is None:  # the request's first walk: from the request's arrival
+        timeout_s -= perf_counter() - state._started
     try:
         on_mark = _start_watch if state._request is not None else None
-        with Deadline(route.timeout_s, on_mark, state) as scope:
-            state._scope = scope
+        # Kept before it is entered: a deadline already passed raises there, and the request's
+        # later walks are still later walks.
+        scope = state._scope = Deadline(timeout_s, on_mark, state)
+        with scope:
             deadline = scope.when
             try:
                 legs, report = route.legs, None

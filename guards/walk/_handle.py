@@ -99,7 +99,8 @@ class AI(RequestState, Generic[T]):
 
         Walks the chain: a model cooling down or behind an open breaker is skipped without a
         call; a failure moves to the next model (after a bounded retry of transient ones);
-        the whole walk has one deadline, and the request at most `attempt_budget` calls
+        the whole walk has one deadline (the request's first walk's counts from the request's
+        arrival, a later one's from its start), and the request at most `attempt_budget` calls
         (shared by every `run` and `stream` of the request). JSON mode is
         requested from the output type when it is not a string. The call's `max_tokens` is
         the inputs' when it is a number of tokens (an integral float is sent as an int), at

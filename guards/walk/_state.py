@@ -131,7 +131,8 @@ class RequestState:
         self._route = route
         #: The client's request (None outside a route), watched for a disconnect during calls.
         self._request = request
-        #: When the request began (`time.perf_counter()`).
+        #: When the request arrived at the app (`time.perf_counter()`, `guards._arrival`): its
+        #: first walk's deadline and its stream's `stream_max_s` count from it.
         self._started = started
         self._observe = observe
         #: The leg whose answer the request was last given (`guards_served_total`).

@@ -118,7 +118,7 @@ def relayed(
             opened.iter_events, leg.stream_idle_s, leg.ref.provider or DEFAULT_PROVIDER
         )
     observe.streaming()  # the request's span ends with the stream
-    # The stream's time limit counts from the request's start, in event-loop time.
+    # The stream's time limit counts from the request's arrival, in event-loop time.
     left_s = route.stream_max_s - (time.perf_counter() - state._started)
     return EventStream(
         relay(

@@ -55,12 +55,19 @@ def app_process_env(fake: FakeWorkersAI, store_url: str, **extra: str) -> dict[s
 
 
 class AppProcess:
-    """`uvicorn app.main:app` in a process of its own (with `workers` worker processes)."""
+    """`uvicorn app.main:app` (or `app`) in a process of its own (with `workers` worker
+    processes)."""
 
-    def __init__(self, env: dict[str, str], workers: int = 1, stdout: IO[bytes] | None = None) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        workers: int = 1,
+        stdout: IO[bytes] | None = None,
+        app: str = "app.main:app",
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1"]
+        args = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1"]
         args += ["--port", str(self.port), "--workers", str(workers), "--log-level", "warning"]
         # stdout carries the app's JSON log lines: dropped unless the test wants them.
         out = subprocess.DEVNULL if stdout is None else stdout
