@@ -46,7 +46,7 @@ from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
 from ._extras import missing_extra
-from ._log import flush_logs
+from ._log import flush_logs, write_behind
 from ._relay import stop_streams
 
 try:
@@ -161,7 +161,7 @@ def serve(
         raise ServeError("limit_concurrency must be at least 2")
     chosen_loop, chosen_http = _stack(loop, http)
     uvicorn.Config(app, log_level=log_level)  # configures uvicorn's loggers in this process too
-    _escape_uvicorn_logs()
+    _guard_uvicorn_logs()
     options = _Options(
         app=app,
         host=host,
@@ -304,7 +304,7 @@ def _run_worker(options: _Options, ready: Connection) -> None:
         loop=options.loop,
         protocol=BoundedH11Protocol if options.http == "h11" else BoundedHttpToolsProtocol,
     )
-    _escape_uvicorn_logs()  # after the config: it (re)configures uvicorn's loggers
+    _guard_uvicorn_logs()  # after the config: it (re)configures uvicorn's loggers
     try:
         _Worker(config, options, ready).run()
     finally:
@@ -392,8 +392,8 @@ class _Supervisor:
     def _stop(self, wake_r: int, status: int | None) -> int:
         """Stop every worker gracefully (SIGTERM), forcing them (SIGINT) on a second signal and
         killing what is left after the graceful timeout."""
+        self._signal_workers(signal.SIGTERM)  # first: nothing may delay it, not even a log line
         logger.info("Stopping %d worker(s).", len(self.slots))
-        self._signal_workers(signal.SIGTERM)
         deadline = time.monotonic() + self.options.timeout_graceful_shutdown_s + _STREAMS_STOP_S + 5
         give_up = False
         while (alive := [s.process.sentinel for s in self.slots if s.process.is_alive()]) and not give_up:
@@ -452,9 +452,15 @@ class _EscapeControls(logging.Filter):
         return True
 
 
-def _escape_uvicorn_logs() -> None:
-    """Escape what every handler of uvicorn's loggers writes (see `_EscapeControls`)."""
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+def _guard_uvicorn_logs() -> None:
+    """Put guards' log writer behind uvicorn's loggers and logging's last resort (asyncio's
+    records reach it): a full stderr or stdout never blocks the event loop, nor the
+    supervisor's signals, and what the writer cannot take is dropped and counted
+    (`guards._log.write_behind`); and escape what every handler of uvicorn's loggers writes
+    (see `_EscapeControls`)."""
+    names = ("uvicorn", "uvicorn.error", "uvicorn.access")
+    write_behind(*names)
+    for name in names:
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _EscapeControls) for f in handler.filters):
                 handler.addFilter(_EscapeControls())
@@ -519,6 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the HTTP/1.1 parser (default auto: httptools when installed, else h11)",
     )
     args = parser.parse_args(argv)
+    write_behind()  # a `ServeError` before uvicorn's loggers are set up reaches the last resort
     try:
         return serve(
             args.app,
@@ -537,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             http=args.http,
         )
     except ServeError as exc:
-        print(f"guards.serve: {exc}", file=sys.stderr)
+        logger.error("guards.serve: %s", exc)  # behind the writer: a full stderr cannot hold the exit
         return 2
 
 
