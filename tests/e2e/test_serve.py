@@ -429,3 +429,24 @@ def test_lines_a_full_log_pipe_cannot_take_are_dropped_and_counted() -> None:
 def _said_dropped(log: str) -> list[int]:
     """The counts of the `log_lines_dropped` lines in `log`."""
     return [json.loads(line)["count"] for line in log.splitlines() if '"event":"log_lines_dropped"' in line]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("httptools") is None, reason="httptools is not installed")
+def test_a_line_longer_than_the_cap_is_cut_in_its_middle(tmp_path: Path, clients: Clients) -> None:
+    """A line of uvicorn's waits in the writer's queue at most 16,384 characters long (the
+    middle cut): a traceback whose exception quotes a 20,000-character path keeps its head
+    and the end of its message, and so does the request's access line. (httptools takes a
+    request line that long; h11 answers 400.)"""
+    words = "a" * 20_000 + "the-end"
+    with ServedApp(tmp_path / "log", PROBE, "--http", "httptools") as served:
+        served.wait_started(1)
+        [sock] = clients.connect(served.port)
+        sock.sendall(f"GET /raise/{words} HTTP/1.1\r\nhost: test\r\n\r\n".encode())
+        answer = closed_by_server(sock, 5)
+        served.stop()
+        log = served.log
+    assert answer.startswith(b"HTTP/1.1 500 ")
+    assert "Exception in ASGI application\nTraceback" in log
+    assert log.count("characters cut ...]") == 2  # the traceback, the access line
+    assert log.count("the-end") == 2
+    assert len(log) < 2 * 16_384 + 2_000  # the two lines, and the start and stop
