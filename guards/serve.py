@@ -24,6 +24,11 @@ with `"cut": "shutdown"`, and a second later what is left is cancelled; a second
 them),
 a worker that dies is replaced, and a worker that fails while starting stops the server (exit
 status 3). Linux: other systems do not balance `SO_REUSEPORT` sockets.
+
+What the workers and the supervisor log through uvicorn's loggers (the access log included) or
+logging's last resort (asyncio's records) is written by guards' log writer, never on the event
+loop nor between the supervisor's signals: a stderr or stdout that nobody reads drops lines
+(counted), and holds up no request and no stop (`guards._log.write_behind`).
 """
 
 from __future__ import annotations

@@ -369,10 +369,14 @@ class PipedServer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        os.close(self.pipe)  # a write blocked on it fails: a stuck server can stop
         if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-        os.close(self.pipe)
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
 
 
 @pytest.mark.parametrize("stack", STACKS)
