@@ -310,11 +310,18 @@ def _run_worker(options: _Options, ready: Connection) -> None:
         protocol=BoundedH11Protocol if options.http == "h11" else BoundedHttpToolsProtocol,
     )
     _guard_uvicorn_logs()  # after the config: it (re)configures uvicorn's loggers
+    # uvicorn raises the stop signal again once it has stopped, to die of it: as an exception,
+    # the worker writes its last log lines (below) before it exits.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         _Worker(config, options, ready).run()
     finally:
         # A worker process ends without running `atexit`: guards' last log lines, now.
         flush_logs()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @dataclasses.dataclass

@@ -158,8 +158,13 @@ def test_a_signal_stops_gracefully(
         wait_for_files(probe_dir, "held-*", 1)
         status = served.stop(sig, timeout_s=15)
         answered = read_response(holding)
+        log = served.log
     assert status == 0
     assert answered[0] == 200
+    # Each worker's last lines are written (by the log writer) before it exits.
+    assert sorted(re.findall(r"Finished server process \[(\d+)\]", log)) == sorted(
+        map(str, served.started_pids())
+    )
     assert sorted(p.name for p in probe_dir.glob("shutdown-*")) == sorted(
         f"shutdown-{pid}" for pid in served.started_pids()
     )
