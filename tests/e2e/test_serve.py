@@ -386,8 +386,9 @@ class PipedServer:
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_a_log_pipe_nobody_reads_holds_up_no_request_and_no_stop(stack: tuple[str, ...]) -> None:
-    """stdout and stderr a full pipe: uvicorn's access lines, the warning of a malformed request
-    and the lines of the stop are dropped, never waited for. Every request is answered, and
+    """stdout and stderr a full pipe: uvicorn's access lines, the warning of a malformed request,
+    asyncio's error lines (a task nobody awaited) and the lines of the stop are dropped, never
+    waited for. Every request is answered, and
     SIGTERM stops the server, its workers included, at once (it froze a worker at its 60th
     access line or so, and SIGTERM took 36 s and ended in a kill)."""
     requests = 300  # about 60 access lines fill the pipe
@@ -399,6 +400,8 @@ def test_a_log_pipe_nobody_reads_holds_up_no_request_and_no_stop(stack: tuple[st
             with socket.create_connection(("127.0.0.1", port), timeout=5) as malformed:
                 malformed.sendall(b"GET /health HTTP/1.1\r\nhost test\r\n\r\n")
                 refused = closed_by_server(malformed, 5)
+            # About 450 bytes each: together more than the pipe holds, even empty.
+            orphans = [get(sock, "/orphan")[0] for _ in range(5) for sock in sockets]
             after = [get(sock, "/health")[0] for sock in sockets]
         finally:
             for sock in sockets:
@@ -409,6 +412,7 @@ def test_a_log_pipe_nobody_reads_holds_up_no_request_and_no_stop(stack: tuple[st
         stopped_s = time.monotonic() - start
     assert statuses == [200] * requests
     assert refused.startswith(b"HTTP/1.1 400 ")
+    assert orphans == [200] * 20
     assert after == [200] * 4
     assert status == 0
     assert stopped_s < 5, stopped_s
