@@ -133,10 +133,6 @@ class LineWriter:
         self._reported = 0
         #: Open `skip` summaries: (route, reason) -> [second, first fields, count, models].
         self._skips: dict[tuple[str, str], list[Any]] = {}
-        #: Batches written so far (writer thread), and their count when a flush last timed out:
-        #: while it is unchanged the writer is stuck, and a flush does not wait again.
-        self._written = 0
-        self._stuck_at: int | None = None
 
     def put(self, item: _Item) -> None:
         if self._thread is None:
@@ -150,15 +146,10 @@ class LineWriter:
     def flush(self, timeout_s: float) -> bool:
         if self._thread is None or threading.current_thread() is self._thread:
             return True
-        if self._stuck_at == self._written:
-            return False
         done = threading.Event()
         self._queue.put(done)
         self._wake.set()
-        if done.wait(timeout_s):
-            return True
-        self._stuck_at = self._written
-        return False
+        return done.wait(timeout_s)
 
     def _start(self) -> None:
         with self._start_lock:
@@ -174,7 +165,6 @@ class LineWriter:
         self._start_lock = threading.Lock()
         self._wake = threading.Event()
         self._skips = {}
-        self._stuck_at = None
 
     def _run(self) -> None:
         queue = self._queue
@@ -272,7 +262,6 @@ class LineWriter:
                 texts.append(text + "\n" if handler is None else text)  # (a handler's has its end)
         for stream, texts in streams.values():
             _write_text(stream, "".join(texts))
-        self._written += 1
 
 
 def _write_text(stream: TextIO, text: str) -> None:

@@ -51,7 +51,7 @@ from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
 from ._extras import missing_extra
-from ._log import flush_logs, write_behind
+from ._log import write_behind
 from ._relay import stop_streams
 
 try:
@@ -311,13 +311,10 @@ def _run_worker(options: _Options, ready: Connection) -> None:
     )
     _guard_uvicorn_logs()  # after the config: it (re)configures uvicorn's loggers
     # uvicorn raises the stop signal again once it has stopped, to die of it: as an exception,
-    # the worker writes its last log lines (below) before it exits.
+    # the worker exits as a process that returns does, through `atexit`, where the log writer
+    # writes its last lines (for a second at most: `flush_logs`).
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    try:
-        _Worker(config, options, ready).run()
-    finally:
-        # A worker process ends without running `atexit`: guards' last log lines, now.
-        flush_logs()
+    _Worker(config, options, ready).run()
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

@@ -415,7 +415,7 @@ def test_a_log_pipe_nobody_reads_holds_up_no_request_and_no_stop(stack: tuple[st
     assert orphans == [200] * 20
     assert after == [200] * 4
     assert status == 0
-    assert stopped_s < 5, stopped_s
+    assert stopped_s < 10, stopped_s  # (36 s, and a kill, when a worker froze)
     assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []
 
 
