@@ -20,6 +20,14 @@ and a `log_lines_dropped` warning line once the writer catches up). `skip` lines
 there as well: at most one per route, reason and second, with a `count`. `flush_logs()` waits,
 for a bounded time, until what was emitted before it is written (the tests, a serverless
 handler before its process is frozen, shutdown: it also runs at interpreter exit).
+
+The same writer takes the lines of other loggers whose handlers would write to a stream on the
+event loop (`write_behind`: `guards.serve` puts uvicorn's handlers, the access log included, and
+logging's last resort, which asyncio's records reach, behind it): such a line is formatted where
+it is logged, then queued with guards' own, written to its handler's stream by the writer, and
+dropped and counted with them when the writer is behind. The writer writes to a real file's
+descriptor itself: blocked on a full pipe, it holds no lock another thread needs (the stream's
+own lock, which `flush()` at exit would wait for).
 """
 
 from __future__ import annotations
@@ -34,11 +42,11 @@ import time
 from collections.abc import Mapping
 from queue import Empty, SimpleQueue
 from types import TracebackType
-from typing import Any
+from typing import Any, TextIO
 
 from ._errors import ConfigurationError
 
-__all__ = ["flush_logs", "logger", "show_logs"]
+__all__ = ["flush_logs", "logger", "show_logs", "write_behind"]
 
 logger = logging.getLogger("guards")
 
@@ -56,14 +64,22 @@ BATCH_LINES = 4096
 GATHER_S = 0.1
 #: `flush_logs()`'s wait at most, by default (and at interpreter exit).
 FLUSH_TIMEOUT_S = 1.0
+#: The longest line of another logger's that the queue holds (a traceback, an exception's
+#: message that quotes a client): past it, the middle is cut, so that the queue's lines hold at
+#: most `BUFFER_LINES` times this.
+MAX_LINE_CHARS = 16_384
 
 #: One encoder for every line (`json.dumps` with options builds a new one per call).
 _encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
 
 #: What the queue carries: (level, event, fields, time.time() when emitted, summary key): the
 #: key is None for a line written as it is, else the (route, reason) its second's `skip` line
-#: summarizes. An empty event: a line already made (`fields["text"]`, another module's record).
+#: summarizes. An empty event: a line already made (`fields["text"]`, another module's record),
+#: for the `guards` logger, or, with `fields["handler"]`, for that handler's stream (its
+#: terminator included).
 _Item = tuple[int, str, Mapping[str, Any], float, "tuple[str, str] | None"]
+#: A line to write: (level, text, created, the stream handler it is for: None for guards' own).
+_Line = tuple[int, str, float, "logging.StreamHandler[TextIO] | None"]
 
 
 def emit(event: str, /, **fields: Any) -> None:
@@ -180,7 +196,7 @@ class LineWriter:
                 self._wake.clear()
 
     def _take(self, items: list[_Item | threading.Event]) -> None:
-        lines: list[tuple[int, str, float]] = []
+        lines: list[_Line] = []
         for item in items:
             if isinstance(item, threading.Event):
                 lines += self._close_skips(None)
@@ -192,13 +208,12 @@ class LineWriter:
             if summary is not None:
                 lines += self._summarize(summary, fields, created)
             else:
-                lines.append((level, _line(event, fields) if event else fields["text"], created))
+                text = _line(event, fields) if event else fields["text"]
+                lines.append((level, text, created, fields.get("handler")))
         lines += self._close_skips(time.time())
         self._write(lines)
 
-    def _summarize(
-        self, key: tuple[str, str], fields: Mapping[str, Any], created: float
-    ) -> list[tuple[int, str, float]]:
+    def _summarize(self, key: tuple[str, str], fields: Mapping[str, Any], created: float) -> list[_Line]:
         """Count a skip into its second's summary (closing the summary of an earlier second)."""
         second = int(created)
         entry = self._skips.get(key)
@@ -214,7 +229,7 @@ class LineWriter:
                 entry[3].add(fields.get("model"))
         return closed
 
-    def _close_skips(self, now: float | None) -> list[tuple[int, str, float]]:
+    def _close_skips(self, now: float | None) -> list[_Line]:
         """The summaries of seconds that ended before `now` (None: every one)."""
         closed = []
         for key, entry in list(self._skips.items()):
@@ -223,27 +238,48 @@ class LineWriter:
                 del self._skips[key]
         return closed
 
-    def _write(self, lines: list[tuple[int, str, float]]) -> None:
+    def _write(self, lines: list[_Line]) -> None:
         dropped = self.dropped
         if dropped != self._reported:
             count, self._reported = dropped - self._reported, dropped
-            lines.append((logging.WARNING, _line("log_lines_dropped", {"count": count}), time.time()))
+            lines.append((logging.WARNING, _line("log_lines_dropped", {"count": count}), time.time(), None))
         if not lines:
             return
-        if _console_only():
-            stream = sys.stderr  # as it is now (servers and test tools may swap it)
-            if stream is None:
-                return
-            try:
-                stream.write("".join(text + "\n" for _, text, _ in lines))
-                stream.flush()
-            except Exception:  # a closed or broken stream: nothing to tell it with
-                pass
+        console = _console_only()
+        # Each stream's text, in order (by the stream's identity: uvicorn's handler and guards'
+        # console both write to the same `sys.stderr`).
+        streams: dict[int, tuple[TextIO, list[str]]] = {}
+        for level, text, created, handler in lines:
+            if handler is None and not console:
+                record = logger.makeRecord(logger.name, level, *_SOURCE, text, (), None, _SOURCE_FUNCTION)
+                record.created, record.msecs = created, (created - int(created)) * 1000
+                logger.handle(record)
+                continue
+            # guards' console: stderr as it is now (servers and test tools may swap it).
+            stream = sys.stderr if handler is None else handler.stream
+            if stream is not None:
+                texts = streams.setdefault(id(stream), (stream, []))[1]
+                texts.append(text + "\n" if handler is None else text)  # (a handler's has its end)
+        for stream, texts in streams.values():
+            _write_text(stream, "".join(texts))
+
+
+def _write_text(stream: TextIO, text: str) -> None:
+    """Write `text` to `stream`: to its descriptor when it has one (then a write blocked on a
+    full pipe holds none of the stream's locks), else through the stream."""
+    try:
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # no file under it (a test's capture)
+            stream.write(text)
+            stream.flush()
             return
-        for level, text, created in lines:
-            record = logger.makeRecord(logger.name, level, *_SOURCE, text, (), None, _SOURCE_FUNCTION)
-            record.created, record.msecs = created, (created - int(created)) * 1000
-            logger.handle(record)
+        data = text.encode(getattr(stream, "encoding", None) or "utf-8", "backslashreplace")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except Exception:  # a closed or broken stream: nothing to tell it with
+        pass
 
 
 def _line(event: str, fields: Mapping[str, Any]) -> str:
@@ -254,12 +290,12 @@ def _line(event: str, fields: Mapping[str, Any]) -> str:
     return _encode(line)
 
 
-def _skip_line(entry: list[Any]) -> tuple[int, str, float]:
+def _skip_line(entry: list[Any]) -> _Line:
     second, fields, count, models = entry
     line = dict(fields, count=count)
     if len(models) > 1:
         line["models"] = sorted(str(model) for model in models)
-    return logging.INFO, _line("skip", line), float(second)
+    return logging.INFO, _line("skip", line), float(second), None
 
 
 #: Where the records of the app's handlers say they come from (file, line; function): the
@@ -337,3 +373,43 @@ def show_logs() -> None:
         logger.addHandler(_ConsoleFallback())
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
+
+
+class _BehindWriter(logging.Handler):
+    """Stands in for a stream handler (`write_behind`): formats each record as it would, here,
+    and queues the line for the writer, which writes it to that handler's stream (its `stream`
+    then: logging's last resort always names the current `sys.stderr`)."""
+
+    def __init__(self, handler: logging.StreamHandler[TextIO]) -> None:
+        super().__init__(handler.level)
+        self.handler = handler
+        self.formatter = handler.formatter
+        self.filters = list(handler.filters)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = self.format(record)
+        except Exception:  # a bad log call (its arguments do not fit its message): not written
+            _writer.dropped += 1  # (`handleError` would write to the blocked stream)
+            return
+        if len(text) > MAX_LINE_CHARS:
+            half = MAX_LINE_CHARS // 2
+            text = f"{text[:half]} [... {len(text) - 2 * half} characters cut ...] {text[-half:]}"
+        line = {"text": text + self.handler.terminator, "handler": self.handler}
+        _writer.put((record.levelno, "", line, record.created, None))
+
+
+def write_behind(*names: str) -> None:
+    """Put the writer behind the loggers `names`' stream handlers (exactly `StreamHandler`s: a
+    file, socket or custom handler stays as it is) and behind logging's last resort (the
+    handler of records that no handler takes, asyncio's among them when the root logger has
+    none): what they log is never written on the logging thread, and is dropped and counted
+    with guards' own lines when the writer is behind (see the module's docstring)."""
+    for name in names:
+        handlers = logging.getLogger(name).handlers
+        for index, handler in enumerate(handlers):
+            if type(handler) is logging.StreamHandler:
+                handlers[index] = _BehindWriter(handler)
+    last_resort = logging.lastResort
+    if isinstance(last_resort, logging.StreamHandler):
+        logging.lastResort = _BehindWriter(last_resort)

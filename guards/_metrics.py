@@ -300,8 +300,9 @@ TASK_STEPS = Metric(
 LOG_LINES_DROPPED = Metric(
     "Counter",
     "guards_log_lines_dropped",
-    "Log lines dropped because the writer of guards' lines was behind (a stderr or log "
-    "handler that does not keep up): never waited for (see docs/operating/logs.md).",
+    "Log lines dropped because the writer of guards' lines (and, under guards.serve, of "
+    "uvicorn's and asyncio's) was behind (a stderr, stdout or log handler that does not keep "
+    "up): never waited for (see docs/operating/logs.md).",
 )
 
 

@@ -25,6 +25,11 @@ with `"cut": "shutdown"`, and a second later what is left is cancelled; a second
 them),
 a worker that dies is replaced, and a worker that fails while starting stops the server (exit
 status 3). Linux: other systems do not balance `SO_REUSEPORT` sockets.
+
+What the workers and the supervisor log through uvicorn's loggers (the access log included) or
+logging's last resort (asyncio's records) is written by guards' log writer, never on the event
+loop nor between the supervisor's signals: a stderr or stdout that nobody reads drops lines
+(counted), and holds up no request and no stop (`guards._log.write_behind`).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
 from ._extras import missing_extra
-from ._log import flush_logs
+from ._log import write_behind
 from ._relay import stop_streams
 
 try:
@@ -181,7 +186,7 @@ def serve(
         raise ServeError("limit_concurrency must be at least 2")
     chosen_loop, chosen_http = _stack(loop, http)
     uvicorn.Config(app, log_level=log_level)  # configures uvicorn's loggers in this process too
-    _escape_uvicorn_logs()
+    _guard_uvicorn_logs()
     options = _Options(
         app=app,
         host=host,
@@ -328,12 +333,16 @@ def _run_worker(options: _Options, ready: Connection) -> None:
         loop=options.loop,
         protocol=BoundedH11Protocol if options.http == "h11" else BoundedHttpToolsProtocol,
     )
-    _escape_uvicorn_logs()  # after the config: it (re)configures uvicorn's loggers
-    try:
-        _Worker(config, options, ready).run()
-    finally:
-        # A worker process ends without running `atexit`: guards' last log lines, now.
-        flush_logs()
+    _guard_uvicorn_logs()  # after the config: it (re)configures uvicorn's loggers
+    # uvicorn raises the stop signal again once it has stopped, to die of it: as an exception,
+    # the worker exits as a process that returns does, through `atexit`, where the log writer
+    # writes its last lines (for a second at most: `flush_logs`).
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    _Worker(config, options, ready).run()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @dataclasses.dataclass
@@ -418,8 +427,8 @@ class _Supervisor:
     def _stop(self, wake_r: int, status: int | None) -> int:
         """Stop every worker gracefully (SIGTERM), forcing them (SIGINT) on a second signal and
         killing what is left after the graceful timeout."""
+        self._signal_workers(signal.SIGTERM)  # first: nothing may delay it, not even a log line
         logger.info("Stopping %d worker(s).", len(self.slots))
-        self._signal_workers(signal.SIGTERM)
         deadline = time.monotonic() + self.options.timeout_graceful_shutdown_s + _STREAMS_STOP_S + 5
         give_up = False
         while (alive := [s.process.sentinel for s in self.slots if s.process.is_alive()]) and not give_up:
@@ -478,9 +487,15 @@ class _EscapeControls(logging.Filter):
         return True
 
 
-def _escape_uvicorn_logs() -> None:
-    """Escape what every handler of uvicorn's loggers writes (see `_EscapeControls`)."""
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+def _guard_uvicorn_logs() -> None:
+    """Put guards' log writer behind uvicorn's loggers and logging's last resort (asyncio's
+    records reach it): a full stderr or stdout never blocks the event loop, nor the
+    supervisor's signals, and what the writer cannot take is dropped and counted
+    (`guards._log.write_behind`); and escape what every handler of uvicorn's loggers writes
+    (see `_EscapeControls`)."""
+    names = ("uvicorn", "uvicorn.error", "uvicorn.access")
+    write_behind(*names)
+    for name in names:
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _EscapeControls) for f in handler.filters):
                 handler.addFilter(_EscapeControls())
@@ -559,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the HTTP/1.1 parser (default auto: httptools when installed, else h11)",
     )
     args = parser.parse_args(argv)
+    write_behind()  # a `ServeError` before uvicorn's loggers are set up reaches the last resort
     try:
         return serve(
             args.app,
@@ -579,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             http=args.http,
         )
     except ServeError as exc:
-        print(f"guards.serve: {exc}", file=sys.stderr)
+        logger.error("guards.serve: %s", exc)  # behind the writer: a full stderr cannot hold the exit
         return 2
 
 

@@ -11,6 +11,8 @@ what the server did with the connection it came on.
   first;
 - `GET /raise/<words>`: fails with an exception whose message quotes the client's `<words>` (the
   path, percent-decoded: it may carry any character);
+- `GET /orphan`: starts a task that fails and that nobody awaits, and lets it be collected:
+  asyncio logs "Task exception was never retrieved" (its own logger, with a traceback);
 - the lifespan shutdown writes `shutdown-<pid>` into `$PROBE_DIR`.
 """
 
@@ -54,6 +56,10 @@ def _mark(kind: str, suffix: str = "") -> None:
         Path(folder, f"{kind}-{os.getpid()}{suffix}").touch()
 
 
+async def _fail() -> None:
+    raise RuntimeError("nobody awaits this task")
+
+
 async def app(scope: Scope, receive: Receive, send: Send) -> None:
     if scope["type"] == "lifespan":
         while True:
@@ -79,6 +85,12 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         # A crash whose message quotes the client (its path): the traceback logged.
         said = scope["path"].removeprefix("/raise/")
         raise RuntimeError(f"the client said {said}")
+    elif scope["path"] == "/orphan":
+        task = asyncio.get_running_loop().create_task(_fail())
+        await asyncio.sleep(0)  # the task runs, and fails
+        del task
+        gc.collect()  # asyncio logs its exception as it goes
+        body = {"pid": os.getpid()}
     elif scope["path"] == "/hold":
         _mark("held", f"-{next(_held)}")
         await asyncio.sleep(float(scope["query_string"].decode().removeprefix("s=") or 1))

@@ -6,14 +6,18 @@ did with a connection is read from inside the worker (`tests/e2e/serve_probe.py`
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
+import re
+import select
 import signal
 import socket
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -21,7 +25,7 @@ import pytest
 
 from guards.serve import ServeError, serve
 
-from .served import STACKS, ServedApp
+from .served import ROOT, STACKS, ServedApp
 
 PROBE = "tests.e2e.serve_probe:app"
 #: Connections opened at once (with two workers, all on one by chance: probability 2 / 2**20).
@@ -154,8 +158,13 @@ def test_a_signal_stops_gracefully(
         wait_for_files(probe_dir, "held-*", 1)
         status = served.stop(sig, timeout_s=15)
         answered = read_response(holding)
+        log = served.log
     assert status == 0
     assert answered[0] == 200
+    # Each worker's last lines are written (by the log writer) before it exits.
+    assert sorted(re.findall(r"Finished server process \[(\d+)\]", log)) == sorted(
+        map(str, served.started_pids())
+    )
     assert sorted(p.name for p in probe_dir.glob("shutdown-*")) == sorted(
         f"shutdown-{pid}" for pid in served.started_pids()
     )
@@ -308,3 +317,149 @@ def test_auto_falls_back_to_what_uvicorn_always_has(tmp_path: Path, clients: Cli
     assert status == 200
     assert body["loop"] == "asyncio.unix_events"
     assert "1 worker(s), asyncio + httptools, limit_concurrency" in log
+
+
+#: The pipe the tests below give a server for its stdout and stderr: one page, so that a few
+#: dozen lines fill it.
+PIPE_BYTES = 4096
+#: uvicorn's access line of a request to `/health` that was answered.
+ACCESS_LINE = '"GET /health HTTP/1.1" 200'
+
+
+class PipedServer:
+    """`python -m guards.serve` whose stdout and stderr are one pipe of `PIPE_BYTES` that the
+    test reads only when it says so: a log shipper that stopped reading."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        read_end, write_end = os.pipe()
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        command = [sys.executable, "-m", "guards.serve", PROBE, "--port", "0", *args]
+        self.process = subprocess.Popen(
+            command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=write_end, stderr=write_end
+        )
+        os.close(write_end)
+        self.pipe = read_end
+        self.log = ""
+
+    def read_until(self, done: Callable[[str], bool], timeout_s: float = 30.0) -> str:
+        """Read the pipe until `done(what was read so far)` (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while not done(self.log):
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"not found in {timeout_s} s:\n{self.log}"
+            ready, _, _ = select.select([self.pipe], [], [], remaining)
+            if ready:
+                chunk = os.read(self.pipe, 65536)
+                assert chunk, f"the server closed its log:\n{self.log}"
+                self.log += chunk.decode(errors="replace")
+        return self.log
+
+    def started(self, workers: int) -> tuple[int, list[int]]:
+        """Read until `workers` workers have started: the port, the workers' process ids."""
+        log = self.read_until(lambda log: log.count("Application startup complete.") >= workers)
+        found = re.search(r"guards\.serve: http://127\.0\.0\.1:(\d+)", log)
+        assert found is not None
+        port = int(found.group(1))
+        deadline = time.monotonic() + 10  # a worker listens just after its start-up line
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, "no worker listens"
+                time.sleep(0.01)  # polling for the listening socket, bounded by the deadline
+        return port, [int(pid) for pid in re.findall(r"Started server process \[(\d+)\]", log)]
+
+    def __enter__(self) -> PipedServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        os.close(self.pipe)  # a write blocked on it fails: a stuck server can stop
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_log_pipe_nobody_reads_holds_up_no_request_and_no_stop(stack: tuple[str, ...]) -> None:
+    """stdout and stderr a full pipe: uvicorn's access lines, the warning of a malformed request,
+    asyncio's error lines (a task nobody awaited) and the lines of the stop are dropped, never
+    waited for. Every request is answered, and
+    SIGTERM stops the server, its workers included, at once (it froze a worker at its 60th
+    access line or so, and SIGTERM took 36 s and ended in a kill)."""
+    requests = 300  # about 60 access lines fill the pipe
+    with PipedServer("--workers", "2", *stack) as served:
+        port, workers = served.started(2)
+        sockets = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        try:
+            statuses = [get(sock, "/health")[0] for _ in range(requests // 4) for sock in sockets]
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as malformed:
+                malformed.sendall(b"GET /health HTTP/1.1\r\nhost test\r\n\r\n")
+                refused = closed_by_server(malformed, 5)
+            # About 450 bytes each: together more than the pipe holds, even empty.
+            orphans = [get(sock, "/orphan")[0] for _ in range(5) for sock in sockets]
+            after = [get(sock, "/health")[0] for sock in sockets]
+        finally:
+            for sock in sockets:
+                sock.close()
+        start = time.monotonic()
+        served.process.send_signal(signal.SIGTERM)
+        status = served.process.wait(15)
+        stopped_s = time.monotonic() - start
+    assert statuses == [200] * requests
+    assert refused.startswith(b"HTTP/1.1 400 ")
+    assert orphans == [200] * 20
+    assert after == [200] * 4
+    assert status == 0
+    assert stopped_s < 10, stopped_s  # (36 s, and a kill, when a worker froze)
+    assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []
+
+
+def test_lines_a_full_log_pipe_cannot_take_are_dropped_and_counted() -> None:
+    """Each worker's writer holds at most `GUARDS_LOG_BUFFER_LINES` lines, uvicorn's and
+    guards' alike; past them, lines are dropped and counted. Once the pipe is read again, the
+    writer writes what it held and says how many it dropped: with the access lines written,
+    exactly one per request."""
+    requests = 200
+    with PipedServer(env={"GUARDS_LOG_BUFFER_LINES": "20"}) as served:
+        port, _ = served.started(1)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            statuses = [get(sock, "/health")[0] for _ in range(requests)]
+
+        def accounted(log: str) -> bool:
+            return log.count(ACCESS_LINE) + sum(_said_dropped(log)) >= requests
+
+        log = served.read_until(accounted, timeout_s=10)
+    assert statuses == [200] * requests
+    assert sum(_said_dropped(log)) > 0
+    assert log.count(ACCESS_LINE) + sum(_said_dropped(log)) == requests
+
+
+def _said_dropped(log: str) -> list[int]:
+    """The counts of the `log_lines_dropped` lines in `log`."""
+    return [json.loads(line)["count"] for line in log.splitlines() if '"event":"log_lines_dropped"' in line]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("httptools") is None, reason="httptools is not installed")
+def test_a_line_longer_than_the_cap_is_cut_in_its_middle(tmp_path: Path, clients: Clients) -> None:
+    """A line of uvicorn's waits in the writer's queue at most 16,384 characters long (the
+    middle cut): a traceback whose exception quotes a 20,000-character path keeps its head
+    and the end of its message, and so does the request's access line. (httptools takes a
+    request line that long; h11 answers 400.)"""
+    words = "a" * 20_000 + "the-end"
+    with ServedApp(tmp_path / "log", PROBE, "--http", "httptools") as served:
+        served.wait_started(1)
+        [sock] = clients.connect(served.port)
+        sock.sendall(f"GET /raise/{words} HTTP/1.1\r\nhost: test\r\n\r\n".encode())
+        answer = closed_by_server(sock, 5)
+        served.stop()
+        log = served.log
+    assert answer.startswith(b"HTTP/1.1 500 ")
+    assert "Exception in ASGI application\nTraceback" in log
+    assert log.count("characters cut ...]") == 2  # the traceback, the access line
+    assert log.count("the-end") == 2
+    assert len(log) < 2 * 16_384 + 2_000  # the two lines, and the start and stop
