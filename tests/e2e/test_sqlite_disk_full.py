@@ -55,6 +55,11 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True, check=False)
 
 
+def size(file: Path) -> int:
+    """`file`'s size (0: none), read while flooding: a stat on a tmpfs, microseconds."""
+    return file.stat().st_size if file.exists() else 0
+
+
 async def flood(url: str, count: int, wal: Path, concurrency: int = 20) -> tuple[int, int, int]:
     """`count` refused `/report` requests from one capped user, each with a new
     `Idempotency-Key` (each claims its task and drops it: two commits), `concurrency` at a
@@ -75,7 +80,7 @@ async def flood(url: str, count: int, wal: Path, concurrency: int = 20) -> tuple
                 )
                 sent += 1
                 failed += r.status_code >= 500
-                largest = max(largest, wal.stat().st_size if wal.exists() else 0)
+                largest = max(largest, size(wal))
 
         await asyncio.gather(*(one() for _ in range(concurrency)))
     return sent, failed, largest
