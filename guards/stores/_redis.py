@@ -87,6 +87,9 @@ connection lost, or `CLUSTERDOWN`, fails the operation and the next one reads th
 At each new connection (to each node, on a cluster) the server's `maxmemory-policy`,
 `maxmemory`, `appendonly` and `save` are read (`CONFIG GET`, behind that turn's operations) and
 a setting under which guards' keys can be evicted or lost is warned once (`_check_settings`).
+Keys evicted are noticed at run time: `INFO stats` (`evicted_keys`) behind the `health` reads,
+at most once a second per connection (each primary, on a cluster), a rise reported as a store
+reset (`_watch_evictions`, `Epoch.evicted`).
 
 Event loops: a connection belongs to one event loop, so the store keeps one per running loop,
 made on first use there and closed when that loop shuts down (or by `aclose`).
