@@ -690,8 +690,8 @@ class SQLiteStore:
         #: Commits since the last WAL checkpoint, and how many call for the next one.
         self._commits = 0
         self._checkpoint_every = _CHECKPOINT_EVERY
-        #: A write failed for want of disk space (SQLITE_FULL): the next batch is the thread's,
-        #: after a truncating checkpoint (`_checkpoint`), until one succeeds.
+        #: A write failed for want of disk space (SQLITE_FULL): checkpoints truncate the WAL
+        #: (`_checkpoint`) until one succeeds.
         self._full = False
         #: Results of the thread's batch, for `_serve` to answer once the connection is free.
         self._answers: list[tuple[_Job[Any], Any]] = []
@@ -943,7 +943,7 @@ class SQLiteStore:
                     waiting.extend(jobs)
             batch = [waiting.popleft() for _ in range(min(_BATCH, len(waiting)))]
             with self._conn_lock:
-                if self._full or self._commits >= self._checkpoint_every:
+                if self._commits >= self._checkpoint_every:
                     self._checkpoint()  # then this batch: the first write after it, here too
                 try:
                     self._run_batch(batch, inline=False)
@@ -968,7 +968,6 @@ class SQLiteStore:
             if (
                 self._closed
                 or self._conn is None
-                or self._full
                 or self._commits >= self._checkpoint_every
                 or self._clock.time() >= self._next_sweep
             ):
@@ -988,19 +987,21 @@ class SQLiteStore:
 
         After a write failed for want of disk space (`_full`), the checkpoint truncates the
         WAL to nothing once it is copied, giving its space back (a passive one only lets the
-        next commit reuse it): tried before each batch until it succeeds. It fails while the
-        database file cannot grow by the pages it copies; once space returns, it succeeds and
-        writes go on. (Without it, no commit succeeded, so no checkpoint was ever due: a WAL
-        that had filled the disk stayed there, through restarts.)"""
+        next commit reuse it), until one succeeds: due at once after each failed write (the
+        thread then checkpoints before its next batch), else at the usual count of commits.
+        It fails while the database file cannot grow by the pages it copies, or answers busy
+        while another connection reads an older snapshot or writes; once space returns, it
+        succeeds and writes go on. (Without it, no commit succeeded, so no checkpoint was ever
+        due: a WAL that had filled the disk stayed there, through restarts.)"""
         commits, self._commits = self._commits, 0
         if self._conn is None or not os.access(self._shm, os.W_OK):  # (see `_check_files`)
             return
         if self._full:
             try:
                 row = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-            except sqlite3.Error:  # still full, or another connection's checkpoint: next batch
+            except sqlite3.Error:  # still full, or another connection's checkpoint: next time
                 return
-            self._full = row is None or row[0] != 0  # 1: another connection held it up
+            self._full = row is None or row[0] != 0  # 1: held up by another connection
             return
         try:
             row = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
@@ -1029,8 +1030,9 @@ class SQLiteStore:
                 if inline and (_is_busy(exc) or self._conn is not None):
                     return live  # the lock is taken, or an error the thread deals with (closing)
                 if not _is_busy(exc):  # cannot open, I/O error, file replaced: start afresh next time
-                    if _is_full(exc):  # the connection stays, to checkpoint (`_checkpoint`)
+                    if _is_full(exc):  # the connection stays, to checkpoint at once (`_checkpoint`)
                         self._full = True
+                        self._commits = max(self._commits, self._checkpoint_every)
                     elif not _is_unwritable(exc):  # (an unwritable -shm: the connection waits)
                         self._disconnect()
                     reason = getattr(exc, "sqlite_errorname", None) or type(exc).__name__

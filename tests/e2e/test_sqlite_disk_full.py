@@ -63,9 +63,9 @@ def size(file: Path) -> int:
 async def flood(url: str, count: int, wal: Path, concurrency: int = 20) -> tuple[int, int, int]:
     """`count` refused `/report` requests from one capped user, each with a new
     `Idempotency-Key` (each claims its task and drops it: two commits), `concurrency` at a
-    time, for at most 10 s; returns how many were sent, how many answered 5xx, and the WAL's
+    time, for at most 30 s (a loaded machine); returns how many were sent, how many answered 5xx, and the WAL's
     largest size seen."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     sent = failed = largest = 0
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=10, limits=limits) as client:
@@ -84,6 +84,22 @@ async def flood(url: str, count: int, wal: Path, concurrency: int = 20) -> tuple
 
         await asyncio.gather(*(one() for _ in range(concurrency)))
     return sent, failed, largest
+
+
+def smallest_wal_seen(url: str, wal: Path) -> int:
+    """The WAL's smallest size seen between refused `/report` requests (two commits each) sent
+    one after the other, until it is below a quarter of the disk (at most 10 s)."""
+    smallest = size(wal)
+    deadline = time.monotonic() + 10
+    with httpx.Client(timeout=10) as client:
+        while smallest >= DISK_BYTES // 4 and time.monotonic() < deadline:
+            client.post(
+                f"{url}/report",
+                json={"text": "refund"},
+                headers={"x-user-id": "capped", "idempotency-key": uuid.uuid4().hex},
+            )
+            smallest = min(smallest, size(wal))
+    return smallest
 
 
 def admitted(url: str, user: str) -> bool:
@@ -125,13 +141,14 @@ def test_the_wal_stays_bounded_and_a_full_disk_recovers_when_space_returns(
             # close is the last one, which would checkpoint), and the file is deleted.
             reader.commit()
             filler.unlink()
-            # Space returned: a new user is admitted, and the WAL gave its space back (a
-            # truncating checkpoint). Before, the WAL kept the whole disk's worth it had grown to.
+            # Space returned: a new user is admitted, and within the next checkpoint's worth of
+            # commits the WAL gives its space back (a truncating checkpoint, owed since the
+            # failure). Before, it kept the whole disk's worth it had grown to.
             deadline = time.monotonic() + 5
             while not admitted(app.url, "space-returned") and time.monotonic() < deadline:
                 time.sleep(0.1)  # bounded by the deadline above
             assert admitted(app.url, "space-returned-2")
-            assert wal.stat().st_size < DISK_BYTES // 4, largest
+            assert smallest_wal_seen(app.url, wal) < DISK_BYTES // 4, largest
         finally:
             reader.close()
     finally:
