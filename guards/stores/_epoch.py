@@ -23,8 +23,8 @@ knows each slot's id (`found_in`) and which of its resets it last used the slot 
 of that reset (a flush or a restart reaches every slot of a node at once, and each slot is
 found as traffic reaches it), so a reset is warned and counted once.
 
-Eviction is the one loss the marker misses: every step reads it, so LRU never picks it (and
-`volatile-*` policies never do: it has no TTL), while the keys around it go. `RedisStore` asks
+Eviction is the loss the marker misses: every step reads it, so LRU seldom picks it while
+traffic flows (and `volatile-*` policies never do: it has no TTL), while the keys around it go. `RedisStore` asks
 the server instead how many keys it evicted (`INFO stats`, behind its `health` reads, at most
 once a second per connection) and reports a rise as a reset (`evicted`, `cause` `evicted`): Redis
 cannot say whose keys went, and any of them may have been a cap.

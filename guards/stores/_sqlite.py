@@ -58,9 +58,10 @@ once per batch.
 An inline transaction never waits for a lock (it takes it at once or leaves the work to the
 thread), never sweeps, and never checkpoints the WAL (a checkpoint syncs files). In WAL mode with
 `synchronous = NORMAL` a commit only writes the WAL; the syncs come with checkpoints, and
-SQLite's automatic checkpoint (run by a commit) is off: the store's thread checkpoints as
-often instead, and runs the transaction right after it, the first write after a complete
-checkpoint, which restarts the WAL and syncs its header. (Another worker's checkpoint can
+SQLite's automatic checkpoint (run by a commit) is off: the store's thread checkpoints instead
+(every `_WAL_PAGES` pages, with `journal_size_limit`: the WAL stays small on a small disk),
+and runs the transaction right after it, the first write after a complete checkpoint, which
+restarts the WAL and syncs its header. (Another worker's checkpoint can
 leave that first write, and its one small sync, to an inline transaction of this one.)
 
 Timeouts: waiting for the file's write lock (the busy timeout) is bounded by `timeout_s` per
