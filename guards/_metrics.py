@@ -163,7 +163,8 @@ STORE_RESETS = Metric(
     "guards_store_reset",
     "Times this worker found its store had forgotten its state (the store's epoch marker missing "
     "or changed: a flush, a restart without persistence, an empty replica promoted, a SQLite "
-    "file replaced), by store: redis or sqlite. Each worker counts each reset once.",
+    "file replaced; or Redis keys evicted under memory pressure), by store: redis or sqlite. "
+    "Each worker counts each reset once.",
     ["store"],
 )
 REQUESTS = Metric(

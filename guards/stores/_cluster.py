@@ -54,6 +54,9 @@ class _Wire(Protocol):
 
     failure: str | None
     loads: int
+    evicted: int | None
+    evictions_due: float
+    resets_seen: int
 
     def send(self, command: bytes) -> asyncio.Future[Any]: ...
     def load(self, command: bytes) -> None: ...
@@ -201,6 +204,11 @@ class Cluster:
                 self._slots[moved] = node
                 if slot is not None:  # our map was wrong: read it again, in the background
                     self._refresh()
+
+    def primaries(self) -> list[_Wire]:
+        """A connection to each primary of the map (dialed where there is none, or it failed);
+        none while the map is not known."""
+        return [] if self._stale else [self._wire(node) for node in self._known()]
 
     async def close(self) -> None:
         """Close every connection; returns once their sockets are closed."""

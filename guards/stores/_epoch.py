@@ -9,8 +9,8 @@ it when it is missing, and hand the worker the id they found when it is not the 
 worker knows: no extra round trip, and nothing more on the usual path than the read.
 
 A worker (one store object) that knew an id and finds another warns once and counts it
-(`store_reset`, `guards_store_reset_total`): each worker once per reset, whichever of them
-remade the marker, and again at the next reset. A worker that knew none yet (its first
+(`store_reset` with `cause` `marker`, `guards_store_reset_total`): each worker once per reset,
+whichever of them remade the marker, and again at the next reset. A worker that knew none yet (its first
 operation) learns the id silently: it cannot tell a new store from one that forgot before it
 started, and it lost nothing it had seen. `MemoryStore` cannot forget while its process lives,
 and has no marker.
@@ -22,6 +22,12 @@ knows each slot's id (`found_in`) and which of its resets it last used the slot 
 (`seen_in`): a slot found reset that it had not used since the last reset it noticed is part
 of that reset (a flush or a restart reaches every slot of a node at once, and each slot is
 found as traffic reaches it), so a reset is warned and counted once.
+
+Eviction is the loss the marker misses: every step reads it, so LRU seldom picks it while
+traffic flows (and `volatile-*` policies never do: it has no TTL), while the keys around it go. `RedisStore` asks
+the server instead how many keys it evicted (`INFO stats`, behind its `health` reads, at most
+once a second per connection) and reports a rise as a reset (`evicted`, `cause` `evicted`): Redis
+cannot say whose keys went, and any of them may have been a cap.
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ _DETAIL = {
     "sqlite": "the store's epoch marker was gone: the database file was replaced by an empty one or "
     "its tables emptied. Daily caps, spend, breakers, cooldowns and tasks started over",
 }
+_EVICTED = (
+    "Redis evicted keys under memory pressure (INFO stats evicted_keys rose): any of guards' keys "
+    "may be among them, so daily caps, spend, breakers, cooldowns and tasks may have started over. "
+    "Set maxmemory-policy noeviction and enough maxmemory"
+)
 
 
 class Epoch:
@@ -86,8 +97,7 @@ class Epoch:
             self.resets += 1
             self.last_reset_at = time.time()
             self._parts[part] = (epoch, self.resets)
-        emit_warning("store_reset", store=self._store, resets=self.resets, detail=_DETAIL[self._store])
-        STORE_RESETS.labels(store=self._store).inc()
+        self._warn(self.resets, "marker", _DETAIL[self._store])
 
     def found(self, epoch: str) -> None:
         """The store answered with marker `epoch`, which was not `known` when the operation
@@ -101,5 +111,17 @@ class Epoch:
                 self.resets += 1
                 self.last_reset_at = time.time()
         if forgot:
-            emit_warning("store_reset", store=self._store, resets=self.resets, detail=_DETAIL[self._store])
-            STORE_RESETS.labels(store=self._store).inc()
+            self._warn(self.resets, "marker", _DETAIL[self._store])
+
+    def evicted(self, count: int) -> None:
+        """The server evicted `count` keys since this worker last asked (Redis `INFO stats`):
+        a reset, warned and counted as one (they may have been guards' keys)."""
+        with self._lock:
+            self.resets += 1
+            self.last_reset_at = time.time()
+            resets = self.resets
+        self._warn(resets, "evicted", _EVICTED, evicted=count)
+
+    def _warn(self, resets: int, cause: str, detail: str, **more: int) -> None:
+        emit_warning("store_reset", store=self._store, resets=resets, cause=cause, **more, detail=detail)
+        STORE_RESETS.labels(store=self._store).inc()

@@ -87,6 +87,9 @@ connection lost, or `CLUSTERDOWN`, fails the operation and the next one reads th
 At each new connection (to each node, on a cluster) the server's `maxmemory-policy`,
 `maxmemory`, `appendonly` and `save` are read (`CONFIG GET`, behind that turn's operations) and
 a setting under which guards' keys can be evicted or lost is warned once (`_check_settings`).
+Keys evicted are noticed at run time: `INFO stats` (`evicted_keys`) behind the `health` reads,
+at most once a second per connection (each primary, on a cluster), a rise reported as a store
+reset (`_watch_evictions`, `Epoch.evicted`).
 
 Event loops: a connection belongs to one event loop, so the store keeps one per running loop,
 made on first use there and closed when that loop shuts down (or by `aclose`).
@@ -1423,6 +1426,7 @@ class RedisStore:
         )
 
     async def health(self, legs: Sequence[tuple[str, str]]) -> Health:
+        self._watch_evictions()
         if self._cluster:
             return await self._split_health(legs)
         keys = [self._key(cooldown_key) + ":cooldown" for cooldown_key, _ in legs]
@@ -1921,6 +1925,48 @@ class RedisStore:
             return StoreUnavailable(f"Redis store unavailable ({code})")
         return StoreUnavailable("Redis store unavailable (ResponseError)")  # a script error
 
+    def _watch_evictions(self) -> None:
+        """Behind a `health` read, in the same write: ask each server this loop's connections
+        reach (each primary, on a cluster) how many keys it has evicted (`INFO stats`), at
+        most once per `_EVICTIONS_EVERY_S` per connection; nothing waits for the answer. A
+        count that rose since the connection's last answer is a reset (`Epoch.evicted`); a
+        connection's first answer (a new server, a failover) is its baseline."""
+        loop = asyncio.get_running_loop()
+        wires: list[_Wire] = []
+        if self._cluster:
+            cluster = self._clusters.get(loop)
+            if cluster is not None:
+                wires = cast(list[_Wire], cluster.cluster.primaries())
+        else:
+            link = self._links.get(loop)
+            if link is not None:
+                wires = [link.wire]
+        now = time.monotonic()
+        for wire in wires:
+            if wire.failure is None and now >= wire.evictions_due:
+                self._ask_evictions(wire, now)
+
+    def _ask_evictions(self, wire: _Wire, now: float) -> None:
+        """`INFO stats` on `wire`, its answer read by `_evictions` (also at connect, with the
+        settings: the baseline)."""
+        wire.evictions_due = now + _EVICTIONS_EVERY_S
+        with suppress(StoreUnavailable):  # broken, or too many in flight: next time
+            wire.send(_INFO_STATS).add_done_callback(functools.partial(self._evictions, wire))
+
+    def _evictions(self, wire: _Wire, reply: asyncio.Future[Any]) -> None:
+        """`INFO stats` answered on `wire` (see `_watch_evictions`)."""
+        if reply.cancelled() or reply.exception() is not None:
+            return  # the connection failed: its next one starts a baseline of its own
+        count = _evicted_keys(reply.result())
+        if count is None:
+            return
+        last, wire.evicted = wire.evicted, count
+        seen, wire.resets_seen = wire.resets_seen, self._epoch.resets
+        # A reset noticed since the last answer (the marker found gone: `allkeys-*` evicts it
+        # too, and the next step finds that first) is this one: counted once.
+        if last is not None and count > last and seen == self._epoch.resets:
+            self._epoch.evicted(count - last)
+
     async def _check_settings(self, wire: _Wire) -> None:
         """Read the server's settings that decide whether it keeps guards' keys (on each new
         connection: a failover may reach another server) and warn, once per store and value,
@@ -1929,6 +1975,7 @@ class RedisStore:
         are lost on a restart (`appendonly no` and no `save` snapshots). A server whose CONFIG
         command is refused (managed Redis) is said once, at info level."""
         names = ("maxmemory-policy", "maxmemory", "appendonly", "save")
+        self._ask_evictions(wire, time.monotonic())  # the baseline of `_watch_evictions`
         try:
             sent = [wire.send(_packed("CONFIG", "GET", name)) for name in names]
         except StoreUnavailable:  # the connection broke: the next one checks
@@ -2151,6 +2198,25 @@ def _packed(*command: str | int) -> bytes:
 
 
 _LOAD_SCRIPT = _packed("SCRIPT", "LOAD", _SCRIPT)
+#: How often (at most) each connection's server is asked how many keys it evicted (behind a
+#: `health` read: `RedisStore._watch_evictions`).
+_EVICTIONS_EVERY_S = 1.0
+_INFO_STATS = _packed("INFO", "stats")
+
+
+def _evicted_keys(info: Any) -> int | None:
+    """The `evicted_keys` of an `INFO stats` reply; None when it has none (an error reply, a
+    server that does not count them)."""
+    if not isinstance(info, str):
+        return None
+    start = info.find("\nevicted_keys:")
+    if start < 0:
+        return None
+    start += len("\nevicted_keys:")
+    end = info.find("\r", start, start + 24)
+    value = info[start : end if end >= 0 else start + 24]
+    return int(value) if value.isdigit() else None
+
 
 #: The most steps a store keeps the fixed arguments of (a route keeps one per caller), and
 #: the longest budget key of a step kept: what they hold stays within a few megabytes.
@@ -2211,6 +2277,12 @@ class _Wire(asyncio.Protocol):
         self.loads = 0
         #: The reading of its server's settings (a strong reference: `_check_settings`).
         self.checking: asyncio.Task[None] | None = None
+        #: Its server's `evicted_keys` when last asked (None: not yet), and when it may be
+        #: asked again (monotonic): `RedisStore._watch_evictions`.
+        self.evicted: int | None = None
+        self.evictions_due = 0.0
+        #: The store's count of resets at that answer.
+        self.resets_seen = 0
         #: Done once the socket is closed (if it was ever connected).
         self._made = False
         self._lost: asyncio.Future[None] = loop.create_future()

@@ -58,9 +58,10 @@ once per batch.
 An inline transaction never waits for a lock (it takes it at once or leaves the work to the
 thread), never sweeps, and never checkpoints the WAL (a checkpoint syncs files). In WAL mode with
 `synchronous = NORMAL` a commit only writes the WAL; the syncs come with checkpoints, and
-SQLite's automatic checkpoint (run by a commit) is off: the store's thread checkpoints as
-often instead, and runs the transaction right after it, the first write after a complete
-checkpoint, which restarts the WAL and syncs its header. (Another worker's checkpoint can
+SQLite's automatic checkpoint (run by a commit) is off: the store's thread checkpoints instead
+(every `_WAL_PAGES` pages, with `journal_size_limit`: the WAL stays small on a small disk),
+and runs the transaction right after it, the first write after a complete checkpoint, which
+restarts the WAL and syncs its header. (Another worker's checkpoint can
 leave that first write, and its one small sync, to an inline transaction of this one.)
 
 Timeouts: waiting for the file's write lock (the busy timeout) is bounded by `timeout_s` per
@@ -304,10 +305,15 @@ def _load_breaker(text: str) -> BreakerState:
 #: The most operations one transaction of the store's thread carries.
 _BATCH = 100
 #: A store's thread checkpoints the WAL (`SQLiteStore._checkpoint`) every `_WAL_PAGES` pages of
-#: WAL, as SQLite's automatic checkpoint does, counted in commits: `_CHECKPOINT_EVERY` until
-#: the first checkpoint tells how many pages a commit writes.
-_WAL_PAGES = 1000
-_CHECKPOINT_EVERY = 100
+#: WAL (1 MiB of 4 KiB pages; SQLite's automatic checkpoint waits for 1,000), counted in
+#: commits: `_CHECKPOINT_EVERY` until the first checkpoint tells how many pages a commit writes.
+#: A small disk must hold the WAL: it is never longer than about that between checkpoints.
+_WAL_PAGES = 256
+_CHECKPOINT_EVERY = 20
+#: `journal_size_limit`: the WAL a checkpoint leaves behind is cut back to this (SQLite keeps
+#: the file at its largest otherwise, and a spike, say a checkpoint held up by another
+#: worker, would keep its disk space for good).
+_WAL_LIMIT_BYTES = 1024 * 1024
 #: How often (at most) a store checks that its file is still the one at its path.
 _CHECK_EVERY_S = 1.0
 #: Connections dropped after their file was deleted or replaced: never closed (see
@@ -685,6 +691,9 @@ class SQLiteStore:
         #: Commits since the last WAL checkpoint, and how many call for the next one.
         self._commits = 0
         self._checkpoint_every = _CHECKPOINT_EVERY
+        #: A write failed for want of disk space (SQLITE_FULL): checkpoints truncate the WAL
+        #: (`_checkpoint`) until one succeeds.
+        self._full = False
         #: Results of the thread's batch, for `_serve` to answer once the connection is free.
         self._answers: list[tuple[_Job[Any], Any]] = []
         self._epoch = Epoch("sqlite")
@@ -697,7 +706,7 @@ class SQLiteStore:
             _INHERITED.append(self._conn)
         self._conn, self._thread, self._jobs, self._outbox = None, None, queue.SimpleQueue(), {}
         self._start_lock, self._conn_lock = threading.Lock(), threading.Lock()
-        self._commits, self._answers = 0, []
+        self._commits, self._answers, self._full = 0, [], False
 
     def __repr__(self) -> str:
         return f"SQLiteStore({self._path!r})"
@@ -975,9 +984,25 @@ class SQLiteStore:
         an inline commit must not do. So does the first commit after a complete checkpoint
         (it restarts the WAL and syncs its header): the batch that follows, on this thread.
         The next checkpoint comes after as many commits as wrote `_WAL_PAGES` pages of WAL
-        this time (SQLite says how many pages the WAL holds)."""
+        this time (SQLite says how many pages the WAL holds).
+
+        After a write failed for want of disk space (`_full`), the checkpoint truncates the
+        WAL to nothing once it is copied, giving its space back (a passive one only lets the
+        next commit reuse it), until one succeeds: due at once after each failed write (the
+        thread then checkpoints before its next batch), else at the usual count of commits.
+        It fails while the database file cannot grow by the pages it copies, or answers busy
+        while another connection reads an older snapshot or writes; once space returns, it
+        succeeds and writes go on. (Without it, no commit succeeded, so no checkpoint was ever
+        due: a WAL that had filled the disk stayed there, through restarts.)"""
         commits, self._commits = self._commits, 0
         if self._conn is None or not os.access(self._shm, os.W_OK):  # (see `_check_files`)
+            return
+        if self._full:
+            try:
+                row = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            except sqlite3.Error:  # still full, or another connection's checkpoint: next time
+                return
+            self._full = row is None or row[0] != 0  # 1: held up by another connection
             return
         try:
             row = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
@@ -1006,7 +1031,10 @@ class SQLiteStore:
                 if inline and (_is_busy(exc) or self._conn is not None):
                     return live  # the lock is taken, or an error the thread deals with (closing)
                 if not _is_busy(exc):  # cannot open, I/O error, file replaced: start afresh next time
-                    if not _is_unwritable(exc):  # (an unwritable -shm: the connection waits)
+                    if _is_full(exc):  # the connection stays, to checkpoint at once (`_checkpoint`)
+                        self._full = True
+                        self._commits = max(self._commits, self._checkpoint_every)
+                    elif not _is_unwritable(exc):  # (an unwritable -shm: the connection waits)
                         self._disconnect()
                     reason = getattr(exc, "sqlite_errorname", None) or type(exc).__name__
                     unavailable = StoreUnavailable(f"SQLite store {self._path}: {reason}")
@@ -1109,6 +1137,7 @@ class SQLiteStore:
             self._when_free(deadline, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchall())
             conn.execute("PRAGMA synchronous = NORMAL")  # WAL: durable across crashes of workers
             conn.execute("PRAGMA wal_autocheckpoint = 0")  # the thread checkpoints (`_checkpoint`)
+            conn.execute(f"PRAGMA journal_size_limit = {_WAL_LIMIT_BYTES}")
             self._when_free(deadline, lambda: conn.execute("BEGIN IMMEDIATE"))
             try:
                 for statement in _SCHEMA:
@@ -1252,6 +1281,11 @@ _UNWRITABLE = "WAL index (-shm) not writable"
 
 def _is_unwritable(exc: sqlite3.Error) -> bool:
     return getattr(exc, "sqlite_errorname", None) == _UNWRITABLE
+
+
+def _is_full(exc: sqlite3.Error) -> bool:
+    """No disk space for a write (the WAL, the database file growing)."""
+    return getattr(exc, "sqlite_errorname", None) == "SQLITE_FULL"
 
 
 def _file_problem(problem: str) -> sqlite3.OperationalError:

@@ -496,3 +496,42 @@ def test_a_tls_cluster_checks_every_nodes_certificate(tmp_path: Path, prefix: st
             await untrusting.aclose()
 
         asyncio.run(scenario())
+
+
+def test_keys_evicted_on_any_primary_are_reported_as_a_reset(cluster: RedisCluster, prefix: str) -> None:
+    """Each primary is asked how many keys it evicted (`INFO stats`, behind the store's health
+    reads, at most once a second per node): a rise on any of them is a reset, even on a node
+    that the health read's own keys are not on."""
+    store = RedisStore(cluster.url, prefix=prefix, timeout_s=TIMEOUT_S)
+    legs = [("guards:cooldown:m", "guards:breaker:m")]
+    port = cluster.owner(0)
+    node = cluster.client(port)
+    fillers = [f"filler{{{slot_tag(0)}}}:{n}" for n in range(20_000)]
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(store.health(legs))  # each primary's baseline, at connect
+        before = int(node.info("stats")["evicted_keys"])
+        node.config_set("maxmemory-policy", "allkeys-lru")
+        node.config_set("maxmemory", int(node.info("memory")["used_memory"]) + 512 * 1024)
+        for start in range(0, len(fillers), 500):  # bounded: the node evicts long before the end
+            with node.pipeline(transaction=False) as pipe:
+                for name in fillers[start : start + 500]:
+                    pipe.set(name, b"x" * 512)
+                pipe.execute()
+            if int(node.info("stats")["evicted_keys"]) > before:
+                break
+        assert int(node.info("stats")["evicted_keys"]) > before
+        node.config_set("maxmemory", 0)
+        deadline = time.monotonic() + 5
+        while store.epoch.resets == 0:
+            assert time.monotonic() < deadline, "the eviction was not noticed"
+            loop.run_until_complete(store.health(legs))
+            loop.run_until_complete(asyncio.sleep(0.05))  # the next health read, bounded above
+        assert store.epoch.resets == 1
+        loop.run_until_complete(store.aclose())
+    finally:
+        node.config_set("maxmemory", 0)
+        node.config_set("maxmemory-policy", "noeviction")
+        for start in range(0, len(fillers), 1000):
+            node.delete(*fillers[start : start + 1000])
+        loop.close()

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -346,3 +347,57 @@ def test_a_task_claimed_again_after_a_flush_is_said_so(
     assert asyncio.run(scenario()) == [TaskStatus.claimed, TaskStatus.done, TaskStatus.claimed]
     assert len(guards_log.events("store_reset")) == 1
     assert store.epoch.resets == 1
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru"])
+def test_keys_evicted_under_memory_pressure_are_reported_as_a_reset(
+    policy: str, app_client: AppClient, guards_log: LogLines, private_redis: Callable[..., RedisServer]
+) -> None:
+    """The epoch marker is read by every step (LRU keeps it) and has no TTL (`volatile-*` never
+    picks it), so eviction never takes it: the store asks the server how many keys it evicted
+    (`INFO stats`, behind its health reads) and reports a rise as a reset."""
+    server = private_redis("--maxmemory", "2mb", "--maxmemory-policy", policy)
+    app = cap_app(RedisStore(server.url, timeout_s=STORE_TIMEOUT_S))
+    app.include_router(Guards.of(app).status_router())
+    worker = app_client(app, socket=True)
+    counted = resets_counted("redis")
+    assert [worker.post("/label", headers={"x-user-id": "ada"}).status_code for _ in range(CAP + 1)] == [
+        *[200] * CAP,
+        429,
+    ]
+    with redis.Redis(port=server.port) as admin:
+        # Another program's keys, each with a TTL, until Redis evicts (bounded: 2 MB is full
+        # long before the end); then removed, so nothing more is evicted.
+        fillers = [f"filler:{n}" for n in range(8_000)]
+        chunks = [fillers[i : i + 500] for i in range(0, len(fillers), 500)]
+        for chunk in chunks:
+            with admin.pipeline(transaction=False) as pipe:
+                for name in chunk:
+                    pipe.set(name, b"x" * 512, ex=3600)
+                pipe.execute()
+            if int(admin.info("stats")["evicted_keys"]) > 0:
+                break
+        evicted = int(admin.info("stats")["evicted_keys"])
+        assert evicted > 0
+        filled = time.monotonic()
+        for chunk in chunks:
+            admin.delete(*chunk)
+    assert guards_log.events("store_reset") == []
+
+    def noticed() -> bool:
+        worker.post("/label", headers={"x-user-id": "bob"})  # traffic: the health reads ride on it
+        return bool(guards_log.events("store_reset"))
+
+    wait_until(noticed, timeout_s=5)
+    latency = time.monotonic() - filled
+    (line,) = guards_log.events("store_reset")
+    if line["cause"] == "marker":  # `allkeys-lru` may evict the marker too, idle during the fill:
+        assert policy == "allkeys-lru"  # the next step found it gone; the rise is that reset
+    else:
+        assert line["cause"] == "evicted"
+        assert line["evicted"] >= evicted  # (Redis may go on evicting a little after a full write)
+        assert "noeviction" in line["detail"]
+    assert resets_counted("redis") == counted + 1
+    status = worker.get("/status", headers={"accept": "application/json"}).json()["store_resets"]
+    assert status["count"] == 1
+    assert latency < 2.5, latency  # a health read a second, each asking at most once a second
