@@ -187,7 +187,7 @@ ERROR_PER_ITEM: dict[str, tuple[Any, str, Any, str, str]] = {
         '{"a": 1}',
         {"a": 1},
         "{" + ",".join(f'"k{i}":"x"' for i in range(MIB // 10)) + "}",
-        "k0:int_parsing",
+        "<key>:int_parsing",  # the key is the model's text
     ),
     "union-items": (
         list[Label | int],
