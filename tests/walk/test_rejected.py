@@ -404,8 +404,19 @@ def test_a_valid_tool_call_reaches_the_handler_typed(
         (tool_call({"city": "Paris"}, name=f"delete_{CANARY}"), ("tool_calls[0]: unknown_tool",)),
         (tool_call([CANARY]), ("tool[get_weather]: model_type",)),
         (tool_call({"city": f"\ud800{CANARY}"}), ("tool[get_weather]: invalid_unicode",)),
+        (
+            Reply(f"\ud800{CANARY}", tool_calls=({"name": "get_weather", "arguments": {"city": "Paris"}},)),
+            ("answer: invalid_unicode",),
+        ),
     ],
-    ids=["missing-field", "not-json", "unknown-tool", "not-an-object", "lone-surrogate"],
+    ids=[
+        "missing-field",
+        "not-json",
+        "unknown-tool",
+        "not-an-object",
+        "lone-surrogate",
+        "lone-surrogate-text",
+    ],
 )
 def test_a_tool_call_that_does_not_validate_is_a_rejected_answer(
     build_tools: Build,
