@@ -203,7 +203,8 @@ async def relay(
                     delivered += len(event.text)
                     if delivered > max_chars:
                         raise _OverSize
-                    yield text(well_formed(event.text))
+                    piece = event.text
+                    yield text(piece if piece.isascii() else well_formed(piece))
                 elif isinstance(event, StreamEnd):
                     end = event
                     break
