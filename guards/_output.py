@@ -232,14 +232,17 @@ def _declared(schema: CoreSchema) -> frozenset[str]:
     input: the model's text."""
     names: set[str] = {"[key]"}
     definitions: list[Any] = []
-    choices: list[Any] = []
+    choices: dict[int, Any] = {}
+    # A schema shares nodes (a model used in several places is one dict): each is seen once.
+    seen: set[int] = set()
     stack: list[Any] = [schema]
     while stack:
         node = stack.pop()
+        if not isinstance(node, dict | list | tuple) or id(node) in seen:
+            continue
+        seen.add(id(node))
         if isinstance(node, list | tuple):
             stack.extend(node)
-            continue
-        if not isinstance(node, dict):
             continue
         if not isinstance(node.get("type"), str):  # a mapping of schemas: fields, tagged choices
             for key in node:
@@ -261,9 +264,9 @@ def _declared(schema: CoreSchema) -> frozenset[str]:
                 if isinstance(choice, tuple):
                     names.add(choice[1])
                 else:
-                    choices.append(choice)
+                    choices[id(choice)] = choice
         stack.extend(node[key] for key in _SUBSCHEMAS if key in node)
-    for choice in choices:
+    for choice in choices.values():
         try:
             names.add(
                 SchemaValidator({"type": "definitions", "schema": choice, "definitions": definitions}).title
