@@ -166,7 +166,9 @@ class OutputGuard:
         return tuple(part if isinstance(part, int) or part in declared else _KEY for part in loc)
 
 
+#: The error `_validated` raises for a lone surrogate (its message is never told).
 _INVALID_UNICODE = PydanticCustomError(INVALID_UNICODE, "a lone surrogate")
+
 _ANY: TypeAdapter[Any] = TypeAdapter(Any)
 
 #: The core schema types whose validation can stop at the first invalid item (`fail_fast`).
