@@ -14,13 +14,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
-from pydantic_core import CoreSchema, SchemaValidator
+from pydantic_core import CoreSchema, InitErrorDetails, PydanticCustomError, SchemaValidator
 
 from ._binding import AIResult
 from ._errors import GuardTripped
+from ._unicode import has_lone_surrogate
 from ._vocabulary import Reason
 
-__all__ = ["MAX_PROBLEMS", "Moderation", "OutputGuard", "output_guard", "problems_of"]
+__all__ = ["INVALID_UNICODE", "MAX_PROBLEMS", "Moderation", "OutputGuard", "output_guard"]
 
 #: A moderation hook: receives the validated output, returns True to block it.
 Moderation = Callable[[Any], bool | Awaitable[bool]]
@@ -31,6 +32,12 @@ MAX_PROBLEMS = 10
 _MAX_PROBLEM_CHARS = 100
 _BLOCKED = ("answer: moderation_blocked",)
 _EMPTY = ("answer: empty_response",)
+#: The problem token of an answer holding a lone surrogate (U+D800 to U+DFFF, unpaired): valid
+#: JSON (`"\\ud800"`), but no UTF-8 can carry it, so no response could.
+INVALID_UNICODE = "invalid_unicode"
+#: What an element of an error's location that the schema does not declare is told as: a key
+#: the model wrote (a `dict` field's, an extra one), never by name.
+_KEY = "<key>"
 
 
 class OutputGuard:
@@ -45,6 +52,8 @@ class OutputGuard:
         self._validator = (
             SchemaValidator(_fail_fast(self._adapter.core_schema)) if self._adapter is not None else None
         )
+        #: What a location may name (`_declared`): anything else in it is `<key>`.
+        self._declared = _declared(self._adapter.core_schema) if self._adapter is not None else frozenset()
         schema = self._adapter.json_schema() if self._adapter else None
         #: The JSON Schema to request JSON mode with; None when the route wants plain text.
         self.json_schema: dict[str, Any] | None = (
@@ -88,13 +97,8 @@ class OutputGuard:
             raise GuardTripped(
                 Reason.empty_response, "the model returned an empty completion", problems=_EMPTY
             )
-        validator = self._validator
-        if validator is None:
-            return answer
         try:
-            if self.json_schema is not None and isinstance(answer, str):
-                return validator.validate_json(unfenced(answer))
-            return validator.validate_python(answer)
+            return self._validated(answer)
         except ValidationError as exc:
             # Only error locations and types: the input values may echo the prompt. Collections
             # stop at their first invalid item (`_fail_fast`), but a model can still report an
@@ -104,21 +108,66 @@ class OutputGuard:
                 where = f"{count} errors"
             else:
                 errors = exc.errors(include_url=False, include_context=False, include_input=False)
-                where = ", ".join(sorted({_loc(_named(e)) + e["type"] for e in errors}))[:200]
+                where = ", ".join(sorted({_loc(self._told(e["loc"])) + e["type"] for e in errors}))[:200]
             raise GuardTripped(
                 Reason.schema_invalid,
                 f"answer does not match the schema ({where})",
-                problems=problems_of(exc, "answer"),
+                problems=self.problems(exc, "answer"),
             ) from None
 
     def validate(self, value: Any) -> Any:
         """`value` (JSON text, or an object) validated against the type, as an answer is
-        (raises `pydantic.ValidationError`): what a tool call's arguments go through."""
+        (raises `pydantic.ValidationError`, with `problems` to tell it): what a tool call's
+        arguments go through."""
         assert self._validator is not None, "a guard of a type, not Any"
-        if isinstance(value, str):
-            return self._validator.validate_json(unfenced(value))
-        return self._validator.validate_python(value)
+        return self._validated(value)
 
+    def _validated(self, answer: Any) -> Any:
+        """`answer` validated (JSON text when the type asks for JSON), else
+        `pydantic.ValidationError`: a lone surrogate anywhere in it, keys included, is one
+        (`invalid_unicode`), after the type's own errors. pydantic-core's JSON parser refuses
+        one in JSON text (`json_invalid`); an object or a text answer is checked here, once
+        it validated (a rejected answer costs no check)."""
+        validator = self._validator
+        if validator is None:
+            value = answer
+        elif self.json_schema is not None and isinstance(answer, str):
+            return validator.validate_json(unfenced(answer))
+        else:
+            value = validator.validate_python(answer)
+        if has_lone_surrogate(answer):
+            raise ValidationError.from_exception_data(
+                "answer", [InitErrorDetails(type=_INVALID_UNICODE, loc=(), input=None)]
+            )
+        return value
+
+    def problems(self, exc: ValidationError, path: str) -> tuple[str, ...]:
+        """What `exc` (raised by this guard) found wrong, as problems under `path`:
+        `answer.score: missing`, `answer: json_invalid`, `answer.scores.<key>: int_parsing`
+        (field paths and pydantic's error types, never the input's values nor a key the model
+        wrote), at most `MAX_PROBLEMS`, each at most 100 characters (past `_LISTED_ERRORS`
+        errors, only `<path>: too_many_errors`: listing them all would cost what failing fast
+        saved)."""
+        if exc.error_count() > _LISTED_ERRORS:
+            return (f"{path}: too_many_errors",)
+        errors = exc.errors(include_url=False, include_context=False, include_input=False)
+        found: dict[str, None] = {}
+        for error in errors:
+            where = ".".join((path, *map(str, self._told(error["loc"]))))
+            found[f"{where}: {error['type']}"[:_MAX_PROBLEM_CHARS]] = None
+            if len(found) == MAX_PROBLEMS:
+                break
+        return tuple(found)
+
+    def _told(self, loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+        """An error's location as it may be told: indices, and the names the schema declares
+        (`_declared`); any other element is a key the model wrote, told as `<key>`."""
+        declared = self._declared
+        return tuple(part if isinstance(part, int) or part in declared else _KEY for part in loc)
+
+
+#: The error `_validated` raises for a lone surrogate (its message is never told).
+_INVALID_UNICODE = PydanticCustomError(INVALID_UNICODE, "a lone surrogate")
 
 _ANY: TypeAdapter[Any] = TypeAdapter(Any)
 
@@ -177,6 +226,58 @@ def _fail_fast_node(node: Any) -> Any:
     return node
 
 
+def _declared(schema: CoreSchema) -> frozenset[str]:
+    """The strings an error location in `schema` may hold that the schema itself declares: its
+    fields' names and aliases, its tagged unions' tags, the label of each member of a union
+    (its own, else the name pydantic-core gives it: `int`, `list[int]`, a model's class name),
+    and `[key]` (a dict key's own error). Everything else a location may hold is a key of the
+    input: the model's text."""
+    names: set[str] = {"[key]"}
+    definitions: list[Any] = []
+    choices: dict[int, Any] = {}
+    # A schema shares nodes (a model used in several places is one dict): each is seen once.
+    seen: set[int] = set()
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict | list | tuple) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, list | tuple):
+            stack.extend(node)
+            continue
+        if not isinstance(node.get("type"), str):  # a mapping of schemas: fields, tagged choices
+            for key in node:
+                names.add(str(getattr(key, "value", key)))
+            stack.extend(node.values())
+            continue
+        kind = node["type"]
+        if kind == "dataclass-field" and isinstance(node.get("name"), str):
+            names.add(node["name"])
+        alias = node.get("validation_alias")
+        if alias is not None:  # a name, a path, or a list of paths
+            aliases = alias if isinstance(alias, list) else [alias]
+            names.update(part for part in aliases if isinstance(part, str))
+            names.update(p for path in aliases if isinstance(path, list) for p in path if isinstance(p, str))
+        if kind == "definitions":
+            definitions.extend(node.get("definitions", ()))
+        if kind == "union":
+            for choice in node.get("choices", ()):
+                if isinstance(choice, tuple):
+                    names.add(choice[1])
+                else:
+                    choices[id(choice)] = choice
+        stack.extend(node[key] for key in _SUBSCHEMAS if key in node)
+    for choice in choices.values():
+        try:
+            names.add(
+                SchemaValidator({"type": "definitions", "schema": choice, "definitions": definitions}).title
+            )
+        except Exception:  # pydantic-core's own name, not to be had: the label is told as `<key>`
+            continue
+    return frozenset(names)
+
+
 @functools.lru_cache(maxsize=256)
 def output_guard(output_type: Any) -> OutputGuard:
     """The output guard of `output_type`, without moderation (one per type, kept): what a
@@ -200,32 +301,6 @@ def unfenced(answer: str) -> str:
     if not newline or (tag and not (tag.isascii() and tag.isalpha())):
         return answer
     return inside
-
-
-def problems_of(exc: ValidationError, path: str) -> tuple[str, ...]:
-    """What `exc` found wrong, as problems under `path`: `answer.score: missing`, `answer:
-    json_invalid` (field paths and pydantic's error types, never the input's values), at most
-    `MAX_PROBLEMS`, each at most 100 characters (past `_LISTED_ERRORS` errors, only
-    `<path>: too_many_errors`: listing them all would cost what failing fast saved)."""
-    if exc.error_count() > _LISTED_ERRORS:
-        return (f"{path}: too_many_errors",)
-    errors = exc.errors(include_url=False, include_context=False, include_input=False)
-    found: dict[str, None] = {}
-    for error in errors:
-        where = ".".join((path, *map(str, _named(error))))
-        found[f"{where}: {error['type']}"[:_MAX_PROBLEM_CHARS]] = None
-        if len(found) == MAX_PROBLEMS:
-            break
-    return tuple(found)
-
-
-def _named(error: Any) -> tuple[int | str, ...]:
-    """An error's location as it may be told: a key the schema does not declare
-    (`extra_forbidden`) was written by the model, so it is told as `<extra>`, never by name."""
-    loc: tuple[int | str, ...] = error["loc"]
-    if error["type"] == "extra_forbidden" and loc:
-        return (*loc[:-1], "<extra>")
-    return loc
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:

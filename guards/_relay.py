@@ -35,6 +35,7 @@ from ._stream import (
     ToolCallDelta,
     is_output,
 )
+from ._unicode import has_lone_surrogate, well_formed
 from ._vocabulary import Kind, Reason
 
 __all__ = [
@@ -89,16 +90,20 @@ class Opened:
     end: StreamEnd | None
     started: float
     model: str | None = None
+    #: Whether its first events hold a lone surrogate: the answer is rejected before it
+    #: commits (`invalid_unicode`), the stream closed.
+    invalid: bool = False
 
     @property
     def committed(self) -> bool:
-        return any(is_output(event) for event in self.first)
+        return not self.invalid and any(is_output(event) for event in self.first)
 
 
 async def open_stream(binding: StreamingBinding, model: str, inputs: Mapping[str, Any]) -> Opened:
     """One streaming attempt, up to the commit point: read until the first output part (the
     attempt succeeds), the end of a stream that had none, or a failure (raised, like `run`;
-    the preamble read so far is dropped with the attempt)."""
+    the preamble read so far is dropped with the attempt). First events holding a lone
+    surrogate are an answer rejected before it commits (`Opened.invalid`)."""
     started = time.perf_counter()
     events = binding.stream(model, inputs)
     first: list[StreamEvent] = []
@@ -109,6 +114,9 @@ async def open_stream(binding: StreamingBinding, model: str, inputs: Mapping[str
                 return Opened(events, first, event, started, model=event.model)
             first.append(event)
             if is_output(event):
+                if any(map(_lone_surrogate, first)):  # nothing sent yet: refused whole
+                    await aclose(events)
+                    return Opened(events, first, None, started, invalid=True)
                 return Opened(events, first, None, started)
     except BaseException:
         with anyio.CancelScope(shield=True):
@@ -158,7 +166,8 @@ async def relay(
     `call`/`timeout`, `SHUTDOWN_DETAIL`) and before an event would take its output past
     `max_chars` characters (`call`/`provider_error`). Either way the provider's stream is
     closed at once. One timer for the whole stream (`Alarm`), and no clock read per event.
-    `writer` writes the events (guards' own, `GUARDS_EVENTS`, by default).
+    `writer` writes the events (guards' own, `GUARDS_EVENTS`, by default), each lone surrogate
+    of their text replaced by U+FFFD (the first events have none: `open_stream`).
     """
     if writer is None:
         writer = GUARDS_EVENTS.writer()
@@ -194,7 +203,8 @@ async def relay(
                     delivered += len(event.text)
                     if delivered > max_chars:
                         raise _OverSize
-                    yield text(event.text)
+                    piece = event.text
+                    yield text(piece if piece.isascii() else well_formed(piece))
                 elif isinstance(event, StreamEnd):
                     end = event
                     break
@@ -202,7 +212,7 @@ async def relay(
                     delivered += chars(event)
                     if delivered > max_chars:
                         raise _OverSize
-                    yield encode(event)
+                    yield encode(_well_formed(event))
                 if alarm.rang:  # it rang while the client had the last event
                     raise _TimeUp
                 alarm.waiting = task
@@ -268,6 +278,29 @@ async def relay(
         yield last
     finally:
         await ended(relayed)
+
+
+def _lone_surrogate(event: StreamEvent) -> bool:
+    if isinstance(event, TextDelta | ReasoningDelta):
+        return has_lone_surrogate(event.text)
+    if isinstance(event, ToolCallDelta):
+        return has_lone_surrogate(event.arguments + (event.id or "") + (event.name or ""))
+    return False
+
+
+def _well_formed(event: StreamEvent) -> StreamEvent:
+    """`event` with each lone surrogate of its text replaced by U+FFFD: after the first
+    output, the client has the answer's start, so a lone surrogate no longer ends it."""
+    if isinstance(event, ReasoningDelta):
+        return ReasoningDelta(well_formed(event.text))
+    if isinstance(event, ToolCallDelta):
+        return ToolCallDelta(
+            event.index,
+            None if event.id is None else well_formed(event.id),
+            None if event.name is None else well_formed(event.name),
+            well_formed(event.arguments),
+        )
+    return event
 
 
 class _TimeUp(Exception):

@@ -7,7 +7,9 @@ holds them as they came): Workers AI's flat `{"name", "arguments": {...}}` and O
 `{"id", "type": "function", "function": {"name", "arguments": "<JSON text>"}}`. Both are read
 here. Problems name the tool as the route declared it (`tool[get_weather].city: missing`); a
 call to a tool the route did not declare is named by its position (`tool_calls[2]:
-unknown_tool`), never by the name the model wrote.
+unknown_tool`), never by the name the model wrote; a key the model wrote in the arguments is
+`<key>` (`OutputGuard.problems`). Arguments or an id holding a lone surrogate are
+`invalid_unicode`.
 
 Imported when a route declares tools (at start-up), never by a route that does not.
 """
@@ -23,7 +25,8 @@ from pydantic import BaseModel, ValidationError
 
 from ._binding import AIResult
 from ._errors import ConfigurationError, GuardTripped
-from ._output import MAX_PROBLEMS, OutputGuard, problems_of
+from ._output import INVALID_UNICODE, MAX_PROBLEMS, OutputGuard
+from ._unicode import has_lone_surrogate
 from ._vocabulary import Reason
 
 __all__ = ["MAX_TOOL_CALLS", "ToolCall", "Tools"]
@@ -110,9 +113,12 @@ class Tools:
             try:
                 value = guard.validate({} if arguments is None or arguments == "" else arguments)
             except ValidationError as exc:
-                problems.extend(problems_of(exc, f"tool[{name}]"))
+                problems.extend(guard.problems(exc, f"tool[{name}]"))
                 continue
             call_id = call.get("id")
+            if isinstance(call_id, str) and has_lone_surrogate(call_id):
+                problems.append(f"tool_calls[{index}]: {INVALID_UNICODE}")
+                continue
             checked.append(
                 ToolCall(name, value, call_id[:_MAX_ID_CHARS] if isinstance(call_id, str) else None)
             )

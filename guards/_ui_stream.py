@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ._event_stream import StreamWriter, _dumps, _string
 from ._stream import ReasoningDelta, StreamEvent, TextDelta, ToolCallDelta
+from ._unicode import has_lone_surrogate
 
 __all__ = ["UI_MESSAGE_STREAM", "UIChatRequest", "UIMessage", "UIPart"]
 
@@ -127,7 +128,8 @@ class _UIWriter:
             except ValueError:
                 failed_here: str | None = "invalid_tool_arguments"
             else:
-                failed_here = failed
+                # A lone surrogate (a `\ud800` escape in the arguments) cannot be sent as UTF-8.
+                failed_here = "invalid_tool_arguments" if has_lone_surrogate(value) else failed
             if failed_here is None:
                 out += _chunk(
                     {"type": "tool-input-available", "toolCallId": tool.id, "toolName": name, "input": value}

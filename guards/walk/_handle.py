@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 from .._breaker import Outcome
 from .._errors import ConfigurationError, GuardTripped
 from .._event_stream import EventStream
-from .._output import OutputGuard, output_guard
+from .._output import INVALID_UNICODE, OutputGuard, output_guard
 from .._relay import Opened, no_events, open_stream
 from .._stream import StreamEnd, TextDelta
 from .._tokens import with_max_tokens
@@ -200,7 +200,9 @@ class AI(RequestState, Generic[T]):
         attempt's wait (then the next model is tried); after it, the binding's idle timeout
         (no complete event) and the model's `stream_idle_s` (no next part), and the route's
         `stream_max_s` (since the request began) and `stream_max_chars` (output characters),
-        which end the stream with an `error` event.
+        which end the stream with an `error` event. A lone surrogate in the events up to the
+        first output rejects the answer (`schema_invalid`, `answer: invalid_unicode`), as in a
+        whole answer; after it, one is sent as U+FFFD.
         """
         route = self._route
         if route.effort is not None:
@@ -214,6 +216,15 @@ class AI(RequestState, Generic[T]):
         if opened.committed:
             self._served(leg, opened.model)
             return relayed(self, leg, opened, probe, record_success, inputs=inputs)
+        if opened.invalid:  # its first output is not valid Unicode: rejected, as a whole answer
+            await finish_leg(self, leg, Outcome.success, probe, record_success)
+            self._served(leg, opened.model)
+            raise GuardTripped(
+                Reason.schema_invalid,
+                "the stream's first output is not valid Unicode",
+                model=leg.ref.key,
+                problems=(f"answer: {INVALID_UNICODE}",),
+            )
         # Complete, and nothing in it: the model answered, just not with anything.
         end = opened.end
         if end is not None and end.finish_reason == "content_filter":

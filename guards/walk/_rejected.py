@@ -25,6 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from .._breaker import Outcome
 from .._errors import GuardTripped
+from .._output import INVALID_UNICODE
+from .._unicode import has_lone_surrogate
+from .._vocabulary import Reason
 from ._accounting import account, on_attempt
 from ._chain_walk import walk
 from ._state import Answered
@@ -45,6 +48,7 @@ ON_REJECTED = ("fallback", "next_model", "reask")
 #: The user turn of a reask: this, the problems joined by "; ", then `_REASK_END`.
 REASK_LEAD = "Your previous answer was rejected: "
 _REASK_END = ". Answer again, and fix these problems."
+_INVALID = (f"answer: {INVALID_UNICODE}",)
 
 
 def reasked(inputs: Mapping[str, Any], problems: tuple[str, ...]) -> Mapping[str, Any] | None:
@@ -140,12 +144,18 @@ class Check:
     async def answer(self, result: AIResult) -> Any:
         """The validated output of `result`, or `GuardTripped` (output reasons). An answer with
         tool calls, on a route with tools, is its calls (`AI.tool_calls`), each validated, and
-        its text, "" when none: the text is not checked."""
+        its text, "" when none: its text is checked for lone surrogates only."""
         tools = self._tools
         if tools is not None and result.tool_calls and not result.moderated:
             self._answered.tool_calls = tools.check(result)
             text = result.response
-            return text if isinstance(text, str) else ""
+            if not isinstance(text, str):
+                return ""
+            if has_lone_surrogate(text):
+                raise GuardTripped(
+                    Reason.schema_invalid, "the answer's text is not valid Unicode", problems=_INVALID
+                )
+            return text
         self._answered.tool_calls = ()
         output = self._output
         return output.check_shape(result) if output.moderation is None else await output.check(result)

@@ -203,6 +203,28 @@ def test_reasoning_and_tool_calls_map_to_their_chunks(serve: Serve) -> None:
     assert chunks[-1]["finishReason"] == "tool-calls"
 
 
+def test_tool_arguments_whose_json_holds_a_lone_surrogate_are_a_tool_input_error(serve: Serve) -> None:
+    """`{"parcel": "\\ud800"}` is valid JSON whose value no UTF-8 can carry: the tool's input
+    is an error (`invalid_tool_arguments`, its text as sent), never a stream cut."""
+    fake = FakeBinding()
+    client = serve(create_app(Settings(), binding=fake, sleep=no_sleep))
+    arguments = '{"parcel": "\\ud800"}'
+    fake.script(
+        "*",
+        Stream(parts=(ToolName(0, "call_1", "track"), ToolArgs(0, arguments)), finish_reason="tool_calls"),
+    )
+    chunks = check_ui_stream(client.post("/chat", json=chat_body()))
+    tool = [c for c in chunks if c["type"].startswith("tool-")]
+    assert tool[-1] == {
+        "type": "tool-input-error",
+        "toolCallId": "call_1",
+        "toolName": "track",
+        "input": arguments,
+        "errorText": "invalid_tool_arguments",
+    }
+    assert chunks[-1]["type"] == "finish"
+
+
 @pytest.mark.parametrize(
     ("body", "field"),
     [

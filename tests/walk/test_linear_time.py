@@ -187,7 +187,7 @@ ERROR_PER_ITEM: dict[str, tuple[Any, str, Any, str, str]] = {
         '{"a": 1}',
         {"a": 1},
         "{" + ",".join(f'"k{i}":"x"' for i in range(MIB // 10)) + "}",
-        "k0:int_parsing",
+        "<key>:int_parsing",  # the key is the model's text
     ),
     "union-items": (
         list[Label | int],
@@ -238,6 +238,50 @@ def test_an_answer_with_an_error_per_item_stops_at_the_first(case: tuple[Any, st
     assert (fallback["reason"], fallback["detail"]) == (
         "schema_invalid",
         f"answer does not match the schema ({first_error})",
+    )
+
+
+def nested(depth: int, inside: Any) -> Any:
+    for _ in range(depth):
+        inside = [inside]
+    return inside
+
+
+#: Valid answers of about 1 MiB, each with one lone surrogate at the very end: the serializer's
+#: pass (`list[str]`), and the walk past its depth limit (`Any`, 300 lists deep).
+LONE_SURROGATE_LAST = {
+    "serialized": (list[str], ["é"] * (MIB // 4) + ["\ud800"]),
+    "walked-past-the-depth-limit": (Any, nested(300, ["é"] * (MIB // 4) + ["\ud800"])),
+}
+
+
+@pytest.mark.parametrize("case", LONE_SURROGATE_LAST.values(), ids=LONE_SURROGATE_LAST.keys())
+def test_a_lone_surrogate_is_found_in_linear_time(case: tuple[Any, Any]) -> None:
+    """The check of a valid answer for lone surrogates (a quarter of a million strings, the
+    last holding one) finds it within the bound, whichever way it goes."""
+    output, answer = case
+    binding = ReadyBinding()
+    binding.answer = answer
+    guards = Guards(binding)
+    app = FastAPI()
+    guards.install(app)
+
+    async def items(ai: AI[Any]) -> Any:
+        return await ai.run({"prompt": "items"})
+
+    items.__annotations__.update({"ai": AI[output], "return": output | None})  # the case's type
+    app.post("/items")(guards.route(model=MODEL, fallback=None)(items))
+
+    async def call() -> httpx.Response:
+        async with asgi_client(app) as client:
+            return await client.post("/items")
+
+    responses: list[httpx.Response] = []
+    assert_linear(lambda: responses.append(asyncio.run(call())))
+    fallback = responses[0].json()["fallback"]
+    assert (fallback["reason"], fallback["detail"]) == (
+        "schema_invalid",
+        "answer does not match the schema (invalid_unicode)",
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -403,8 +403,20 @@ def test_a_valid_tool_call_reaches_the_handler_typed(
         (tool_call('{"city": '), ("tool[get_weather]: json_invalid",)),
         (tool_call({"city": "Paris"}, name=f"delete_{CANARY}"), ("tool_calls[0]: unknown_tool",)),
         (tool_call([CANARY]), ("tool[get_weather]: model_type",)),
+        (tool_call({"city": f"\ud800{CANARY}"}), ("tool[get_weather]: invalid_unicode",)),
+        (
+            Reply(f"\ud800{CANARY}", tool_calls=({"name": "get_weather", "arguments": {"city": "Paris"}},)),
+            ("answer: invalid_unicode",),
+        ),
     ],
-    ids=["missing-field", "not-json", "unknown-tool", "not-an-object"],
+    ids=[
+        "missing-field",
+        "not-json",
+        "unknown-tool",
+        "not-an-object",
+        "lone-surrogate",
+        "lone-surrogate-text",
+    ],
 )
 def test_a_tool_call_that_does_not_validate_is_a_rejected_answer(
     build_tools: Build,
@@ -509,18 +521,30 @@ def test_declared_wrong_fails_at_start_up(declared: Callable[[], None], message:
 
 
 class ClosedLabel(BaseModel):
-    """A label that allows no other key."""
+    """A label that allows no other key, with scores by name and a kind of three."""
 
     model_config = ConfigDict(extra="forbid")
 
     label: str
+    scores: dict[str, int] = {}
+    kind: Literal["parcel", "refund", "other"] = "other"
 
 
+#: A key the model wrote: terminal escapes, a line break, a NUL, and the canary.
+KEY = f"\x1b[31m\r\n\x00{CANARY}"
+
+
+@pytest.mark.parametrize("degrading", [False, True], ids=["strict", "degrading"])
 def test_a_key_the_model_wrote_is_never_told_by_name(
-    fake_workers_ai: FakeWorkersAI, app_client: AppClient, ledger: Recorder, guards_log: LogLines
+    fake_workers_ai: FakeWorkersAI,
+    app_client: AppClient,
+    ledger: Recorder,
+    guards_log: LogLines,
+    degrading: bool,
 ) -> None:
-    """A key the schema does not declare is the model's text: the problems, the reasked turn,
-    the 502's body, the ledger and the log lines say `<extra>`, never the key."""
+    """A key of a `dict` field, or one the schema does not declare, is the model's text: the
+    problems, the reasked turn, the response (a 502's body, a fallback's detail), the ledger and
+    the log lines say `<key>`, never the key; a `Literal`'s input is not told either."""
     guards = Guards(
         WorkersAI(
             account_id=fake_workers_ai.account_id,
@@ -532,25 +556,104 @@ def test_a_key_the_model_wrote_is_never_told_by_name(
     )
     app = FastAPI()
     guards.install(app)
+    extra: dict[str, Any] = {"fallback": ClosedLabel(label="unknown")} if degrading else {}
 
     @app.post("/label")
-    @guards.route(model=PRIMARY, on_rejected="reask", breaker=None)
+    @guards.route(model=PRIMARY, on_rejected="reask", breaker=None, **extra)
     async def label(body: Ask, ai: AI[ClosedLabel]) -> ClosedLabel:
         return await ai.run({"prompt": body.text})
 
-    fake_workers_ai.script(PRIMARY, *[Reply({"label": "shipping", CANARY: 1})] * 2)
+    answer = {"label": "shipping", "scores": {KEY: "high"}, "kind": KEY, KEY: 1}
+    fake_workers_ai.script(PRIMARY, *[Reply(answer)] * 2)
     response = ask(app_client(app, socket=True))
-    assert_error(response, 502, "incompatible_model_response", False)
+    problems = (
+        "answer.scores.<key>: int_parsing",
+        "answer.kind: literal_error",
+        "answer.<key>: extra_forbidden",
+    )
+    if degrading:
+        assert response.json()["fallback"]["reason"] == "schema_invalid"
+        assert "scores.<key>:int_parsing" in response.json()["fallback"]["detail"]
+    else:
+        assert_error(response, 502, "incompatible_model_response", False)
     assert len(fake_workers_ai.calls) == 2
     assert (
         fake_workers_ai.calls[1]
         .inputs["prompt"]
         .endswith(
-            "Your previous answer was rejected: answer.<extra>: extra_forbidden. "
-            "Answer again, and fix these problems."
+            f"Your previous answer was rejected: {'; '.join(problems)}. Answer again, and fix these problems."
         )
     )
-    assert [a.problems for a in ledger.attempts] == [("answer.<extra>: extra_forbidden",)] * 2
+    assert [a.problems for a in ledger.attempts] == [problems] * 2
     assert CANARY not in json.dumps(fake_workers_ai.calls[1].inputs)
     assert CANARY not in response.text + str(response.headers)
     assert CANARY not in "\n".join(guards_log.lines)
+    assert all(KEY not in a.problems for a in ledger.attempts)
+
+
+@pytest.mark.parametrize(
+    ("wire", "answer", "output"),
+    [
+        ("workers-ai", "\ud800 Your parcel is on its way.", str),
+        ("openai", "Your parcel \udfff is on its way.", str),
+        ("workers-ai", {"label": "ship\udc00ping"}, Label),
+        ("workers-ai", {"label": "shipping", "\ud800": 1}, Label),
+    ],
+    ids=["text-workers-ai", "text-openai", "nested-string", "ignored-key"],
+)
+def test_a_lone_surrogate_is_a_rejected_answer_never_a_500(
+    fake_workers_ai: FakeWorkersAI,
+    fake_openai: FakeOpenAI,
+    app_client: AppClient,
+    ledger: Recorder,
+    guards_log: LogLines,
+    wire: str,
+    answer: Any,
+    output: Any,
+) -> None:
+    """A `\\ud800` escape is valid JSON, but no response can carry it: an answer holding one
+    (text, a string in an object, a key) is rejected (`schema_invalid`, `invalid_unicode`)
+    before the request is logged; the next model answers."""
+    guards = Guards(
+        WorkersAI(
+            account_id=fake_workers_ai.account_id,
+            api_token=fake_workers_ai.api_token,
+            base_url=fake_workers_ai.base_url,
+        ),
+        providers={"backup": OpenAICompatible(api_key=fake_openai.api_key, base_url=fake_openai.base_url)},
+        sleep=no_sleep,
+        ledger=ledger,
+    )
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/text")
+    @guards.route(model=PRIMARY, fallbacks=[SECOND], breaker=None)
+    async def text(body: Ask, ai: AI[str]) -> dict[str, str]:
+        return {"reply": await ai.run({"prompt": body.text})}
+
+    @app.post("/label")
+    @guards.route(model=PRIMARY, fallbacks=[SECOND], on_rejected="next_model", breaker=None)
+    async def label(body: Ask, ai: AI[Label]) -> Label:
+        return await ai.run({"prompt": body.text})
+
+    client = app_client(app, socket=True)
+    if output is str:
+        if wire == "workers-ai":
+            fake_workers_ai.script(PRIMARY, Reply(answer))
+        else:  # the first model down: the second (OpenAI's wire) answers
+            fake_workers_ai.script(PRIMARY, Fail(code=5035, status=403))
+            fake_openai.script(BACKUP, Reply(answer))
+        response = client.post("/text", json={"text": "where is my parcel"})
+        assert_error(response, 502, "incompatible_model_response", False)
+        (line,) = guards_log.events("request")
+        assert (line["outcome"], line["reason"]) == ("error", "schema_invalid")
+    else:
+        fake_workers_ai.script(PRIMARY, Reply(answer))
+        fake_openai.script(BACKUP, GOOD)
+        response = ask(client)
+        assert response.json() == {"label": "shipping"}
+        assert outcomes(ledger) == [
+            (1, PRIMARY, "rejected", ("answer: invalid_unicode",)),
+            (2, SECOND, "ok", ()),
+        ]

@@ -329,6 +329,49 @@ def test_a_filtered_stream_before_output_is_moderation(
     assert (result.status, json.loads(result.body)["error"]) == (502, "incompatible_model_response")
 
 
+def test_a_lone_surrogate_in_the_first_output_is_a_rejected_answer(
+    post: Post,
+    fake_workers_ai: FakeWorkersAI,
+    fake_openai: FakeOpenAI,
+    ledger: Recorder,
+    guards_log: LogLines,
+) -> None:
+    """Before anything was sent, a `\\ud800` escape rejects the answer, as in a whole one: a
+    502 with a real status (never a stream cut, nor a 500), the upstream closed, the model
+    up; the request is never logged `ok`."""
+    fake_workers_ai.script(PRIMARY, Stream(parts=(Text("\ud800Your parcel"), Text(" is on its way."))))
+    result = post()
+    assert (result.status, json.loads(result.body)["error"]) == (502, "incompatible_model_response")
+    assert (calls(fake_workers_ai), calls(fake_openai)) == (1, 0)
+    assert [(a.model, a.outcome) for a in ledger.attempts] == [(PRIMARY, "ok")]
+    (line,) = guards_log.events("request")
+    assert (line["outcome"], line["reason"]) == ("error", "schema_invalid")
+
+
+def test_a_lone_surrogate_after_the_first_output_is_sent_as_a_replacement_character(
+    post: Post, fake_workers_ai: FakeWorkersAI, ledger: Recorder
+) -> None:
+    """After the first output the client has the answer's start: a lone surrogate in a text,
+    reasoning or tool-call part is sent as U+FFFD, and the stream completes."""
+    parts = (
+        Text("Your parcel"),
+        Text(" is \udc00on"),
+        Reasoning("hm\ud800"),
+        ToolName(0, "call_\ud801", "lookup"),
+        ToolArgs(0, '{"id": "\udfff"}'),
+    )
+    fake_workers_ai.script(PRIMARY, Stream(parts=parts, finish_reason="tool_calls"))
+    result = post()
+    assert result.status == 200
+    assert result.text == "Your parcel is \ufffdon"
+    assert [data for name, data in result.events if name == "reasoning"] == [{"text": "hm\ufffd"}]
+    tools = [data for name, data in result.events if name == "tool_call"]
+    assert tools[0]["id"] == "call_\ufffd"
+    assert "".join(tool["arguments"] for tool in tools) == '{"id": "\ufffd"}'
+    assert result.last[0] == "done"
+    assert [a.outcome for a in ledger.attempts] == ["ok"]
+
+
 def test_a_client_that_leaves_after_three_deltas_cancels_the_upstream(
     client: httpx.Client,
     fake_workers_ai: FakeWorkersAI,
