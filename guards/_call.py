@@ -158,12 +158,7 @@ async def call_model(
                 raise CallFailed(error, verdict, attempt) from None
             delay = retry_delay(policy, error)
             remaining = deadline - asyncio.get_running_loop().time()
-            waiting = (
-                wait_out is not None
-                and not waited
-                and not verdict.retryable
-                and waits_out(verdict, policy, error)
-            )
+            waiting = wait_out is not None and not waited and waits_out(verdict, policy, error)
             if not should_retry(verdict, attempt, limit, policy, remaining, delay, waiting) or (
                 on_retry is not None and on_retry(attempt, verdict, delay) is False
             ):

@@ -552,8 +552,8 @@ end
 
 -- A policy from args[i..i+5]: failure_threshold, window_s or '' (then, after spaces,
 -- slow_call_s and minimum_calls when set), reset_timeout_s (then, after a space, the probe
--- interval in force, Breaker.reopen_after_probe_s, when there is one), half_open_probes, success_threshold, ttl_s. nil when args[i] is
--- '' (no breaker).
+-- interval in force, Breaker.reopen_after_probe_s, when there is one), half_open_probes,
+-- success_threshold, ttl_s. nil when args[i] is '' (no breaker).
 local function read_policy(args, i)
   if args[i] == '' then return nil end
   local window, slow, minimum = string.match(args[i + 1], '^(%S*) ?(%S*) ?(%S*)$')

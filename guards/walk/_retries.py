@@ -34,12 +34,17 @@ def alone(state: RequestState, index: int) -> bool:
     """Whether no model after the leg at `index` can answer the request, as far as this worker
     knows: the leg is the chain's last, or every later leg rests (cooling down, as the last
     store step said, or known refused by the store: `_known`)."""
-    legs = state._route.legs
+    route = state._route
+    legs = route.legs
     if index + 1 >= len(legs):
         return True
     waits, now = state._waits, state._shared.success_clock()
     return all(
-        (waits is not None and waits[later] > 0) or legs[later].known.until > now
+        (waits is not None and waits[later] > 0)
+        or (
+            legs[later].known.until > now
+            and (legs[later].known.why == "cooldown" or route.breaker is not None)
+        )
         for later in range(index + 1, len(legs))
     )
 
