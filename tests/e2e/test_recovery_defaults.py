@@ -7,6 +7,8 @@ served by uvicorn, a chain of two models on the fake OpenAI-compatible server, o
   the default probe interval (5 s), not a whole `reset_timeout_s`, and a probe is one call (it
   is never retried on the same model). The outage runs on a `ManualClock` that the store (the
   breaker's time) and the fake provider (when the outage ends) share: 60 s pass in no time.
+- The same, closer: a probe whose retryable failure is not retried, then 5 s open, then the
+  next probe (the retry budget off, so that only the probe rule can refuse the retry).
 - A one-model route whose provider answers 429 with `Retry-After: 2`: the wait is waited out
   (for real, once: 2 s) and the answer comes from the same model; while it waits, the model
   cools down, so another request is not sent to it.
