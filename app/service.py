@@ -305,8 +305,9 @@ def create_app(
         window_s=settings.breaker_window_s,
         slow_call_s=settings.breaker_slow_call_s,
         minimum_calls=settings.breaker_minimum_calls,
-        probe_interval_s=settings.breaker_probe_interval_s,
     )
+    if settings.breaker_probe_interval_s is not None:  # (unset: the default, 5 s at most BREAKER_RESET_S)
+        breaker = dataclasses.replace(breaker, probe_interval_s=settings.breaker_probe_interval_s)
 
     @app.get("/health")
     async def health() -> Health:

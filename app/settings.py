@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     breaker_slow_call_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     #: ...once the window holds this many calls.
     breaker_minimum_calls: int = Field(default=10, ge=1, le=1000)
-    #: After a failed probe, the breaker reopens for this long (unset: BREAKER_RESET_S).
+    #: After a failed probe, the breaker reopens for this long (unset: 5 s, at most BREAKER_RESET_S).
     breaker_probe_interval_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     retry_after_s: float = Field(default=30.0, gt=0)
     #: Guarded requests one worker serves at once before it sheds /draft-reply/stream (unset: no limit).

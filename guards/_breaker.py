@@ -5,7 +5,7 @@ do no I/O, so every store shares the same semantics and they are tested with tab
 
 States: closed (calls flow, failures counted) → open (calls skipped until `reset_timeout_s`
 passes) → half-open (at most `half_open_probes` calls in flight; `success_threshold` successes
-close it, one failure reopens it, for `probe_interval_s` when set). Failures count either
+close it, one failure reopens it, for `probe_interval_s`: 5 s by default). Failures count either
 consecutively (`window_s=None`: a success resets the count) or within a sliding window of
 `window_s` seconds; with `slow_call_s`, a slow success counts as a failure once the window holds
 `minimum_calls` calls (`BreakerState.calls`).
@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from enum import StrEnum
-from typing import Literal
+from enum import Enum, StrEnum
+from typing import Final, Literal
 
 __all__ = [
     "Breaker",
     "BreakerDecision",
     "BreakerState",
     "CircuitState",
+    "DEFAULT_PROBE_INTERVAL_S",
     "Outcome",
+    "UNSET",
+    "Unset",
     "half_open_at",
     "keep_s",
     "open_period",
@@ -43,6 +46,21 @@ __all__ = [
 #: The most calls `Breaker.minimum_calls` may ask for: the state keeps that many end times and
 #: is rewritten at every call, so it stays small.
 MAX_MINIMUM_CALLS = 1000
+#: How long a failed probe reopens a breaker whose `probe_interval_s` is left unset (at most
+#: its `reset_timeout_s`): a model that recovers is back within a few seconds.
+DEFAULT_PROBE_INTERVAL_S = 5.0
+
+
+class Unset(Enum):
+    """The type of `UNSET`: a setting left unset, where None means something of its own."""
+
+    UNSET = "UNSET"
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = Unset.UNSET
 
 
 class CircuitState(StrEnum):
@@ -85,9 +103,12 @@ class Breaker:
     output). Counting calls takes a store write per call, successes included, on this breaker
     only (a closed breaker's success is otherwise not written).
 
-    `probe_interval_s` (None: off): after a failed probe the breaker reopens for this long, not
+    `probe_interval_s`: after a failed probe the breaker reopens for this long, not
     `reset_timeout_s` (at most that), so a model that recovers is back within one interval;
-    a probe slot held too long is still reclaimed after `reset_timeout_s`.
+    a probe slot held too long is still reclaimed after `reset_timeout_s`. Unset (the
+    default): `DEFAULT_PROBE_INTERVAL_S` (5 s), or `reset_timeout_s` when shorter; None: a
+    failed probe reopens the breaker for a whole `reset_timeout_s` (the behaviour before 5 s
+    became the default). `reopen_after_probe_s` is the interval in force.
 
     `on_store_failure`: `"open"` (default) lets calls through while the store is unreachable:
     the breaker only saves calls to a provider that is failing anyway, and the deadline and
@@ -103,7 +124,7 @@ class Breaker:
     on_store_failure: Literal["open", "closed"] = "open"
     slow_call_s: float | None = None
     minimum_calls: int = 10
-    probe_interval_s: float | None = None
+    probe_interval_s: float | Unset | None = UNSET
 
     def __post_init__(self) -> None:
         if self.failure_threshold < 1 or self.half_open_probes < 1 or self.success_threshold < 1:
@@ -128,14 +149,32 @@ class Breaker:
             or not 1 <= self.minimum_calls <= MAX_MINIMUM_CALLS
         ):
             raise ValueError(f"Breaker.minimum_calls must be a whole number from 1 to {MAX_MINIMUM_CALLS}")
-        if self.probe_interval_s is not None and not (
-            _positive(self.probe_interval_s) and self.probe_interval_s <= self.reset_timeout_s
+        interval = self.probe_interval_s
+        if (
+            interval is not None
+            and interval is not UNSET
+            and not (
+                not isinstance(interval, bool)
+                and isinstance(interval, int | float)
+                and _positive(interval)
+                and interval <= self.reset_timeout_s
+            )
         ):
             raise ValueError(
                 "Breaker.probe_interval_s must be a positive number of seconds, at most "
                 f"reset_timeout_s ({self.reset_timeout_s:g}), or None (a failed probe reopens the "
                 "breaker for reset_timeout_s)"
             )
+
+    @property
+    def reopen_after_probe_s(self) -> float | None:
+        """The probe interval in force: `probe_interval_s`, its default when unset
+        (`DEFAULT_PROBE_INTERVAL_S`, at most `reset_timeout_s`), or None when set to None (a
+        failed probe reopens the breaker for `reset_timeout_s`)."""
+        interval = self.probe_interval_s
+        if interval is UNSET:
+            return min(DEFAULT_PROBE_INTERVAL_S, self.reset_timeout_s)
+        return interval
 
     @property
     def ttl_s(self) -> float:
@@ -166,8 +205,9 @@ class BreakerState:
     #: End times of the calls counted toward `Breaker.minimum_calls` (recorded by a policy with
     #: `slow_call_s`), newest last, at most `minimum_calls` of them, all within its window.
     calls: tuple[float, ...] = ()
-    #: When a failed probe reopened the breaker under a policy with `probe_interval_s`: that
-    #: interval, after which it half-opens (rather than `open_s`); 0.0 otherwise.
+    #: When a failed probe reopened the breaker under a policy with a probe interval
+    #: (`Breaker.reopen_after_probe_s`): that interval, after which it half-opens (rather than
+    #: `open_s`); 0.0 otherwise.
     probe_s: float = 0.0
 
 
@@ -268,7 +308,7 @@ def record(
             return s
         s = replace(s, probes=max(0, s.probes - 1))
         if outcome is Outcome.failure or outcome is Outcome.slow:
-            return _opened(policy, now, policy.probe_interval_s or 0.0)
+            return _opened(policy, now, policy.reopen_after_probe_s or 0.0)
         if outcome is Outcome.success:
             if s.successes + 1 >= policy.success_threshold:
                 return CLOSED

@@ -8,6 +8,7 @@ Cancellation is never caught here: it is never retried and never moves on.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -18,8 +19,9 @@ import anyio
 
 from ._classify import Classification, classify
 from ._retry_budget import RetryBudget
+from ._vocabulary import Kind
 
-__all__ = ["CallFailed", "Retry", "call_model", "retry_delay", "should_retry"]
+__all__ = ["CallFailed", "Retry", "call_model", "retry_delay", "should_retry", "waits_out"]
 
 R = TypeVar("R")
 
@@ -36,6 +38,14 @@ class Retry:
     requests, at least 3, over 10 s); None lets every request retry. An attempt that produced
     no first output within its model's `first_output_s` is retried only on a one-model chain:
     with another model configured, the walk moves on.
+
+    `wait_out_s` (default 2 s; 0: off): a rate limit (429, never retried at once) whose
+    provider wait (`Retry-After`, `retry-after-ms`) is at most this long is waited out, then
+    retried once, when no other model of the chain can answer (none left, or every later one
+    resting: cooling down, or its breaker open, as this worker knows) and the deadline leaves
+    `min_room_s` after the wait. Like any retry it counts against `attempts`, the request's
+    attempt budget and `budget`; a half-open breaker's probe is never retried. Raises
+    `ValueError` for a value out of range.
     """
 
     attempts: int = 2
@@ -43,23 +53,44 @@ class Retry:
     jitter: float = 0.5
     min_room_s: float = 0.5
     budget: RetryBudget | None = RetryBudget()
+    wait_out_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError("Retry.attempts counts every call, the first included: at least 1")
         if self.delay_s < 0 or not 0 <= self.jitter <= 1 or self.min_room_s < 0:
             raise ValueError("Retry delays must be >= 0 and jitter within [0, 1]")
+        wait = self.wait_out_s
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf:
+            raise ValueError(
+                "Retry.wait_out_s must be a finite number of seconds >= 0 (0: a rate limit is never waited out)"
+            )
 
     def delay(self, rng: Callable[[], float] = random.random) -> float:
         return self.delay_s * (1 + self.jitter * (2 * rng() - 1))
 
 
 def should_retry(
-    verdict: Classification, attempt: int, limit: int, policy: Retry, remaining_s: float, delay_s: float
+    verdict: Classification,
+    attempt: int,
+    limit: int,
+    policy: Retry,
+    remaining_s: float,
+    delay_s: float,
+    waiting: bool = False,
 ) -> bool:
-    """Retry only retryable kinds, within `limit` calls, when the deadline leaves room after the
-    delay (so a `Retry-After` longer than the deadline allows moves on instead of waiting)."""
-    return verdict.retryable and attempt < limit and remaining_s - delay_s >= policy.min_room_s
+    """Retry only retryable kinds (or, `waiting`, a provider's wait to wait out: `waits_out`),
+    within `limit` calls, when the deadline leaves `min_room_s` after the delay (so a
+    `Retry-After` longer than the deadline allows moves on instead of waiting)."""
+    return (verdict.retryable or waiting) and attempt < limit and remaining_s - delay_s >= policy.min_room_s
+
+
+def waits_out(verdict: Classification, policy: Retry, error: Exception) -> bool:
+    """Whether a failure that is not retried at once may be waited out, when no other model
+    can answer: a rate limit whose provider wait is known and at most `policy.wait_out_s`.
+    (The deadline's room is `should_retry`'s to check.)"""
+    hint = getattr(error, "retry_after_s", None)
+    return verdict.kind is Kind.model_rate_limited and hint is not None and 0 < hint <= policy.wait_out_s
 
 
 def retry_delay(policy: Retry, error: Exception) -> float:
@@ -85,6 +116,8 @@ OnAttempt = Callable[[int, Any, float], None]
 #: Called before each retry the policy allows (attempt number, verdict, delay); returning False
 #: skips it (the retry budget), as if the policy had refused.
 OnRetry = Callable[[int, Classification, float], bool | None]
+#: Called with the failure before its provider wait is waited out (see `Retry.wait_out_s`).
+WaitOut = Callable[[Exception], Awaitable[None]]
 
 
 async def call_model(
@@ -99,6 +132,7 @@ async def call_model(
     on_attempt: OnAttempt | None = None,
     on_retry: OnRetry | None = None,
     failed: Exception | None = None,
+    wait_out: WaitOut | None = None,
 ) -> tuple[R, int]:
     """Make one provider call (`await call(model, inputs)`) with bounded retry. Returns its
     result and the number of attempts.
@@ -109,9 +143,12 @@ async def call_model(
     budget). Raises `CallFailed` when it gives up; cancellation passes through untouched.
     `failed`: the first call's failure, when the caller made that call itself (and passed it
     to `on_attempt`): the walk does, one coroutine less on every request's path.
+    `wait_out`: given when no other model can answer; a short provider wait
+    (`Retry.wait_out_s`) is then waited out once, after `wait_out(error)`, and retried.
     """
     limit = policy.attempts if limit is None else min(limit, policy.attempts)
     attempt, error = (0, None) if failed is None else (1, failed)
+    waited = False  # a provider's wait was waited out (once per call)
     while True:
         if error is not None:
             verdict = classify(error)
@@ -121,10 +158,15 @@ async def call_model(
                 raise CallFailed(error, verdict, attempt) from None
             delay = retry_delay(policy, error)
             remaining = deadline - asyncio.get_running_loop().time()
-            if not should_retry(verdict, attempt, limit, policy, remaining, delay) or (
+            waiting = wait_out is not None and not waited and waits_out(verdict, policy, error)
+            if not should_retry(verdict, attempt, limit, policy, remaining, delay, waiting) or (
                 on_retry is not None and on_retry(attempt, verdict, delay) is False
             ):
                 raise CallFailed(error, verdict, attempt) from None
+            if waiting:
+                assert wait_out is not None
+                waited = True
+                await wait_out(error)
             await sleep(delay)
         attempt += 1
         started = time.perf_counter()

@@ -554,9 +554,9 @@ local function save_changed(key, before, after, ttl_s)
 end
 
 -- A policy from args[i..i+5]: failure_threshold, window_s or '' (then, after spaces,
--- slow_call_s and minimum_calls when set), reset_timeout_s (then, after a space,
--- probe_interval_s when set), half_open_probes, success_threshold, ttl_s. nil when args[i] is
--- '' (no breaker).
+-- slow_call_s and minimum_calls when set), reset_timeout_s (then, after a space, the probe
+-- interval in force, Breaker.reopen_after_probe_s, when there is one), half_open_probes,
+-- success_threshold, ttl_s. nil when args[i] is '' (no breaker).
 local function read_policy(args, i)
   if args[i] == '' then return nil end
   local window, slow, minimum = string.match(args[i + 1], '^(%S*) ?(%S*) ?(%S*)$')
@@ -2824,8 +2824,8 @@ def _policy_args(policy: Breaker | None) -> tuple[str, ...]:
     window, reset = _num(policy.window_s), _num(policy.reset_timeout_s)
     if policy.slow_call_s is not None:  # (the script's `read_policy`: words after the window)
         window += f" {_num(policy.slow_call_s)} {_num(policy.minimum_calls)}"
-    if policy.probe_interval_s is not None:
-        reset += " " + _num(policy.probe_interval_s)
+    if (interval := policy.reopen_after_probe_s) is not None:
+        reset += " " + _num(interval)
     return (
         _num(policy.failure_threshold),
         window,

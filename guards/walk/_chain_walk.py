@@ -42,8 +42,8 @@ from ..stores import Passage, StoreUnavailable
 from ._accounting import on_attempt
 from ._checkpoints import resumed
 from ._known import known_refused
-from ._retries import before_retry, leg_limit
-from ._store_steps import admitted, leg_down, next_step, record, send, settle
+from ._retries import alone, before_retry, leg_limit
+from ._store_steps import admitted, cool_down, leg_down, next_step, record, send, settle
 from ._store_steps import report as report_call
 from ._store_steps import report_end as settled
 from ._verdicts import exhausted, gone, timed_out
@@ -208,6 +208,9 @@ async def walk(
                     except Exception as error:
                         on_attempt(state, error, started)
                         try:
+                            # A half-open probe is one call: it tells whether the model is
+                            # back, and its failure moves on at once.
+                            probing = probe is not None
                             result, _ = await call_model(
                                 call,
                                 leg.ref.model,
@@ -215,7 +218,9 @@ async def walk(
                                 policy=route.retry,
                                 deadline=deadline,
                                 limit=(
-                                    leg_limit(state, index, made)
+                                    1
+                                    if probing
+                                    else leg_limit(state, index, made)
                                     if index + 1 < count
                                     else state.attempt_budget - made  # the last leg's
                                 ),
@@ -223,6 +228,11 @@ async def walk(
                                 on_attempt=lambda _, outcome, began: on_attempt(state, outcome, began),
                                 on_retry=functools.partial(before_retry, state),
                                 failed=error,
+                                wait_out=(
+                                    None
+                                    if probing or not alone(state, index)
+                                    else functools.partial(cool_down, state, leg)
+                                ),
                             )
                         except CallFailed as failure:
                             inflight = None

@@ -1,5 +1,7 @@
 """Retries within a walk: how many calls a leg may make (so a retry never starves the
-fallbacks), and whether a retry the policy allows is admitted by the model's retry budget."""
+fallbacks), whether a retry the policy allows is admitted by the model's retry budget, and
+whether a leg is alone (no other model left to answer: a short provider wait is then waited out,
+`Retry.wait_out_s`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ if TYPE_CHECKING:
     from .._classify import Classification
     from ._state import RequestState
 
-__all__ = ["before_retry", "leg_limit"]
+__all__ = ["alone", "before_retry", "leg_limit"]
 
 
 def leg_limit(state: RequestState, index: int, made: int) -> int:
@@ -26,6 +28,25 @@ def leg_limit(state: RequestState, index: int, made: int) -> int:
     else:
         reserved = sum(1 for wait in waits[index + 1 :] if wait <= 0)
     return max(1, left - reserved)
+
+
+def alone(state: RequestState, index: int) -> bool:
+    """Whether no model after the leg at `index` can answer the request, as far as this worker
+    knows: the leg is the chain's last, or every later leg rests (cooling down, as the last
+    store step said, or known refused by the store: `_known`)."""
+    route = state._route
+    legs = route.legs
+    if index + 1 >= len(legs):
+        return True
+    waits, now = state._waits, state._shared.success_clock()
+    return all(
+        (waits is not None and waits[later] > 0)
+        or (
+            legs[later].known.until > now
+            and (legs[later].known.why == "cooldown" or route.breaker is not None)
+        )
+        for later in range(index + 1, len(legs))
+    )
 
 
 def before_retry(state: RequestState, attempt: int, verdict: Classification, delay_s: float) -> bool:

@@ -35,6 +35,8 @@ __all__ = [
     "FIRST_ADMITTED",
     "STORE_RETRY_AFTER_S",
     "admitted",
+    "cool_down",
+    "cooldown",
     "finish_leg",
     "gave_up",
     "leg_down",
@@ -201,12 +203,23 @@ async def leg_down(
     outcome = Outcome.success if answered else Outcome.failure
     if getattr(call.error, "queued", False):  # its first-output limit passed in our own queue
         outcome = Outcome.released
-    cool_s, until = 0.0, None
-    if call.verdict.kind in COOLDOWN_KINDS:
-        cool_s = shared.cooldown_for(leg.ref.key).seconds(call.error)
-        # A provider's date ends it by the store's clock, not this worker's.
-        until = getattr(call.error, "retry_at", None)
+    cool_s, until = cooldown(state, leg, call.error) if call.verdict.kind in COOLDOWN_KINDS else (0.0, None)
     return report(state, leg, outcome, probe, cool_s, until, settle=False), tripped
+
+
+def cooldown(state: RequestState, leg: Leg, error: Exception) -> tuple[float, float | None]:
+    """The cooldown `error` starts on `leg`'s model: (seconds, the latest it may end on the
+    store's clock: a provider's date ends it by the store's clock, not this worker's)."""
+    return state._shared.cooldown_for(leg.ref.key).seconds(error), getattr(error, "retry_at", None)
+
+
+async def cool_down(state: RequestState, leg: Leg, error: Exception) -> None:
+    """Start the cooldown a rate limit calls for before its wait is waited out (`_retries`):
+    every other request skips the model meanwhile, while this one retries it after the wait
+    (a retry is not admitted by the store: the cooldown does not skip it). No breaker outcome
+    yet: the call is not over."""
+    cool_s, until = cooldown(state, leg, error)
+    await send(state, report(state, leg, Outcome.released, None, cool_s, until, settle=False))
 
 
 def gave_up(state: RequestState, leg: Leg, call: CallFailed) -> GuardTripped:
@@ -320,8 +333,8 @@ def saw_transitions(
 ) -> None:
     """The breaker state changes a store step made (the store tells exactly one caller of
     each, so every worker together counts each once). A breaker this step's `report` opened is
-    open for the reporting route's `reset_timeout_s` from now, or its `probe_interval_s` when
-    the report was a failed probe (`_known`)."""
+    open for the reporting route's `reset_timeout_s` from now, or its probe interval
+    (`Breaker.reopen_after_probe_s`) when the report was a failed probe (`_known`)."""
     for key, moved in transitions:
         for leg in state._route.legs:
             if leg.breaker_key == key:
@@ -331,7 +344,9 @@ def saw_transitions(
                     wait = None
                     if breaker is not None:
                         after_probe = report is not None and report.probe is not None
-                        wait = (breaker.probe_interval_s if after_probe else None) or breaker.reset_timeout_s
+                        wait = (
+                            breaker.reopen_after_probe_s if after_probe else None
+                        ) or breaker.reset_timeout_s
                     remember(state, leg, "circuit_open", wait)
                 elif moved is CircuitState.closed:
                     forget(leg)

@@ -120,9 +120,19 @@ def test_json_answer_in_a_code_fence_is_accepted(client: httpx.Client, fake_open
 
 
 def test_rate_limit_is_503_in_one_call(client: httpx.Client, fake_openai: FakeOpenAI) -> None:
-    fake_openai.script(MODEL, Fail(status=429, error_code="rate_limit_exceeded", retry_after_ms="200"))
+    fake_openai.script(MODEL, Fail(status=429, error_code="rate_limit_exceeded"))
     assert_error(strict(client), 503, "model_rate_limited", False)
     assert len(fake_openai.calls) == 1
+
+
+def test_a_short_rate_limit_is_waited_out_once_then_503(
+    client: httpx.Client, fake_openai: FakeOpenAI
+) -> None:
+    """A one-model route: a wait of 200 ms is waited out (`Retry.wait_out_s`), once."""
+    limited = Fail(status=429, error_code="rate_limit_exceeded", retry_after_ms="200")
+    fake_openai.script(MODEL, limited, limited)
+    assert_error(strict(client), 503, "model_rate_limited", False)
+    assert len(fake_openai.calls) == 2
 
 
 def test_insufficient_quota_is_503_quota_exhausted_in_one_call(
@@ -142,6 +152,7 @@ def test_rate_limit_wait_in_milliseconds_is_sent_as_retry_after(
     response = strict(client)
     assert_error(response, 503, "model_rate_limited", False)
     assert response.headers["retry-after"] == "2"  # 1.5 s, rounded up to whole seconds
+    # Not waited out: the 2 s deadline leaves less than `min_room_s` (0.5 s) after 1.5 s.
     assert len(fake_openai.calls) == 1
 
 

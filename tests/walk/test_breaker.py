@@ -188,7 +188,14 @@ def test_two_probe_successes_close_it(store: PiecewiseStore, clock: ManualClock)
 
 
 def test_one_probe_failure_reopens_with_a_fresh_timeout(store: PiecewiseStore, clock: ManualClock) -> None:
-    policy = Breaker(failure_threshold=1, reset_timeout_s=30, half_open_probes=1, success_threshold=2)
+    """With the probe interval off (None), a failed probe reopens for a whole reset timeout."""
+    policy = Breaker(
+        failure_threshold=1,
+        reset_timeout_s=30,
+        half_open_probes=1,
+        success_threshold=2,
+        probe_interval_s=None,
+    )
 
     async def scenario() -> None:
         await half_open(store, clock, policy)
@@ -335,7 +342,7 @@ def test_stale_probe_outcome_after_reopening_changes_nothing(
         assert state.state is CircuitState.open
         decision = await store.breaker_admit(KEY, policy)
         assert not decision.allowed
-        assert decision.retry_after_s == pytest.approx(29)
+        assert decision.retry_after_s == pytest.approx(4)  # reopened for the default probe interval, 5 s
 
     asyncio.run(scenario())
 
@@ -439,8 +446,8 @@ def test_a_slow_probe_is_a_failed_probe(store: PiecewiseStore, clock: ManualCloc
         ticket = (await store.breaker_admit(KEY, SLOW)).probe
         assert ticket is not None
         state = await store.breaker_record(KEY, SLOW, Outcome.slow, probe=ticket)
-        assert state.state is CircuitState.open
-        assert (await store.breaker_admit(KEY, SLOW)).retry_after_s == pytest.approx(30)
+        assert state.state is CircuitState.open  # reopened, for the default probe interval
+        assert (await store.breaker_admit(KEY, SLOW)).retry_after_s == pytest.approx(5)
 
     asyncio.run(scenario())
 
@@ -597,6 +604,8 @@ def test_a_reader_without_a_probe_interval_keeps_the_openers_next_probe(
         ({"probe_interval_s": 0}, "probe_interval_s must be a positive"),
         ({"probe_interval_s": float("nan")}, "probe_interval_s"),
         ({"probe_interval_s": 31}, r"at most reset_timeout_s \(30\)"),
+        ({"probe_interval_s": True}, "probe_interval_s must be a positive"),
+        ({"probe_interval_s": "5"}, "probe_interval_s must be a positive"),
     ],
 )
 def test_bad_slow_call_and_probe_settings_say_what_to_fix(options: dict[str, Any], match: str) -> None:
@@ -604,7 +613,10 @@ def test_bad_slow_call_and_probe_settings_say_what_to_fix(options: dict[str, Any
         Breaker(**options)
 
 
-def test_new_settings_are_off_by_default() -> None:
+def test_slow_calls_are_off_and_probes_every_five_seconds_by_default() -> None:
     policy = Breaker()
-    assert (policy.slow_call_s, policy.minimum_calls, policy.probe_interval_s) == (None, 10, None)
+    assert (policy.slow_call_s, policy.minimum_calls, policy.reopen_after_probe_s) == (None, 10, 5.0)
+    assert Breaker(reset_timeout_s=2).reopen_after_probe_s == 2  # at most the reset timeout
+    assert Breaker(probe_interval_s=None).reopen_after_probe_s is None  # a whole reset timeout
+    assert Breaker(probe_interval_s=12).reopen_after_probe_s == 12
     Breaker(window_s=60, slow_call_s=0.5, minimum_calls=1000, probe_interval_s=30)  # the limits

@@ -221,10 +221,20 @@ def test_a_model_back_at_61_s_serves_again_at_65_s_not_90_s(
 def test_without_a_probe_interval_it_waits_a_whole_reset_timeout(
     make_store: Callable[[ManualClock], PiecewiseStore], manual_clock: ManualClock, store_kind: str
 ) -> None:
-    """Today's behaviour, for comparison: the probe at 60 s fails, the next is at 90 s."""
-    breaker = Breaker(failure_threshold=2, reset_timeout_s=30, success_threshold=1)
+    """The probe interval off (`probe_interval_s=None`), for comparison: the probe at 60 s
+    fails, the next is at 90 s."""
+    breaker = Breaker(failure_threshold=2, reset_timeout_s=30, success_threshold=1, probe_interval_s=None)
     seen, _ = recovery(make_store, manual_clock, store_kind, breaker, back_at=61)
     assert min(t for t, what in seen if what == "first") == 90
+
+
+def test_by_default_a_failed_probe_reopens_for_five_seconds(
+    make_store: Callable[[ManualClock], PiecewiseStore], manual_clock: ManualClock, store_kind: str
+) -> None:
+    """`probe_interval_s` left unset: the default interval, 5 s, as `RECOVERING` sets it."""
+    breaker = Breaker(failure_threshold=2, reset_timeout_s=30, success_threshold=1)
+    seen, _ = recovery(make_store, manual_clock, store_kind, breaker, back_at=61)
+    assert min(t for t, what in seen if what == "first") == 65
 
 
 def test_one_probe_at_a_time_across_two_workers_under_a_probe_interval(

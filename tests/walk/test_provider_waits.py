@@ -23,7 +23,7 @@ import pytest
 from fastapi import FastAPI
 
 from fixtures import Fail, FakeWorkersAI, ManualClock, Reply
-from guards import AI, ConfigurationError, Cooldown, Guards
+from guards import AI, ConfigurationError, Cooldown, Guards, Retry
 from guards.providers import WorkersAI
 from guards.stores import Store
 
@@ -211,3 +211,127 @@ def test_per_model_cooldowns_are_checked(fake_workers_ai: FakeWorkersAI, store: 
     binding = WorkersAI(account_id="a", api_token="t", base_url=fake_workers_ai.base_url)
     with pytest.raises(ConfigurationError, match=r"cooldowns\['@cf/test/model'\] must be a Cooldown"):
         Guards(binding, store=store, cooldowns={MODEL: 600})  # type: ignore[dict-item]
+
+
+# --- a short wait, waited out when no other model can answer (`Retry.wait_out_s`) --------------
+
+SHORT = Fail(status=429, retry_after="2")
+
+
+def waiting_app(
+    server: FakeWorkersAI, store: Store, waited: list[float], clock: ManualClock, **route: Any
+) -> FastAPI:
+    """A strict route on `MODEL` (then `route`'s fallbacks) and one on `OTHER` alone; its
+    waits are recorded in `waited` and pass on the store's clock, not for real."""
+
+    async def sleep(seconds: float) -> None:
+        waited.append(seconds)
+        clock.advance(seconds)
+
+    binding = WorkersAI(account_id=server.account_id, api_token=server.api_token, base_url=server.base_url)
+    guards = Guards(binding, store=store, sleep=sleep)
+    app = FastAPI()
+    guards.install(app)
+    app.include_router(guards.status_router())
+
+    @app.post("/ask/model")
+    @guards.route(**{"model": MODEL, "breaker": None, "timeout_s": 8, **route})
+    async def ask_model(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "Hi"})
+
+    @app.post("/ask/other")
+    @guards.route(model=OTHER, breaker=None, retry=Retry(wait_out_s=0))
+    async def ask_other(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "Hi"})
+
+    return app
+
+
+def test_a_short_wait_is_waited_out_then_the_same_model_answers(
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store, clock: ManualClock
+) -> None:
+    """The model cools down for the wait (every other request skips it), and its retry,
+    made after the wait, is not skipped by that cooldown."""
+    waited: list[float] = []
+    client = app_client(waiting_app(fake_workers_ai, store, waited, clock))
+    fake_workers_ai.script(MODEL, SHORT, Reply("After the wait."))
+    response = ask(client)
+    assert response.status_code == 200, response.text
+    assert response.json() == "After the wait."
+    assert waited == [2.0]
+    assert [call.model for call in fake_workers_ai.calls] == [MODEL, MODEL]
+    assert cooldown_of(client, MODEL) == 0.0  # over, as the wait is
+    assert ask(client).status_code == 200  # the next request calls the model at once
+    assert len(fake_workers_ai.calls) == 3
+
+
+@pytest.mark.parametrize(
+    ("failure", "route"),
+    [
+        (Fail(status=429, retry_after="3"), {}),  # longer than the default bound, 2 s
+        (SHORT, {"retry": Retry(wait_out_s=0)}),  # off
+        (SHORT, {"retry": Retry(wait_out_s=1.5)}),  # longer than the route's bound
+        (SHORT, {"timeout_s": 2.4}),  # no room for a call after the wait (min_room_s, 0.5 s)
+        (SHORT, {"retry": Retry(attempts=1)}),  # no retry allowed
+        (SHORT, {"attempts": 1}),  # the request's attempt budget
+        (Fail(status=429), {}),  # no wait known
+        (Fail(code=3036, status=429, retry_after="2"), {}),  # a quota: not a rate limit
+    ],
+    ids=[
+        "too-long",
+        "off",
+        "over-the-route-s-bound",
+        "no-room",
+        "no-retry",
+        "attempt-budget",
+        "no-wait",
+        "quota",
+    ],
+)
+def test_otherwise_a_rate_limit_ends_the_request_as_before(
+    fake_workers_ai: FakeWorkersAI,
+    app_client: AppClient,
+    store: Store,
+    clock: ManualClock,
+    failure: Fail,
+    route: dict[str, Any],
+) -> None:
+    waited: list[float] = []
+    client = app_client(waiting_app(fake_workers_ai, store, waited, clock, **route))
+    fake_workers_ai.script(MODEL, failure)
+    response = ask(client)
+    assert response.status_code == 503, response.text
+    assert (waited, len(fake_workers_ai.calls)) == ([], 1)
+
+
+def test_with_another_model_the_walk_moves_on_without_waiting(
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store, clock: ManualClock
+) -> None:
+    waited: list[float] = []
+    client = app_client(waiting_app(fake_workers_ai, store, waited, clock, fallbacks=[OTHER]))
+    fake_workers_ai.script(MODEL, SHORT)
+    fake_workers_ai.script(OTHER, Reply("From the other."))
+    assert ask(client).json() == "From the other."
+    assert waited == []
+    assert [call.model for call in fake_workers_ai.calls] == [MODEL, OTHER]
+
+
+def test_with_every_other_model_cooling_down_the_wait_is_waited_out(
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, store: Store, clock: ManualClock
+) -> None:
+    """The chain's other model cools down (a rate limit of a minute): no model is left to
+    answer but the first, whose short wait is waited out."""
+    waited: list[float] = []
+    client = app_client(waiting_app(fake_workers_ai, store, waited, clock, fallbacks=[OTHER]))
+    fake_workers_ai.script(OTHER, Fail(status=429, retry_after="60"))
+    assert client.post("/ask/other").status_code == 503  # OTHER cools down for a minute
+    fake_workers_ai.script(MODEL, SHORT, Reply("After the wait."))
+    assert ask(client).json() == "After the wait."
+    assert waited == [2.0]
+    assert [call.model for call in fake_workers_ai.calls] == [OTHER, MODEL, MODEL]
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), True, "2"])
+def test_wait_out_s_is_checked(value: Any) -> None:
+    with pytest.raises(ValueError, match=r"Retry\.wait_out_s must be a finite number of seconds >= 0"):
+        Retry(wait_out_s=value)
