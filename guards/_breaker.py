@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from enum import Enum, StrEnum
-from typing import Final, Literal
+from enum import StrEnum
+from typing import Literal
+
+from ._errors import ConfigurationError
+from ._settings import UNSET, Unset, choice, number, settings, whole
 
 __all__ = [
     "Breaker",
@@ -36,8 +39,6 @@ __all__ = [
     "CircuitState",
     "DEFAULT_PROBE_INTERVAL_S",
     "Outcome",
-    "UNSET",
-    "Unset",
     "half_open_at",
     "keep_s",
     "open_period",
@@ -49,18 +50,6 @@ MAX_MINIMUM_CALLS = 1000
 #: How long a failed probe reopens a breaker whose `probe_interval_s` is left unset (at most
 #: its `reset_timeout_s`): a model that recovers is back within a few seconds.
 DEFAULT_PROBE_INTERVAL_S = 5.0
-
-
-class Unset(Enum):
-    """The type of `UNSET`: a setting left unset, where None means something of its own."""
-
-    UNSET = "UNSET"
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Final = Unset.UNSET
 
 
 class CircuitState(StrEnum):
@@ -83,6 +72,7 @@ class Outcome(StrEnum):
     released = "released"
 
 
+@settings
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Breaker:
     """Circuit breaker policy, one breaker per model.
@@ -127,44 +117,29 @@ class Breaker:
     probe_interval_s: float | Unset | None = UNSET
 
     def __post_init__(self) -> None:
-        if self.failure_threshold < 1 or self.half_open_probes < 1 or self.success_threshold < 1:
-            raise ValueError("breaker thresholds and probe counts must be at least 1")
-        if self.reset_timeout_s <= 0 or (self.window_s is not None and self.window_s <= 0):
-            raise ValueError("breaker durations must be positive")
-        if self.on_store_failure not in ("open", "closed"):
-            raise ValueError('Breaker.on_store_failure must be "open" or "closed"')
-        if self.slow_call_s is not None:
-            if not _positive(self.slow_call_s):
-                raise ValueError(
-                    "Breaker.slow_call_s must be a positive, finite number of seconds (or None: no call counts as slow)"
-                )
-            if self.window_s is None:
-                raise ValueError(
-                    "Breaker.slow_call_s needs window_s: slow calls count among the calls of a "
-                    "window of window_s seconds (e.g. Breaker(slow_call_s=20, window_s=60))"
-                )
-        if (
-            isinstance(self.minimum_calls, bool)
-            or not isinstance(self.minimum_calls, int)
-            or not 1 <= self.minimum_calls <= MAX_MINIMUM_CALLS
-        ):
-            raise ValueError(f"Breaker.minimum_calls must be a whole number from 1 to {MAX_MINIMUM_CALLS}")
+        for name in ("failure_threshold", "half_open_probes", "success_threshold"):
+            whole(f"Breaker.{name}", getattr(self, name))
+        number("Breaker.reset_timeout_s", self.reset_timeout_s, above=0, unit="seconds")
+        number("Breaker.window_s", self.window_s, above=0, unit="seconds", none="consecutive failures")
+        choice("Breaker.on_store_failure", self.on_store_failure, ("open", "closed"))
+        number(
+            "Breaker.slow_call_s", self.slow_call_s, above=0, unit="seconds", none="no call counts as slow"
+        )
+        if self.slow_call_s is not None and self.window_s is None:
+            raise ConfigurationError(
+                "Breaker.slow_call_s needs window_s: slow calls count among the calls of a "
+                "window of window_s seconds (e.g. Breaker(slow_call_s=20, window_s=60))"
+            )
+        whole("Breaker.minimum_calls", self.minimum_calls, most=MAX_MINIMUM_CALLS)
         interval = self.probe_interval_s
-        if (
-            interval is not None
-            and interval is not UNSET
-            and not (
-                not isinstance(interval, bool)
-                and isinstance(interval, int | float)
-                and _positive(interval)
-                and interval <= self.reset_timeout_s
-            )
-        ):
-            raise ValueError(
-                "Breaker.probe_interval_s must be a positive number of seconds, at most "
-                f"reset_timeout_s ({self.reset_timeout_s:g}), or None (a failed probe reopens the "
-                "breaker for reset_timeout_s)"
-            )
+        if interval is not UNSET:
+            none = "a failed probe reopens the breaker for reset_timeout_s"
+            number("Breaker.probe_interval_s", interval, above=0, unit="seconds", none=none)
+            if interval is not None and interval > self.reset_timeout_s:
+                raise ConfigurationError(
+                    f"Breaker.probe_interval_s must be at most reset_timeout_s ({self.reset_timeout_s:g}), "
+                    f"or None ({none}); got {interval!r}"
+                )
 
     @property
     def reopen_after_probe_s(self) -> float | None:

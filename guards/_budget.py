@@ -25,6 +25,7 @@ from typing import Any, Literal
 from starlette.requests import Request
 
 from ._errors import ConfigurationError, GuardTripped
+from ._settings import choice, number, settings, whole
 from ._vocabulary import Reason
 from .stores import Admission, Charge, MoreLimits
 
@@ -61,6 +62,7 @@ def header_key(name: str) -> Callable[[Request], str]:
 StoreFailureMode = Literal["open", "closed", "local"]
 
 
+@settings
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Price:
     """What a model costs, in the cost units of spend caps (say, US cents), per token and per
@@ -83,17 +85,18 @@ class Price:
     long_context: Price | None = None
 
     def __post_init__(self) -> None:
-        for name in ("input_token", "output_token", "call", "cached_input_token", "cache_write_token"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int | float) and 0 <= value < float("inf")):
-                raise ConfigurationError(f"Price.{name} must be a finite number of at least 0")
+        for name in ("input_token", "output_token", "call"):
+            number(f"Price.{name}", getattr(self, name), least=0)
+        for name in ("cached_input_token", "cache_write_token"):
+            number(f"Price.{name}", getattr(self, name), least=0, none="billed as input_token")
+        whole("Price.long_context_above", self.long_context_above, none="no long-context tier")
+        if self.long_context is not None and not isinstance(self.long_context, Price):
+            raise ConfigurationError(f"Price.long_context must be a Price; got {self.long_context!r}")
         if (self.long_context_above is None) != (self.long_context is None):
             raise ConfigurationError(
                 "Price.long_context_above and Price.long_context go together: the input tokens "
                 "above which a request is billed at long_context's rates, and those rates"
             )
-        if self.long_context_above is not None and self.long_context_above < 1:
-            raise ConfigurationError("Price.long_context_above must be at least 1 (input tokens)")
         if self.long_context is not None and self.long_context.long_context is not None:
             raise ConfigurationError("Price.long_context has no long_context tier of its own")
 
@@ -144,6 +147,7 @@ def price_of(prices: Mapping[str, Price], key: str) -> Price | None:
 _COUNTED = ("per_minute", "per_day", "per_month", "tokens_per_minute", "tokens_per_day", "tokens_per_month")
 
 
+@settings
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Budget:
     """Per-key limits checked before any model call (see docs/guards/budget.md).
@@ -191,26 +195,34 @@ class Budget:
 
     def __post_init__(self) -> None:
         soft = self.soft_limit
-        if soft is not None and not (isinstance(soft, int | float) and 0 < soft < 1):
+        if soft is not None and not (
+            not isinstance(soft, bool) and isinstance(soft, int | float) and 0 < soft < 1
+        ):
             raise ConfigurationError(
                 f"Budget.soft_limit={soft!r}: a fraction of each limit strictly between 0 and 1 "
                 "(0.8: past 80 %), or None for no soft limit"
             )
         for name in _COUNTED:
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"Budget.{name} must be at least 1 (or None for no limit)")
+            whole(f"Budget.{name}", getattr(self, name), none="no limit")
         for name in ("spend_per_day", "spend_per_month"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"Budget.{name} must be positive (or None for no cap)")
-        if self.on_store_failure not in ("open", "closed", "local"):
-            raise ValueError('Budget.on_store_failure must be "open", "closed" or "local"')
+            number(f"Budget.{name}", getattr(self, name), above=0, none="no cap")
+        if not callable(self.key):
+            raise ConfigurationError(
+                f"Budget.key must be a function of the request returning its key (header_key(...), "
+                f"bearer_token, client_key); got {self.key!r}"
+            )
+        if self.scope is not None and not (isinstance(self.scope, str) and self.scope):
+            raise ConfigurationError(
+                f"Budget.scope must be a name (or None: the route's name); got {self.scope!r}"
+            )
+        choice("Budget.on_store_failure", self.on_store_failure, ("closed", "open", "local"))
         local = self.on_store_failure == "local"
-        if local and (self.workers is None or self.workers < 1):
+        if local and (
+            isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1
+        ):
             raise ConfigurationError(
                 'Budget(on_store_failure="local") needs workers=N: how many workers share the '
-                "store (each enforces 1/N of each limit while the store is down)"
+                f"store (each enforces 1/N of each limit while the store is down); got {self.workers!r}"
             )
         if not local and self.workers is not None:
             raise ConfigurationError('Budget.workers is read only with on_store_failure="local"')

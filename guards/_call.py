@@ -8,7 +8,6 @@ Cancellation is never caught here: it is never retried and never moves on.
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -18,7 +17,9 @@ from typing import Any, TypeVar
 import anyio
 
 from ._classify import Classification, classify
+from ._errors import ConfigurationError
 from ._retry_budget import RetryBudget
+from ._settings import number, settings, whole
 from ._vocabulary import Kind
 
 __all__ = ["CallFailed", "Retry", "call_model", "retry_delay", "should_retry", "waits_out"]
@@ -26,6 +27,7 @@ __all__ = ["CallFailed", "Retry", "call_model", "retry_delay", "should_retry", "
 R = TypeVar("R")
 
 
+@settings
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Retry:
     """Bounded retry policy for one guarded call.
@@ -45,7 +47,7 @@ class Retry:
     resting: cooling down, or its breaker open, as this worker knows) and the deadline leaves
     `min_room_s` after the wait. Like any retry it counts against `attempts`, the request's
     attempt budget and `budget`; a half-open breaker's probe is never retried. Raises
-    `ValueError` for a value out of range.
+    `ConfigurationError` for a value of the wrong type or out of range.
     """
 
     attempts: int = 2
@@ -56,15 +58,15 @@ class Retry:
     wait_out_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError("Retry.attempts counts every call, the first included: at least 1")
-        if self.delay_s < 0 or not 0 <= self.jitter <= 1 or self.min_room_s < 0:
-            raise ValueError("Retry delays must be >= 0 and jitter within [0, 1]")
-        wait = self.wait_out_s
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf:
-            raise ValueError(
-                "Retry.wait_out_s must be a finite number of seconds >= 0 (0: a rate limit is never waited out)"
+        whole("Retry.attempts", self.attempts)  # every call, the first included
+        number("Retry.delay_s", self.delay_s, least=0, unit="seconds")
+        number("Retry.jitter", self.jitter, least=0, most=1)
+        number("Retry.min_room_s", self.min_room_s, least=0, unit="seconds")
+        if self.budget is not None and not isinstance(self.budget, RetryBudget):
+            raise ConfigurationError(
+                f"Retry.budget must be a RetryBudget(...), or None (no budget); got {self.budget!r}"
             )
+        number("Retry.wait_out_s", self.wait_out_s, least=0, unit="seconds")  # 0: never waited out
 
     def delay(self, rng: Callable[[], float] = random.random) -> float:
         return self.delay_s * (1 + self.jitter * (2 * rng() - 1))

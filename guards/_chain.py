@@ -23,12 +23,12 @@ another provider would change the route.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
 
 from ._errors import ConfigurationError
+from ._settings import number, settings
 
 __all__ = [
     "DEFAULT_PROVIDER",
@@ -103,18 +103,11 @@ _NO_LIMITS: Limits = (None, None)
 def check_limit(name: str, value: float | None) -> float | None:
     """`value` as a call limit: None, or a positive finite number of seconds; raises
     `ConfigurationError` naming `name` otherwise."""
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigurationError(f"{name} must be a positive, finite number of seconds (or None: no limit)")
-    return float(value)
+    number(name, value, above=0, unit="seconds", none="no limit")
+    return None if value is None else float(value)
 
 
+@settings
 @dataclass(frozen=True, slots=True)
 class Model:
     """A chain entry with call limits of its own, accepted wherever a chain entry string is
@@ -139,8 +132,8 @@ class Model:
     def __post_init__(self) -> None:
         if not isinstance(self.spec, str):
             raise ConfigurationError(f"Model(spec): a chain entry string, not {type(self.spec).__name__}")
-        object.__setattr__(self, "first_output_s", check_limit("first_output_s", self.first_output_s))
-        object.__setattr__(self, "stream_idle_s", check_limit("stream_idle_s", self.stream_idle_s))
+        object.__setattr__(self, "first_output_s", check_limit("Model.first_output_s", self.first_output_s))
+        object.__setattr__(self, "stream_idle_s", check_limit("Model.stream_idle_s", self.stream_idle_s))
 
     @property
     def limits(self) -> Limits:
@@ -162,6 +155,7 @@ def _inner(limits: Limits, outer: Limits) -> Limits:
     )
 
 
+@settings
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Profile:
     """A named model with the profiles to fall back on after it.
@@ -173,6 +167,23 @@ class Profile:
 
     model: str | Model
     fallbacks: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str | Model):
+            raise ConfigurationError(
+                f"Profile.model must be one chain entry (a model id or 'provider:model', or a "
+                f"guards.Model); got {self.model!r}"
+                + (
+                    ": the profiles to fall back on go in fallbacks=..."
+                    if isinstance(self.model, list | tuple)
+                    else ""
+                )
+            )
+        if isinstance(self.fallbacks, str) or not all(isinstance(each, str) for each in self.fallbacks):
+            raise ConfigurationError(
+                f"Profile.fallbacks must be a tuple of profile names, e.g. fallbacks=({self.fallbacks!r},); "
+                f"got {self.fallbacks!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,11 @@ clock is behind does not stretch it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ._classify import classify
+from ._errors import ConfigurationError
+from ._settings import number, settings
 from ._vocabulary import Kind
 
 __all__ = ["MAX_COOLDOWN_S", "Cooldown"]
@@ -26,6 +27,7 @@ __all__ = ["MAX_COOLDOWN_S", "Cooldown"]
 MAX_COOLDOWN_S = 600.0
 
 
+@settings
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cooldown:
     """How long a model cools down after a rate limit (429) or an exhausted quota (3036).
@@ -36,7 +38,7 @@ class Cooldown:
     A wait given as an HTTP date ends no later than that date on the store's clock.
 
     Give one to `Guards(cooldown=...)` for every model, and per model in
-    `Guards(cooldowns={"provider:model": Cooldown(...)})`. Raises `ValueError` for a duration
+    `Guards(cooldowns={"provider:model": Cooldown(...)})`. Raises `ConfigurationError` for a duration
     that is not a positive finite number of seconds, or a default longer than `max_s`.
     """
 
@@ -46,16 +48,12 @@ class Cooldown:
 
     def __post_init__(self) -> None:
         for name in ("rate_limited_s", "quota_s", "max_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(f"Cooldown {name} must be a finite number of seconds, not {value!r}")
-            if value <= 0:
-                raise ValueError(f"Cooldown {name} must be positive, not {value!r}")
+            number(f"Cooldown.{name}", getattr(self, name), above=0, unit="seconds")
         for name in ("rate_limited_s", "quota_s"):
             value = getattr(self, name)
             if value > self.max_s:
-                raise ValueError(
-                    f"Cooldown {name} ({float(value)} s) is longer than max_s ({float(self.max_s)} s): "
+                raise ConfigurationError(
+                    f"Cooldown.{name} ({float(value)} s) is longer than max_s ({float(self.max_s)} s): "
                     f"shorten it or raise max_s"
                 )
 

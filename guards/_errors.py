@@ -25,8 +25,10 @@ class GuardsError(Exception):
     """Base class of the errors guards raises."""
 
 
-class ConfigurationError(GuardsError):
-    """A route, binding or setting is declared wrong. Raised at start-up, never per request."""
+class ConfigurationError(GuardsError, ValueError):
+    """A route, binding or setting is declared wrong: its message names the setting, the value
+    and the fix. Raised at start-up, never per request. A `ValueError`, as Python's own checks
+    of a value are."""
 
 
 class ProviderError(GuardsError):

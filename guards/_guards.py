@@ -37,7 +37,9 @@ from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._responses import PublicError, error_response
 from ._retry_budget import RetryWindows
 from ._route import guard_route
+from ._route_checks import check_route_settings
 from ._route_spec import NO_FALLBACK, GuardedRoute, KnownRefusal, route_of
+from ._settings import keywords_checked
 from ._tasks import Task
 from ._vocabulary import Attribution, ErrorCode
 from .stores import MemoryStore, Store
@@ -172,6 +174,8 @@ class Guards:
         self.levels = Levels(self, max_in_flight)
         #: Every route guarded by this instance, in the order they were declared.
         self.routes: list[GuardedRoute] = []
+
+    __init__ = keywords_checked(__init__, "Guards")  # a misspelled keyword names the closest one
 
     def cooldown_for(self, model: str) -> Cooldown:
         """The cooldown policy of the model keyed `model` (`model` or `provider:model`)."""
@@ -338,6 +342,27 @@ class Guards:
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
 
+        check_route_settings(
+            model=model,
+            fallbacks=fallbacks,
+            attempts=attempts,
+            timeout_s=timeout_s,
+            retry=retry,
+            budget=budget,
+            breaker=breaker,
+            moderation=moderation,
+            name=name,
+            max_tokens=max_tokens,
+            stream_max_s=stream_max_s,
+            stream_max_chars=stream_max_chars,
+            max_body_bytes=max_body_bytes,
+            task=task,
+            content_filter_fallback=content_filter_fallback,
+            on_rejected=on_rejected,
+            downgrade_to=downgrade_to,
+            shed_at=shed_at,
+        )
+
         def decorate(handler: F) -> F:
             endpoint = guard_route(
                 self,
@@ -374,6 +399,8 @@ class Guards:
             return endpoint  # type: ignore[return-value]
 
         return decorate
+
+    route = keywords_checked(route, "route")  # a misspelled keyword names the closest one
 
     def install(self, app: FastAPI) -> None:
         """Attach to `app`: answer invalid input on guarded routes with `400 invalid_request`,

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ._metrics import Tally
+from ._settings import number, settings, whole
 
 __all__ = ["RetryBudget", "RetryWindows", "admit_retry"]
 
@@ -39,20 +40,22 @@ __all__ = ["RetryBudget", "RetryWindows", "admit_retry"]
 _MARKS = 10
 
 
+@settings
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetryBudget:
     """How many retries of one model a worker admits: while its retries of the last `window_s`
     seconds stay under `share` (a fraction) of its requests in that window, or under
-    `min_retries` (so a quiet model can still retry). Raises `ValueError` for a negative
-    share or floor, or a window that is not positive."""
+    `min_retries` (so a quiet model can still retry). Raises `ConfigurationError` for a negative
+    share or floor, or a window that is not positive (`ConfigurationError`)."""
 
     share: float = 0.2
     min_retries: int = 3
     window_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if not self.share >= 0 or self.min_retries < 0 or not self.window_s > 0:
-            raise ValueError("RetryBudget: share and min_retries must be >= 0, window_s > 0")
+        number("RetryBudget.share", self.share, least=0)
+        whole("RetryBudget.min_retries", self.min_retries, least=0)
+        number("RetryBudget.window_s", self.window_s, above=0, unit="seconds")
 
     def allows(self, retries: int, requests: int) -> bool:
         """Whether one more retry fits, after `retries` retries for `requests` requests."""

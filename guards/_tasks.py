@@ -44,6 +44,8 @@ from typing import Annotated
 
 from fastapi import Header
 
+from ._settings import number, settings, whole
+
 __all__ = ["IDEMPOTENCY_KEY", "KEY_PARAMETER", "MAX_STEPS", "Task", "key_parameter", "lease_s"]
 
 IDEMPOTENCY_KEY = "Idempotency-Key"
@@ -53,6 +55,7 @@ KEY_PARAMETER = "guards_idempotency_key_"
 MAX_STEPS = 64
 
 
+@settings
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Task:
     """Run a route's requests that carry an `Idempotency-Key` as multi-step tasks (see
@@ -74,10 +77,9 @@ class Task:
     max_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
-        if not self.ttl_s > 0:
-            raise ValueError("Task.ttl_s must be positive")
-        if self.max_live < 1 or self.max_bytes < 1:
-            raise ValueError("Task.max_live and Task.max_bytes must be at least 1")
+        number("Task.ttl_s", self.ttl_s, above=0, unit="seconds")
+        whole("Task.max_live", self.max_live)
+        whole("Task.max_bytes", self.max_bytes)
 
 
 def key_parameter() -> inspect.Parameter:

@@ -598,7 +598,7 @@ def test_a_reader_without_a_probe_interval_keeps_the_openers_next_probe(
         ({"slow_call_s": 0, "window_s": 60}, "slow_call_s must be a positive"),
         ({"slow_call_s": float("nan"), "window_s": 60}, "slow_call_s must be a positive"),
         ({"slow_call_s": float("inf"), "window_s": 60}, "slow_call_s must be a positive"),
-        ({"minimum_calls": 0}, "minimum_calls must be a whole number from 1 to 1000"),
+        ({"minimum_calls": 0}, "minimum_calls must be a whole number from 1 to 1,000"),
         ({"minimum_calls": 1001}, "minimum_calls"),
         ({"minimum_calls": 2.5}, "minimum_calls"),
         ({"probe_interval_s": 0}, "probe_interval_s must be a positive"),

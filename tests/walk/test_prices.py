@@ -297,7 +297,7 @@ def test_prices_are_checked_when_made() -> None:
         Price(input_token=1.0, long_context_above=1000)
     with pytest.raises(ConfigurationError, match="go together"):
         Price(input_token=1.0, long_context=Price(input_token=2.0))
-    with pytest.raises(ConfigurationError, match="long_context_above must be at least 1"):
+    with pytest.raises(ConfigurationError, match="long_context_above must be a whole number, at least 1"):
         Price(long_context_above=0, long_context=Price())
     nested = Price(long_context_above=10, long_context=Price())
     with pytest.raises(ConfigurationError, match="no long_context tier of its own"):

@@ -333,5 +333,5 @@ def test_with_every_other_model_cooling_down_the_wait_is_waited_out(
 
 @pytest.mark.parametrize("value", [-1, float("nan"), float("inf"), True, "2"])
 def test_wait_out_s_is_checked(value: Any) -> None:
-    with pytest.raises(ValueError, match=r"Retry\.wait_out_s must be a finite number of seconds >= 0"):
+    with pytest.raises(ValueError, match=r"Retry\.wait_out_s must be a finite number of seconds, at least 0"):
         Retry(wait_out_s=value)

@@ -505,7 +505,10 @@ def declare_stream(**options: Any) -> None:
 @pytest.mark.parametrize(
     ("declared", "message"),
     [
-        (lambda: declare(on_rejected="retry"), 'on_rejected must be "fallback", "next_model" or "reask"'),
+        (
+            lambda: declare(on_rejected="retry"),
+            "on_rejected must be one of 'fallback', 'next_model', 'reask'",
+        ),
         (lambda: declare(tools={}), "tools must be a non-empty mapping"),
         (lambda: declare(tools={"get weather": GetWeather}), "tool name 'get weather'"),
         (lambda: declare(tools={"get_weather": dict}), "tool 'get_weather' must map to a pydantic model"),

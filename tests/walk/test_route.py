@@ -435,7 +435,7 @@ def test_declaration_errors_are_reported_at_start_up(guards: Guards) -> None:
     with pytest.raises(ConfigurationError, match="stream_max_chars"):
         guards.route(model=MODEL, stream_max_chars=0)(fine)
     for max_tokens in (0, 1_000_001):  # 1 to 1,000,000: the most a call may ask for
-        with pytest.raises(ConfigurationError, match="max_tokens must be 1 to 1,000,000"):
+        with pytest.raises(ConfigurationError, match="max_tokens must be a whole number from 1 to 1,000,000"):
             guards.route(model=MODEL, max_tokens=max_tokens)(fine)
     with pytest.raises(ValueError, match="at least 1"):
         Breaker(failure_threshold=0)

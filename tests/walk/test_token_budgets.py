@@ -184,9 +184,9 @@ def test_budget_settings_are_checked_at_start_up() -> None:
         guards.route(model=MODEL, budget=Budget(tokens_per_minute=100))(label)
     with pytest.raises(ConfigurationError, match="scope 'label'"):
         guards.route(model=MODEL, budget=[Budget(per_day=1), Budget(per_day=2)])(label)
-    with pytest.raises(ValueError, match="tokens_per_day must be at least 1"):
+    with pytest.raises(ValueError, match="tokens_per_day must be a whole number, at least 1"):
         Budget(tokens_per_day=0)
-    with pytest.raises(ValueError, match="spend_per_month must be positive"):
+    with pytest.raises(ValueError, match="spend_per_month must be a positive"):
         Budget(spend_per_month=0)
 
 
