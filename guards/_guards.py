@@ -520,7 +520,7 @@ def _invalid_request(
         trace = tracing.start(route.name, request, lambda: request_trace_id(request))
         trace.finish("invalid", 400, None, ErrorCode.invalid_request, 0)
         trace_id = trace.trace_id
-    found = _problems(exc)
+    found = _problems(exc, route.input_names)
     route.metrics.invalid.add()
     flush_soon(time.perf_counter())
     emit(
@@ -536,10 +536,16 @@ def _invalid_request(
     return error_response(PublicError(400, ErrorCode.invalid_request, False), trace_id, problems=found)
 
 
-def _problems(exc: Exception) -> list[Problem]:
+#: Where FastAPI says an invalid input came from: the first element of its location.
+_SOURCES = frozenset({"body", "query", "path", "header", "cookie"})
+
+
+def _problems(exc: Exception, names: frozenset[str]) -> list[Problem]:
     """What to fix: each field path and pydantic error type, in pydantic's order, without
-    duplicates, at most `MAX_PROBLEMS`. Never the input, its `msg` or its `ctx`: they may
-    carry what the client sent."""
+    duplicates, at most `MAX_PROBLEMS`. Never the input, its `msg` or its `ctx`, nor a key the
+    client wrote (a `dict` field's, an unknown field's): a path holds where the input came
+    from (`body`, `query`...), list indices and the names the route declares (`names`), and
+    `<key>` for anything else."""
     if isinstance(exc, BodyTooLarge):  # over the route's `max_body_bytes`, never read whole
         return [Problem(field="body", problem="too_long")]
     if not isinstance(exc, RequestValidationError):
@@ -551,7 +557,11 @@ def _problems(exc: Exception) -> list[Problem]:
         kind = str(error.get("type", "invalid"))
         if kind == "json_invalid":
             loc = loc[:1]  # (body, character offset): the offset is not a field
-        field = ".".join(str(part) for part in loc)[:_FIELD_MAX] or "body"
+        told = [
+            part if isinstance(part, int) or part in names or (at == 0 and part in _SOURCES) else "<key>"
+            for at, part in enumerate(loc)
+        ]
+        field = ".".join(str(part) for part in told)[:_FIELD_MAX] or "body"
         found[(field, kind[:_FIELD_MAX])] = None
         if len(found) == MAX_PROBLEMS:
             break

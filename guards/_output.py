@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -274,6 +274,26 @@ def _declared(schema: CoreSchema) -> frozenset[str]:
                 SchemaValidator({"type": "definitions", "schema": choice, "definitions": definitions}).title
             )
         except Exception:  # pydantic-core's own name, not to be had: the label is told as `<key>`
+            continue
+    return frozenset(names)
+
+
+def input_names(parameters: Iterable[inspect.Parameter]) -> frozenset[str]:
+    """What a location of a route's invalid input may name that the route declares: its
+    parameters' names and aliases, and what each parameter's type declares (`_declared`).
+    Anything else in a location is a key the client wrote (`guards._guards._problems`)."""
+    names: set[str] = set()
+    for param in parameters:
+        names.update((param.name, param.name.replace("_", "-")))  # a header's, as FastAPI reads it
+        annotation = param.annotation
+        # Annotated[T, Query(alias=...)], or `= Query(alias=...)`: the alias is what it reads.
+        for info in (*getattr(annotation, "__metadata__", ()), param.default):
+            alias = getattr(info, "alias", None)
+            if isinstance(alias, str):
+                names.add(alias)
+        try:
+            names |= _declared(TypeAdapter(annotation).core_schema)
+        except Exception:  # not a type pydantic reads (Request, a dependency): it declares nothing
             continue
     return frozenset(names)
 

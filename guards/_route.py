@@ -34,7 +34,7 @@ from ._event_stream import GUARDS_EVENTS, EventStream, StreamFormat
 from ._last_good import LastGood, LastGoodCache
 from ._log import emit_warning
 from ._metrics import RouteMetrics
-from ._output import Moderation, OutputGuard
+from ._output import Moderation, OutputGuard, input_names
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._route_spec import NO_FALLBACK, GuardedRoute, Leg, SuccessAges
 from ._tasks import Task, key_parameter
@@ -254,6 +254,7 @@ def guard_route(
 
         local_share = LocalShare.of(budgets)
     route = GuardedRoute(
+        input_names=input_names(params),
         name=route_name,
         model=legs[0].ref.key,
         legs=legs,

@@ -326,6 +326,9 @@ class GuardedRoute:
     #: The route's downgrade chain near a cap (`route(downgrade_to=...)`), on the route and on
     #: its downgraded copy alike; None: none.
     downgrade: DowngradeChoice | None = None
+    #: What a location of the route's invalid input may name (`guards._output.input_names`):
+    #: any other string in it is a key the client wrote, never told (`<key>`).
+    input_names: frozenset[str] = frozenset()
 
     @property
     def degrading(self) -> bool:

@@ -27,6 +27,11 @@ MEGABYTE = 1_000_000
 class Wide(BaseModel):
     model_config = ConfigDict(extra="forbid")
     a: int
+    items: list[int] = []
+
+
+class Scored(BaseModel):
+    scores: dict[str, int]
 
 
 @pytest.fixture
@@ -96,17 +101,53 @@ def test_problems_are_bounded_and_logged_without_values(
     async def wide(body: Wide, ai: AI[str]) -> str:
         return await ai.run({"prompt": "hi"})
 
-    # 40 unknown fields and a wrong one: 41 problems, 10 reported.
-    body: dict[str, Any] = {f"extra_{i}": CANARY for i in range(40)}
+    # A wrong field, 40 wrong items and 40 unknown fields: 42 problems, 10 reported. An
+    # unknown field is a key the client wrote: never told by name.
+    body: dict[str, Any] = {f"extra_{i}_{CANARY}": 1 for i in range(40)}
     body["a"] = CANARY
+    body["items"] = [CANARY] * 40
     response = app_client(app).post("/wide", json=body)
     found = problems(response)
     assert len(found) == 10
     assert found[0] == ("body.a", "int_parsing")
-    assert ("body.extra_0", "extra_forbidden") in found
+    assert ("body.items.0", "int_parsing") in found
     assert CANARY not in response.text
     [logged] = guards_log.events("request")
     assert logged["status"] == 400
+    assert CANARY not in str(logged)
+
+
+@pytest.mark.parametrize(
+    "key", [CANARY, f"{CANARY}\x1b[31m\r\n\x00", "b"], ids=["plain", "controls", "short"]
+)
+def test_a_key_the_client_wrote_is_never_told(
+    app: FastAPI, app_client: AppClient, guards_log: LogLines, key: str
+) -> None:
+    """A `dict` field's keys and unknown fields are the client's text: the 400's `problems` and
+    its log line say `<key>` where they stand, never the key."""
+
+    @app.post("/scored")
+    @Guards.of(app).route(model="@cf/test/model")
+    async def scored(body: Scored, ai: AI[str]) -> str:
+        return await ai.run({"prompt": "hi"})
+
+    @app.post("/wide-keys")
+    @Guards.of(app).route(model="@cf/test/model")
+    async def wide_keys(body: Wide, ai: AI[str]) -> str:
+        return await ai.run({"prompt": "hi"})
+
+    client = app_client(app)
+    scored_answer = client.post("/scored", json={"scores": {key: "high"}})
+    assert problems(scored_answer) == [("body.scores.<key>", "int_parsing")]
+    wide_answer = client.post("/wide-keys", json={"a": 1, key: 2})
+    assert problems(wide_answer) == [("body.<key>", "extra_forbidden")]
+    logged = guards_log.events("request")
+    assert [line["problems"] for line in logged] == [
+        ["body.scores.<key>:int_parsing"],
+        ["body.<key>:extra_forbidden"],
+    ]
+    for answer in (scored_answer, wide_answer):
+        assert CANARY not in answer.text
     assert CANARY not in str(logged)
 
 
