@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from ._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
 
-__all__ = ["GUARDS_EVENTS", "EventStream", "StreamFormat", "StreamWriter", "sse"]
+__all__ = ["GUARDS_EVENTS", "EventStream", "StreamCut", "StreamFormat", "StreamWriter", "sse"]
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 #: A str as a JSON string literal (the C encoder json.dumps uses for strings).
@@ -115,6 +115,21 @@ GUARDS_EVENTS: StreamFormat = _GuardsEvents()
 
 #: Events relayed between two turns of the event loop that `EventStream` takes itself.
 _TURN_EVERY = 4
+#: Seconds a stream cut by the server (`StreamCut`) has to write its last events: a client that
+#: does not take them by then does not get them (the server is stopping).
+CUT_WRITE_S = 1.0
+
+
+class StreamCut(Exception):
+    """Raised by an `EventStream`'s body that the server cancelled while its client was still
+    reading (uvicorn at the end of its graceful shutdown), once it settled: `last` are the
+    events that end the stream (its `error` event), which the response writes (within
+    `CUT_WRITE_S`) before `cancelled`, the server's cancellation, goes on."""
+
+    def __init__(self, last: bytes, cancelled: BaseException) -> None:
+        super().__init__()
+        self.last = last
+        self.cancelled = cancelled
 
 
 class EventStream(Response):
@@ -123,9 +138,10 @@ class EventStream(Response):
     Returned by `AI.stream`; a guarded route returns it as is. Headers (status 200, the trace
     id, attribution) go out only once the first output part is in hand. When the client
     disconnects, the relay is cancelled at once (within `_TURN_EVERY` events at the latest, whatever the
-    server), which closes the provider's stream. A `background` task (Starlette's
-    `BackgroundTask`, set by the handler) runs once the stream ended, whichever way, with its
-    calls counted on the `ai` handle (`AI.usage`, `AI.cost`).
+    server), which closes the provider's stream. When the server cancels the request while
+    its client reads, the body may end its stream first (`StreamCut`). A `background` task
+    (Starlette's `BackgroundTask`, set by the handler) runs once the stream ended, whichever
+    way, with its calls counted on the `ai` handle (`AI.usage`, `AI.cost`).
     """
 
     media_type = "text/event-stream"
@@ -142,16 +158,36 @@ class EventStream(Response):
                 {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             )
             sent = 0
-            async for chunk in self._body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                # A server's `send` may return without suspending (hypercorn's does while its
-                # buffer has room), and events read in one network read come without suspending
-                # either: a turn of the loop every `_TURN_EVERY` events lets `watch` see the
-                # client leave, instead of every later event being written to a closed
-                # connection (a turn per event would cost more than the rest of the relay).
-                sent += 1
-                if not sent % _TURN_EVERY:
-                    await anyio.lowlevel.checkpoint()
+            try:
+                async for chunk in self._body:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    # A server's `send` may return without suspending (hypercorn's does while its
+                    # buffer has room), and events read in one network read come without
+                    # suspending either: a turn of the loop every `_TURN_EVERY` events lets
+                    # `watch` see the client leave, instead of every later event being written
+                    # to a closed connection (a turn per event would cost more than the rest).
+                    sent += 1
+                    if not sent % _TURN_EVERY:
+                        try:
+                            await anyio.lowlevel.checkpoint()
+                        except anyio.get_cancelled_exc_class() as cancelled:
+                            if group.cancel_scope.cancel_called:
+                                raise  # the client left
+                            # The server cancels the request between two whole events: the
+                            # body is told where it stands (it may end its stream: StreamCut).
+                            athrow = getattr(self._body, "athrow", None)
+                            if athrow is not None:
+                                await athrow(cancelled)
+                            raise
+            except StreamCut as cut:
+                # The server cancels the request while the client reads (the body saw that
+                # its cancellation came from neither its client nor itself): the stream's last
+                # events and the response's end, if the client takes them within the bound,
+                # then the cancellation goes on.
+                with anyio.move_on_after(CUT_WRITE_S):
+                    await send({"type": "http.response.body", "body": cut.last, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                raise cut.cancelled from None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             group.cancel_scope.cancel()
 

@@ -33,7 +33,7 @@ from ._levels import LevelMiddleware, Levels, ServiceLevel
 from ._log import emit, flush_logs, logger, show_logs
 from ._metrics import flush_metrics, flush_soon
 from ._output import Moderation
-from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
+from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S, settled
 from ._responses import PublicError, error_response
 from ._retry_budget import RetryWindows
 from ._route import guard_route
@@ -464,7 +464,10 @@ class Guards:
         return guards
 
     async def aclose(self) -> None:
-        """Close the bindings and the store, and write this process's metrics and log lines."""
+        """Close the bindings and the store, and write this process's metrics and log lines,
+        once the streams still relayed have ended and settled (for a second at most: see
+        `guards._relay.settled`)."""
+        await settled()
         flush_metrics()
         await anyio.to_thread.run_sync(flush_logs)
         self.levels.close()

@@ -14,6 +14,7 @@ gives it to do the accounting; `done` and `error` give the data of the last even
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from ._alarm import Alarm
 from ._breaker import Outcome
 from ._classify import classify
 from ._errors import GuardTripped, ProviderError
-from ._event_stream import GUARDS_EVENTS, StreamWriter
+from ._event_stream import GUARDS_EVENTS, StreamCut, StreamWriter
 from ._stream import (
     ReasoningDelta,
     StreamEnd,
@@ -47,6 +48,7 @@ __all__ = [
     "no_events",
     "open_stream",
     "relay",
+    "settled",
     "stop_streams",
 ]
 
@@ -63,6 +65,10 @@ SHUTDOWN_DETAIL = "the server is stopping: the stream was cut at the end of its 
 #: The alarms of the streams this process relays, and whether `stop_streams` was called.
 _live: set[Alarm] = set()
 _stopping = False
+#: One future per relay this process runs, done once the relay has ended and settled.
+_unsettled: set[asyncio.Future[None]] = set()
+#: How long `settled()` waits at most, by default.
+SETTLED_WAIT_S = 1.0
 
 
 def stop_streams() -> int:
@@ -78,6 +84,17 @@ def stop_streams() -> int:
     for alarm in live:
         alarm.ring()
     return len(live)
+
+
+async def settled(timeout_s: float = SETTLED_WAIT_S) -> None:
+    """Wait until every stream this event loop relays has ended and settled (its spend, its
+    request's log line), for `timeout_s` at most. For the app's shutdown (`Guards.aclose`),
+    before the store closes and the log is flushed: plain uvicorn cancels the requests still in
+    flight just before it, and their streams settle as they end."""
+    loop = asyncio.get_running_loop()
+    pending = [future for future in _unsettled if future.get_loop() is loop]
+    if pending:
+        await asyncio.wait(pending, timeout=timeout_s)
 
 
 @dataclass(slots=True, eq=False)
@@ -132,8 +149,10 @@ class Relayed:
     cut it, or `"cancelled"` (the client left, or the server is stopping); `outcome` the
     breaker's verdict on the model (`released`: none); `end` the completion signal, if it
     came; `delivered` the characters of output sent; `failure` what the `error` event said
-    (None after `done`, and when the client left or the server cancelled the request);
-    `stopped` whether the server cut it (`stop_streams`)."""
+    (None after `done`, and when the stream was cancelled without one: its client left, or the
+    server cancelled the request while the response waited on the client);
+    `stopped` whether the server cut it (`stop_streams`, or its cancellation of the request
+    while the client read: then `failure` is the shutdown's too)."""
 
     kind: str
     outcome: Outcome
@@ -158,12 +177,13 @@ async def relay(
 ) -> AsyncIterator[bytes]:
     """The client's events for a committed attempt (`opened`): its first events, the rest of
     the stream, then `done` (with the data `done(end)` gives) or `error` (`error(tripped)`).
-    `ended` is awaited once, however the stream ends (shielded when it is cancelled). `model`
-    names the chain entry in failures; `provider` in a truncation.
+    `ended` is awaited once, however the stream ends (shielded when it is cancelled; `settled()`
+    waits for it). `model` names the chain entry in failures; `provider` in a truncation.
 
     Limits: the stream ends with `error` at `deadline` (event-loop time; the route's `max_s`
-    after the request began: `call`/`timeout`), when the server stops (`stop_streams`: also
-    `call`/`timeout`, `SHUTDOWN_DETAIL`) and before an event would take its output past
+    after the request began: `call`/`timeout`), when the server stops (`stop_streams`, or the
+    server's cancellation while the client reads, raised as `StreamCut`: also `call`/`timeout`,
+    `SHUTDOWN_DETAIL`) and before an event would take its output past
     `max_chars` characters (`call`/`provider_error`). Either way the provider's stream is
     closed at once. One timer for the whole stream (`Alarm`), and no clock read per event.
     `writer` writes the events (guards' own, `GUARDS_EVENTS`, by default), each lone surrogate
@@ -178,6 +198,16 @@ async def relay(
     _live.add(alarm)
     if _stopping:
         alarm.ring()
+    unsettled = asyncio.get_running_loop().create_future()
+    _unsettled.add(unsettled)
+
+    async def settle(relayed: Relayed) -> None:
+        try:
+            await ended(relayed)
+        finally:
+            _unsettled.discard(unsettled)
+            unsettled.set_result(None)
+
     upstream = opened.iter_events
     delivered = 0
     end: StreamEnd | None = opened.end
@@ -222,7 +252,15 @@ async def relay(
         alarm.waiting = None
         _live.discard(alarm)
         rang = alarm.interrupted(task) or isinstance(exc, _TimeUp)
-        stopped = rang and _stopping
+        # A cancellation that is neither the alarm's nor its client's (the response cancels
+        # the scope the relay runs in when its client leaves) is the server's, cancelling the
+        # request while its client reads: uvicorn at the end of its graceful shutdown.
+        cut = (
+            not rang
+            and isinstance(exc, asyncio.CancelledError)
+            and anyio.current_effective_deadline() != -math.inf
+        )
+        stopped = (rang and _stopping) or cut
         if stopped:
             failure = GuardTripped(Reason.timeout, SHUTDOWN_DETAIL, model=model)
         elif rang:
@@ -250,11 +288,21 @@ async def relay(
             with anyio.CancelScope(shield=True):
                 alarm.close()
                 await aclose(upstream)
-                await ended(Relayed(Kind.cancelled.value, Outcome.released, end, delivered, None))
+                await settle(Relayed(Kind.cancelled.value, Outcome.released, end, delivered, None))
             raise
-        # The provider's stream is closed before the client hears of the end.
+        # The provider's stream is closed before the client hears of the end (and a client
+        # that leaves meanwhile does not keep the end from being settled).
         alarm.close()
-        await aclose(upstream)
+        with anyio.CancelScope(shield=True):
+            await aclose(upstream)
+        if cut:
+            # The request is being cancelled: settle now, and hand the last events to the
+            # response (`StreamCut`), which writes them before the cancellation goes on.
+            with anyio.CancelScope(shield=True):
+                await settle(
+                    Relayed(Kind.cancelled.value, Outcome.released, end, delivered, failure, stopped=True)
+                )
+            raise StreamCut(writer.error(error(failure)), exc) from None
         if stopped:
             # Not the model's doing: no verdict on it, and the attempt counts as cancelled.
             relayed = Relayed(Kind.cancelled.value, Outcome.released, end, delivered, failure, stopped=True)
@@ -265,7 +313,7 @@ async def relay(
         try:
             yield writer.error(error(failure))
         finally:
-            await ended(relayed)
+            await settle(relayed)
         return
     _live.discard(alarm)
     alarm.close()
@@ -277,7 +325,7 @@ async def relay(
     try:
         yield last
     finally:
-        await ended(relayed)
+        await settle(relayed)
 
 
 def _lone_surrogate(event: StreamEvent) -> bool:

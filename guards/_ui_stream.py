@@ -25,7 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ._event_stream import StreamWriter, _dumps, _string
 from ._stream import ReasoningDelta, StreamEvent, TextDelta, ToolCallDelta
@@ -178,6 +179,22 @@ class _UIMessageStream:
 UI_MESSAGE_STREAM = _UIMessageStream()
 
 
+#: Whitespace as JSON Schema patterns know it (ECMA-262 `\s`), so that the OpenAPI document's
+#: pattern and the check agree to the character (Python's `\s` and a bare `str.strip()` differ
+#: from it on a few control and format characters): text made only of these is blank.
+_BLANK_CODES = (0x9, 0xA, 0xB, 0xC, 0xD, 0x20, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029)
+_BLANK_CODES += (0x202F, 0x205F, 0x3000, 0xFEFF)
+_BLANK = "".join(map(chr, _BLANK_CODES))
+#: A text that is not blank, as a JSON Schema pattern.
+_NOT_BLANK = "[^" + "".join(f"\\u{code:04x}" for code in _BLANK_CODES) + "]"
+
+
+def _text(parts: list[UIPart]) -> str | None:
+    """A message's text: its text parts joined, or None when that is empty or blank."""
+    text = "".join(p.text for p in parts if p.type == "text")
+    return text if text.strip(_BLANK) else None
+
+
 def _part_schema(schema: dict[str, Any]) -> None:
     """The checks of `UIPart._check` in its JSON Schema (the OpenAPI document)."""
     schema["properties"]["type"]["not"] = {"const": "file"}
@@ -204,12 +221,35 @@ class UIPart(BaseModel):
         return self
 
 
+def _message_schema(schema: dict[str, Any]) -> None:
+    """The check of `UIMessage._user_text` in its JSON Schema (the OpenAPI document)."""
+    schema["if"] = {"properties": {"role": {"const": "user"}}, "required": ["role"]}
+    text = {"type": "string", "pattern": _NOT_BLANK}
+    part = {"properties": {"type": {"const": "text"}, "text": text}, "required": ["type", "text"]}
+    schema["then"] = {"properties": {"parts": {"contains": part}}}
+
+
 class UIMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One message of the conversation. A user message must carry text: at least one text
+    part whose text is not blank. An assistant or system message without text (a tool call
+    alone) is not sent to the model."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=_message_schema)
 
     id: str = Field(default="", max_length=200)
     role: Literal["system", "user", "assistant"]
     parts: list[UIPart] = Field(max_length=1000)
+
+    @field_validator("parts")
+    @classmethod
+    def _user_text(cls, parts: list[UIPart], info: ValidationInfo) -> list[UIPart]:
+        if info.data.get("role") == "user" and _text(parts) is None:
+            raise PydanticCustomError(
+                "too_short",
+                "A user message should have text: a text part that is not blank",
+                {"min_length": 1},
+            )
+        return parts
 
 
 class UIChatRequest(BaseModel):
@@ -225,10 +265,10 @@ class UIChatRequest(BaseModel):
 
     def inputs(self) -> dict[str, Any]:
         """`{"messages": [{"role", "content"}]}`: each message's text parts, joined; a message
-        with none is left out."""
+        whose text is empty or blank (an assistant's tool call alone) is left out."""
         messages = []
         for message in self.messages:
-            text = "".join(p.text for p in message.parts if p.type == "text")
-            if text:
+            text = _text(message.parts)
+            if text is not None:
                 messages.append({"role": message.role, "content": text})
         return {"messages": messages}

@@ -252,6 +252,67 @@ def test_a_body_that_is_not_a_chat_request_is_a_400_without_a_call(
     assert fake_workers_ai.calls == []
 
 
+def user(*parts: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "user", "parts": list(parts)}
+
+
+def text(value: str) -> dict[str, Any]:
+    return {"type": "text", "text": value}
+
+
+ANSWERED = {"role": "assistant", "parts": [{"type": "step-start"}, text("It ships today.")]}
+
+
+@pytest.mark.parametrize(
+    ("messages", "field"),
+    [
+        ([user()], "body.messages.0.parts"),
+        ([user({"type": "step-start"}, {"type": "data-note", "data": {"n": 1}})], "body.messages.0.parts"),
+        ([user(text(""))], "body.messages.0.parts"),
+        ([user(text(" \n\t\u3000"), text(""))], "body.messages.0.parts"),
+        ([user(text("Where is it?")), ANSWERED, user()], "body.messages.2.parts"),
+        ([user(), ANSWERED, user(text("And now?"))], "body.messages.0.parts"),
+    ],
+    ids=["no-parts", "no-text-part", "empty-text", "blank-text", "last-of-three", "an-earlier-one"],
+)
+def test_a_user_message_without_text_is_a_400_without_a_call(
+    messages: list[dict[str, Any]], field: str, client: httpx.Client, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """Every user message must carry text: a text part that is not blank. One without (no
+    parts, only parts that are not text, empty or blank text), the last or an earlier one, is
+    `too_short` at its `parts`."""
+    response = client.post("/chat", json={"id": "chat-1", "messages": messages})
+    assert_error(response, 400, "invalid_request", False)
+    assert problems(response) == [(field, "too_short")]
+    assert fake_workers_ai.calls == []
+
+
+def test_assistant_and_system_messages_without_text_are_left_out(
+    client: httpx.Client, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """An assistant (or system) message with no text (a tool call only, no parts, blank text)
+    is not refused: it is left out of what the model is given."""
+    fake_workers_ai.script(MODEL, Stream(parts=(Text("Tomorrow."),)))
+    tool_only = {
+        "role": "assistant",
+        "parts": [{"type": "tool-track", "toolCallId": "c1", "state": "input-available"}],
+    }
+    messages = [
+        {"role": "system", "parts": [text(" ")]},
+        user(text("Where is it?")),
+        tool_only,
+        {"role": "assistant", "parts": []},
+        {"role": "assistant", "parts": [text(" \n")]},
+        user(text("And "), {"type": "step-start"}, text("now?")),
+    ]
+    check_ui_stream(client.post("/chat", json={"id": "chat-1", "messages": messages}))
+    (call,) = fake_workers_ai.calls
+    assert call.inputs["messages"][1:] == [
+        {"role": "user", "content": "Where is it?"},
+        {"role": "user", "content": "And now?"},
+    ]
+
+
 def test_the_budget_is_per_user(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
     settings = workers_ai_settings(fake_workers_ai, rate_limit_per_minute=1)
     client = serve(create_app(settings, sleep=no_sleep))

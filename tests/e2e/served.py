@@ -1,5 +1,5 @@
-"""`python -m guards.serve` in a process of its own, for the tests of serving: started on a free
-port, its log (stdout and stderr) in a file, stopped by signal."""
+"""`python -m guards.serve` (or plain `python -m uvicorn`) in a process of its own, for the tests
+of serving: started on a free port, its log (stdout and stderr) in a file, stopped by signal."""
 
 from __future__ import annotations
 
@@ -43,13 +43,26 @@ STACKS = [
 
 
 class ServedApp:
-    """`with ServedApp(log, "module:app", "--workers", "2") as served:` serves on `served.url`."""
+    """`with ServedApp(log, "module:app", "--workers", "2") as served:` serves on `served.url`
+    (`uvicorn=True`: plain `python -m uvicorn`, one process, with the same arguments)."""
 
     def __init__(
-        self, log: Path, app: str, *args: str, env: dict[str, str] | None = None, open_files: int = 0
+        self,
+        log: Path,
+        app: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        open_files: int = 0,
+        uvicorn: bool = False,
     ) -> None:
         self.log_path = log
-        command = [sys.executable, "-c", _LAUNCH, str(open_files), app, "--port", "0", *args]
+        self._started = (
+            r"Uvicorn running on http://127\.0\.0\.1:(\d+)"
+            if uvicorn
+            else r"guards\.serve: http://127\.0\.0\.1:(\d+)"
+        )
+        launch = ["-m", "uvicorn"] if uvicorn else ["-c", _LAUNCH, str(open_files)]
+        command = [sys.executable, *launch, app, "--port", "0", *args]
         with log.open("wb") as out:
             self.process = subprocess.Popen(
                 command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT
@@ -73,14 +86,14 @@ class ServedApp:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             log = self.log
-            found = re.search(r"guards\.serve: http://127\.0\.0\.1:(\d+)", log)
+            found = re.search(self._started, log)
             if found and log.count("Application startup complete.") >= workers:
                 self.port = int(found.group(1))
                 return
             if self.process.poll() is not None:
-                raise RuntimeError(f"guards.serve exited with {self.process.returncode}:\n{log}")
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{log}")
             time.sleep(0.05)  # polling the log, bounded by the deadline
-        raise RuntimeError(f"guards.serve did not start {workers} worker(s) in {timeout_s} s:\n{self.log}")
+        raise RuntimeError(f"the server did not start {workers} worker(s) in {timeout_s} s:\n{self.log}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
         """Send `sig` to the supervisor; its exit status (it must exit within `timeout_s`)."""

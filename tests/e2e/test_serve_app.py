@@ -1,12 +1,14 @@
 """The example app under `python -m guards.serve`, as an operator runs it: what a stopping
-server does to the streams it relays, and what clients can put into its log.
+server does to the streams it relays (under plain uvicorn too), and what clients can put into
+its log.
 
-Real processes and real HTTP: the app is served by the supervisor with the fake Workers AI as
-its provider.
+Real processes and real HTTP: the app is served by the supervisor (or by `python -m uvicorn`)
+with the fake Workers AI as its provider.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -23,6 +25,7 @@ import pytest
 from fixtures import FakeWorkersAI, Stream, Text
 from guards.stores import open_store
 
+from ..app.test_ui_stream import check_ui_stream
 from .served import STACKS, ServedApp
 
 #: Streams in flight when the server is told to stop.
@@ -148,6 +151,95 @@ def test_a_stream_cut_by_a_shutdown_ends_with_an_error_event_and_no_traceback(
             await store.aclose()
 
     assert anyio.run(spent) == STREAMS * CALL_PRICE
+
+
+#: Streams of each format in flight when plain uvicorn is told to stop.
+UVICORN_STREAMS = 5
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_stream_cut_by_plain_uvicorns_shutdown_ends_with_an_error_event(
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path, stack: tuple[str, ...]
+) -> None:
+    """Plain `uvicorn --timeout-graceful-shutdown 1` (no `guards.serve` to end the streams):
+    past the grace period uvicorn cancels the requests still in flight. A relayed stream whose
+    client is still reading ends as under `guards.serve`: guards' events with one `error`
+    event (`call`/`timeout`, the server stopping), the UI message stream with its `error`
+    chunk and `[DONE]`, each response complete; the spend is settled (1 unit a stream) and
+    each request's log line says it was cut by the shutdown."""
+    fake_workers_ai.default = Stream(parts=[Text("word ")] * 200, interval_s=0.1)
+    started = threading.Barrier(2 * UVICORN_STREAMS + 1, timeout=20)
+
+    def stream(client: httpx.Client, path: str, body: dict[str, Any]) -> httpx.Response:
+        received = b""
+        waiting = True
+        try:
+            with client.stream("POST", path, json=body, headers={"x-user-id": "ada"}) as answer:
+                assert answer.status_code == 200, answer.read()
+                for chunk in answer.iter_raw():
+                    received += chunk
+                    if waiting and received.count(b"\n\n") >= 3:  # output is here: committed
+                        started.wait()
+                        waiting = False
+        except BaseException:
+            if waiting:
+                started.abort()  # the others stop waiting: the test fails with this exception
+            raise
+        return httpx.Response(200, headers=answer.headers, content=received)
+
+    database = tmp_path / "guards.db"
+    env = {
+        "FAKE_ACCOUNT_ID": fake_workers_ai.account_id,
+        "FAKE_API_TOKEN": fake_workers_ai.api_token,
+        "FAKE_BASE_URL": fake_workers_ai.base_url,
+        "SPEND_DB": str(database),
+    }
+    chat = {"messages": [{"role": "user", "parts": [{"type": "text", "text": "Where is my order?"}]}]}
+    args = ("--timeout-graceful-shutdown", "1", *stack)
+    with ServedApp(tmp_path / "log", "tests.e2e.serve_spend:app", *args, env=env, uvicorn=True) as served:
+        served.wait_started(1)
+        limits = httpx.Limits(max_connections=2 * UVICORN_STREAMS)
+        with (
+            httpx.Client(base_url=served.url, timeout=20, limits=limits) as client,
+            ThreadPoolExecutor(2 * UVICORN_STREAMS) as pool,
+        ):
+            guards_events = [pool.submit(stream, client, "/stream", MESSAGE) for _ in range(UVICORN_STREAMS)]
+            ui_streams = [pool.submit(stream, client, "/chat", chat) for _ in range(UVICORN_STREAMS)]
+            with contextlib.suppress(threading.BrokenBarrierError):  # a stream's own error is raised below
+                started.wait()
+            served.process.send_signal(signal.SIGTERM)
+            answers = [future.result(timeout=30) for future in guards_events]
+            ui_answers = [future.result(timeout=30) for future in ui_streams]
+        # uvicorn raises the signal it caught again once it has shut down.
+        assert served.process.wait(30) == -signal.SIGTERM
+        log = served.log
+    for answer in answers:
+        events = events_of(answer.text.splitlines())
+        names = [name for name, _ in events]
+        assert names[:-1] == ["delta"] * (len(names) - 1)
+        assert names[-1] == "error", names[-3:]
+        data = events[-1][1]
+        assert (data["guard"], data["reason"]) == ("call", "timeout")
+        assert "server is stopping" in data["detail"]
+    for answer in ui_answers:
+        chunks = check_ui_stream(answer)
+        assert chunks[-1] == {"type": "error", "errorText": "timeout"}
+        guards = chunks[-2]["messageMetadata"]["guards"]
+        assert (guards["guard"], guards["reason"]) == ("call", "timeout")
+        assert "server is stopping" in guards["detail"]
+    requests = [line for line in json_lines(log) if line.get("event") == "request"]
+    assert len(requests) == 2 * UVICORN_STREAMS, log
+    for line in requests:
+        assert (line["outcome"], line["reason"], line["cut"]) == ("error", "timeout", "shutdown")
+
+    async def spent() -> float:
+        store = open_store(f"sqlite:///{database}")
+        try:
+            return await store.spent(ADA)
+        finally:
+            await store.aclose()
+
+    assert anyio.run(spent) == 2 * UVICORN_STREAMS * CALL_PRICE
 
 
 @pytest.mark.parametrize("stack", STACKS)

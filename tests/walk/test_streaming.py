@@ -7,7 +7,9 @@ fallback (`fake_openai`); each case counts the calls each server received."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fixtures import (
     Drop,
@@ -40,6 +43,8 @@ PRIMARY = "@cf/test/model"
 FALLBACK = "gpt-4o-mini"
 ANSWER = Stream(parts=(Text("Your parcel"), Text(" is on"), Text(" its way.")))
 IDLE_S = 0.4
+#: Slack for a loaded machine on a bound a test measures.
+SLACK_S = 2.0
 
 
 class Ask(BaseModel):
@@ -399,6 +404,121 @@ def test_a_client_that_leaves_after_three_deltas_cancels_the_upstream(
     assert attempt.outcome == "cancelled"
     assert attempt.delivered_chars is not None
     assert attempt.delivered_chars >= len("word0 word1 word2 ")
+
+
+class CancelAfter:
+    """ASGI middleware that cancels the request's task right after its `n`th body message, as a
+    server does to the requests still running at the end of its graceful shutdown (uvicorn's
+    `--timeout-graceful-shutdown`): the cancellation lands at the response's next wait. With
+    `stall`, the client then takes nothing more: every later message waits forever."""
+
+    def __init__(self, app: ASGIApp, n: int, stall: bool = False) -> None:
+        self.app = app
+        self.n = n
+        self.stall = stall
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = 0
+
+        async def counted(message: Message) -> None:
+            nonlocal sent
+            if self.stall and sent == self.n:
+                await asyncio.Event().wait()  # until the request is cancelled again
+            await send(message)
+            if message["type"] == "http.response.body":
+                sent += 1
+                if sent == self.n:
+                    task = asyncio.current_task()
+                    assert task is not None
+                    task.cancel()
+
+        await self.app(scope, receive, counted)
+
+
+#: What each stream of these tests sends, 50 ms apart.
+WORDS_50 = tuple(Text(f"word{i} ") for i in range(50))
+
+
+@pytest.fixture
+def cancelled_post(
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient, ledger: Recorder
+) -> Callable[..., httpx.Client]:
+    """`cancelled_post(n, stall=False)`: a client of an app whose server (`CancelAfter`) cancels
+    a request after its `n`th body message, the route streaming `WORDS_50` from Workers AI."""
+
+    def make(n: int, stall: bool = False) -> httpx.Client:
+        fake_workers_ai.script(PRIMARY, Stream(parts=WORDS_50, interval_s=0.05))
+        guards = Guards(
+            WorkersAI(
+                account_id=fake_workers_ai.account_id,
+                api_token=fake_workers_ai.api_token,
+                base_url=fake_workers_ai.base_url,
+            ),
+            ledger=ledger,
+        )
+        app = FastAPI()
+        guards.install(app)
+        app.add_middleware(CancelAfter, n=n, stall=stall)
+
+        @app.post("/stream")
+        @guards.route(model=PRIMARY, timeout_s=5)
+        async def stream(body: Ask, ai: AI[str]) -> EventStream:
+            return await ai.stream({"messages": [{"role": "user", "content": body.message}]})
+
+        return app_client(app, socket=True)
+
+    return make
+
+
+def assert_cut_by_the_server(
+    n: int, fake_workers_ai: FakeWorkersAI, ledger: Recorder, guards_log: LogLines
+) -> None:
+    """The provider's stream was closed, the request logged as cut by the shutdown, and the
+    attempt recorded as cancelled with the `n` events' text delivered."""
+    assert fake_workers_ai.wait_for(lambda c: c and c[0].disconnected, timeout=5), "upstream not closed"
+    assert guards_log.wait_for(lambda: guards_log.events("request"), timeout=5)
+    (line,) = guards_log.events("request")
+    assert (line["outcome"], line["reason"], line["cut"]) == ("error", "timeout", "shutdown")
+    (attempt,) = ledger.attempts
+    assert attempt.outcome == "cancelled"
+    assert attempt.delivered_chars == len("".join(t.text for t in WORDS_50[:n]))
+
+
+#: After the 3rd event the relay waits on the provider's next one; after the 4th the response
+#: takes its turn of the event loop (`EventStream` takes one every 4 events) first.
+@pytest.mark.parametrize("n", [3, 4], ids=["waiting-on-the-provider", "between-two-events"])
+def test_a_stream_the_server_cancels_while_its_client_reads_ends_with_the_error_event(
+    n: int,
+    cancelled_post: Callable[..., httpx.Client],
+    fake_workers_ai: FakeWorkersAI,
+    ledger: Recorder,
+    guards_log: LogLines,
+) -> None:
+    response = cancelled_post(n).post("/stream", json={"message": "Where is my parcel?"})
+    events = parse_sse(response.text)  # the response is complete: its last chunk came
+    assert [name for name, _ in events] == ["delta"] * n + ["error"]
+    _, data = events[-1]
+    assert (data["guard"], data["reason"]) == ("call", "timeout")
+    assert "server is stopping" in data["detail"]
+    assert data["trace_id"] == response.headers["x-trace-id"]
+    assert_cut_by_the_server(n, fake_workers_ai, ledger, guards_log)
+
+
+def test_a_cut_stream_whose_client_takes_nothing_more_ends_within_the_bound(
+    cancelled_post: Callable[..., httpx.Client],
+    fake_workers_ai: FakeWorkersAI,
+    ledger: Recorder,
+    guards_log: LogLines,
+) -> None:
+    """The stream's last events wait for a client that does not take them for `CUT_WRITE_S`
+    (1 s) at most: then the cancellation goes on (the connection is closed unfinished), the
+    request settled and logged all the same."""
+    client = cancelled_post(3, stall=True)
+    started = time.monotonic()
+    with pytest.raises(httpx.RemoteProtocolError):
+        client.post("/stream", json={"message": "Where is my parcel?"}, timeout=10)
+    assert time.monotonic() - started < 1.0 + SLACK_S
+    assert_cut_by_the_server(3, fake_workers_ai, ledger, guards_log)
 
 
 # --- resume -------------------------------------------------------------------------------------
