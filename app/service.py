@@ -306,6 +306,11 @@ def create_app(
         slow_call_s=settings.breaker_slow_call_s,
         minimum_calls=settings.breaker_minimum_calls,
     )
+    # AI_FIRST_OUTPUT_S for every model; unset: the route's default (a share of the deadline for
+    # each model but a chain's last).
+    first_output: dict[str, Any] = (
+        {} if settings.ai_first_output_s is None else {"first_output_s": settings.ai_first_output_s}
+    )
     if settings.breaker_probe_interval_s is not None:  # (unset: the default, 5 s at most BREAKER_RESET_S)
         breaker = dataclasses.replace(breaker, probe_interval_s=settings.breaker_probe_interval_s)
 
@@ -335,7 +340,7 @@ def create_app(
         effort=effort,
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
-        first_output_s=settings.ai_first_output_s,
+        **first_output,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
         on_rejected=settings.ai_on_rejected,
@@ -353,7 +358,7 @@ def create_app(
         effort=effort,
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
-        first_output_s=settings.ai_first_output_s,
+        **first_output,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
         name="draft_reply_stream",
@@ -372,7 +377,7 @@ def create_app(
         effort=effort,
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
-        first_output_s=settings.ai_first_output_s,
+        **first_output,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
         budget=Budget(
@@ -428,7 +433,7 @@ def create_app(
         model=settings.ai_model,
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
-        first_output_s=settings.ai_first_output_s,
+        **first_output,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
         budget=summary_budgets,
@@ -452,7 +457,7 @@ def create_app(
         # Three calls, each with the chain's attempts (every model, one retry).
         attempts=3 * (len(fallbacks) + 2),
         timeout_s=settings.ai_timeout_s,
-        first_output_s=settings.ai_first_output_s,
+        **first_output,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
         budget=budget,

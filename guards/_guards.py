@@ -39,7 +39,7 @@ from ._retry_budget import RetryWindows
 from ._route import guard_route
 from ._route_checks import check_route_settings
 from ._route_spec import NO_FALLBACK, GuardedRoute, KnownRefusal, route_of
-from ._settings import keywords_checked
+from ._settings import UNSET, Unset, keywords_checked
 from ._tasks import Task
 from ._vocabulary import Attribution, ErrorCode
 from .stores import MemoryStore, Store
@@ -255,7 +255,7 @@ class Guards:
         effort: Effort | None = None,
         shed_at: Literal["degraded", "minimal"] | None = None,
         task: Task | None = None,
-        first_output_s: float | None = None,
+        first_output_s: float | Unset | None = UNSET,
         stream_idle_s: float | None = None,
         content_filter_fallback: bool = False,
         on_rejected: Literal["fallback", "next_model", "reask"] = "fallback",
@@ -281,7 +281,10 @@ class Guards:
           from the request's arrival at the app for its first call (a later `ai.run` of the
           request: from its start).
         - `first_output_s`, `stream_idle_s`: call limits for each model of the chain that sets
-          none of its own (`Model`; default None: no limit, the deadline alone). An attempt with
+          none of its own (`Model`). `stream_idle_s` default None. `first_output_s` unset (the
+          default): `timeout_s / (N + 1)` for each model of a chain of N > 1 models but the
+          last, none for the last and on a one-model route (the deadline alone); None: none
+          for any model. An attempt with
           no first output within `first_output_s` (a stream's first output part; a whole
           answer's first byte, when the binding says when it came) is cancelled and the walk
           moves to the next model, the deadline permitting; a stream that sent output fails

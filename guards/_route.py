@@ -37,6 +37,7 @@ from ._metrics import RouteMetrics
 from ._output import Moderation, OutputGuard, input_names
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 from ._route_spec import NO_FALLBACK, GuardedRoute, Leg, SuccessAges
+from ._settings import UNSET, Unset
 from ._tasks import Task, key_parameter
 from ._vocabulary import Level
 from .walk import AI
@@ -76,7 +77,7 @@ def guard_route(
     effort: Effort | None = None,
     shed_at: str | None = None,
     task: Task | None = None,
-    first_output_s: float | None = None,
+    first_output_s: float | Unset | None = UNSET,
     stream_idle_s: float | None = None,
     content_filter_fallback: bool = False,
     on_rejected: str = "fallback",
@@ -92,8 +93,10 @@ def guard_route(
         )
     if effort is None and (model is None or not entry_parts(model)[0].strip()):
         raise ConfigurationError("a guarded route needs a model id")
+    # Unset: the default share below; None: the deadline alone.
+    shared_first = first_output_s is UNSET
     limits = (
-        check_limit("route: first_output_s", first_output_s),
+        None if isinstance(first_output_s, Unset) else check_limit("route: first_output_s", first_output_s),
         check_limit("route: stream_idle_s", stream_idle_s),
     )
     route_name = name or handler.__name__
@@ -126,6 +129,12 @@ def guard_route(
         )
         problems.update(dict.fromkeys(chain.problems))
         models = tuple(ref.limited(limits) for ref in chain.models)
+        if shared_first and len(models) > 1:
+            # A silent or slow model never holds a request another model could answer: each
+            # model but the last, with no limit of its own or the route's, gets a share of
+            # the deadline to start answering, which leaves the rest of the chain its room.
+            share = (timeout_s / (len(models) + 1), None)
+            models = (*(ref.limited(share) for ref in models[:-1]), models[-1])
         for ref in models:
             if ref.first_output_s is not None and ref.first_output_s >= timeout_s:
                 # Kept, though it never fires before the deadline: the same `Model` or

@@ -192,3 +192,26 @@ def test_every_model_silent_answers_503_before_the_deadline(make: Make, guards_l
         (HEALTHY, "model_temporarily_unavailable", None),
     ]
     assert all(a["latency_ms"] >= FIRST_OUTPUT_S * 1000 for a in attempts)
+
+
+#: A route deadline short enough to wait out, with the default first-output share it gives
+#: each model but the last of a two-model chain: a third of it.
+SHORT_TIMEOUT_S = 1.5
+DEFAULT_SHARE_S = SHORT_TIMEOUT_S / 3
+
+
+@pytest.mark.parametrize(("path", "silence"), CASES, ids=[f"{path}-{name}" for path, name in CASES])
+def test_with_the_defaults_a_silent_first_model_hands_over_within_its_share_of_the_deadline(
+    make: Make, path: str, silence: str
+) -> None:
+    """No first-output limit set anywhere: on a chain of two models, the first gets a third of
+    the route's deadline to start answering, then the second answers with the rest."""
+    client, server = make(ai_first_output_s=None, ai_timeout_s=SHORT_TIMEOUT_S)
+    server.script(SILENT, SILENCES[silence])
+    server.script(HEALTHY, Reply("Your parcel is on its way."))
+    response, elapsed = post(client, path)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-ai-fallback"] == HEALTHY
+    assert DEFAULT_SHARE_S <= elapsed < SHORT_TIMEOUT_S
+    assert [call.model for call in server.calls] == [SILENT, HEALTHY]  # the silent one once
+    assert left(server, SILENT)

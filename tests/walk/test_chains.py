@@ -91,7 +91,7 @@ def build(
     sleeps: Sleeps,
     ledger: Recorder,
 ) -> Build:
-    """`build(fallbacks=[...], degrading=False, **guards_options)`: an app whose main binding is
+    """`build(fallbacks=[...], degrading=False, route={...}, **guards_options)`: an app whose main binding is
     the `fake_workers_ai` server and whose `backup` provider is `backup_server`, served by
     uvicorn; `POST /label` calls `PRIMARY` then the fallbacks."""
 
@@ -102,6 +102,7 @@ def build(
         breaker: Breaker | None = Breaker(failure_threshold=1000),
         timeout_s: float = 3.0,
         attempts: int | None = None,
+        route: dict[str, Any] | None = None,
         **options: Any,
     ) -> httpx.Client:
         def binding(server: FakeWorkersAI) -> WorkersAI:
@@ -129,6 +130,7 @@ def build(
             timeout_s=timeout_s,
             attempts=attempts,
             **extra,
+            **(route or {}),
         )
         async def label(body: Ask, ai: AI[Label]) -> Label:
             return await ai.run({"prompt": body.text})
@@ -355,7 +357,7 @@ def test_the_deadline_covers_the_whole_chain_and_never_moves_on(
     build: Build, fake_workers_ai: FakeWorkersAI, backup_server: FakeWorkersAI
 ) -> None:
     fake_workers_ai.script(PRIMARY, Hang())
-    response = ask(build(timeout_s=0.3))
+    response = ask(build(timeout_s=0.3, route={"first_output_s": None}))  # the deadline alone
     assert (response.status_code, response.json()["error"]) == (503, "model_temporarily_unavailable")
     assert len(backup_server.calls) == 0
     assert fake_workers_ai.wait_for(lambda calls: calls[0].disconnected, timeout=5)

@@ -304,7 +304,7 @@ def test_one_deadline_bounds_every_model_and_reask(
     """Each answer alone comes well within the deadline; the two together do not."""
     fake_workers_ai.script(PRIMARY, Reply({"label": [CANARY]}, delay_s=0.6))
     fake_openai.script(BACKUP, Reply({"label": "shipping"}, delay_s=0.6))
-    client = build(on_rejected="next_model", timeout_s=1.0)
+    client = build(on_rejected="next_model", timeout_s=1.0, first_output_s=None)  # the deadline alone
     began = time.monotonic()
     response = ask(client)
     elapsed = time.monotonic() - began
