@@ -34,10 +34,10 @@ $(BIN)/.installed: pyproject.toml
 	touch $@ $(BIN)/.app-installed
 
 # What `make run` needs, and no more: guards with the server, and the example app's own needs.
+# (--no-compile: the app compiles what it imports as it starts, not every installed module.)
 $(BIN)/.app-installed: pyproject.toml app/requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	PYTHONWARNINGS=ignore $(BIN)/python -m pip install --quiet -e '.[serve,redis,otel]' -r app/requirements.txt
+	PYTHONWARNINGS=ignore $(BIN)/python -m pip install --quiet --no-compile -e '.[serve,redis,otel]' -r app/requirements.txt
 	touch $@
 
 install: $(BIN)/.installed ## create .venv and install guards with the app and dev tools
