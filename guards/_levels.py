@@ -286,7 +286,9 @@ class LevelMiddleware:
         self.levels = levels
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        # Once per request: a mounted app with guards of its own (installed on it by its first
+        # guarded request) sees the request its parent's guards stamped and count.
+        if scope["type"] != "http" or ARRIVED in scope:
             await self.app(scope, receive, send)
             return
         levels = self.levels

@@ -15,12 +15,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
-from fixtures import FakeBinding, Reply
+from fixtures import FakeBinding, Hang, Reply
 from guards import AI, ConfigurationError, Guards
 
 from ..conftest import AppClient, LogLines, asgi_client, assert_error, problems
@@ -186,3 +187,38 @@ async def test_an_installed_app_warns_of_nothing(guards_log: LogLines) -> None:
         assert problems(await client.post("/ask", json={})) == [("body.message", "missing")]
         assert (await client.post("/ask", json={"message": "hi"})).status_code == 200
     assert guards_log.events("install_missing") == []
+
+
+@pytest.mark.anyio
+async def test_a_sub_app_of_an_installed_app_counts_each_request_in_flight_once() -> None:
+    """Guards installed on the parent app, forgotten on the mounted app that serves the routes:
+    the mounted app installs them too, and a request through both apps still counts once in
+    flight (`max_in_flight=1`: with one request held, the next of a `shed_at` route is shed)."""
+    fake = FakeBinding(Reply("hello"))
+    guards, parent, child = Guards(fake, max_in_flight=1), FastAPI(), FastAPI()
+    guards.install(parent)
+    parent.mount("/child", child)
+
+    @child.post("/hold")
+    @guards.route(model=MODEL, timeout_s=1.0)
+    async def hold(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "hold"})
+
+    @child.post("/optional")
+    @guards.route(model=MODEL, shed_at="degraded", fallback="shed")
+    async def optional(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "optional"})
+
+    async with asgi_client(parent) as client:
+        for _ in range(3):  # the first installs guards on the child app too
+            assert (await client.post("/child/optional")).json()["fallback"] is None
+        fake.script(MODEL, Hang())
+        async with anyio.create_task_group() as held:
+            held.start_soon(client.post, "/child/hold")
+            with anyio.fail_after(5):
+                while not any(call.inputs == {"prompt": "hold"} for call in fake.calls):
+                    await anyio.sleep(0.01)
+            shed = (await client.post("/child/optional")).json()
+            assert shed["data"] == "shed"
+            assert shed["fallback"]["reason"] == "circuit_open"
+        assert (await client.post("/child/optional")).json()["fallback"] is None
