@@ -198,10 +198,12 @@ async def test_a_sub_app_of_an_installed_app_counts_each_request_in_flight_once(
     guards, parent, child = Guards(fake, max_in_flight=1), FastAPI(), FastAPI()
     guards.install(parent)
     parent.mount("/child", child)
+    held_in = anyio.Event()
 
     @child.post("/hold")
     @guards.route(model=MODEL, timeout_s=1.0)
     async def hold(ai: AI[str]) -> str:
+        held_in.set()  # counted in flight before the handler runs
         return await ai.run({"prompt": "hold"})
 
     @child.post("/optional")
@@ -216,8 +218,7 @@ async def test_a_sub_app_of_an_installed_app_counts_each_request_in_flight_once(
         async with anyio.create_task_group() as held:
             held.start_soon(client.post, "/child/hold")
             with anyio.fail_after(5):
-                while not any(call.inputs == {"prompt": "hold"} for call in fake.calls):
-                    await anyio.sleep(0.01)
+                await held_in.wait()
             shed = (await client.post("/child/optional")).json()
             assert shed["data"] == "shed"
             assert shed["fallback"]["reason"] == "circuit_open"
