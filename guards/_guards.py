@@ -500,7 +500,8 @@ class Guards:
 
     @staticmethod
     def of(app: FastAPI) -> Guards:
-        """The `Guards` installed on `app`."""
+        """The `Guards` installed on `app` (by `install`, or by the first request one of its
+        guarded routes served). Raises `ConfigurationError` when none is (yet)."""
         guards = getattr(app.state, "guards", None)
         if not isinstance(guards, Guards):
             raise ConfigurationError(
