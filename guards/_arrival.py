@@ -6,7 +6,8 @@ deadline counted from there was kept that much late. So `Guards.install`'s outer
 middleware (`LevelMiddleware`) stamps every HTTP request's scope with the moment it reached the
 app (`time.perf_counter()`, the reading it makes anyway), and a guarded request counts from it:
 its first walk's deadline (`timeout_s`), its stream's `stream_max_s`, its `latency_ms`. A
-request without a stamp (an app without `install`) counts from its guarded endpoint's start.
+request without a stamp (the request that installed guards on an app without `install`: see
+`Guards._ensure_installed`) counts from its guarded endpoint's start.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """`GuardedEndpoint`: what FastAPI calls for each request of a guarded route.
 
-The route decorator (`guards._route`) checks a declaration and builds its `GuardedRoute` once,
-at start-up; this is the per-request part. A request gets its `AI` (with the walk's first store
-step for its caller, built once per caller and kept), passes the service level's shedding,
-runs the handler, and ends in one of: the handler's value (validated against the route's
-type, in the envelope on a degrading route), the fallback (degrading route) or the public
-error (strict route) when a guard tripped, or `application_failure` when the handler's own
-code failed. Every ending reports one `RequestEnded` to the route's observers.
+The route decorator (`guards._route`) checks a declaration and builds its `GuardedRoute` once, at
+start-up; this is the per-request part. A request installs guards on its app if they are not (once
+per app), gets its `AI` (with its caller's first store step: `_first_step`), passes the service
+level's shedding, runs the handler, and ends in one of: the handler's value (validated against the
+route's type, in the envelope on a degrading route), the fallback or the public error when a guard
+tripped, or `application_failure` when the handler's own code failed: one `RequestEnded` each.
 """
 
 from __future__ import annotations
@@ -74,6 +73,7 @@ class GuardedEndpoint:
     __slots__ = (
         "__dict__",
         "_ai_name",
+        "_app",
         "_budget",
         "_budget_key",
         "_budget_prefix",
@@ -139,16 +139,17 @@ class GuardedEndpoint:
         self._fallback_answers: dict[tuple[Reason, str], Any] = {}
         # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
         self._enter_levels = route.shed_at is not None or shared.levels.max_in_flight is not None
+        self._app: object = None  # the app it last served, guards installed there (`__call__`)
 
     async def __call__(self, **kwargs: Any) -> Any:
         request: Request = kwargs.pop(REQUEST_PARAMETER)
         response: Response = kwargs.pop(RESPONSE_PARAMETER)
         scope = request.scope
         scope[_ENTERED] = True
-        # The request's clock runs from its arrival at the app (`guards._arrival`).
-        started = scope.get(ARRIVED)
-        if started is None:  # not stamped (no `Guards.install`): from now
-            started = perf_counter()
+        if (app := scope.get("app")) is not self._app:  # once per app: guards installed there
+            self._app = app
+            self._shared._ensure_installed(app, self._route.name)
+        started = scope.get(ARRIVED) or perf_counter()  # from its arrival (`guards._arrival`)
         shared, route = self._shared, self._route
         # With tracing on, the request's span (its trace id is the `x-trace-id`), current
         # while the handler runs; ended with the request's outcome (`Observers.request_ended`).

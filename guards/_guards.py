@@ -30,7 +30,7 @@ from ._errors import ConfigurationError
 from ._event_stream import GUARDS_EVENTS, StreamFormat
 from ._ledger import Ledger, LogLedger
 from ._levels import LevelMiddleware, Levels, ServiceLevel
-from ._log import emit, flush_logs, logger, show_logs
+from ._log import emit, emit_warning, flush_logs, logger, show_logs
 from ._metrics import flush_metrics, flush_soon
 from ._output import Moderation
 from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S, settled
@@ -58,6 +58,9 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 #: The longest field path (or problem token) a 400 reports; a longer one is cut.
 _FIELD_MAX = 200
+#: `app.state`'s flag: its `Guards` were installed by a guarded route's first request, not by
+#: `install` (which may then still be called).
+_AUTOMATIC = "guards_installed_automatically"
 
 
 class Guards:
@@ -410,14 +413,51 @@ class Guards:
         stop reading a guarded route's request body past its `max_body_bytes`, keep the
         service level fresh (`x-service-level` on guarded responses, `max_in_flight`), document every
         status a guarded route can answer in OpenAPI, and make `Guards.of(app)` find this
-        instance. Call once, when building the app.
+        instance. Call once, when building the app: then all of it holds from the first request.
 
         Also makes guards' log lines visible without any logging set-up: JSON lines on stderr
         (INFO and up, unless the app set a level on the `guards` logger) until the app
-        configures a handler of its own for them (on `guards` or the root logger)."""
-        if getattr(app.state, "guards", None) is not None:
+        configures a handler of its own for them (on `guards` or the root logger).
+
+        An app that never calls it is installed by the first request one of its guarded routes
+        serves, for the requests after it, with an `install_missing` warning (invalid input
+        sent before then got FastAPI's 422); calling it after that is no error. Raises
+        `ConfigurationError` when `Guards` were installed on `app` by a call already."""
+        installed = getattr(app.state, "guards", None)
+        if installed is self and getattr(app.state, _AUTOMATIC, False):
+            setattr(app.state, _AUTOMATIC, False)  # installed now on purpose: nothing left to do
+            return
+        if installed is not None:
             raise ConfigurationError("Guards are already installed on this app")
+        self._attach(app)
+
+    def _ensure_installed(self, app: object, route: str) -> None:
+        """Install on `app` unless `Guards` are installed there already: what a guarded route
+        does at the first request it serves on an app (once per app; then one attribute check
+        per request). A forgotten `install` is so made good from the next request on: invalid
+        input before it got FastAPI's own 422, as the middleware the app built at its start had
+        none of guards'. Logs one `install_missing` warning that names the fix. An app that is
+        not a FastAPI app is left as it is."""
+        if not isinstance(app, FastAPI) or getattr(app.state, "guards", None) is not None:
+            return
+        self._attach(app)
+        setattr(app.state, _AUTOMATIC, True)
+        # A document built before now lacks guards' statuses: the next one asked for has them.
+        app.openapi_schema = None
+        emit_warning(
+            "install_missing",
+            route=route,
+            detail="guards.install(app) was not called: installed at this route's first request. "
+            "Call guards.install(app) where the app is built: invalid input sent before this "
+            "request was answered 422, not 400 invalid_request",
+        )
+
+    def _attach(self, app: FastAPI) -> None:
+        """What `install` does (see it), on an app that may have started already: its
+        middleware stack is then built again, from the next request on (a request in flight
+        keeps the one it started with)."""
         app.state.guards = self
+        app.middleware_stack = None  # built on the app's next call, with guards' middleware
         app.add_middleware(BodyLimit)
         show_logs()
         app.add_middleware(LevelMiddleware, levels=self.levels)
@@ -460,10 +500,13 @@ class Guards:
 
     @staticmethod
     def of(app: FastAPI) -> Guards:
-        """The `Guards` installed on `app`."""
+        """The `Guards` installed on `app` (by `install`, or by the first request one of its
+        guarded routes served). Raises `ConfigurationError` when none is (yet)."""
         guards = getattr(app.state, "guards", None)
         if not isinstance(guards, Guards):
-            raise ConfigurationError("no Guards installed on this app: call guards.install(app)")
+            raise ConfigurationError(
+                "no Guards installed on this app (yet): call guards.install(app) where the app is built"
+            )
         return guards
 
     async def aclose(self) -> None:

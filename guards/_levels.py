@@ -290,6 +290,13 @@ class LevelMiddleware:
             await self.app(scope, receive, send)
             return
         levels = self.levels
+        if ARRIVED in scope:
+            # An app mounted in an app with guards installed (by hand, or by its first guarded
+            # request): the outer middleware stamped the request, adds its header and counts it
+            # out, once; this one keeps its own level fresh (another `Guards`' maybe).
+            levels.tick(time.perf_counter())
+            await self.app(scope, receive, send)
+            return
         scope[ARRIVED] = now = time.perf_counter()
         levels.tick(now)
         if levels.header is not None:
