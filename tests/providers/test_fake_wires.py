@@ -15,10 +15,10 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 import guards.providers
-from fixtures import Fail, FakeBinding, FakeOpenAI
-from guards import AI, Guards, Throttled
+from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Stream
+from guards import AI, Binding, Guards, ProviderError, StreamEvent, Throttled
 from guards.providers import OpenAICompatible, WorkersAI
-from guards.testing import UseFakeAI
+from guards.testing import UseFakeAI, UseFakeServers
 from guards.testing.fake_binding import ADAPTER_WIRES, wire_of
 
 from ..conftest import AppClient, no_sleep
@@ -92,6 +92,15 @@ FAILURES = [
     pytest.param(Fail(status=503), (503, "model_temporarily_unavailable", True, "30"), 2, id="503"),
 ]
 
+#: Workers AI's, the same way (its numeric codes decide).
+WORKERS_AI_FAILURES = [
+    pytest.param(Fail(code=3036, status=429), (503, "model_quota_exhausted", False, "600"), 1, id="3036"),
+    pytest.param(
+        Fail(code=3040, status=429), (503, "model_temporarily_unavailable", True, "30"), 2, id="3040"
+    ),
+    pytest.param(Fail(code=3006, status=413), (400, "context_length_exceeded", False, None), 1, id="3006"),
+]
+
 
 @pytest.mark.parametrize(("failure", "public", "calls"), FAILURES)
 def test_a_failure_answers_the_same_in_process_as_over_http(
@@ -111,10 +120,48 @@ def test_a_failure_answers_the_same_in_process_as_over_http(
     faked = outcome(app_client(in_process).post("/strict", json={"text": "hi"}))
     served = outcome(app_client(over_http).post("/strict", json={"text": "hi"}))
 
-    assert faked == served
-    assert served[:2] == public[:2]
-    assert served == public
+    assert faked == served == public
     assert len(fake.calls) == len(fake_openai.calls) == calls
+
+
+@pytest.mark.parametrize(("failure", "public", "calls"), FAILURES)
+def test_use_fake_servers_answers_as_use_fake_ai_on_openai(
+    use_fake_ai: UseFakeAI,
+    use_fake_servers: UseFakeServers,
+    fake_openai: FakeOpenAI,
+    app_client: AppClient,
+    failure: Fail,
+    public: tuple[int, str, bool, str | None],
+    calls: int,
+) -> None:
+    faked, served = openai_app(), openai_app()
+    fake = use_fake_ai(faked)
+    use_fake_servers(served)
+    fake.script(MODEL, failure, failure)
+    fake_openai.script(MODEL, failure, failure)
+    assert outcome(app_client(faked).post("/strict", json={"text": "hi"})) == public
+    assert outcome(app_client(served).post("/strict", json={"text": "hi"})) == public
+    assert len(fake.calls) == len(fake_openai.calls) == calls
+
+
+@pytest.mark.parametrize(("failure", "public", "calls"), WORKERS_AI_FAILURES)
+def test_use_fake_servers_answers_as_use_fake_ai_on_workers_ai(
+    use_fake_ai: UseFakeAI,
+    use_fake_servers: UseFakeServers,
+    fake_workers_ai: FakeWorkersAI,
+    app_client: AppClient,
+    failure: Fail,
+    public: tuple[int, str, bool, str | None],
+    calls: int,
+) -> None:
+    faked, served = workers_ai_app(chain=(CF_MODEL,)), workers_ai_app(chain=(CF_MODEL,))
+    fake = use_fake_ai(faked)
+    use_fake_servers(served)
+    fake.script(CF_MODEL, failure, failure)
+    fake_workers_ai.script(CF_MODEL, failure, failure)
+    assert outcome(app_client(faked).post("/strict", json={"text": "hi"})) == public
+    assert outcome(app_client(served).post("/strict", json={"text": "hi"})) == public
+    assert len(fake.calls) == len(fake_workers_ai.calls) == calls
 
 
 def test_each_provider_gets_the_fake_on_its_own_wire(use_fake_ai: UseFakeAI, app_client: AppClient) -> None:
@@ -203,3 +250,51 @@ def test_every_adapter_has_a_wire() -> None:
     assert sorted(a.__name__ for a in adapters) == sorted(a.__name__ for a in ADAPTER_WIRES)
     throttled = Throttled(OpenAICompatible(api_key="k"), max_rate=1)
     assert wire_of(throttled) == "openai"
+
+
+# --- streams on the OpenAI wire ------------------------------------------------------------------
+
+STREAMS = [
+    pytest.param(Stream(error_after=2, error_code=3040), id="in-band-error-with-code"),
+    pytest.param(Stream(error_after=1, error_message="JSON Mode couldn't be met"), id="in-band-json-mode"),
+    pytest.param(Stream(cut_after=2), id="cut"),
+    pytest.param(Stream(done=False), id="no-end"),
+    pytest.param(
+        Fail(status=429, error_code="insufficient_quota", retry_after="9"), id="quota-before-the-body"
+    ),
+]
+
+
+def stream_failure(binding: Binding, model: str) -> tuple[list[StreamEvent], ProviderError]:
+    async def go() -> tuple[list[StreamEvent], ProviderError]:
+        events: list[StreamEvent] = []
+        try:
+            async for event in binding.stream(model, {"prompt": "hi"}):  # type: ignore[attr-defined]
+                events.append(event)
+        except ProviderError as error:
+            return events, error
+        finally:
+            await binding.aclose()
+        raise AssertionError("the stream did not fail")
+
+    return anyio.run(go)
+
+
+@pytest.mark.parametrize("scripted", STREAMS)
+def test_a_stream_fails_on_the_openai_wire_as_the_adapter_reads_it(
+    fake_openai: FakeOpenAI, scripted: Stream | Fail
+) -> None:
+    """The events before the failure and the failure's facts (provider, code, status, wait,
+    flags, note) through `FakeBinding(wire="openai")` and through the adapter over HTTP."""
+    fake = FakeBinding(wire="openai")
+    fake.script(MODEL, scripted)
+    fake_openai.script(MODEL, scripted)
+    faked_events, faked = stream_failure(fake, MODEL)
+    served_events, served = stream_failure(
+        OpenAICompatible(api_key=fake_openai.api_key, base_url=fake_openai.base_url), MODEL
+    )
+    facts = (
+        "provider", "code", "status", "retry_after_s", "json_mode_failed", "quota_exhausted", "note"
+    )  # fmt: skip
+    assert [getattr(faked, f) for f in facts] == [getattr(served, f) for f in facts]
+    assert faked_events == served_events
