@@ -114,9 +114,9 @@ class WorkersAI:
     def replace(self, **changes: Any) -> WorkersAI:
         """A new binding made with this one's arguments, `changes` applied: e.g. the same
         binding pointed at another server for a test (`base_url`, `account_id`, `api_token`; a
-        new `base_url` without a `resume_base` leaves no resume). The new binding shares this one's `client` when one was given (else it makes its own,
-        unless `client` is among the changes); this one is left as it is. An unknown argument
-        raises `TypeError`."""
+        new `base_url` without a `resume_base` leaves no resume). The new binding shares this
+        one's `client` when one was given (else it makes its own, unless `client` is among the
+        changes); this one is left as it is. An unknown argument raises `TypeError`."""
         options = {**self._options, **changes}
         if "base_url" in changes and "resume_base" not in changes:
             options["resume_base"] = None
