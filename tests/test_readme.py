@@ -155,6 +155,7 @@ CHECKED = {
     ("operating/status-page.md", "sh", 0): "test_status_curls_run_against_a_live_server",
     ("operating/traces.md", "python", 0): "test_tracing_snippet_traces_with_its_provider",
     ("testing.md", "python", 0): "test_testing_page_tests_pass_in_either_order",
+    ("testing.md", "python", 1): "test_testing_page_fake_servers_example_passes_under_pytest",
     ("operating/serving.md", "sh", 0): "test_which_server_commands_are_the_served_ones",
     ("operating/serving.md", "sh", 1): "test_serve_command_serves_and_stops_gracefully",
     ("operating/serving.md", "sh", 2): "test_forwarded_commands_name_proxies",
@@ -1052,6 +1053,33 @@ def test_testing_example_passes_under_pytest(tmp_path: Path) -> None:
     assert "1 passed" in done.stdout
 
 
+@pytest.mark.slow  # mypy checks guards, FastAPI and pydantic from a cold cache: ~15 s of CPU
+def test_testing_example_passes_mypy_strict(tmp_path: Path) -> None:
+    """The README's route and its test, as a user's project with `mypy --strict` sees them: the
+    fixture's type comes from `guards.testing` (`UseFakeAI`)."""
+    (tmp_path / "service.py").write_text(block("README.md", "python"))
+    (tmp_path / "test_service.py").write_text(block("README.md", "python", 1))
+    assert "use_fake_ai: UseFakeAI" in block("README.md", "python", 1)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "service.py",
+            "test_service.py",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "MYPYPATH": str(ROOT)},  # the repository's guards (installed in editable mode)
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_testing_page_tests_pass_in_either_order(tmp_path: Path) -> None:
     """The testing page's two tests, in the page's order and reversed: the first leaves a
     10-minute cooldown behind, which the second never sees."""
@@ -1063,6 +1091,16 @@ def test_testing_page_tests_pass_in_either_order(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stdout + done.stderr
         ran = re.findall(r"::(test_\w+)\S* PASSED", done.stdout)
         assert ran == list(order), done.stdout
+
+
+def test_testing_page_fake_servers_example_passes_under_pytest(tmp_path: Path) -> None:
+    """The testing page's `use_fake_servers` test of the README's route (built at import time,
+    its WorkersAI binding pointed at the fake server), run by pytest as a user runs it."""
+    (tmp_path / "service.py").write_text(block("README.md", "python"))
+    (tmp_path / "test_servers.py").write_text(block("testing.md", "python", 1))
+    done = run_pytest(tmp_path, "test_servers.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
 
 
 def test_concepts_route_is_the_readmes() -> None:

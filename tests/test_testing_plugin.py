@@ -112,6 +112,75 @@ def test_the_app_gets_its_own_store_back_after_the_test(tmp_path: Path) -> None:
     assert "2 passed" in done.stdout
 
 
+OPENAI_SERVICE = """
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+from guards import AI, Guards
+from guards.providers import OpenAICompatible
+
+
+class Ticket(BaseModel):
+    text: str
+
+
+guards = Guards(OpenAICompatible(api_key="sk-the-real-one"))  # built at import time
+app = FastAPI()
+guards.install(app)
+
+
+@app.post("/triage")
+@guards.route(model="gpt-4o-mini", fallback="by the rules")
+async def triage(ticket: Ticket, ai: AI[str]) -> str:
+    return await ai.run({"messages": [{"role": "user", "content": ticket.text}]})
+"""
+
+SERVERS_HEADER = """from fastapi.testclient import TestClient
+
+from guards import Guards
+from guards.testing import Fail, FakeOpenAI, Reply, UseFakeServers
+from service import app
+
+ORIGINAL = Guards.of(app).binding
+"""
+
+SERVER_QUOTA = """
+def test_quota_spent(use_fake_servers: UseFakeServers, fake_openai: FakeOpenAI) -> None:
+    assert Guards.of(app).binding is ORIGINAL
+    use_fake_servers(app)
+    fake_openai.script("*", Fail(status=429, error_code="insufficient_quota"))  # a 10-minute cooldown
+    answers = [TestClient(app).post("/triage", json={"text": "hi"}).json() for _ in range(2)]
+    assert [answer["data"] for answer in answers] == ["by the rules"] * 2
+    assert answers[0]["fallback"]["detail"].startswith("model_quota_exhausted")
+    assert len(fake_openai.calls) == 1  # the second request skipped the cooling model
+"""
+
+SERVER_ANSWERED = """
+def test_answered(use_fake_servers: UseFakeServers, fake_openai: FakeOpenAI) -> None:
+    assert Guards.of(app).binding is ORIGINAL
+    use_fake_servers(app)
+    fake_openai.script("*", Reply("billing"), Reply("billing"))
+    for _ in range(2):
+        answer = TestClient(app).post("/triage", json={"text": "hi"}).json()
+        assert answer == {"ok": True, "data": "billing", "fallback": None}
+    assert [call.headers["authorization"] for call in fake_openai.calls] == ["Bearer test-key"] * 2
+"""
+
+
+@pytest.mark.parametrize("order", [(SERVER_QUOTA, SERVER_ANSWERED), (SERVER_ANSWERED, SERVER_QUOTA)])
+def test_use_fake_servers_points_an_app_built_at_import_time_at_the_fake(
+    tmp_path: Path, order: tuple[str, str]
+) -> None:
+    """The app's real adapter calls the fake OpenAI server over HTTP (each request on an event
+    loop of its own), with a fresh store: the quota test's cooldown never reaches the next
+    test, and the app gets its own binding back in between."""
+    (tmp_path / "service.py").write_text(OPENAI_SERVICE)
+    (tmp_path / "test_service.py").write_text(SERVERS_HEADER + "".join(textwrap.dedent(t) for t in order))
+    done = run_pytest(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+
+
 @pytest.mark.parametrize(
     ("flags", "section"), [((), "Captured log call"), (("-p", "no:logging"), "Captured stderr call")]
 )

@@ -20,6 +20,7 @@ No retries here and no sleeping: the call guard's classifier is the only retry p
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import AsyncGenerator, Mapping
@@ -142,6 +143,17 @@ class OpenAICompatible:
             raise ConfigurationError("OpenAICompatible needs idle_timeout_s > 0")
         if max_reconnects < 0:
             raise ConfigurationError("OpenAICompatible needs max_reconnects >= 0")
+        self._options: dict[str, Any] = {
+            "api_key": api_key,
+            "base_url": base_url,
+            "client": client,
+            "headers": headers,
+            "provider": provider,
+            "max_body_bytes": max_body_bytes,
+            "idle_timeout_s": idle_timeout_s,
+            "max_reconnects": max_reconnects,
+            "resume_base": resume_base,
+        }
         self.provider = provider
         base = base_url.rstrip("/")
         self._url = f"{base}/chat/completions"
@@ -167,6 +179,17 @@ class OpenAICompatible:
     def __repr__(self) -> str:  # never show the key or the extra headers (gateway tokens)
         return f"OpenAICompatible(provider={self.provider!r}, url={self._url!r})"
 
+    def replace(self, **changes: Any) -> OpenAICompatible:
+        """A new binding made with this one's arguments, `changes` applied: e.g. the same
+        binding pointed at another server for a test (`base_url`, `api_key`; `resume_base`
+        defaults again from the new `base_url` unless given). The new binding shares this
+        one's `client` when one was given (else it makes its own, unless `client` is among the
+        changes); this one is left as it is. An unknown argument raises `TypeError`."""
+        options = {**self._options, **changes}
+        if "base_url" in changes and "resume_base" not in changes:
+            options["resume_base"] = None
+        return OpenAICompatible(**options)
+
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
         """Run `model` on `inputs`; raises `ProviderError` for every failure. Cancelling the task
         closes the streamed response, and with it the connection."""
@@ -183,13 +206,8 @@ class OpenAICompatible:
                 raw = await read_capped(response, self.provider, self._max_body_bytes)
         except httpx.HTTPError as exc:
             raise transport_error(self.provider, exc) from None
-        return parse_chat_response(
-            response.status_code,
-            raw,
-            model=model,
-            provider=self.provider,
-            retry_after_s=_retry_hint(response.headers),
-            retry_at=_retry_at(response.headers),
+        return parse_chat_answer(
+            response.status_code, response.headers, raw, model=model, provider=self.provider
         )
 
     def stream(self, model: str, inputs: Mapping[str, Any]) -> AsyncGenerator[StreamEvent, None]:
@@ -211,19 +229,9 @@ class OpenAICompatible:
         provider = self.provider
 
         def parse_whole(response: httpx.Response, raw: bytes) -> AIResult:
-            return parse_chat_response(
-                response.status_code,
-                raw,
-                model=model,
-                provider=provider,
-                retry_after_s=_retry_hint(response.headers),
-                retry_at=_retry_at(response.headers),
+            return parse_chat_answer(
+                response.status_code, response.headers, raw, model=model, provider=provider
             )
-
-        def in_band_error(event: dict[str, Any]) -> ProviderError | None:
-            if event.get("error") or event.get("success") is False:
-                return _failure(provider, 200, event, None)
-            return None
 
         return stream_sse(
             self._client,
@@ -231,7 +239,7 @@ class OpenAICompatible:
             body=body,
             headers=self._stream_headers,
             provider=provider,
-            decoder=ChunkDecoder(provider, model, in_band_error),
+            decoder=ChunkDecoder(provider, model, functools.partial(in_band_error, provider)),
             parse_whole=parse_whole,
             idle_timeout_s=self._idle_timeout_s,
             max_reconnects=self._max_reconnects,
@@ -315,6 +323,31 @@ def _retry_at(headers: httpx.Headers) -> float | None:
             if bounded_wait(ms / 1000) is not None:
                 return None
     return retry_date(headers.get("retry-after"))
+
+
+def in_band_error(provider: str, event: dict[str, Any]) -> ProviderError | None:
+    """The error an event of a chat completion stream carries after HTTP 200 (`{"error": ...}`,
+    or AI Gateway's `success: false`), as the adapter named `provider` raises it; None for a
+    normal event."""
+    if event.get("error") or event.get("success") is False:
+        return _failure(provider, 200, event, None)
+    return None
+
+
+def parse_chat_answer(
+    status: int, headers: httpx.Headers | Mapping[str, str], body: bytes, *, model: str, provider: str
+) -> AIResult:
+    """One chat completion HTTP answer (its status, headers and body) as the adapter named
+    `provider` reads it: a result, or raises `ProviderError` (with the wait its headers ask for)."""
+    given = headers if isinstance(headers, httpx.Headers) else httpx.Headers(headers)
+    return parse_chat_response(
+        status,
+        body,
+        model=model,
+        provider=provider,
+        retry_after_s=_retry_hint(given),
+        retry_at=_retry_at(given),
+    )
 
 
 def parse_chat_response(

@@ -87,6 +87,16 @@ class WorkersAI:
             raise ConfigurationError("WorkersAI needs idle_timeout_s > 0")
         if max_reconnects < 0:
             raise ConfigurationError("WorkersAI needs max_reconnects >= 0")
+        self._options: dict[str, Any] = {
+            "account_id": account_id,
+            "api_token": api_token,
+            "base_url": base_url,
+            "client": client,
+            "max_body_bytes": max_body_bytes,
+            "idle_timeout_s": idle_timeout_s,
+            "max_reconnects": max_reconnects,
+            "resume_base": resume_base,
+        }
         self._url = f"{base_url.rstrip('/')}/accounts/{account_id}/ai/run/"
         # Identity per request: a client of the caller's own making asks for it too.
         self._headers = {"authorization": f"Bearer {api_token}", **IDENTITY}
@@ -100,6 +110,17 @@ class WorkersAI:
 
     def __repr__(self) -> str:  # never show the token
         return f"WorkersAI(url={self._url!r})"
+
+    def replace(self, **changes: Any) -> WorkersAI:
+        """A new binding made with this one's arguments, `changes` applied: e.g. the same
+        binding pointed at another server for a test (`base_url`, `account_id`, `api_token`; a
+        new `base_url` without a `resume_base` leaves no resume). The new binding shares this
+        one's `client` when one was given (else it makes its own, unless `client` is among the
+        changes); this one is left as it is. An unknown argument raises `TypeError`."""
+        options = {**self._options, **changes}
+        if "base_url" in changes and "resume_base" not in changes:
+            options["resume_base"] = None
+        return WorkersAI(**options)
 
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
         try:

@@ -3,6 +3,7 @@ streams), in-process and over real HTTP (Workers AI, OpenAI-compatible, AI Gatew
 controllable clock, and a pytest plugin (`guards.testing.pytest_plugin`, registered through the
 `pytest11` entry point: installing the package is enough) that hands them out."""
 
+from ._types import UseFakeAI, UseFakeServers
 from .clock import ManualClock
 from .fake_binding import FakeBinding
 from .fake_openai import FakeOpenAI
@@ -47,4 +48,6 @@ __all__ = [
     "ToolArgs",
     "ToolCall",
     "ToolName",
+    "UseFakeAI",
+    "UseFakeServers",
 ]

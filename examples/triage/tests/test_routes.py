@@ -4,14 +4,13 @@ trips a guard (a rate limit puts the model in a cooldown) never reaches the next
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from app.main import app
-from guards.testing import Fail, FakeBinding, Reply
+from guards.testing import Fail, FakeBinding, Reply, UseFakeAI
 
 BILLING = {"label": "billing", "urgent": False}
 
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.anyio  # async tests on asyncio (anyio's pytest plugin)
 
 
 @pytest.fixture
-def fake(use_fake_ai: Callable[[FastAPI], FakeBinding]) -> FakeBinding:
+def fake(use_fake_ai: UseFakeAI) -> FakeBinding:
     return use_fake_ai(app)
 
 
