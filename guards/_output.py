@@ -210,20 +210,32 @@ def _fail_fast(schema: CoreSchema) -> CoreSchema:
     whatever the schema says): a collection field of a model fails fast only when it is declared
     so, `Field(fail_fast=True)`.
     """
-    return _fail_fast_node(schema)  # type: ignore[no-any-return]
+    return _fail_fast_node(schema, {})  # type: ignore[no-any-return]
 
 
-def _fail_fast_node(node: Any) -> Any:
+def _fail_fast_node(node: Any, copies: dict[int, Any]) -> Any:
+    """`node`'s fail-fast copy. A schema shares nodes (a model used in several places is one
+    dict, along as many paths as it is reached by): each is copied once (`copies`, by
+    identity), and the copy shares it the same way, in time linear in the schema's nodes."""
+    if not isinstance(node, dict | list | tuple):
+        return node
+    copied = copies.get(id(node))
+    if copied is not None:
+        return copied
     if isinstance(node, dict):
         if not isinstance(node.get("type"), str):  # a mapping of schemas: fields, tagged choices
-            return {key: _fail_fast_node(value) for key, value in node.items()}
-        copy = {key: _fail_fast_node(value) if key in _SUBSCHEMAS else value for key, value in node.items()}
-        if copy["type"] in _COLLECTIONS:
-            copy["fail_fast"] = True
-        return copy
-    if isinstance(node, list | tuple):  # schemas, or (schema, label) choices of a union
-        return type(node)(_fail_fast_node(item) for item in node)
-    return node
+            copy: Any = {key: _fail_fast_node(value, copies) for key, value in node.items()}
+        else:
+            copy = {
+                key: _fail_fast_node(value, copies) if key in _SUBSCHEMAS else value
+                for key, value in node.items()
+            }
+            if copy["type"] in _COLLECTIONS:
+                copy["fail_fast"] = True
+    else:  # schemas, or (schema, label) choices of a union
+        copy = type(node)(_fail_fast_node(item, copies) for item in node)
+    copies[id(node)] = copy
+    return copy
 
 
 def _declared(schema: CoreSchema) -> frozenset[str]:
