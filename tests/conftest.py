@@ -25,6 +25,7 @@ import pytest
 import redis
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 import guards
@@ -464,3 +465,16 @@ def guards_memory() -> int:
     gc.collect()
     snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, f"{GUARDS_DIR}/*")])
     return sum(stat.size for stat in snapshot.statistics("filename"))
+
+
+def guards_samples(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every `guards_*` sample of the app's `/metrics` (which must answer 200), by name and
+    sorted labels."""
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name.startswith("guards_")
+    }

@@ -7,13 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Response
-from prometheus_client.parser import text_string_to_metric_families
 
 from guards import AI, AIResult, Guards, Usage, render_metrics
 
-from ..conftest import LogLines, Serve
+from ..conftest import LogLines, Serve, guards_samples
 
 #: A model of this test's own: its series are touched by no other test.
 MODEL = "@cf/test/enormous-usage"
@@ -52,17 +50,6 @@ def app_of(binding: OwnBinding) -> FastAPI:
     return app
 
 
-def scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = client.get("/metrics")
-    assert response.status_code == 200
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-        if sample.name.startswith("guards_")
-    }
-
-
 def value(samples: dict[Any, float], name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
@@ -70,12 +57,12 @@ def value(samples: dict[Any, float], name: str, **labels: str) -> float:
 def test_a_series_that_cannot_take_an_amount_stops_no_series(serve: Serve, guards_log: LogLines) -> None:
     binding = OwnBinding(Usage(prompt_tokens=ENORMOUS, completion_tokens=5))
     client = serve(app_of(binding))
-    before = scrape(client)
+    before = guards_samples(client)
     assert client.post("/echo").json()["fallback"] is None
-    first = scrape(client)  # the input tokens' amount is refused: dropped, the rest written
+    first = guards_samples(client)  # the input tokens' amount is refused: dropped, the rest written
     binding.usage = Usage(prompt_tokens=10, completion_tokens=5)
     assert client.post("/echo").json()["fallback"] is None
-    second = scrape(client)
+    second = guards_samples(client)
     for samples, requests in ((first, 1), (second, 2)):
         assert (
             value(samples, "guards_requests_total", route="echo", outcome="ok")

@@ -13,13 +13,12 @@ from typing import Annotated, Any
 import httpx
 import pytest
 from fastapi import Body, FastAPI, Response
-from prometheus_client.parser import text_string_to_metric_families
 
 from fixtures import FakeOpenAI, Reply
 from guards import AI, Budget, Guards, Price, Retry, render_metrics
 from guards.providers import OpenAICompatible
 
-from ..conftest import Serve, no_sleep
+from ..conftest import Serve, guards_samples, no_sleep
 
 MODEL = "gpt-proxy"
 ROUTE_MAX = 256
@@ -77,17 +76,6 @@ async def burst(url: str, body: bytes, count: int) -> list[httpx.Response]:
         )
 
 
-def scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = client.get("/metrics")
-    assert response.status_code == 200
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-        if sample.name.startswith("guards_")
-    }
-
-
 def moved(before: Mapping[Any, float], after: Mapping[Any, float], name: str, **labels: str) -> float:
     key = (name, tuple(sorted(labels.items())))
     return after.get(key, 0.0) - before.get(key, 0.0)
@@ -118,7 +106,7 @@ def test_a_burst_holds_exactly_what_the_provider_is_sent(
     fake_openai.default = spends_all
     budget = Budget(tokens_per_minute=1_500_000)
     client = serve(proxy_app(fake_openai, budget))
-    before = scrape(client)
+    before = guards_samples(client)
     answers = asyncio.run(burst(str(client.base_url), body_with(sent), 10))
     assert [answer.status_code for answer in answers] == [200] * 10
     bodies = [answer.json() for answer in answers]
@@ -129,7 +117,7 @@ def test_a_burst_holds_exactly_what_the_provider_is_sent(
     for call in fake_openai.calls:  # sent what was held, as a JSON integer
         assert type(call.inputs["max_tokens"]) is int
         assert call.inputs["max_tokens"] == held
-    after = scrape(client)
+    after = guards_samples(client)
     scope = "chat"  # the route's name
     assert moved(before, after, "guards_requests_total", route="chat", outcome="ok") == admitted
     assert moved(before, after, "guards_requests_total", route="chat", outcome="fallback") == 10 - admitted
