@@ -128,7 +128,7 @@ async def measure(fake: FakeBinding | ConstantBinding) -> dict[str, float]:
     response = Response()  # FastAPI makes one per request; reused here, it is not guards' cost
 
     # Each request passes through the event loop once (`sleep(0)`), as a served one does; that
-    # also lets the loop run the deadlines' shared timer (see guards/_deadline.py).
+    # also lets the loop run the deadlines' shared timer (see guards/waits/_deadline.py).
     async def bare() -> None:
         for _ in range(PER_ROUND):
             result = await fake.run(MODEL, INPUTS)

@@ -20,30 +20,15 @@ import importlib
 import typing
 
 if typing.TYPE_CHECKING:
-    from ._binding import AIResult, Binding, Usage
-    from ._breaker import Breaker, CircuitState, Outcome
-    from ._budget import Budget, Price, StoreFailureMode, client_key, header_key
-    from ._call import Retry
-    from ._chain import Chain, Model, ModelRef, Profile, flatten_chain
-    from ._classify import Classification, classify
-    from ._clock import Clock, SystemClock
-    from ._cooldown import Cooldown
-    from ._effort import Effort, Tier, estimate_effort, override_effort
-    from ._envelope import Envelope, ErrorBody, FallbackInfo, Problem
-    from ._errors import ConfigurationError, GuardsError, GuardTripped, ProviderError
-    from ._event_stream import GUARDS_EVENTS, EventStream, StreamFormat, StreamWriter
-    from ._first_output import first_output_arrived
     from ._guards import Guards
-    from ._last_good import LastGood
-    from ._ledger import Attempt, Ledger, LogLedger
-    from ._levels import ModelDown, ServiceLevel
-    from ._log import flush_logs
-    from ._metrics import render_metrics
-    from ._output import Moderation
-    from ._responses import PublicError, public_error
-    from ._retry_budget import RetryBudget
-    from ._route import FallbackFunction
-    from ._stream import (
+    from .contracts._binding import AIResult, Binding, Usage
+    from .contracts._classify import Classification, classify
+    from .contracts._clock import Clock, SystemClock
+    from .contracts._envelope import Envelope, ErrorBody, FallbackInfo, Problem
+    from .contracts._errors import ConfigurationError, GuardsError, GuardTripped, ProviderError
+    from .contracts._output import Moderation
+    from .contracts._responses import PublicError, public_error
+    from .contracts._stream import (
         ReasoningDelta,
         StreamEnd,
         StreamEvent,
@@ -52,13 +37,28 @@ if typing.TYPE_CHECKING:
         ToolCallDelta,
         is_output,
     )
-    from ._tasks import Task
-    from ._throttle import Throttled
-    from ._tokens import estimate_tokens
-    from ._tools import ToolCall
-    from ._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
-    from ._vocabulary import Attribution, ErrorCode, GuardName, Kind, Level, Reason
+    from .contracts._tokens import estimate_tokens
+    from .contracts._tools import ToolCall
+    from .contracts._vocabulary import Attribution, CircuitState, ErrorCode, GuardName, Kind, Level, Reason
+    from .observe._ledger import Attempt, Ledger, LogLedger
+    from .observe._log import flush_logs
+    from .observe._metrics import render_metrics
+    from .policies._budget import Budget, Price, StoreFailureMode, client_key, header_key
+    from .policies._call import Retry
+    from .policies._chain import Chain, Model, ModelRef, Profile, flatten_chain
+    from .policies._cooldown import Cooldown
+    from .policies._last_good import LastGood
+    from .policies._retry_budget import RetryBudget
+    from .policies._tasks import Task
+    from .routes._effort import Effort, Tier, estimate_effort, override_effort
+    from .routes._route import FallbackFunction
+    from .spec._levels import ModelDown, ServiceLevel
     from .status import StatusReport, bearer_token
+    from .stores._breaker import Breaker, Outcome
+    from .streams._event_stream import GUARDS_EVENTS, EventStream, StreamFormat, StreamWriter
+    from .streams._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
+    from .waits._first_output import first_output_arrived
+    from .waits._throttle import Throttled
     from .walk import AI
 
 __all__ = [
@@ -143,80 +143,80 @@ __all__ = [
 
 #: Where each public name is defined: `__getattr__` imports it from there on first use.
 _PUBLIC = {
-    "AIResult": "._binding",
-    "Binding": "._binding",
-    "Usage": "._binding",
-    "Breaker": "._breaker",
-    "CircuitState": "._breaker",
-    "Outcome": "._breaker",
-    "Budget": "._budget",
-    "Price": "._budget",
-    "StoreFailureMode": "._budget",
-    "client_key": "._budget",
-    "header_key": "._budget",
-    "Retry": "._call",
-    "Chain": "._chain",
-    "Model": "._chain",
-    "ModelRef": "._chain",
-    "Profile": "._chain",
-    "flatten_chain": "._chain",
-    "flush_logs": "._log",
-    "Classification": "._classify",
-    "classify": "._classify",
-    "Clock": "._clock",
-    "SystemClock": "._clock",
-    "Cooldown": "._cooldown",
-    "Effort": "._effort",
-    "Tier": "._effort",
-    "estimate_effort": "._effort",
-    "override_effort": "._effort",
-    "Envelope": "._envelope",
-    "ErrorBody": "._envelope",
-    "FallbackInfo": "._envelope",
-    "Problem": "._envelope",
-    "ConfigurationError": "._errors",
-    "GuardTripped": "._errors",
-    "GuardsError": "._errors",
-    "ProviderError": "._errors",
-    "EventStream": "._event_stream",
-    "GUARDS_EVENTS": "._event_stream",
-    "StreamFormat": "._event_stream",
-    "StreamWriter": "._event_stream",
-    "first_output_arrived": "._first_output",
+    "AIResult": ".contracts._binding",
+    "Binding": ".contracts._binding",
+    "Usage": ".contracts._binding",
+    "Breaker": ".stores._breaker",
+    "CircuitState": ".contracts._vocabulary",
+    "Outcome": ".stores._breaker",
+    "Budget": ".policies._budget",
+    "Price": ".policies._budget",
+    "StoreFailureMode": ".policies._budget",
+    "client_key": ".policies._budget",
+    "header_key": ".policies._budget",
+    "Retry": ".policies._call",
+    "Chain": ".policies._chain",
+    "Model": ".policies._chain",
+    "ModelRef": ".policies._chain",
+    "Profile": ".policies._chain",
+    "flatten_chain": ".policies._chain",
+    "flush_logs": ".observe._log",
+    "Classification": ".contracts._classify",
+    "classify": ".contracts._classify",
+    "Clock": ".contracts._clock",
+    "SystemClock": ".contracts._clock",
+    "Cooldown": ".policies._cooldown",
+    "Effort": ".routes._effort",
+    "Tier": ".routes._effort",
+    "estimate_effort": ".routes._effort",
+    "override_effort": ".routes._effort",
+    "Envelope": ".contracts._envelope",
+    "ErrorBody": ".contracts._envelope",
+    "FallbackInfo": ".contracts._envelope",
+    "Problem": ".contracts._envelope",
+    "ConfigurationError": ".contracts._errors",
+    "GuardTripped": ".contracts._errors",
+    "GuardsError": ".contracts._errors",
+    "ProviderError": ".contracts._errors",
+    "EventStream": ".streams._event_stream",
+    "GUARDS_EVENTS": ".streams._event_stream",
+    "StreamFormat": ".streams._event_stream",
+    "StreamWriter": ".streams._event_stream",
+    "first_output_arrived": ".waits._first_output",
     "Guards": "._guards",
-    "LastGood": "._last_good",
-    "Attempt": "._ledger",
-    "Ledger": "._ledger",
-    "LogLedger": "._ledger",
-    "ModelDown": "._levels",
-    "ServiceLevel": "._levels",
-    "render_metrics": "._metrics",
-    "Moderation": "._output",
-    "PublicError": "._responses",
-    "public_error": "._responses",
-    "RetryBudget": "._retry_budget",
-    "FallbackFunction": "._route",
-    "ReasoningDelta": "._stream",
-    "StreamEnd": "._stream",
-    "StreamEvent": "._stream",
-    "StreamingBinding": "._stream",
-    "TextDelta": "._stream",
-    "ToolCallDelta": "._stream",
-    "is_output": "._stream",
-    "Task": "._tasks",
-    "Throttled": "._throttle",
-    "estimate_tokens": "._tokens",
-    "ToolCall": "._tools",
-    "UIChatRequest": "._ui_stream",
-    "UIMessage": "._ui_stream",
-    "UIPart": "._ui_stream",
-    "UI_MESSAGE_STREAM": "._ui_stream",
-    "Attribution": "._vocabulary",
-    "ErrorCode": "._vocabulary",
-    "GuardName": "._vocabulary",
-    "Kind": "._vocabulary",
-    "Level": "._vocabulary",
-    "Reason": "._vocabulary",
+    "LastGood": ".policies._last_good",
+    "Attempt": ".observe._ledger",
+    "Ledger": ".observe._ledger",
+    "LogLedger": ".observe._ledger",
+    "ModelDown": ".spec._levels",
+    "ServiceLevel": ".spec._levels",
+    "render_metrics": ".observe._metrics",
+    "Moderation": ".contracts._output",
+    "PublicError": ".contracts._responses",
+    "public_error": ".contracts._responses",
+    "RetryBudget": ".policies._retry_budget",
+    "FallbackFunction": ".routes._route",
+    "ReasoningDelta": ".contracts._stream",
+    "StreamEnd": ".contracts._stream",
+    "StreamEvent": ".contracts._stream",
+    "StreamingBinding": ".contracts._stream",
+    "TextDelta": ".contracts._stream",
+    "ToolCallDelta": ".contracts._stream",
+    "is_output": ".contracts._stream",
+    "Task": ".policies._tasks",
+    "Throttled": ".waits._throttle",
+    "estimate_tokens": ".contracts._tokens",
+    "ToolCall": ".contracts._tools",
+    "UIChatRequest": ".streams._ui_stream",
+    "UIMessage": ".streams._ui_stream",
+    "UIPart": ".streams._ui_stream",
+    "UI_MESSAGE_STREAM": ".streams._ui_stream",
+    "Attribution": ".contracts._vocabulary",
+    "ErrorCode": ".contracts._vocabulary",
+    "GuardName": ".contracts._vocabulary",
+    "Kind": ".contracts._vocabulary",
+    "Level": ".contracts._vocabulary",
+    "Reason": ".contracts._vocabulary",
     "StatusReport": ".status",
     "bearer_token": ".status",
     "AI": ".walk",

@@ -15,42 +15,42 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ._binding import Binding
-from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, BodyTooLarge
-from ._breaker import Breaker
-from ._budget import Budget, Price
-from ._call import Retry
-from ._chain import DEFAULT_PROVIDER, HINT_PREFIX, Model, Profile, check_hints
-from ._clock import SystemClock
-from ._cooldown import Cooldown
-from ._credentials import CredentialWarnings
-from ._endpoint import handler_entered, request_trace_id
-from ._envelope import MAX_PROBLEMS, Problem
-from ._errors import ConfigurationError
-from ._event_stream import GUARDS_EVENTS, StreamFormat
-from ._ledger import Ledger, LogLedger
-from ._levels import LevelMiddleware, Levels, ServiceLevel
-from ._log import emit, emit_warning, flush_logs, logger, show_logs
-from ._metrics import flush_metrics, flush_soon
-from ._output import Moderation
-from ._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S, settled
-from ._responses import PublicError, error_response
-from ._retry_budget import RetryWindows
-from ._route import guard_route
-from ._route_checks import check_route_settings
-from ._route_spec import NO_FALLBACK, GuardedRoute, KnownRefusal, route_of
-from ._settings import UNSET, Unset, keywords_checked
-from ._tasks import Task
-from ._vocabulary import Attribution, ErrorCode
+from .contracts._binding import Binding
+from .contracts._clock import SystemClock
+from .contracts._envelope import MAX_PROBLEMS, Problem
+from .contracts._errors import ConfigurationError
+from .contracts._output import Moderation
+from .contracts._responses import PublicError, error_response
+from .contracts._settings import UNSET, Unset, keywords_checked
+from .contracts._vocabulary import Attribution, ErrorCode
+from .observe._ledger import Ledger, LogLedger
+from .observe._log import emit, emit_warning, flush_logs, logger, show_logs
+from .observe._metrics import flush_metrics, flush_soon
+from .policies._budget import Budget, Price
+from .policies._call import Retry
+from .policies._chain import DEFAULT_PROVIDER, HINT_PREFIX, Model, Profile, check_hints
+from .policies._cooldown import Cooldown
+from .policies._credentials import CredentialWarnings
+from .policies._retry_budget import RetryWindows
+from .policies._tasks import Task
+from .routes._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, BodyTooLarge
+from .routes._endpoint import handler_entered, request_trace_id
+from .routes._route import guard_route
+from .spec._levels import LevelMiddleware, Levels, ServiceLevel
+from .spec._route_checks import check_route_settings
+from .spec._route_spec import NO_FALLBACK, GuardedRoute, KnownRefusal, route_of
 from .stores import MemoryStore, Store
+from .stores._breaker import Breaker
+from .streams._event_stream import GUARDS_EVENTS, StreamFormat
+from .streams._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S, settled
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from pydantic import BaseModel
 
-    from ._effort import Effort
-    from ._shared import Shared
-    from ._tracing import Tracing
+    from .routes._effort import Effort
+    from .spec._shared import Shared
+    from .spec._tracing import Tracing
 
 __all__ = ["Guards"]
 
@@ -157,10 +157,10 @@ class Guards:
         self.retry_after_s = retry_after_s
         self.prices: Mapping[str, Price] = dict(prices or {})
         self.cost_unit_usd = cost_unit_usd
-        #: The tracer when tracing is on (see `guards._tracing`), else None.
+        #: The tracer when tracing is on (see `guards.spec._tracing`), else None.
         self.tracing: Tracing | None = None
         if tracing is not False:
-            from ._tracing import Tracing  # only when tracing is on
+            from .spec._tracing import Tracing  # only when tracing is on
 
             self.tracing = Tracing(None if tracing is True else tracing)
         self.credential_warnings = CredentialWarnings()
@@ -470,7 +470,9 @@ class Guards:
 
         def openapi() -> dict[str, Any]:
             if app.openapi_schema is None:
-                from ._openapi import document_guarded_routes  # once, when the document is first asked for
+                from .routes._openapi import (
+                    document_guarded_routes,  # once, when the document is first asked for
+                )
 
                 document_guarded_routes(app, original_openapi(), self.attribution)
             assert app.openapi_schema is not None
@@ -512,7 +514,7 @@ class Guards:
     async def aclose(self) -> None:
         """Close the bindings and the store, and write this process's metrics and log lines,
         once the streams still relayed have ended and settled (for a second at most: see
-        `guards._relay.settled`)."""
+        `guards.streams._relay.settled`)."""
         await settled()
         flush_metrics()
         await anyio.to_thread.run_sync(flush_logs)

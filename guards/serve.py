@@ -11,7 +11,7 @@ timeout, so slow clients can hold every descriptor a worker has.
 Here each worker listens on a socket of its own, bound with `SO_REUSEPORT` and created with
 `IPPROTO_TCP`: the kernel spreads connections across the workers, and every accepted connection
 has `TCP_NODELAY`. Each worker is a `uvicorn.Server` (HTTP/1.1) bounded as
-`guards._connections` describes: header and body read timeouts, and at most about
+`guards.serving._connections` describes: header and body read timeouts, and at most about
 `limit_concurrency` open connections, with 503 past it. As uvicorn does, a worker runs on
 uvloop and parses HTTP with httptools when they are installed (the extra [serve] installs them
 where they build), else on asyncio's loop with h11; `--loop` and `--http` choose, and the
@@ -29,7 +29,7 @@ status 3). Linux: other systems do not balance `SO_REUSEPORT` sockets.
 What the workers and the supervisor log through uvicorn's loggers (the access log included) or
 logging's last resort (asyncio's records) is written by guards' log writer, never on the event
 loop nor between the supervisor's signals: a stderr or stdout that nobody reads drops lines
-(counted), and holds up no request and no stop (`guards._log.write_behind`).
+(counted), and holds up no request and no stop (`guards.observe._log.write_behind`).
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
-from ._extras import missing_extra
-from ._log import write_behind
-from ._relay import stop_streams
+from .contracts._extras import missing_extra
+from .observe._log import write_behind
+from .streams._relay import stop_streams
 
 try:
     import uvicorn
 
-    from ._connections import BoundedConfig, BoundedH11Protocol, Http, Loop, installed
+    from .serving._connections import BoundedConfig, BoundedH11Protocol, Http, Loop, installed
 except ModuleNotFoundError as _error:  # the extra [serve]
     if (_error.name or "").partition(".")[0] != "uvicorn":
         raise
@@ -70,7 +70,7 @@ except ModuleNotFoundError as _error:  # the extra [serve]
     raise _missing from None
 
 try:
-    from ._connections_httptools import BoundedHttpToolsProtocol
+    from .serving._connections_httptools import BoundedHttpToolsProtocol
 except ImportError:  # httptools is not installed (it does not build everywhere): h11 only
     BoundedHttpToolsProtocol = None  # type: ignore[assignment,misc]
 
@@ -491,7 +491,7 @@ def _guard_uvicorn_logs() -> None:
     """Put guards' log writer behind uvicorn's loggers and logging's last resort (asyncio's
     records reach it): a full stderr or stdout never blocks the event loop, nor the
     supervisor's signals, and what the writer cannot take is dropped and counted
-    (`guards._log.write_behind`); and escape what every handler of uvicorn's loggers writes
+    (`guards.observe._log.write_behind`); and escape what every handler of uvicorn's loggers writes
     (see `_EscapeControls`)."""
     names = ("uvicorn", "uvicorn.error", "uvicorn.access")
     write_behind(*names)

@@ -335,7 +335,7 @@ def test_forwarded_commands_name_proxies() -> None:
 
 
 def test_shutdown_event_sample_is_the_relays() -> None:
-    from guards._relay import SHUTDOWN_DETAIL
+    from guards.streams._relay import SHUTDOWN_DETAIL
 
     [(name, data)] = sse_events(block("operating/serving.md", "text"))
     assert name == "error"

@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
-from .._admission import ADMITTED_LATE, Admission
-from .._binding import Usage
-from .._errors import ProviderError
+from ..contracts._binding import Usage
+from ..contracts._errors import ProviderError
+from ..waits._admission import ADMITTED_LATE, Admission
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -88,7 +88,7 @@ new_client = http_client
 class _AdmittedTransport(httpx.AsyncBaseTransport):
     """A transport that admits at most its pool's size of requests at once, each holding its
     slot until its response is closed, so httpcore's own queue stays empty (its cost grows with
-    queued requests times connections, on every event: see `guards._admission`). A request
+    queued requests times connections, on every event: see `guards.waits._admission`). A request
     waits at most the client's pool timeout (`httpx.PoolTimeout`), and less when cancelled (a
     deadline)."""
 
@@ -111,7 +111,7 @@ class _AdmittedTransport(httpx.AsyncBaseTransport):
             response = await self._transport.handle_async_request(request)
         except asyncio.CancelledError:
             admission.release()
-            if waited:  # the deadline was spent in the queue: say so (see guards._admission)
+            if waited:  # the deadline was spent in the queue: say so (see guards.waits._admission)
                 raise asyncio.CancelledError(ADMITTED_LATE) from None
             raise
         except BaseException:

@@ -28,10 +28,10 @@ from typing import Any
 
 import httpx
 
-from .._binding import AIResult
-from .._errors import ConfigurationError, ProviderError
-from .._first_output import first_output_arrived
-from .._stream import StreamEvent
+from ..contracts._binding import AIResult
+from ..contracts._errors import ConfigurationError, ProviderError
+from ..contracts._stream import StreamEvent
+from ..waits._first_output import first_output_arrived
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
     IDENTITY,

@@ -19,10 +19,10 @@ from typing import Any
 import anyio
 import httpx
 
-from .._alarm import Alarm
-from .._binding import AIResult, Usage
-from .._errors import ProviderError
-from .._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
+from ..contracts._binding import AIResult, Usage
+from ..contracts._errors import ProviderError
+from ..contracts._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
+from ..waits._alarm import Alarm
 from ._http import parse_usage, read_capped, refuse_encoded, transport_error
 from ._identifiers import identifier
 from ._sse import EventTooLarge, SSEEvent, SSEParser

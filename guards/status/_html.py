@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
-from .._vocabulary import Level
+from ..contracts._vocabulary import Level
 from ._report import DAY_S, ModelStatus, RouteStatus, StatusReport
 
 __all__ = ["CSP", "render_html", "render_sign_in"]

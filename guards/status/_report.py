@@ -36,11 +36,9 @@ from typing import Any, Literal
 import anyio.to_thread
 from pydantic import BaseModel, Field
 
-from .._budget import Price as Rates
-from .._budget import price_of
-from .._levels import down_for, level_of
-from .._log import emit_warning
-from .._metrics import (
+from ..contracts._vocabulary import Kind, Level
+from ..observe._log import emit_warning
+from ..observe._metrics import (
     ATTEMPTS,
     BUDGET_SETTLED,
     COST,
@@ -54,13 +52,15 @@ from .._metrics import (
     peek,
     totals,
 )
-from .._vocabulary import Kind, Level
+from ..policies._budget import Price as Rates
+from ..policies._budget import price_of
+from ..spec._levels import down_for, level_of
 from ..stores import StoreUnavailable, utc_day
 from ..stores._epoch import Epoch
 
 if typing.TYPE_CHECKING:
-    from .._route_spec import GuardedRoute
-    from .._shared import Shared
+    from ..spec._route_spec import GuardedRoute
+    from ..spec._shared import Shared
 
 __all__ = [
     "DAY_S",

@@ -20,12 +20,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from .._errors import ConfigurationError
+from ..contracts._errors import ConfigurationError
 from ._html import CSP, render_html, render_sign_in
 from ._report import StatusPage, StatusProblem, StatusReport
 
 if typing.TYPE_CHECKING:
-    from .._shared import Shared
+    from ..spec._shared import Shared
 
 __all__ = ["OperatorToken", "StatusReport", "bearer_token", "negotiate", "status_router"]
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
-from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
-from .._errors import GuardsError
+from ..contracts._errors import GuardsError
+from ._breaker import Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 
 
 class StoreUnavailable(GuardsError):

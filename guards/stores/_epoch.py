@@ -35,8 +35,8 @@ from __future__ import annotations
 import threading
 import time
 
-from .._log import emit_warning
-from .._metrics import STORE_RESETS
+from ..observe._log import emit_warning
+from ..observe._metrics import STORE_RESETS
 
 __all__ = ["Epoch"]
 

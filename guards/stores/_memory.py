@@ -17,10 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome, keep_s
-from .._breaker import admit as breaker_admit
-from .._breaker import record as breaker_record
-from .._clock import Clock, SystemClock
+from ..contracts._clock import Clock, SystemClock
 from ._base import (
     ADMITTED,
     DAILY_TTL_S,
@@ -39,6 +36,9 @@ from ._base import (
     bounded_key,
     utc_day,
 )
+from ._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome, keep_s
+from ._breaker import admit as breaker_admit
+from ._breaker import record as breaker_record
 from ._limits import charge_with_more, near_scopes
 from ._step import first_admitted, plainly_admitted, run_step
 from ._task import TaskRecord, new_lease, refusal

@@ -111,16 +111,15 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from .._extras import missing_extra
+from ..contracts._extras import missing_extra
 
 try:
     import hiredis
 except ModuleNotFoundError as _error:  # the extra [redis]
     raise missing_extra(_error, "redis", "RedisStore") from None
 
-from .._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
-from .._clock import Clock
-from .._log import emit, emit_warning
+from ..contracts._clock import Clock
+from ..observe._log import emit, emit_warning
 from ._base import (
     ADMITTED,
     Admission,
@@ -137,6 +136,7 @@ from ._base import (
     TaskStatus,
     bounded_key,
 )
+from ._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome
 from ._cluster import Cluster, Node, key_slot, slot_tag
 from ._epoch import Epoch
 from ._step import plainly_admitted
@@ -480,7 +480,7 @@ local function start_cooldown(key, seconds)
   redis.call('SET', key, fmt(ends), 'PX', string.format('%d', math.ceil((ends - now) * 1000)))
 end
 
--- Breakers: guards._breaker.admit / record, ported line for line. The state is one string:
+-- Breakers: guards.stores._breaker.admit / record, ported line for line. The state is one string:
 -- "state opened_at probes last_probe_at successes probe_since expires_at failures open_s
 -- calls probe_s", failures and calls comma-separated or '-'; open_s is the open period the
 -- opener's policy set (missing in a state written before it was kept: 0, and the reader's
@@ -538,7 +538,7 @@ local function save_breaker(key, s, ttl_s)
     redis.call('DEL', key) -- a healthy breaker needs no key at all
     return
   end
-  ttl_s = math.max(ttl_s, 2 * s.open_s + 600) -- guards._breaker.keep_s
+  ttl_s = math.max(ttl_s, 2 * s.open_s + 600) -- guards.stores._breaker.keep_s
   local f = state_fields(s)
   local raw = table.concat({f[1], f[2], f[3], f[4], f[5], f[6], fmt(now + ttl_s), f[7], f[8], f[9],
     f[10]}, ' ')
@@ -576,7 +576,7 @@ local function copy(s)
   return c
 end
 
--- guards._breaker.open_period: the period stored when the breaker opened, else the policy's.
+-- guards.stores._breaker.open_period: the period stored when the breaker opened, else the policy's.
 local function open_period(s, policy)
   if s.open_s > 0 then return s.open_s end
   return policy.reset_timeout_s
@@ -591,7 +591,7 @@ local function admit(s, policy)
     return s, {'1', '', 'closed', '', record_success}
   end
   if s.state == 'open' then
-    -- guards._breaker.half_open_at
+    -- guards.stores._breaker.half_open_at
     local reopen_at = s.opened_at + open_period(s, policy)
     if s.probe_s > 0 then reopen_at = s.opened_at + s.probe_s end
     if now < reopen_at then
@@ -621,7 +621,7 @@ local function admit(s, policy)
   return s, {'1', fmt(s.probe_since), s.state, '', '1'}
 end
 
--- As guards._breaker.forget_before: a closed breaker counting consecutive failures forgets
+-- As guards.stores._breaker.forget_before: a closed breaker counting consecutive failures forgets
 -- those counted strictly before a success that ended at `ended_at`.
 local function forget_before(s, policy, ended_at)
   if #s.failures == 0 or s.failures[1] >= ended_at or s.state ~= 'closed'
@@ -638,7 +638,7 @@ local function forget_before(s, policy, ended_at)
   return s2
 end
 
--- guards._breaker._opened: open from now for the policy's reset timeout, or probe_s when set.
+-- guards.stores._breaker._opened: open from now for the policy's reset timeout, or probe_s when set.
 local function opened(policy, probe_s)
   local s = closed()
   s.state = 'open'

@@ -95,10 +95,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
-from .._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome, keep_s
-from .._breaker import admit as breaker_admit
-from .._breaker import record as breaker_record
-from .._clock import Clock, SystemClock
+from ..contracts._clock import Clock, SystemClock
 from ._base import (
     ADMITTED,
     DAILY_TTL_S,
@@ -117,6 +114,9 @@ from ._base import (
     bounded_key,
     utc_day,
 )
+from ._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, Outcome, keep_s
+from ._breaker import admit as breaker_admit
+from ._breaker import record as breaker_record
 from ._epoch import Epoch
 from ._limits import charge_with_more, near_scopes
 from ._step import first_admitted, run_step

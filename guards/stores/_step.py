@@ -15,10 +15,10 @@ import functools
 from collections.abc import Sequence
 from typing import Protocol
 
-from .._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, forget_before
-from .._breaker import admit as breaker_admit
-from .._breaker import record as breaker_record
 from ._base import Admission, Passage, Step
+from ._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, forget_before
+from ._breaker import admit as breaker_admit
+from ._breaker import record as breaker_record
 from ._limits import LimitState, near_scopes, settle_charge
 
 __all__ = ["StepState", "first_admitted", "plainly_admitted", "run_step"]

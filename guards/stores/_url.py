@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from .._clock import Clock
-from .._errors import ConfigurationError
+from ..contracts._clock import Clock
+from ..contracts._errors import ConfigurationError
 from ._base import Store
 from ._memory import MemoryStore
 

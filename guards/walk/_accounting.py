@@ -7,17 +7,17 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .._admission import never_admitted
-from .._binding import AIResult
-from .._classify import classify
-from .._errors import ProviderError
-from .._first_output import NoFirstOutput
-from .._relay import Opened
+from ..contracts._binding import AIResult
+from ..contracts._classify import classify
+from ..contracts._errors import ProviderError
+from ..streams._relay import Opened
+from ..waits._admission import never_admitted
+from ..waits._first_output import NoFirstOutput
 from ._checkpoints import resumed
 
 if TYPE_CHECKING:
-    from .._binding import Usage
-    from .._route_spec import Leg
+    from ..contracts._binding import Usage
+    from ..spec._route_spec import Leg
     from ._state import RequestState
 
 __all__ = ["account", "on_attempt", "worst"]

@@ -8,7 +8,7 @@ walk moves to the next leg. Every call is accounted for (`_accounting`); a walk 
 without an answer raises its verdict (`_verdicts`).
 
 One deadline covers every leg, attempt and wait: the request's first walk's runs from the
-request's arrival at the app (`guards._arrival`), so the time to take the request in counts, and
+request's arrival at the app (`guards.waits._arrival`), so the time to take the request in counts, and
 a request whose deadline passed before its first call ends then, with nothing called or charged;
 each later walk of the request has its own, from its start. When it passes, the task is
 cancelled where it awaits: the provider request is aborted, its connection closed, and no
@@ -16,7 +16,7 @@ further leg is tried (cancellation never moves on). A walk that outlasts `MARK_A
 watching for the client leaving, which ends it at once the same way; quick walks never pay for
 the watcher.
 A leg with a first-output limit (`guards.Model`) has each of its attempts cancelled the same
-way when it produced no first output in time (`guards._first_output`): that attempt fails, and
+way when it produced no first output in time (`guards.waits._first_output`): that attempt fails, and
 the walk goes on; legs without one are called as they are.
 """
 
@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 import anyio
 
-from .._admission import never_admitted, waited_for_admission
-from .._binding import AIResult, Binding
-from .._breaker import Outcome
-from .._call import CallFailed, call_model
-from .._chain import DEFAULT_PROVIDER
-from .._deadline import Deadline
-from .._errors import GuardTripped
-from .._first_output import limited
+from ..contracts._binding import AIResult, Binding
+from ..contracts._errors import GuardTripped
+from ..policies._call import CallFailed, call_model
+from ..policies._chain import DEFAULT_PROVIDER
 from ..stores import Passage, StoreUnavailable
+from ..stores._breaker import Outcome
+from ..waits._admission import never_admitted, waited_for_admission
+from ..waits._deadline import Deadline
+from ..waits._first_output import limited
 from ._accounting import on_attempt
 from ._checkpoints import resumed
 from ._known import known_refused
@@ -50,7 +50,7 @@ from ._verdicts import exhausted, gone, timed_out
 from ._windows import LIMIT_KINDS, Limits
 
 if TYPE_CHECKING:
-    from .._route_spec import GuardedRoute, Leg
+    from ..spec._route_spec import GuardedRoute, Leg
     from ..stores import Report
     from ._state import RequestState
 
@@ -329,7 +329,7 @@ async def walk(
 
 def first_output_limited(state: RequestState, leg: Leg, call: Call[R], *, signalled: bool) -> Call[R]:
     """`call`, each attempt cancelled without its first output within the leg's
-    `first_output_s` (`guards._first_output`); `signalled`: `call` is a binding's `run`, which
+    `first_output_s` (`guards.waits._first_output`); `signalled`: `call` is a binding's `run`, which
     may say when its answer's first byte came."""
     assert leg.first_output_s is not None
     return limited(
@@ -360,7 +360,7 @@ def traced(state: RequestState, call: Call[R], leg: Leg, *, retry: bool = False)
 
 
 def by_effort(state: RequestState, inputs: Mapping[str, Any]) -> GuardedRoute:
-    """Effort routing (`guards._effort`): the request's first call picks its tier's chain,
+    """Effort routing (`guards.routes._effort`): the request's first call picks its tier's chain,
     which every later call of the request keeps."""
     assert state._route.effort is not None
     route = state._route = state._route.effort.choose(inputs, state._request, state.trace_id)

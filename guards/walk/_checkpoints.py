@@ -1,5 +1,5 @@
 """A task's checkpoints: the steps one request of a task route loads instead of calling, and
-saves after calling (see `guards._tasks` for tasks, and `AI.step`).
+saves after calling (see `guards.policies._tasks` for tasks, and `AI.step`).
 
 The task endpoint claims the task and leaves a `TaskRun` in the request's scope (`TASK_SCOPE`);
 `AI.step` loads and saves through it; the endpoint completes or releases it when the request
@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
-from .._tasks import MAX_STEPS, lease_s
+from ..policies._tasks import MAX_STEPS, lease_s
 from ..stores import StoreUnavailable
 from ._events import Checkpointed, StoreFailed
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from .._output import OutputGuard
-    from .._route_spec import GuardedRoute
+    from ..contracts._output import OutputGuard
+    from ..spec._route_spec import GuardedRoute
     from ..stores import Store
     from ._observers import Observers
 

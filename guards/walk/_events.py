@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 if TYPE_CHECKING:
-    from .._binding import Usage
-    from .._breaker import CircuitState
-    from .._errors import GuardTripped
-    from .._route_spec import GuardedRoute, Leg
-    from .._vocabulary import ErrorCode
+    from ..contracts._binding import Usage
+    from ..contracts._errors import GuardTripped
+    from ..contracts._vocabulary import ErrorCode
+    from ..spec._route_spec import GuardedRoute, Leg
+    from ..stores._breaker import CircuitState
 
 __all__ = [
     "AttemptEnded",

@@ -13,14 +13,14 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
-from .._breaker import Outcome
-from .._errors import ConfigurationError, GuardTripped
-from .._event_stream import EventStream
-from .._output import INVALID_UNICODE, OutputGuard, output_guard
-from .._relay import Opened, no_events, open_stream
-from .._stream import StreamEnd, TextDelta
-from .._tokens import with_max_tokens
-from .._vocabulary import Reason
+from ..contracts._errors import ConfigurationError, GuardTripped
+from ..contracts._output import INVALID_UNICODE, OutputGuard, output_guard
+from ..contracts._stream import StreamEnd, TextDelta
+from ..contracts._tokens import with_max_tokens
+from ..contracts._vocabulary import Reason
+from ..stores._breaker import Outcome
+from ..streams._event_stream import EventStream
+from ..streams._relay import Opened, no_events, open_stream
 from ._chain_walk import by_effort, walk
 from ._checkpoints import resumed, task_of
 from ._state import RequestState
@@ -28,7 +28,7 @@ from ._store_steps import finish_leg
 from ._streaming import recover, relayed, streaming
 
 if TYPE_CHECKING:
-    from .._tools import ToolCall
+    from ..contracts._tools import ToolCall
 
 __all__ = ["AI"]
 

@@ -9,8 +9,8 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._budget import input_tokens_bound
-from .._tokens import binding_estimate, max_tokens_of
+from ..contracts._tokens import binding_estimate, max_tokens_of
+from ..policies._budget import input_tokens_bound
 from ._accounting import worst
 from ._events import BudgetCounted
 
@@ -26,7 +26,7 @@ def holding(state: RequestState, charge: Charge, inputs: Mapping[str, Any]) -> C
     at `max_tokens` of output, one token per byte of input) where a scope caps spend, and its
     tokens (the estimated input tokens, the largest of the chain's bindings' estimates, plus
     `max_tokens`) where a scope limits tokens; `max_tokens` is the call's, as sent
-    (`guards._tokens.max_tokens_of`: the inputs', at most `MAX_TOKENS`, else the route's).
+    (`guards.contracts._tokens.max_tokens_of`: the inputs', at most `MAX_TOKENS`, else the route's).
     Kept for the settlement (`state._charge`)."""
     route = state._route
     # What the call is sent (`AI.run` set it by the same rule): the holds are priced by it.

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .._route_spec import Leg
+    from ..spec._route_spec import Leg
     from ._state import RequestState
 
 __all__ = ["forget", "known_refused", "remember", "skip"]

@@ -20,7 +20,7 @@ method below is where that event's subscribers are listed, in the order they run
 
 The default ledger is the `attempt` lines, and a request's only attempt has none: its fields are
 on the `request` line (`attempt_ended` hands the record back for the request to hold). `skip`
-lines are summarized per route, reason and second by the log writer (`guards._log`).
+lines are summarized per route, reason and second by the log writer (`guards.observe._log`).
 
 One `Observers` serves every untraced request of an app; a traced request gets its own, with
 its `RequestTrace`.
@@ -32,9 +32,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from logging import INFO
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .._ledger import Attempt, LogLedger
-from .._log import emit, emit_skip, emit_warning, logger
-from .._metrics import (
+from ..observe._ledger import Attempt, LogLedger
+from ..observe._log import emit, emit_skip, emit_warning, logger
+from ..observe._metrics import (
     BUDGET_HELD,
     BUDGET_NEAR,
     BUDGET_SETTLED,
@@ -58,12 +58,12 @@ from ._events import (
 from ._outcome import request_ended
 
 if TYPE_CHECKING:
-    from .._binding import Binding
-    from .._relay import Opened
-    from .._route_spec import Leg
-    from .._shared import Shared
-    from .._stream import StreamEnd
-    from .._tracing import RequestTrace
+    from ..contracts._binding import Binding
+    from ..contracts._stream import StreamEnd
+    from ..spec._route_spec import Leg
+    from ..spec._shared import Shared
+    from ..spec._tracing import RequestTrace
+    from ..streams._relay import Opened
 
 __all__ = ["Observers"]
 
@@ -266,6 +266,6 @@ def _attempt(event: AttemptEnded) -> Attempt:
         code=code,
         resumed_steps=steps,
         problems=problems or (),
-        # The downgraded copy of a route is its downgrade's own (`guards._downgrade`).
+        # The downgraded copy of a route is its downgrade's own (`guards.routes._downgrade`).
         downgraded=route.downgrade is not None and route is route.downgrade.route,
     )

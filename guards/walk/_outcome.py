@@ -8,12 +8,12 @@ from random import random
 from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
-from .._log import emit, logger
-from .._metrics import flush_soon
+from ..observe._log import emit, logger
+from ..observe._metrics import flush_soon
 from ._events import RequestEnded
 
 if TYPE_CHECKING:
-    from .._tracing import RequestTrace
+    from ..spec._tracing import RequestTrace
 
 __all__ = ["Traced", "request_ended"]
 

@@ -23,21 +23,21 @@ from collections.abc import Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from .._breaker import Outcome
-from .._errors import GuardTripped
-from .._output import INVALID_UNICODE
-from .._unicode import has_lone_surrogate
-from .._vocabulary import Reason
+from ..contracts._errors import GuardTripped
+from ..contracts._output import INVALID_UNICODE
+from ..contracts._unicode import has_lone_surrogate
+from ..contracts._vocabulary import Reason
+from ..stores._breaker import Outcome
 from ._accounting import account, on_attempt
 from ._chain_walk import walk
 from ._state import Answered
 from ._store_steps import finish_leg, report
 
 if TYPE_CHECKING:
-    from .._binding import AIResult
-    from .._output import OutputGuard
-    from .._route_spec import Leg
-    from .._tools import Tools
+    from ..contracts._binding import AIResult
+    from ..contracts._output import OutputGuard
+    from ..contracts._tools import Tools
+    from ..spec._route_spec import Leg
     from ..stores import Report
     from ._state import RequestState
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._retry_budget import admit_retry
+from ..policies._retry_budget import admit_retry
 from ._events import Retried
 
 if TYPE_CHECKING:
-    from .._classify import Classification
+    from ..contracts._classify import Classification
     from ._state import RequestState
 
 __all__ = ["alone", "before_retry", "leg_limit"]

@@ -17,14 +17,14 @@ if TYPE_CHECKING:
 
     from starlette.requests import Request
 
-    from .._binding import Usage
-    from .._deadline import Deadline
-    from .._errors import GuardTripped
-    from .._route_spec import GuardedRoute, Leg
-    from .._shared import Shared
-    from .._tools import ToolCall
-    from .._vocabulary import ErrorCode
+    from ..contracts._binding import Usage
+    from ..contracts._errors import GuardTripped
+    from ..contracts._tools import ToolCall
+    from ..contracts._vocabulary import ErrorCode
+    from ..spec._route_spec import GuardedRoute, Leg
+    from ..spec._shared import Shared
     from ..stores import Charge, Step
+    from ..waits._deadline import Deadline
     from ._events import AttemptEnded, RequestEnded
     from ._observers import Observers
 
@@ -103,7 +103,7 @@ class RequestState:
         # the header value naming the scopes the request was admitted past their soft limits
         # (None: none). Set at the first admission there, and read only there.
         "_near",
-        # Only on a route with `downgrade_to` (`guards._downgrade`): the scopes whose soft
+        # Only on a route with `downgrade_to` (`guards.routes._downgrade`): the scopes whose soft
         # limits sent the request to the downgrade chain. Set there, read only there.
         "_downgraded",
     )
@@ -131,7 +131,7 @@ class RequestState:
         self._route = route
         #: The client's request (None outside a route), watched for a disconnect during calls.
         self._request = request
-        #: When the request arrived at the app (`time.perf_counter()`, `guards._arrival`): its
+        #: When the request arrived at the app (`time.perf_counter()`, `guards.waits._arrival`): its
         #: first walk's deadline and its stream's `stream_max_s` count from it.
         self._started = started
         self._observe = observe

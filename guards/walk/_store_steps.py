@@ -16,19 +16,19 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._breaker import CircuitState, Outcome
-from .._budget import budget_refusal
-from .._errors import GuardTripped, ProviderError
-from .._vocabulary import Reason
+from ..contracts._errors import GuardTripped, ProviderError
+from ..contracts._vocabulary import Reason
+from ..policies._budget import budget_refusal
 from ..stores import Charge, Passage, Report, Step, StoreUnavailable
+from ..stores._breaker import CircuitState, Outcome
 from ._events import BreakerMoved, BudgetNear, CooldownStarted, StoreFailed
 from ._holds import holding, settled
 from ._known import forget, remember, skip
 from ._verdicts import COOLDOWN_KINDS, LIMIT_REASONS, failed
 
 if TYPE_CHECKING:
-    from .._call import CallFailed
-    from .._route_spec import GuardedRoute, Leg
+    from ..policies._call import CallFailed
+    from ..spec._route_spec import GuardedRoute, Leg
     from ._state import RequestState
 
 __all__ = [
@@ -103,7 +103,7 @@ def admitted(
             if local is None:
                 closed = any(budget.on_store_failure == "closed" for budget in route.budgets)
                 store_failed(state, "budget", "closed" if closed else "open")
-            else:  # this worker's share, in its own memory (`guards._local_budget`)
+            else:  # this worker's share, in its own memory (`guards.policies._local_budget`)
                 state._observe.store_failed(StoreFailed(route, state.trace_id, "budget", mode="local"))
                 refusal = local.charge(charge)
                 if refusal is not None:

@@ -1,5 +1,5 @@
 """The streaming tail: once a streamed attempt is committed (its first output arrived), the
-response relaying it (`guards._relay`), and what is recorded when it ends, however it ends:
+response relaying it (`guards.streams._relay`), and what is recorded when it ends, however it ends:
 the attempt (ledger, metrics), the breaker outcome, the spend and the request's outcome. And
 the one non-streaming recovery call after a stream that completed empty."""
 
@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._binding import AIResult, Usage
-from .._breaker import Outcome
-from .._call import CallFailed, call_model
-from .._chain import DEFAULT_PROVIDER
-from .._errors import ConfigurationError, GuardTripped
-from .._event_stream import EventStream, end_data
-from .._first_output import idle_limited
-from .._relay import Opened, Relayed, relay
-from .._stream import StreamEnd, StreamingBinding
-from .._tokens import CHARS_PER_TOKEN, binding_estimate
-from .._vocabulary import Reason
+from ..contracts._binding import AIResult, Usage
+from ..contracts._errors import ConfigurationError, GuardTripped
+from ..contracts._stream import StreamEnd, StreamingBinding
+from ..contracts._tokens import CHARS_PER_TOKEN, binding_estimate
+from ..contracts._vocabulary import Reason
+from ..policies._call import CallFailed, call_model
+from ..policies._chain import DEFAULT_PROVIDER
+from ..stores._breaker import Outcome
+from ..streams._event_stream import EventStream, end_data
+from ..streams._relay import Opened, Relayed, relay
+from ..waits._first_output import idle_limited
 from ._accounting import account, on_attempt
 from ._chain_walk import Call, binding, first_output_limited, traced
 from ._store_steps import finish_leg, gave_up
@@ -30,8 +30,8 @@ from ._verdicts import timed_out
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from .._binding import Binding
-    from .._route_spec import Leg
+    from ..contracts._binding import Binding
+    from ..spec._route_spec import Leg
     from ._state import RequestState
 
 __all__ = ["recover", "relayed", "streaming"]

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._errors import GuardTripped, ProviderError
-from .._vocabulary import Kind, Reason
+from ..contracts._errors import GuardTripped, ProviderError
+from ..contracts._vocabulary import Kind, Reason
 
 if TYPE_CHECKING:
-    from .._call import CallFailed
-    from .._cooldown import Cooldown
-    from .._route_spec import Leg
+    from ..policies._call import CallFailed
+    from ..policies._cooldown import Cooldown
+    from ..spec._route_spec import Leg
     from ._state import RequestState
 
 __all__ = ["COOLDOWN_KINDS", "LIMIT_REASONS", "exhausted", "failed", "gone", "timed_out"]

@@ -4,7 +4,7 @@ for this request rather than for their health.
 A leg whose declared context window (`Guards(context_windows=...)`) cannot hold the request,
 its estimated input tokens plus the `max_tokens` it asks for, is skipped without a call: noted
 and told to the observers as a skip (`context_window`), like a cooldown's. The estimate
-(`guards._tokens`) is made at the first leg with a window, once per request with the default
+(`guards.contracts._tokens`) is made at the first leg with a window, once per request with the default
 rule; a binding with its own `estimate_tokens` is asked per model.
 
 After a call fails with `context_length_exceeded`, the request is known not to fit that model:
@@ -25,14 +25,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._errors import GuardTripped
-from .._tokens import binding_estimate, estimate_tokens
-from .._vocabulary import Kind, Reason
+from ..contracts._errors import GuardTripped
+from ..contracts._tokens import binding_estimate, estimate_tokens
+from ..contracts._vocabulary import Kind, Reason
 from ._known import skip
 from ._verdicts import LIMIT_REASONS
 
 if TYPE_CHECKING:
-    from .._route_spec import Leg
+    from ..spec._route_spec import Leg
     from ._state import RequestState
 
 __all__ = ["LIMIT_KINDS", "Limits", "reserved_tokens"]

@@ -24,7 +24,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-import guards._metrics
+import guards.observe._metrics
 from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, ManualClock, Reply
 from guards import AI, CircuitState, GuardName, Guards, Kind, Price, Reason, Retry, render_metrics
@@ -41,7 +41,7 @@ SUMMARY = Reply({"label": "billing", "confidence": 0.9})
 INVALID_SUMMARY = Reply({"label": "", "confidence": 2})
 INCOMPATIBLE = Fail(code=5035, status=403)
 #: How long another worker's counts may take to reach the shared files (see FLUSH_INTERVAL_S).
-FLUSHED_S = guards._metrics.FLUSH_INTERVAL_S + 5
+FLUSHED_S = guards.observe._metrics.FLUSH_INTERVAL_S + 5
 TRANSIENT = Fail(code=3040, status=429)
 
 Series = tuple[str, tuple[tuple[str, str], ...]]
@@ -610,8 +610,8 @@ def test_tallies_write_what_prometheus_client_would_have_counted() -> None:
     batched = Histogram("batched_seconds", "h", ["route"], buckets=buckets, registry=registry)
     direct_count = PromCounter("direct", "c", ["route"], registry=registry)
     batched_count = PromCounter("batched", "c", ["route"], registry=registry)
-    hist = guards._metrics.histogram(batched, "r")
-    count = guards._metrics.counter(batched_count, "r")
+    hist = guards.observe._metrics.histogram(batched, "r")
+    count = guards.observe._metrics.counter(batched_count, "r")
     values = [0.0, 0.01, 0.010001, 0.1, 0.5, 1.0, 1.5, 1e9, 0.003]
     for index, value in enumerate(values):
         direct.labels("r").observe(value)
@@ -619,9 +619,9 @@ def test_tallies_write_what_prometheus_client_would_have_counted() -> None:
         hist.observe(value)
         count.add()
         if index in (2, 3, 7):
-            guards._metrics.flush_metrics()
-    guards._metrics.flush_metrics()
-    guards._metrics.flush_metrics()  # nothing new: adds nothing
+            guards.observe._metrics.flush_metrics()
+    guards.observe._metrics.flush_metrics()
+    guards.observe._metrics.flush_metrics()  # nothing new: adds nothing
 
     def samples(prefix: str) -> dict[tuple[str, str], float]:
         return {
@@ -642,22 +642,22 @@ def test_a_gauge_set_before_the_first_flush_is_written_by_it() -> None:
     value waits in the tally, with the time it was set; from then on it is set at once."""
     registry = CollectorRegistry()
     direct = Gauge("deferred_state", "g", ["model"], registry=registry)
-    deferred = guards._metrics.gauge(direct, "m")
-    assert guards._metrics.gauge(direct, "m") is deferred  # one per series
+    deferred = guards.observe._metrics.gauge(direct, "m")
+    assert guards.observe._metrics.gauge(direct, "m") is deferred  # one per series
     deferred.set(2)
     assert registry.get_sample_value("deferred_state", {"model": "m"}) is None  # not bound yet
-    guards._metrics.flush_metrics()
+    guards.observe._metrics.flush_metrics()
     assert registry.get_sample_value("deferred_state", {"model": "m"}) == 2
     deferred.set(1)
     assert registry.get_sample_value("deferred_state", {"model": "m"}) == 1  # bound: at once
-    guards._metrics.flush_metrics()  # nothing waiting: leaves it
+    guards.observe._metrics.flush_metrics()  # nothing waiting: leaves it
     assert registry.get_sample_value("deferred_state", {"model": "m"}) == 1
 
 
 def test_guards_metrics_are_made_when_first_needed() -> None:
-    """`guards._metrics.Metric` makes its prometheus-client metric once, on first use, with
+    """`guards.observe._metrics.Metric` makes its prometheus-client metric once, on first use, with
     the declared name, labels and options."""
-    metric = guards._metrics.REQUEST_SECONDS
+    metric = guards.observe._metrics.REQUEST_SECONDS
     made = metric.made()
     assert metric.made() is made
     assert isinstance(made, Histogram)

@@ -1,7 +1,7 @@
 """Streaming bindings (`WorkersAI.stream`, `OpenAICompatible.stream`, `FakeBinding.stream`)
 against the fake HTTP servers and in-process, plus the SSE parser they share.
 
-The contract (guards/_stream.py): deltas as the bytes arrive, then exactly one `StreamEnd`;
+The contract (guards/contracts/_stream.py): deltas as the bytes arrive, then exactly one `StreamEnd`;
 every failure a `ProviderError` (an error status, an in-band error after HTTP 200, a truncated
 body, a stall), never with the provider's text; closing the iterator closes the connection; a
 cut stream behind AI Gateway resumes with no gap and no duplicate.

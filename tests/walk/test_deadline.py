@@ -1,4 +1,4 @@
-"""The walk's deadline (`guards/_deadline.py`) seen from a route, in process (the app runs in
+"""The walk's deadline (`guards/waits/_deadline.py`) seen from a route, in process (the app runs in
 the test's event loop over `httpx.ASGITransport`, so the test can cancel it from outside):
 an outside cancellation stays a cancellation, also when it lands as the deadline fires, and a
 deadline still fires on time behind thousands of walks that ended before their mark."""
