@@ -12,7 +12,7 @@ from app.service import create_app
 from fixtures import FakeWorkersAI
 
 from ..conftest import AppClient, no_sleep, workers_ai_settings
-from ..observability.test_metrics import (
+from ..observe.test_metrics import (
     assert_labels_exported,
     exported_series,
     label_names,

@@ -1,3 +1,3 @@
-"""The request path: the route decorator, chains, retries and the retry budget, deadlines, the
-breaker, budgets, admission, effort routing, hints, last good answers, tasks, service levels,
-streaming, attribution, cooldowns and the classifier."""
+"""The request path itself (`guards.walk`): the walk along a fallback chain, context windows and
+content filters, rejected answers moving on, refusals known without a store operation, and what
+a request's calls cost."""

@@ -19,9 +19,9 @@ from guards import AI, ConfigurationError, Guards, Level
 from guards.stores import MemoryStore
 from guards.testing import Fail, FakeBinding, ManualClock
 
-from .conftest import asgi_client
+from ..conftest import asgi_client
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SERVICE = """
 from fastapi import FastAPI

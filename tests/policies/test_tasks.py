@@ -29,7 +29,7 @@ from guards.stores import RedisStore, SQLiteStore
 
 from ..conftest import STORE_TIMEOUT_S, LogLines, Serve, no_sleep, workers_ai_settings
 from ..e2e.test_shared_state import MODEL, AppProcess, _flush, app_process_env
-from ..observability.test_metrics import parse, series
+from ..observe.test_metrics import parse, series
 
 CANARY = "CANARY-TASK-STEP-51e2"
 SUMMARY = Reply(f"The customer was charged twice ({CANARY}-summary).")

@@ -26,7 +26,7 @@ from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
 from ..conftest import STORE_TIMEOUT_S, LogLines, Serve, no_sleep, wait_until, workers_ai_settings
 from ..e2e.test_shared_state import AppProcess, _flush, app_process_env
-from ..observability.test_metrics import parse, series
+from ..observe.test_metrics import parse, series
 
 A = "@cf/test/a"
 B = "@cf/test/b"
