@@ -13,7 +13,8 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ..contracts._vocabulary import Level
-from ._report import DAY_S, ModelStatus, RouteStatus, StatusReport
+from ._history import DAY_S
+from ._report import ModelStatus, RouteStatus, StatusReport
 
 __all__ = ["CSP", "render_html", "render_sign_in"]
 
@@ -253,16 +254,8 @@ def _route_row(route: RouteStatus) -> str:
 def render_html(report: StatusReport, window_s: float) -> str:
     """The status page for `report` (`window_s`: the recent window it names)."""
     now = time.time()
-    down = sum(model.down for model in report.models)
     level = report.level
-    summary = f"{down} of {len(report.models)} models down" if report.models else "no models configured"
-    store = "" if report.store == "ok" else " · store unavailable: level as last read, no breakers shown"
-    resets = report.store_resets
-    if resets is not None and resets.count:
-        store += (
-            f" · store forgot its state {resets.count} time{'s' if resets.count > 1 else ''}"
-            f" (last noticed {_clock(resets.last or 0.0)}): caps, spend and breakers started over"
-        )
+    summary, store = _summary(report)
     window = _duration(window_s)
     whose = (
         "every worker's counts"
@@ -271,6 +264,53 @@ def render_html(report: StatusReport, window_s: float) -> str:
     )
     models = [_model_row(model, now) for model in report.models]
     routes = [_route_row(route) for route in report.routes]
+    spend = _spend(report)
+    main = f"""<main data-refresh="{_e(f"{report.refresh_s:g}")}">
+<header>
+<h1>Status</h1>
+<span id="level" class="pill level {_LEVEL_CLASS[level]}">{_e(level.value)}</span>
+<p id="summary">{_e(summary)}{_e(store)} · as of <time id="as-of">{_e(_clock(report.time))}</time> · refreshes every {_e(_duration(report.refresh_s))}</p>
+</header>
+<section id="models">
+<h2>Models <small>· calls in the last {_e(window)}</small></h2>
+{_table((("Model", ""), ("State", ""), ("Breaker", ""), ("Cooldown", ""), ("Last failure", ""), ("Calls", "num"), ("Spent today", "num")), models) if models else '<p class="muted">No guarded route names a model.</p>'}
+</section>
+<section id="routes">
+<h2>Routes <small>· the last {_e(window)}</small></h2>
+{_table((("Route", ""), ("Requests", "num"), ("Per minute", "num"), ("Errors", "num"), ("Fallbacks", "num"), ("Fallback model", "num"), ("Invalid", "num"), ("Guards tripped", "")), routes) if routes else '<p class="muted">No guarded routes.</p>'}
+<p class="note">Errors: public errors and application failures; fallbacks: answers from a degrading
+route's fallback (both among the requests that were not invalid). Fallback model: the answers a
+later model of the chain served, among those a model served.</p>
+</section>
+<section id="spend">
+<h2>Spend today</h2>
+{spend}
+</section>
+<footer>
+Level, breakers and cooldowns: read from the store, shared by every worker.
+Calls, rates and spend: {_e(whose)}, over the last {_e(_duration(report.recent.seconds))}.
+Last failures: the answering worker's (pid {_e(report.recent.worker)}).
+</footer>
+</main>"""
+    return _document(f"{level.value} · status", main, report.refresh_s)
+
+
+def _summary(report: StatusReport) -> tuple[str, str]:
+    """The page's summary line: how many models are down, and what the store's state adds."""
+    down = sum(model.down for model in report.models)
+    summary = f"{down} of {len(report.models)} models down" if report.models else "no models configured"
+    store = "" if report.store == "ok" else " · store unavailable: level as last read, no breakers shown"
+    resets = report.store_resets
+    if resets is not None and resets.count:
+        store += (
+            f" · store forgot its state {resets.count} time{'s' if resets.count > 1 else ''}"
+            f" (last noticed {_clock(resets.last or 0.0)}): caps, spend and breakers started over"
+        )
+    return summary, store
+
+
+def _spend(report: StatusReport) -> str:
+    """The "Spend today" section's content: the day's cost, and each budget scope's row."""
     cap_rows = [
         "<tr>"
         + _cell("Budget scope", _e(budget.scope), "name")
@@ -305,34 +345,7 @@ def render_html(report: StatusReport, window_s: float) -> str:
         spend += '<p class="note">Each limit applies to each budget key on its own; spent and tokens are every key\'s together, what one key spent is not shown here.</p>'
     else:
         spend += '<p class="note">No route has a budget.</p>'
-    main = f"""<main data-refresh="{_e(f"{report.refresh_s:g}")}">
-<header>
-<h1>Status</h1>
-<span id="level" class="pill level {_LEVEL_CLASS[level]}">{_e(level.value)}</span>
-<p id="summary">{_e(summary)}{_e(store)} · as of <time id="as-of">{_e(_clock(report.time))}</time> · refreshes every {_e(_duration(report.refresh_s))}</p>
-</header>
-<section id="models">
-<h2>Models <small>· calls in the last {_e(window)}</small></h2>
-{_table((("Model", ""), ("State", ""), ("Breaker", ""), ("Cooldown", ""), ("Last failure", ""), ("Calls", "num"), ("Spent today", "num")), models) if models else '<p class="muted">No guarded route names a model.</p>'}
-</section>
-<section id="routes">
-<h2>Routes <small>· the last {_e(window)}</small></h2>
-{_table((("Route", ""), ("Requests", "num"), ("Per minute", "num"), ("Errors", "num"), ("Fallbacks", "num"), ("Fallback model", "num"), ("Invalid", "num"), ("Guards tripped", "")), routes) if routes else '<p class="muted">No guarded routes.</p>'}
-<p class="note">Errors: public errors and application failures; fallbacks: answers from a degrading
-route's fallback (both among the requests that were not invalid). Fallback model: the answers a
-later model of the chain served, among those a model served.</p>
-</section>
-<section id="spend">
-<h2>Spend today</h2>
-{spend}
-</section>
-<footer>
-Level, breakers and cooldowns: read from the store, shared by every worker.
-Calls, rates and spend: {_e(whose)}, over the last {_e(_duration(report.recent.seconds))}.
-Last failures: the answering worker's (pid {_e(report.recent.worker)}).
-</footer>
-</main>"""
-    return _document(f"{level.value} · status", main, report.refresh_s)
+    return spend
 
 
 def render_sign_in(refused: bool) -> str:

@@ -10,9 +10,9 @@
 - **recent rates**: the counts `/metrics` exports: every worker's in prometheus-client's
   multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`: the sums of the workers' files, read in a
   thread), else the answering worker's tallies; copied every `window_s / 30` seconds by a task
-  of the event loop (`History`, started with the app's lifespan, or by the first view); a rate
-  is the difference between the counts now and the oldest copy at most `window_s` old, over
-  the time between them;
+  of the event loop (`History`, in `_history.py`, started with the app's lifespan, or by the
+  first view); a rate is the difference between the counts now and the oldest copy at most
+  `window_s` old, over the time between them;
 - **spend today**: the same counts of `guards_cost_usd_total` since the UTC day began (to
   within one copy's interval), or since the worker started when that was later; the spend caps
   are the routes' `Budget(spend_per_day=...)`, each applying to each budget key on its own.
@@ -25,15 +25,11 @@ reasons and kinds from closed sets.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 import typing
-from collections import deque
-from dataclasses import dataclass
 from typing import Any, Literal
 
-import anyio.to_thread
 from pydantic import BaseModel, Field
 
 from ..contracts._vocabulary import Kind, Level
@@ -47,23 +43,21 @@ from ..observe._metrics import (
     SERVED,
     Metric,
     StampedTally,
-    counts,
     multiprocess,
     peek,
-    totals,
 )
 from ..policies._budget import Price as Rates
 from ..policies._budget import price_of
-from ..spec._levels import down_for, level_of
-from ..stores import StoreUnavailable, utc_day
+from ..spec._levels import ServiceLevel, WatchedModel, down_for, level_of
+from ..stores import Health, StoreUnavailable
 from ..stores._epoch import Epoch
+from ._history import History, grown
 
 if typing.TYPE_CHECKING:
     from ..spec._route_spec import GuardedRoute
     from ..spec._shared import Shared
 
 __all__ = [
-    "DAY_S",
     "BudgetStatus",
     "History",
     "ModelStatus",
@@ -73,14 +67,8 @@ __all__ = [
     "StatusReport",
 ]
 
-#: Copies of the counts a window holds: a rate's window is `window_s` less at most one interval.
-COPIES = 30
-DAY_S = 86_400.0
 _FAILURES = tuple(kind for kind in Kind if kind is not Kind.cancelled)
 _OUTCOMES = ("ok", "fallback", "error", "cancelled", "invalid")
-
-Key = tuple[Metric, tuple[str, ...]]
-Counts = dict[Key, float]
 
 
 # --- the JSON answer (its schema is the OpenAPI one, and the README's) -------------------------
@@ -278,113 +266,6 @@ class StatusReport(BaseModel):
     )
 
 
-# --- this worker's counts over time ---------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Copy:
-    mono: float
-    wall: float
-    counts: Counts
-
-
-#: The counters the page reads.
-_COUNTED = (REQUESTS, SERVED, FALLBACKS, ATTEMPTS, COST, BUDGET_SETTLED)
-
-
-async def _copy() -> _Copy:
-    """The counts now: every worker's in multiprocess mode (files: read in a thread), else
-    this worker's."""
-    if multiprocess():
-        found = await anyio.to_thread.run_sync(totals, *_COUNTED)
-    else:
-        found = counts(*_COUNTED)
-    return _Copy(time.monotonic(), time.time(), found)
-
-
-@dataclass(frozen=True, slots=True)
-class Reading:
-    """The counts now, and the two baselines to subtract: the window's and the day's."""
-
-    now: Counts
-    recent: Counts
-    recent_s: float
-    today: Counts
-    day: str
-    since: float
-
-
-class History:
-    """Copies of the counts, one every `window_s / COPIES` seconds, kept for `window_s`; and
-    the copy the UTC day started from. Bounded: at most `COPIES + 1` copies. The first copy is
-    taken when copying starts (the app's lifespan, else the first view)."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self.every_s = window_s / COPIES
-        self._copies: deque[_Copy] = deque()
-        self._day, self._day_counts, self._since = "", Counts(), 0.0
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        """Take the first copy, and copy every `every_s` on this event loop (already copying:
-        nothing)."""
-        if self._task is not None and not self._task.done():
-            return
-        if not self._copies:
-            self._add(await _copy())
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.every_s)
-            self._add(await _copy())
-
-    def _add(self, copy: _Copy) -> None:
-        self._roll(copy)
-        copies = self._copies
-        copies.append(copy)
-        while len(copies) > COPIES + 1 or (len(copies) > 1 and copies[0].mono < copy.mono - self.window_s):
-            copies.popleft()
-
-    def _roll(self, copy: _Copy) -> None:
-        """A new UTC day starts from the newest copy (taken before midnight, at most one interval
-        before it: what was spent in between counts for the new day); the first copy starts
-        the first day (the page counts from then)."""
-        day = utc_day(copy.wall)
-        if not self._copies:
-            self._day, self._day_counts, self._since = day, copy.counts, copy.wall
-        elif day != self._day:
-            self._day, self._day_counts = day, self._copies[-1].counts
-            self._since = copy.wall // DAY_S * DAY_S
-
-    async def read(self) -> Reading:
-        await self.start()
-        now = await _copy()
-        self._roll(now)
-        oldest = now.mono - self.window_s
-        # The oldest copy within the window; when the timer did not run (no copy that recent),
-        # the newest one, and the window says how long it really is.
-        base = next((c for c in self._copies if c.mono >= oldest), self._copies[-1])
-        return Reading(
-            now.counts, base.counts, now.mono - base.mono, self._day_counts, self._day, self._since
-        )
-
-
-def _grown(reading: Reading, base: Counts, metric: Metric) -> dict[tuple[str, ...], float]:
-    """How much each series of `metric` grew since `base`."""
-    return {
-        labels: count - base.get((m, labels), 0.0)
-        for (m, labels), count in reading.now.items()
-        if m is metric and count != base.get((m, labels), 0.0)
-    }
-
-
 def _resets(store: object) -> StoreResets | None:
     """The resets of a store that keeps an epoch marker (SQLite, Redis)."""
     epoch = getattr(store, "epoch", None)
@@ -409,63 +290,14 @@ class StatusPage:
         """Read the store once and the counts, and put them together."""
         shared = self.shared
         reading = await self.history.read()
-        watched = shared.levels.models
-        store = "ok"
-        health = None
-        if watched:
-            try:
-                health = await shared.store.health(
-                    [(m.cooldown_key, m.breaker_key) for m in watched.values()]
-                )
-            except StoreUnavailable:
-                store = "unavailable"
-                emit_warning("store_unavailable", guard="status", op="health")
-        recent = {m: _grown(reading, reading.recent, m) for m in (REQUESTS, SERVED, FALLBACKS, ATTEMPTS)}
-        spent = _grown(reading, reading.today, COST)
+        health, store = await self._health()
+        recent = {m: grown(reading, reading.recent, m) for m in (REQUESTS, SERVED, FALLBACKS, ATTEMPTS)}
+        spent = grown(reading, reading.today, COST)
         unit = shared.cost_unit_usd
-
-        models = []
         wall = time.time()
         # When the store did not answer: the level as this worker last read it.
         seen = shared.service_level() if health is None else None
-        seen_down = {model.model: model.until for model in seen.down} if seen is not None else {}
-        for index, (key, model) in enumerate(watched.items()):
-            calls = {kind: n for (k, kind), n in recent[ATTEMPTS].items() if k == key}
-            price = price_of(shared.prices, key)
-            entry: dict[str, Any] = {
-                "model": model.name,
-                "last_failure": _last_failure(key),
-                "calls": round(sum(calls.values())),
-                "failures": round(sum(calls.get(kind.value, 0.0) for kind in _FAILURES)),
-                "cost_usd_today": None
-                if price is None
-                else _usd(sum(n for (_, k), n in spent.items() if k == key)),
-                "price": None if price is None else _price(price, unit),
-            }
-            if health is not None:
-                breaker, cooldown_s = health.breakers[index], health.cooldowns[index]
-                wait = down_for(breaker, cooldown_s, model.policies, health.now)
-                guarded = bool(model.policies)
-                entry.update(
-                    down=wait > 0,
-                    down_for_s=_seconds(wait),
-                    breaker=breaker.state.value if guarded else None,
-                    breaker_wait_s=_seconds(down_for(breaker, 0.0, model.policies, health.now))
-                    if guarded
-                    else None,
-                    cooldown_s=_seconds(cooldown_s),
-                )
-            else:
-                until = seen_down.get(model.name)
-                entry.update(
-                    down=until is not None,
-                    down_for_s=_seconds(max(0.0, (until or 0.0) - wall)),
-                    breaker=None,
-                    breaker_wait_s=None,
-                    cooldown_s=None,
-                )
-            models.append(ModelStatus(**entry))
-
+        models = self._models(recent[ATTEMPTS], spent, health, seen, wall)
         if seen is None:
             level, now = level_of(sum(m.down for m in models), len(models)), health.now if health else wall
         else:
@@ -475,7 +307,7 @@ class StatusPage:
         return StatusReport(
             level=level,
             time=now,
-            store=store,  # type: ignore[arg-type]
+            store=store,
             store_resets=_resets(shared.store),
             refresh_s=self.refresh_s,
             models=models,
@@ -488,8 +320,54 @@ class StatusPage:
                 counts=whose,
                 worker=os.getpid(),
             ),
-            budgets=_budgets(shared, _grown(reading, reading.today, BUDGET_SETTLED), unit),
+            budgets=_budgets(shared, grown(reading, reading.today, BUDGET_SETTLED), unit),
         )
+
+    async def _health(self) -> tuple[Health | None, Literal["ok", "unavailable"]]:
+        """The store's one reading of the watched models' breakers and cooldowns: None when no
+        route watches a model, or when the store did not answer ("unavailable")."""
+        watched = self.shared.levels.models
+        if not watched:
+            return None, "ok"
+        try:
+            legs = [(m.cooldown_key, m.breaker_key) for m in watched.values()]
+            return await self.shared.store.health(legs), "ok"
+        except StoreUnavailable:
+            emit_warning("store_unavailable", guard="status", op="health")
+            return None, "unavailable"
+
+    def _models(
+        self,
+        attempts: dict[tuple[str, ...], float],
+        spent: dict[tuple[str, ...], float],
+        health: Health | None,
+        seen: ServiceLevel | None,
+        wall: float,
+    ) -> list[ModelStatus]:
+        """Each watched model: its calls, failures and spend, and whether it is down, as the
+        store's reading (`health`) says, or else as this worker last read it (`seen`)."""
+        shared = self.shared
+        seen_down = {model.model: model.until for model in seen.down} if seen is not None else {}
+        models = []
+        for index, (key, model) in enumerate(shared.levels.models.items()):
+            calls = {kind: n for (k, kind), n in attempts.items() if k == key}
+            price = price_of(shared.prices, key)
+            entry: dict[str, Any] = {
+                "model": model.name,
+                "last_failure": _last_failure(key),
+                "calls": round(sum(calls.values())),
+                "failures": round(sum(calls.get(kind.value, 0.0) for kind in _FAILURES)),
+                "cost_usd_today": None
+                if price is None
+                else _usd(sum(n for (_, k), n in spent.items() if k == key)),
+                "price": None if price is None else _price(price, shared.cost_unit_usd),
+            }
+            if health is not None:
+                entry.update(_stored_state(model, health, index))
+            else:
+                entry.update(_seen_state(seen_down.get(model.name), wall))
+            models.append(ModelStatus(**entry))
+        return models
 
     def _route(
         self,
@@ -601,3 +479,29 @@ def _seconds(value: float) -> float:
 
 def _usd(value: float) -> float:
     return round(value, 6)
+
+
+def _stored_state(model: WatchedModel, health: Health, index: int) -> dict[str, Any]:
+    """A model's state as the store holds it (`health`, where it is the `index`th leg)."""
+    breaker, cooldown_s = health.breakers[index], health.cooldowns[index]
+    wait = down_for(breaker, cooldown_s, model.policies, health.now)
+    guarded = bool(model.policies)
+    return {
+        "down": wait > 0,
+        "down_for_s": _seconds(wait),
+        "breaker": breaker.state.value if guarded else None,
+        "breaker_wait_s": _seconds(down_for(breaker, 0.0, model.policies, health.now)) if guarded else None,
+        "cooldown_s": _seconds(cooldown_s),
+    }
+
+
+def _seen_state(until: float | None, wall: float) -> dict[str, Any]:
+    """A model's state when the store did not answer: down `until` (None: up) as this worker
+    last read it, no breaker or cooldown."""
+    return {
+        "down": until is not None,
+        "down_for_s": _seconds(max(0.0, (until or 0.0) - wall)),
+        "breaker": None,
+        "breaker_wait_s": None,
+        "cooldown_s": None,
+    }

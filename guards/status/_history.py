@@ -1,0 +1,145 @@
+"""This worker's counts over time, for the status page's rates and spend (`History`).
+
+The counts are those `/metrics` exports: every worker's in prometheus-client's multiprocess mode
+(`PROMETHEUS_MULTIPROC_DIR`: the sums of the workers' files, read in a thread), else the
+answering worker's tallies; copied every `window_s / COPIES` seconds by a task of the event
+loop (`History`, started with the app's lifespan, or by the first view). A rate is the
+difference between the counts now and the oldest copy at most `window_s` old, over the time
+between them; the day's spend, the difference since the copy the UTC day started from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import anyio.to_thread
+
+from ..observe._metrics import (
+    ATTEMPTS,
+    BUDGET_SETTLED,
+    COST,
+    FALLBACKS,
+    REQUESTS,
+    SERVED,
+    Metric,
+    counts,
+    multiprocess,
+    totals,
+)
+from ..stores import utc_day
+
+__all__ = ["COPIES", "DAY_S", "Counts", "History", "Reading", "grown"]
+
+#: Copies of the counts a window holds: a rate's window is `window_s` less at most one interval.
+COPIES = 30
+DAY_S = 86_400.0
+
+Key = tuple[Metric, tuple[str, ...]]
+Counts = dict[Key, float]
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    mono: float
+    wall: float
+    counts: Counts
+
+
+#: The counters the page reads.
+_COUNTED = (REQUESTS, SERVED, FALLBACKS, ATTEMPTS, COST, BUDGET_SETTLED)
+
+
+async def _copy() -> _Copy:
+    """The counts now: every worker's in multiprocess mode (files: read in a thread), else
+    this worker's."""
+    if multiprocess():
+        found = await anyio.to_thread.run_sync(totals, *_COUNTED)
+    else:
+        found = counts(*_COUNTED)
+    return _Copy(time.monotonic(), time.time(), found)
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """The counts now, and the two baselines to subtract: the window's and the day's."""
+
+    now: Counts
+    recent: Counts
+    recent_s: float
+    today: Counts
+    day: str
+    since: float
+
+
+class History:
+    """Copies of the counts, one every `window_s / COPIES` seconds, kept for `window_s`; and
+    the copy the UTC day started from. Bounded: at most `COPIES + 1` copies. The first copy is
+    taken when copying starts (the app's lifespan, else the first view)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.every_s = window_s / COPIES
+        self._copies: deque[_Copy] = deque()
+        self._day, self._day_counts, self._since = "", Counts(), 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Take the first copy, and copy every `every_s` on this event loop (already copying:
+        nothing)."""
+        if self._task is not None and not self._task.done():
+            return
+        if not self._copies:
+            self._add(await _copy())
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            self._add(await _copy())
+
+    def _add(self, copy: _Copy) -> None:
+        self._roll(copy)
+        copies = self._copies
+        copies.append(copy)
+        while len(copies) > COPIES + 1 or (len(copies) > 1 and copies[0].mono < copy.mono - self.window_s):
+            copies.popleft()
+
+    def _roll(self, copy: _Copy) -> None:
+        """A new UTC day starts from the newest copy (taken before midnight, at most one interval
+        before it: what was spent in between counts for the new day); the first copy starts
+        the first day (the page counts from then)."""
+        day = utc_day(copy.wall)
+        if not self._copies:
+            self._day, self._day_counts, self._since = day, copy.counts, copy.wall
+        elif day != self._day:
+            self._day, self._day_counts = day, self._copies[-1].counts
+            self._since = copy.wall // DAY_S * DAY_S
+
+    async def read(self) -> Reading:
+        await self.start()
+        now = await _copy()
+        self._roll(now)
+        oldest = now.mono - self.window_s
+        # The oldest copy within the window; when the timer did not run (no copy that recent),
+        # the newest one, and the window says how long it really is.
+        base = next((c for c in self._copies if c.mono >= oldest), self._copies[-1])
+        return Reading(
+            now.counts, base.counts, now.mono - base.mono, self._day_counts, self._day, self._since
+        )
+
+
+def grown(reading: Reading, base: Counts, metric: Metric) -> dict[tuple[str, ...], float]:
+    """How much each series of `metric` grew since `base`."""
+    return {
+        labels: count - base.get((m, labels), 0.0)
+        for (m, labels), count in reading.now.items()
+        if m is metric and count != base.get((m, labels), 0.0)
+    }
