@@ -265,7 +265,6 @@ STILL_OVER_600 = {
     "guards.observe._metrics",
     "guards.serve",
     "guards.status._report",
-    "guards.stores._redis",
     "guards.stores._sqlite",
     "guards.testing.script",
 }

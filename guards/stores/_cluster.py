@@ -50,7 +50,7 @@ Node = tuple[str, int]
 
 
 class _Wire(Protocol):
-    """What the client uses of a connection (`guards.stores._redis._Wire`)."""
+    """What the client uses of a connection (`guards.stores._redis._protocol.Wire`)."""
 
     failure: str | None
     loads: int
