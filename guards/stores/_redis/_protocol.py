@@ -1,7 +1,7 @@
 """The wire to one Redis server: `Wire`, one connection carrying every operation of one event
-loop (commands packed and replies parsed by hiredis, in C: a reply is parsed once, in the
-order the bytes came, with no look-back), and the lag-aware limit that bounds connecting
-(`Bound`) and each reply (`Wire`). A reply overdue drops the connection and fails every
+loop (commands packed and replies parsed by hiredis, in C, as the bytes come; at most
+`MAX_IN_FLIGHT` commands unanswered), and the lag-aware limit that bounds connecting (`Bound`)
+and each reply (`Wire`). A reply overdue drops the connection and fails every
 operation waiting on it (they were behind that reply); a socket error raises
 `StoreUnavailable`, whose message names the error class (or the Redis error's code, such as
 `WRONGPASS`) only, never the URL, host, port or password. hiredis is imported here alone: the
@@ -99,10 +99,10 @@ class Wire(asyncio.Protocol):
         self.failure: str | None = None
         #: SCRIPT LOADs sent on this connection.
         self.loads = 0
-        #: The reading of its server's settings (a strong reference: `_check_settings`).
+        #: The reading of its server's settings (a strong reference: `Checks.check_settings`).
         self.checking: asyncio.Task[None] | None = None
         #: Its server's `evicted_keys` when last asked (None: not yet), and when it may be
-        #: asked again (monotonic): `RedisStore._watch_evictions`.
+        #: asked again (monotonic): `Checks.watch_evictions`.
         self.evicted: int | None = None
         self.evictions_due = 0.0
         #: The store's count of resets at that answer.
