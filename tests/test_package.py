@@ -46,6 +46,10 @@ def test_the_wheel_installs_guards_and_nothing_else(wheel: zipfile.ZipFile) -> N
     assert top == {"guards", dist_info(wheel)}
     names = set(wheel.namelist())
     assert {"guards/py.typed", "guards/testing/__init__.py", "guards/testing/pytest_plugin.py"} <= names
+    # The Redis store's Lua scripts, each file the package's own (read at import).
+    lua = sorted(path.relative_to(ROOT).as_posix() for path in (ROOT / "guards").rglob("*.lua"))
+    assert lua
+    assert {name for name in names if name.endswith(".lua")} == set(lua)
 
 
 def test_the_wheel_registers_the_pytest_plugin(wheel: zipfile.ZipFile) -> None:

@@ -26,7 +26,7 @@ A call follows at most `_MAX_HOPS` redirections in a row (TRYAGAIN starts the co
 starts none later than `timeout_s` after it began; each reply is itself bounded by `timeout_s`
 (`_Wire`). So a call that cannot finish
 raises `StoreUnavailable` within a few `timeout_s`. Any other error reply is returned to the
-store (its `_refused` says what it raises).
+store (its `Checks.refused` says what it raises).
 
 Nodes are addressed as the cluster announces them (`CLUSTER SLOTS`, `MOVED`, `ASK`): the address
 each was started with (an empty host, a node that does not know its own: the host asked).
@@ -50,7 +50,7 @@ Node = tuple[str, int]
 
 
 class _Wire(Protocol):
-    """What the client uses of a connection (`guards.stores._redis._Wire`)."""
+    """What the client uses of a connection (`guards.stores._redis._protocol.Wire`)."""
 
     failure: str | None
     loads: int
@@ -186,7 +186,7 @@ class Cluster:
                 if code in ("READONLY", "LOADING", "MASTERDOWN"):  # not (or not yet) a primary
                     self._stale = True
                     wire.fail(StoreUnavailable(f"Redis store unavailable ({code})"))
-                return reply  # the store's `_refused` says what it raises
+                return reply  # the store's `Checks.refused` says what it raises
             hops += 1
             if hops > _MAX_HOPS or loop.time() > end:
                 raise StoreUnavailable(f"Redis store unavailable ({code})")

@@ -25,7 +25,7 @@ from guards import Breaker
 from guards.stores import Charge, RedisStore, Step, StoreUnavailable
 from guards.stores import _cluster as cluster_module
 from guards.stores._cluster import Cluster, key_slot, slot_tag
-from guards.stores._redis import _Address
+from guards.stores._redis._address import Address
 from guards.testing.redis_cluster import ClusterTLS, RedisCluster
 
 from ..conftest import running_cluster
@@ -48,7 +48,7 @@ def prefix() -> str:
 
 def clients(store: RedisStore) -> Cluster:
     """The store's cluster client in the running loop."""
-    return store._clusters[asyncio.get_running_loop()].cluster
+    return store._connections.clusters[asyncio.get_running_loop()].cluster
 
 
 def node_of(cluster: RedisCluster, redis_key: str) -> int:
@@ -80,7 +80,7 @@ def test_cluster_urls(
     password: str | None,
     prefix: str | None,
 ) -> None:
-    address = _Address.parse(url)
+    address = Address.parse(url)
     assert (address.cluster, address.username, address.password, address.prefix) == (
         seeds,
         username,
@@ -94,7 +94,7 @@ def test_cluster_urls(
 
 
 def test_a_tls_cluster_url_has_the_rediss_options() -> None:
-    address = _Address.parse("rediss+cluster://:pw@h1:7000,h2:7001?ssl_cert_reqs=none")
+    address = Address.parse("rediss+cluster://:pw@h1:7000,h2:7001?ssl_cert_reqs=none")
     assert address.tls is not None
     assert not address.tls.check_hostname
     assert address.cluster == (("h1", 7000), ("h2", 7001))
@@ -253,7 +253,7 @@ def test_a_client_per_event_loop_closed_with_it(cluster: RedisCluster, prefix: s
 
     try:
         assert [asyncio.run(charge()) for _ in range(3)] == [True, True, False]
-        assert not store._clusters
+        assert not store._connections.clusters
     finally:
         dead.close()
 
