@@ -196,7 +196,7 @@ def _failure(outcome: Fail, model: str) -> Wire:
         except ValueError:
             headers["retry-after"] = outcome.retry_after  # an HTTP date: only a header can say it
         else:
-            delay = f"{seconds:g}s"
+            delay = f"{seconds:.9f}".rstrip("0").rstrip(".") + "s"  # a Duration: never 1e+07s
             details.append({"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": delay})
     message = outcome.message or _messages(status, model, outcome.error_code)
     wire_status, _, body = _error(status, rpc, message, details)

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
-from fixtures import Drop, Fail, FakeGemini, Raw, Reasoning, Reply, Stream, Text, ToolCall
+from fixtures import Drop, Fail, FakeBinding, FakeGemini, Raw, Reasoning, Reply, Stream, Text, ToolCall
 from fixtures.script import Outcome
 from guards import (
     AIResult,
@@ -385,3 +385,49 @@ def test_an_error_event_after_the_first_output(fake_gemini: FakeGemini) -> None:
 def test_an_error_status_before_the_stream(fake_gemini: FakeGemini) -> None:
     seen, error = stream_failure(fake_gemini, Fail(status=429, retry_after="7"))
     assert (seen, error.status, error.retry_after_s) == ([], 429, 7.0)
+
+
+# --- the in-process fake on this wire -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "scripted",
+    [
+        pytest.param(Stream((Text("Hel"), Text("lo.")), error_after=1, error_code=503), id="error-event"),
+        pytest.param(Stream((Text("Hel"), Text("lo.")), error_after=1, error_code=429), id="error-event-429"),
+        pytest.param(
+            Fail(status=429, error_code="insufficient_quota", retry_after="9"), id="quota-before-the-body"
+        ),
+        pytest.param(Fail(status=400, error_code="context_length_exceeded"), id="context-before-the-body"),
+    ],
+)
+def test_a_stream_fails_in_process_as_over_http(fake_gemini: FakeGemini, scripted: Stream | Fail) -> None:
+    fake = FakeBinding(wire="gemini")
+    fake.script(MODEL, scripted)
+
+    faked_events: list[StreamEvent] = []
+
+    async def read() -> None:
+        async for event in fake.stream(MODEL, INPUTS):
+            faked_events.append(event)
+
+    with pytest.raises(ProviderError) as info:
+        anyio.run(read)
+    faked = info.value
+    served_events, served = stream_failure(fake_gemini, scripted)
+    facts = ("provider", "code", "status", "retry_after_s", "quota_exhausted", "context_exceeded", "note")
+    assert [getattr(faked, f) for f in facts] == [getattr(served, f) for f in facts]
+    assert faked_events == served_events
+
+
+@pytest.mark.parametrize(
+    ("failure", "field"),
+    [
+        (Fail(code=3036, status=429), "code"),
+        (Fail(status=500, shape="gateway"), "shape"),
+        (Fail(status=400, error_code="content_filter"), "error_code"),
+    ],
+)
+def test_what_the_gemini_wire_cannot_carry_is_refused(failure: Fail, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"Fail\({field}=.* gemini wire"):
+        FakeBinding(wire="gemini").script(MODEL, failure)
