@@ -435,7 +435,7 @@ class GeminiDecoder:
     status, else 200), never with the provider's text.
     """
 
-    __slots__ = ("_calls", "_requested", "complete", "finish_reason", "model", "provider", "usage")
+    __slots__ = ("_calls", "_requested", "_usage", "complete", "finish_reason", "model", "provider")
 
     def __init__(self, provider: str, model: str) -> None:
         self.provider = provider
@@ -443,7 +443,7 @@ class GeminiDecoder:
         self._calls = 0
         self.complete = False
         self.finish_reason: str | None = None
-        self.usage: Usage | None = None
+        self._usage: dict[str, Any] | None = None  # the last `usageMetadata`, read at the end
         self.model: str | None = None
 
     def decode(self, sse: SSEEvent) -> list[StreamEvent]:
@@ -461,7 +461,7 @@ class GeminiDecoder:
             self.model = identifier(chunk.get("modelVersion"))
         usage = chunk.get("usageMetadata")
         if isinstance(usage, dict):
-            self.usage = gemini_usage(usage)
+            self._usage = usage
         if _prompt_blocked(chunk):
             self.finish_reason = "content_filter"
         candidate = _first_candidate(chunk)
@@ -472,7 +472,7 @@ class GeminiDecoder:
             text = part.get("text")
             if isinstance(text, str) and text:
                 out.append(ReasoningDelta(text) if part.get("thought") is True else TextDelta(text))
-            call = _tool_call(part, self._calls)
+            call = _tool_call(part, self._calls) if "functionCall" in part else None
             if call is not None:
                 function = call["function"]
                 out.append(ToolCallDelta(self._calls, call["id"], function["name"], function["arguments"]))
@@ -487,7 +487,9 @@ class GeminiDecoder:
             return None
         self.complete = True
         return StreamEnd(
-            finish_reason=self.finish_reason, usage=self.usage, model=self.model or self._requested
+            finish_reason=self.finish_reason,
+            usage=gemini_usage(self._usage),
+            model=self.model or self._requested,
         )
 
 
