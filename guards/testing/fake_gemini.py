@@ -45,6 +45,7 @@ from .script import (
     Stream,
     Text,
     ToolCall,
+    flat_tool_call,
     sse_event,
 )
 
@@ -127,16 +128,11 @@ def _finish(reason: str) -> str:
     return _FINISH.get(reason, reason if reason.isupper() else "OTHER")
 
 
-def _function_call(call: ToolCall | Mapping[str, Any], index: int) -> dict[str, Any]:
-    if isinstance(call, ToolCall):
-        name, arguments = call.name, call.arguments
-    else:
-        function = call.get("function")
-        spec: Mapping[str, Any] = function if isinstance(function, Mapping) else call
-        name, arguments = str(spec.get("name", "")), spec.get("arguments", {})
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments) if arguments.strip() else {}
-    return {"functionCall": {"name": name, "args": arguments}}
+def _function_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool call scripted in either shape as a `functionCall` part (its arguments an object)."""
+    flat = flat_tool_call(call)
+    arguments = flat["arguments"]
+    return {"functionCall": {"name": flat["name"], "args": arguments if isinstance(arguments, dict) else {}}}
 
 
 def _answer(model: str, candidate: dict[str, Any] | None, usage: Mapping[str, Any]) -> dict[str, Any]:
@@ -168,7 +164,7 @@ def gemini_wire(outcome: Reply | Fail | Raw, model: str) -> Wire:
             answer = outcome.response
             text = answer if isinstance(answer, str) else None if answer is None else json.dumps(answer)
             parts: list[dict[str, Any]] = [{"text": text}] if text else []
-            parts += [_function_call(call, i) for i, call in enumerate(outcome.tool_calls)]
+            parts += [_function_call(call) for call in outcome.tool_calls]
             candidate["content"] = {"role": "model", "parts": parts or [{"text": ""}]}
         return 200, dict(_JSON), json.dumps(_answer(served, candidate, outcome.usage)).encode()
     return _failure(outcome, model)
@@ -218,7 +214,7 @@ def _part(part: Part) -> dict[str, Any]:
     if isinstance(part, Reasoning):
         return {"text": part.text, "thought": True}
     if isinstance(part, ToolCall):
-        return _function_call(part, part.index)
+        return _function_call({"name": part.name, "arguments": part.arguments})
     if isinstance(part, Meta | Refusal):
         return {"text": ""}
     raise ValueError(f"{type(part).__name__}: Gemini streams each function call whole (script a ToolCall)")
@@ -276,8 +272,11 @@ class FakeGemini(FakeServer):
                 "Please use API Key or other form of API consumer identity to call this API.",
             )
         if key != self.api_key:
-            info = {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "API_KEY_INVALID"}
-            info["domain"] = "googleapis.com"
+            info = {
+                "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                "reason": "API_KEY_INVALID",
+                "domain": "googleapis.com",
+            }
             return _error(400, "INVALID_ARGUMENT", "API key not valid. Please pass a valid API key.", [info])
         if not isinstance(inputs, dict) or not isinstance(inputs.get("contents"), list):
             return _error(
