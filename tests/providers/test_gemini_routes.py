@@ -17,9 +17,9 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
-from fixtures import Fail, FakeGemini, Reply, Stream, Text
+from fixtures import Fail, FakeGemini, FakeOpenAI, Reply, Stream, Text
 from guards import AI, EventStream, Guards
-from guards.providers import Gemini
+from guards.providers import Gemini, OpenAICompatible
 from guards.testing import UseFakeAI, UseFakeServers
 
 from ..conftest import AppClient, LogLines, assert_error, assert_fallback, no_sleep
@@ -262,3 +262,28 @@ def test_use_fake_ai_answers_as_the_server(
             response.headers.get("retry-after"),
         ) == public
     assert len(fake.calls) == len(fake_gemini.calls) == calls
+
+
+def test_gemini_as_a_provider_of_a_chain(
+    app_client: AppClient, fake_gemini: FakeGemini, fake_openai: FakeOpenAI
+) -> None:
+    """`providers={"gemini": Gemini(...)}`: a chain names `gemini:<model>` after an OpenAI model."""
+    guards = Guards(
+        OpenAICompatible(api_key=fake_openai.api_key, base_url=fake_openai.base_url),
+        providers={"gemini": Gemini(api_key=fake_gemini.api_key, base_url=fake_gemini.base_url)},
+        sleep=no_sleep,
+    )
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/strict")
+    @guards.route(model="gpt-4o-mini", fallbacks=[f"gemini:{MAIN}"], timeout_s=5)
+    async def strict(body: Ask, ai: AI[Label]) -> dict[str, Any]:
+        label = await ai.run({"prompt": body.text})
+        return {**label.model_dump(), "model": ai.model}
+
+    fake_openai.script("gpt-4o-mini", Fail(status=503), Fail(status=503))
+    fake_gemini.script(MAIN, Reply(GOOD, model="gemini-2.5-flash-001"))
+    response = post(app_client(app), "/strict")
+    assert (response.status_code, response.json()) == (200, {**GOOD, "model": "gemini-2.5-flash-001"})
+    assert [c.model for c in fake_gemini.calls] == [MAIN]
