@@ -286,6 +286,13 @@ def test_max_tokens_is_truncated(fake_gemini: FakeGemini) -> None:
             Raw(302, b"", headers={"location": "/elsewhere"}), Kind.model_unavailable, 302, {}, id="redirect"
         ),
         pytest.param(Drop(), Kind.model_temporarily_unavailable, None, {}, id="dropped"),
+        pytest.param(
+            Raw(200, b"\x1f\x8b", "application/json", headers={"content-encoding": "gzip"}),
+            Kind.model_unavailable,
+            200,
+            {"encoding_refused": True},
+            id="gzip-refused",
+        ),
     ],
 )
 def test_documented_failures(
