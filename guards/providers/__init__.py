@@ -1,6 +1,7 @@
 """Adapters from the binding protocol to real providers, the HTTP client they share (with its
 admission limit), and the incremental Server-Sent Events parser their streams share."""
 
+from ._gemini import Gemini
 from ._http import http_client
 from ._openai import OpenAICompatible
 from ._sse import EventTooLarge, SSEEvent, SSEParser
@@ -8,6 +9,7 @@ from ._workers_ai import WorkersAI, parse_workers_ai_response
 
 __all__ = [
     "EventTooLarge",
+    "Gemini",
     "OpenAICompatible",
     "SSEEvent",
     "SSEParser",

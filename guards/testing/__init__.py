@@ -1,11 +1,12 @@
 """Test doubles for apps guarded by guards: scripted provider outcomes (whole answers and
-streams), in-process and over real HTTP (Workers AI, OpenAI-compatible, AI Gateway's resume), a
-controllable clock, and a pytest plugin (`guards.testing.pytest_plugin`, registered through the
-`pytest11` entry point: installing the package is enough) that hands them out."""
+streams), in-process and over real HTTP (Workers AI, OpenAI-compatible, AI Gateway's resume,
+Gemini), a controllable clock, and a pytest plugin (`guards.testing.pytest_plugin`, registered
+through the `pytest11` entry point: installing the package is enough) that hands them out."""
 
 from ._types import UseFakeAI, UseFakeServers
 from .clock import ManualClock
 from .fake_binding import FakeBinding
+from .fake_gemini import FakeGemini
 from .fake_openai import FakeOpenAI
 from .fake_workers_ai import FakeWorkersAI
 from .script import (
@@ -33,6 +34,7 @@ __all__ = [
     "Drop",
     "Fail",
     "FakeBinding",
+    "FakeGemini",
     "FakeOpenAI",
     "FakeWorkersAI",
     "Hang",
