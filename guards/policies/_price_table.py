@@ -37,6 +37,13 @@ PROVIDER_IDS: Mapping[str, str] = {
     "AzureOpenAI": "azure",
 }
 _MILLION = Decimal(1_000_000)
+#: The table's rates guards holds: (name here, `ModelPrice` field), dollars per million tokens.
+_FIELDS = (
+    ("input", "input_mtok"),
+    ("output", "output_mtok"),
+    ("cache_read", "cache_read_mtok"),
+    ("cache_write", "cache_write_mtok"),
+)
 
 
 class PriceTable(Protocol):
@@ -112,44 +119,43 @@ class GenAIPrices:
 def _price(found: Any, unit: Decimal) -> Price | None:
     """`found` (a `genai-prices` `ModelPrice`, in dollars per million tokens) as a `Price` in
     cost units per token, or None when guards cannot hold it."""
-    rates: dict[str, Any] = {}
-    tiers: dict[str, tuple[int, Decimal]] = {}
-    for name, field in (
-        ("input_token", "input_mtok"),
-        ("output_token", "output_mtok"),
-        ("cached_input_token", "cache_read_mtok"),
-        ("cache_write_token", "cache_write_mtok"),
-    ):
+    base: dict[str, Decimal] = {}
+    tier: dict[str, Decimal] = {}
+    starts: set[int] = set()
+    for name, field in _FIELDS:
         value = getattr(found, field, None)
         if value is None:
             continue
-        if hasattr(value, "tiers"):
+        if hasattr(value, "tiers"):  # `TieredPrices`: a base rate and rates above token counts
             if len(value.tiers) > 1:
                 return None
             if value.tiers:
-                tiers[name] = (int(value.tiers[0].start), value.tiers[0].price)
+                starts.add(int(value.tiers[0].start))
+                tier[name] = Decimal(value.tiers[0].price)
             value = value.base
-        rates[name] = value
-    if "input_token" not in rates or "output_token" not in rates:
+        base[name] = Decimal(value)
+    if "input" not in base or "output" not in base or len(starts) > 1:
         return None
     call = getattr(found, "requests_kcount", None)
-    per_token = {name: float(Decimal(value) / _MILLION / unit) for name, value in rates.items()}
     calls = float(Decimal(call) / 1000 / unit) if call is not None else 0.0
-    if not tiers:
-        return Price(**per_token, call=calls)
-    starts = {start for start, _ in tiers.values()}
-    if len(starts) > 1:
-        return None
-    long_rates = {
-        name: float(Decimal(tiers[name][1] if name in tiers else rates[name]) / _MILLION / unit)
-        for name in per_token
-    }
-    return Price(
-        **per_token,
-        call=calls,
-        long_context_above=starts.pop(),
-        long_context=Price(**long_rates, call=calls),
-    )
+
+    def rate(rates: Mapping[str, Decimal], name: str) -> float | None:
+        value = rates.get(name, base.get(name))
+        return None if value is None else float(value / _MILLION / unit)
+
+    def made(rates: Mapping[str, Decimal], **tiered: Any) -> Price:
+        return Price(
+            input_token=rate(rates, "input") or 0.0,
+            output_token=rate(rates, "output") or 0.0,
+            cached_input_token=rate(rates, "cache_read"),
+            cache_write_token=rate(rates, "cache_write"),
+            call=calls,
+            **tiered,
+        )
+
+    if not starts:
+        return made(base)
+    return made(base, long_context_above=starts.pop(), long_context=made(tier))
 
 
 def check_table(table: object) -> None:

@@ -156,7 +156,7 @@ def guard_route(
             prices,
             guards.price_table,
             chain.models,
-            {None: guards.binding, **guards.providers},
+            {None: guards.binding} | dict(guards.providers.items()),
             guards.cost_unit_usd,
         )
         unpriced = [ref.key for ref in chain.models if price_of(prices, ref.key) is None]
