@@ -48,6 +48,7 @@ if typing.TYPE_CHECKING:
     from .policies._chain import Chain, Model, ModelRef, Profile, flatten_chain
     from .policies._cooldown import Cooldown
     from .policies._last_good import LastGood
+    from .policies._price_table import GenAIPrices
     from .policies._retry_budget import RetryBudget
     from .policies._tasks import Task
     from .routes._effort import Effort, Tier, estimate_effort, override_effort
@@ -77,6 +78,7 @@ __all__ = [
     "Cooldown",
     "Effort",
     "Envelope",
+    "GenAIPrices",
     "ErrorBody",
     "ErrorCode",
     "EventStream",
@@ -185,6 +187,7 @@ _PUBLIC = {
     "first_output_arrived": ".waits._first_output",
     "Guards": "._guards",
     "LastGood": ".policies._last_good",
+    "GenAIPrices": ".policies._price_table",
     "Attempt": ".observe._ledger",
     "Ledger": ".observe._ledger",
     "LogLedger": ".observe._ledger",

@@ -31,6 +31,7 @@ from .policies._call import Retry
 from .policies._chain import DEFAULT_PROVIDER, HINT_PREFIX, Model, Profile, check_hints
 from .policies._cooldown import Cooldown
 from .policies._credentials import CredentialWarnings
+from .policies._price_table import PriceTable, check_table
 from .policies._retry_budget import RetryWindows
 from .policies._tasks import Task
 from .routes._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, BodyTooLarge
@@ -77,7 +78,9 @@ class Guards:
     `provider:model`) to their `Price`, for spend caps and `guards_cost_usd_total` (`"*"`: the
     price of every model without one of its own; a spend-capped route calling a model with
     no price is refused at start-up); `cost_unit_usd` is what one unit of those prices is
-    worth in US dollars (default 1.0: prices in dollars; 0.01 for prices in cents). `cooldown` says how long a rate-limited
+    worth in US dollars (default 1.0: prices in dollars; 0.01 for prices in cents); `price_table`
+    prices the models `prices` does not, from a maintained table (`GenAIPrices()`, the `prices`
+    extra; see docs/guards/budget.md, "Prices from a table"). `cooldown` says how long a rate-limited
     model is skipped, and the longest wait a provider may ask for (`Cooldown.max_s`, 10
     minutes by default); `cooldowns` says it per model key (`model` or `provider:model`),
     for the models that differ; `context_windows` declares models' context windows in tokens,
@@ -116,6 +119,7 @@ class Guards:
         attribution: Attribution = "detailed",
         ledger: Ledger | None = None,
         cost_unit_usd: float = 1.0,
+        price_table: PriceTable | None = None,
         tracing: bool | TracerProvider = False,
         hints: Mapping[str, str] | None = None,
         max_in_flight: int | None = None,
@@ -155,7 +159,9 @@ class Guards:
         self.store: Store = store if store is not None else MemoryStore()
         self.sleep = sleep
         self.retry_after_s = retry_after_s
-        self.prices: Mapping[str, Price] = dict(prices or {})
+        self.prices: dict[str, Price] = dict(prices or {})
+        check_table(price_table)
+        self.price_table: PriceTable | None = price_table
         self.cost_unit_usd = cost_unit_usd
         #: The tracer when tracing is on (see `guards.spec._tracing`), else None.
         self.tracing: Tracing | None = None

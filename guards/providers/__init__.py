@@ -1,8 +1,12 @@
 """Adapters from the binding protocol to real providers, the HTTP client they share (with its
-admission limit), and the incremental Server-Sent Events parser their streams share."""
+admission limit), and the incremental Server-Sent Events parser their streams share.
+
+`http_library` is the HTTP client library the adapters use, `httpx` or `httpx2`
+(docs/providers/index.md): build a `client=` of your own with `http_library.AsyncClient(...)`."""
 
 from ._gemini import Gemini
 from ._http import http_client
+from ._httpx import httpx as http_library
 from ._openai import OpenAICompatible
 from ._sse import EventTooLarge, SSEEvent, SSEParser
 from ._workers_ai import WorkersAI, parse_workers_ai_response
@@ -15,5 +19,6 @@ __all__ = [
     "SSEParser",
     "WorkersAI",
     "http_client",
+    "http_library",
     "parse_workers_ai_response",
 ]

@@ -18,11 +18,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
-
 from ..contracts._binding import Usage
 from ..contracts._errors import ProviderError
 from ..waits._admission import ADMITTED_LATE, Admission
+from ._httpx import httpx
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",

@@ -26,8 +26,6 @@ import re
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
-import httpx
-
 from ..contracts._binding import AIResult
 from ..contracts._errors import ConfigurationError, ProviderError
 from ..contracts._stream import StreamEvent
@@ -48,6 +46,7 @@ from ._http import (
     retry_date,
     transport_error,
 )
+from ._httpx import check_client, httpx
 from ._identifiers import identifier
 from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_RECONNECTS, ChunkDecoder, stream_sse
 
@@ -143,6 +142,7 @@ class OpenAICompatible:
             raise ConfigurationError("OpenAICompatible needs idle_timeout_s > 0")
         if max_reconnects < 0:
             raise ConfigurationError("OpenAICompatible needs max_reconnects >= 0")
+        check_client(client, "OpenAICompatible")
         self._options: dict[str, Any] = {
             "api_key": api_key,
             "base_url": base_url,

@@ -17,13 +17,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 import anyio
-import httpx
 
 from ..contracts._binding import AIResult, Usage
 from ..contracts._errors import ProviderError
 from ..contracts._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
 from ..waits._alarm import Alarm
 from ._http import parse_usage, read_capped, refuse_encoded, transport_error
+from ._httpx import httpx
 from ._identifiers import identifier
 from ._sse import EventTooLarge, SSEEvent, SSEParser
 

@@ -16,8 +16,6 @@ from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 from urllib.parse import quote
 
-import httpx
-
 from ..contracts._binding import AIResult
 from ..contracts._errors import ConfigurationError, ProviderError
 from ..contracts._stream import StreamEvent
@@ -37,6 +35,7 @@ from ._http import (
     retry_date,
     transport_error,
 )
+from ._httpx import check_client, httpx
 from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_RECONNECTS, ChunkDecoder, stream_sse
 
 __all__ = ["WorkersAI", "parse_workers_ai_response"]
@@ -87,6 +86,7 @@ class WorkersAI:
             raise ConfigurationError("WorkersAI needs idle_timeout_s > 0")
         if max_reconnects < 0:
             raise ConfigurationError("WorkersAI needs max_reconnects >= 0")
+        check_client(client, "WorkersAI")
         self._options: dict[str, Any] = {
             "account_id": account_id,
             "api_token": api_token,

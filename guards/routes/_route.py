@@ -34,6 +34,7 @@ from ..policies._budget import Budget, price_of
 from ..policies._call import Retry
 from ..policies._chain import HINT_PREFIX, Model, check_limit, entry_parts, flatten_chain
 from ..policies._last_good import LastGood, LastGoodCache
+from ..policies._price_table import fill_prices
 from ..policies._tasks import Task, key_parameter
 from ..spec._route_spec import NO_FALLBACK, GuardedRoute, Leg, SuccessAges
 from ..stores._breaker import Breaker
@@ -151,6 +152,13 @@ def guard_route(
         if attempt_budget < 1:
             raise ConfigurationError("attempts must be at least 1")
         prices = guards.prices
+        fill_prices(
+            prices,
+            guards.price_table,
+            chain.models,
+            {None: guards.binding} | dict(guards.providers.items()),
+            guards.cost_unit_usd,
+        )
         unpriced = [ref.key for ref in chain.models if price_of(prices, ref.key) is None]
         if spend_capped and unpriced:
             raise ConfigurationError(

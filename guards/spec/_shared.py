@@ -18,6 +18,7 @@ from ..policies._budget import Price
 from ..policies._chain import Profile
 from ..policies._cooldown import Cooldown
 from ..policies._credentials import CredentialWarnings
+from ..policies._price_table import PriceTable
 from ..policies._retry_budget import RetryWindows
 from ..stores import Store
 from ._levels import Levels, ServiceLevel
@@ -40,7 +41,9 @@ class Shared(Protocol):
     #: What retries wait with (a test injects a no-op).
     sleep: Callable[[float], Awaitable[None]]
     retry_after_s: float
-    prices: Mapping[str, Price]
+    prices: dict[str, Price]
+    #: Where prices missing from `prices` are looked up (`Guards(price_table=...)`), or None.
+    price_table: PriceTable | None
     #: Each model's declared context window in tokens, by model key.
     context_windows: Mapping[str, int]
     cost_unit_usd: float

@@ -27,7 +27,7 @@ from app.service import create_app
 from app.settings import Settings
 from fixtures import FakeOpenAI, FakeWorkersAI, Raw, Reply, Stream, Text
 from guards import ProviderError, classify
-from guards.providers import OpenAICompatible, WorkersAI
+from guards.providers import OpenAICompatible, WorkersAI, http_library
 
 from ..conftest import Serve, assert_error, no_sleep, workers_ai_settings
 
@@ -166,7 +166,7 @@ def outcome(provider: Provider, stream: bool, *, own_client: bool = False) -> An
     `stream`), or its `ProviderError`."""
 
     async def call() -> Any:
-        client = httpx.AsyncClient() if own_client else None
+        client = http_library.AsyncClient() if own_client else None
         binding = adapter(provider, client)
         try:
             if not stream:

@@ -10,14 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 
 from app.service import create_app
 from fixtures import FakeOpenAI, FakeWorkersAI, Hang, Raw, Reply
 from fixtures.script import openai_wire, workers_ai_wire
 from guards import AIResult, Binding, Kind, ProviderError, classify
-from guards.providers import OpenAICompatible, WorkersAI
+from guards.providers import OpenAICompatible, WorkersAI, http_library
 
 from ..conftest import AppClient, assert_error, workers_ai_settings
 
@@ -118,7 +117,7 @@ def test_aclose_closes_its_own_client(provider: Provider) -> None:
 
 def test_aclose_leaves_a_shared_client_open(provider: Provider) -> None:
     async def scenario() -> None:
-        async with httpx.AsyncClient() as client:
+        async with http_library.AsyncClient() as client:
             first = provider.binding(client=client)
             second = provider.binding(client=client)
             await first.run(provider.model, INPUTS)
@@ -165,7 +164,7 @@ def test_a_redirect_is_a_failure_never_followed(
             await binding.run(model, INPUTS)
 
     async def scenario() -> ProviderError:
-        async with httpx.AsyncClient(follow_redirects=follow) as client:
+        async with http_library.AsyncClient(follow_redirects=follow) as client:
             with pytest.raises(ProviderError) as info:
                 await call(provider.binding(client=client))
             return info.value

@@ -1,0 +1,76 @@
+"""One place decides the adapters' HTTP client library (`httpx` or `httpx2`), and both work:
+the suite runs on the one chosen by default, and here the adapters' tests over real HTTP run
+again on the other, in a fresh interpreter (the choice is made once, at import)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from guards import ConfigurationError
+from guards.providers import OpenAICompatible, WorkersAI, http_library
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The adapters' tests over real HTTP against the fake servers: both wires, runs and streams,
+#: the connection pool's admission, redirects, bodies too large and compressed answers refused.
+ADAPTER_TESTS = ("tests/providers/test_http_bindings.py", "tests/providers/test_compressed_answers.py")
+
+
+def other_library() -> str:
+    return "httpx" if http_library.__name__ == "httpx2" else "httpx2"
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_httpx2_is_chosen_when_installed_and_the_setting_decides() -> None:
+    assert http_library.__name__ == "httpx2"  # both are installed for the tests: the fork wins
+    code = "from guards.providers import http_library; print(http_library.__name__)"
+    assert run(code, GUARDS_HTTP_CLIENT="httpx").stdout == "httpx\n"
+    assert run(code, GUARDS_HTTP_CLIENT="httpx2").stdout == "httpx2\n"
+    wrong = run(code, GUARDS_HTTP_CLIENT="requests")
+    assert wrong.returncode != 0
+    assert "GUARDS_HTTP_CLIENT must be httpx or httpx2; got 'requests'" in wrong.stderr
+
+
+def test_a_client_of_the_other_library_is_refused_naming_the_fix() -> None:
+    client = httpx.AsyncClient()  # `httpx`'s, while the adapters use `httpx2`
+    try:
+        for make in (
+            lambda: OpenAICompatible(api_key="k", client=client),
+            lambda: WorkersAI(account_id="a", api_token="t", client=client),
+        ):
+            with pytest.raises(
+                ConfigurationError, match=r"must be an httpx2\.AsyncClient .*GUARDS_HTTP_CLIENT=httpx"
+            ):
+                make()
+    finally:
+        asyncio.run(client.aclose())
+
+
+def test_the_adapters_tests_pass_on_the_other_library() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *ADAPTER_TESTS],
+        cwd=ROOT,
+        env={**os.environ, "GUARDS_HTTP_CLIENT": other_library()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout
+    assert "failed" not in done.stdout
