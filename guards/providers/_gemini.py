@@ -32,8 +32,6 @@ from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 from urllib.parse import quote
 
-import httpx
-
 from ..contracts._binding import AIResult, Usage
 from ..contracts._errors import ConfigurationError, ProviderError
 from ..contracts._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
@@ -49,6 +47,7 @@ from ._http import (
     retry_date,
     transport_error,
 )
+from ._httpx import check_client, httpx
 from ._identifiers import identifier
 from ._sse import SSEEvent
 from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, stream_sse
@@ -148,6 +147,7 @@ class Gemini:
             raise ConfigurationError("Gemini needs a provider name")
         if not idle_timeout_s > 0:
             raise ConfigurationError("Gemini needs idle_timeout_s > 0")
+        check_client(client, "Gemini")
         self._options: dict[str, Any] = {
             "api_key": api_key,
             "base_url": base_url,
