@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import httpx
@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_MAX_RECONNECTS",
     "ChunkDecoder",
     "InBandError",
+    "StreamDecoder",
     "result_events",
     "stream_sse",
 ]
@@ -56,6 +57,18 @@ _YIELD_EVERY = 64
 InBandError = Callable[[dict[str, Any]], ProviderError | None]
 #: Parses a whole (non-event-stream) answer like the adapter's `run`: a result, or raises.
 WholeParser = Callable[[httpx.Response, bytes], AIResult]
+
+
+class StreamDecoder(Protocol):
+    """What `stream_sse` needs of a wire's decoder (`ChunkDecoder`, or another wire's own):
+    the stream events of each SSE event (raising `ProviderError` for an in-band error),
+    `complete` once the completion signal came, and the end a body ending now would give."""
+
+    complete: bool
+
+    def decode(self, sse: SSEEvent) -> list[StreamEvent]: ...
+
+    def end_at_eof(self) -> StreamEnd | None: ...
 
 
 class ChunkDecoder:
@@ -253,7 +266,7 @@ async def stream_sse(
     body: Mapping[str, Any],
     headers: httpx.Headers | Mapping[str, str],
     provider: str,
-    decoder: ChunkDecoder,
+    decoder: StreamDecoder,
     parse_whole: WholeParser,
     idle_timeout_s: float,
     max_reconnects: int,
