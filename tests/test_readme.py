@@ -32,12 +32,23 @@ from fastapi import FastAPI
 
 from app.service import create_app
 from app.settings import Settings
-from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Hang, ManualClock, Reply, Stream, Text
+from fixtures import (
+    Fail,
+    FakeAnthropic,
+    FakeBinding,
+    FakeOpenAI,
+    FakeWorkersAI,
+    Hang,
+    ManualClock,
+    Reply,
+    Stream,
+    Text,
+)
 from guards import AI, Budget, CircuitState, Envelope, Guards, Outcome, StatusReport
 from guards.stores import MemoryStore
 
 from .app.test_ui_stream import check_ui_stream
-from .conftest import LogLines, Serve, asgi_client, no_sleep, wait_until, workers_ai_settings
+from .conftest import AppClient, LogLines, Serve, asgi_client, no_sleep, wait_until, workers_ai_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -166,6 +177,7 @@ CHECKED = {
     ("development.md", "", 0): "test_layout_names_files_that_exist",
     ("benchmarks.md", "sh", 0): "test_benchmark_commands_are_make_targets",
     ("stores.md", "python", 0): "test_development_redis_example_answers",
+    ("providers/anthropic.md", "python", 0): "test_anthropic_example_falls_back_over_http",
 }
 
 
@@ -1346,3 +1358,19 @@ def test_development_redis_example_answers() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "True\n"
+
+
+def test_anthropic_example_falls_back_over_http(
+    use_fake_servers: Callable[[FastAPI], None], fake_anthropic: FakeAnthropic, app_client: AppClient
+) -> None:
+    """The Anthropic page's route, its binding pointed at the fake Anthropic server: an
+    overloaded first model is retried once, then the second answers through the answer tool."""
+    app: FastAPI = page_example("providers/anthropic.md")["app"]
+    use_fake_servers(app)
+    fake_anthropic.script("claude-sonnet-4-5", Fail(status=529), Fail(status=529))
+    fake_anthropic.script("claude-haiku-4-5", Reply({"label": "billing", "confidence": 0.9}))
+    response = app_client(app).post("/label", json={"text": "I was charged twice."})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"label": "billing", "confidence": 0.9}
+    assert [c.model for c in fake_anthropic.calls] == ["claude-sonnet-4-5"] * 2 + ["claude-haiku-4-5"]
+    assert fake_anthropic.calls[0].inputs["system"] == "Label the support ticket."

@@ -287,18 +287,16 @@ def _text(content: Any) -> str:
 
 def _blocks(content: Any) -> list[dict[str, Any]]:
     """A turn's content as Anthropic's blocks: a string as one text block (none when empty),
-    text parts as text blocks, Anthropic's own blocks as they are; other parts are dropped."""
+    Anthropic's own blocks (text parts included, but empty ones) as they are; other parts (an
+    OpenAI `image_url`) are dropped."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}] if content else []
     blocks: list[dict[str, Any]] = []
     for part in content if isinstance(content, list | tuple) else ():
         if not isinstance(part, Mapping) or part.get("type") not in _NATIVE_BLOCKS:
             continue
-        if part["type"] == "text":
-            if isinstance(part.get("text"), str) and part["text"]:
-                blocks.append({"type": "text", "text": part["text"]})
-        else:
-            blocks.append(dict(part))
+        if part["type"] != "text" or (isinstance(part.get("text"), str) and part["text"]):
+            blocks.append(dict(part))  # as it is: a `cache_control` marker stays on its block
     return blocks
 
 
