@@ -42,6 +42,12 @@ class Label(BaseModel):
     confidence: float = Field(ge=0, le=1)
 
 
+class GetWeather(BaseModel):
+    """The weather now in a city."""
+
+    city: str
+
+
 def create_app(server: FakeAnthropic) -> FastAPI:
     guards = Guards(Anthropic(api_key=server.api_key, base_url=server.base_url), sleep=no_sleep)
 
@@ -69,6 +75,12 @@ def create_app(server: FakeAnthropic) -> FastAPI:
     @guards.route(model=PRIMARY, timeout_s=5, fallback=Label(**FALLBACK))
     async def degrading(body: Ask, ai: AI[Label]) -> Label:
         return await ai.run({"prompt": body.text})
+
+    @app.post("/weather")
+    @guards.route(model=PRIMARY, timeout_s=5, tools={"get_weather": GetWeather})
+    async def weather(body: Ask, ai: AI[str]) -> dict[str, Any]:
+        text = await ai.run({"prompt": body.text})
+        return {"text": text, "calls": [(c.name, c.arguments.model_dump(), c.id) for c in ai.tool_calls]}
 
     @app.post("/stream")
     @guards.route(model=PRIMARY, fallbacks=[BACKUP], timeout_s=5)
@@ -139,6 +151,22 @@ def test_a_stream_relays_text_and_ends_with_done(client: httpx.Client, fake_anth
     assert (done["finish_reason"], done["model"]) == ("stop", PRIMARY)
     assert done["usage"]["prompt_tokens"] == 10
     assert fake_anthropic.calls[0].inputs["stream"] is True
+
+
+def test_a_tool_use_block_is_a_validated_tool_call(
+    client: httpx.Client, fake_anthropic: FakeAnthropic
+) -> None:
+    call = {"id": "toolu_01", "name": "get_weather", "arguments": {"city": "Paris"}}
+    fake_anthropic.script(PRIMARY, Reply("Let me look.", tool_calls=(call,)))
+    response = post(client, "/weather")
+    assert response.status_code == 200, response.text
+    assert response.json() == {
+        "text": "Let me look.",
+        "calls": [["get_weather", {"city": "Paris"}, "toolu_01"]],
+    }
+    [tool] = fake_anthropic.calls[0].inputs["tools"]
+    assert (tool["name"], tool["description"]) == ("get_weather", "The weather now in a city.")
+    assert tool["input_schema"]["required"] == ["city"]
 
 
 # --- failures -------------------------------------------------------------------------------------

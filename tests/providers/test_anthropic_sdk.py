@@ -96,7 +96,7 @@ async def test_a_refusal(client: anthropic.AsyncAnthropic, fake_anthropic: FakeA
 async def test_a_json_answer_is_the_forced_tool_input(
     client: anthropic.AsyncAnthropic, fake_anthropic: FakeAnthropic
 ) -> None:
-    schema = {"type": "object", "properties": {"label": {"type": "string"}}}
+    schema: dict[str, Any] = {"type": "object", "properties": {"label": {"type": "string"}}}
     fake_anthropic.script(MODEL, Reply({"label": "billing"}))
     message = await client.messages.create(
         model=MODEL,
@@ -194,6 +194,6 @@ async def test_a_system_turn_is_refused_as_the_api_does(client: anthropic.AsyncA
         await client.messages.create(
             model=MODEL,
             max_tokens=64,
-            messages=[{"role": "system", "content": "Be brief."}, *MESSAGES],  # type: ignore[list-item]
+            messages=[{"role": "system", "content": "Be brief."}, *MESSAGES],
         )
     assert "top-level `system`" in json.dumps(info.value.body)
