@@ -17,6 +17,7 @@ from fixtures import (
     Fail,
     FakeAnthropic,
     FakeBinding,
+    Hang,
     Meta,
     Raw,
     Reasoning,
@@ -377,6 +378,29 @@ def test_a_stream_fails_in_process_as_over_http(
     assert [getattr(faked, f) for f in facts] == [getattr(served, f) for f in facts]
     assert (served.status, served.note) == (status, note)
     assert faked_events == served_events
+
+
+def test_a_stream_that_stalls_fails_and_closes_the_connection(fake_anthropic: FakeAnthropic) -> None:
+    """Pings count as events (the model is working); silence after them is a stall."""
+    fake_anthropic.script(MODEL, Stream(parts=(Text("Hel"), Meta(), Text("lo")), stall_after=2))
+    events, error = streamed(binding(fake_anthropic, idle_timeout_s=0.3), {"prompt": "hi"})
+    assert events == [TextDelta("Hel")]
+    assert error is not None
+    assert (error.status, error.note) == (None, "stream stalled")
+    assert fake_anthropic.wait_for(lambda calls: calls[0].disconnected)
+
+
+def test_cancelling_a_call_closes_the_connection(fake_anthropic: FakeAnthropic) -> None:
+    fake_anthropic.script(MODEL, Hang())
+
+    async def go() -> None:
+        adapter = binding(fake_anthropic)
+        with anyio.move_on_after(0.3):
+            await adapter.run(MODEL, {"prompt": "hi"})
+        await adapter.aclose()
+
+    anyio.run(go)
+    assert fake_anthropic.wait_for(lambda calls: len(calls) == 1 and calls[0].disconnected)
 
 
 def test_a_stream_of_too_many_tool_calls_fails(fake_anthropic: FakeAnthropic) -> None:
