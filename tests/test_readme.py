@@ -32,12 +32,23 @@ from fastapi import FastAPI
 
 from app.service import create_app
 from app.settings import Settings
-from fixtures import Fail, FakeBinding, FakeOpenAI, FakeWorkersAI, Hang, ManualClock, Reply, Stream, Text
-from guards import AI, Budget, CircuitState, Envelope, Guards, Outcome, StatusReport
+from fixtures import (
+    Fail,
+    FakeAnthropic,
+    FakeBinding,
+    FakeOpenAI,
+    FakeWorkersAI,
+    Hang,
+    ManualClock,
+    Reply,
+    Stream,
+    Text,
+)
+from guards import AI, Budget, CircuitState, ConfigurationError, Envelope, Guards, Outcome, StatusReport
 from guards.stores import MemoryStore
 
 from .app.test_ui_stream import check_ui_stream
-from .conftest import LogLines, Serve, asgi_client, no_sleep, wait_until, workers_ai_settings
+from .conftest import AppClient, LogLines, Serve, asgi_client, no_sleep, wait_until, workers_ai_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -146,6 +157,7 @@ CHECKED = {
     ("guards/budget.md", "python", 2): "test_breaker_examples_do_what_their_comments_say",
     ("guards/budget.md", "python", 3): "test_soft_limit_example_warns_then_downgrades",
     ("guards/budget.md", "python", 4): "test_prices_example_bills_as_its_comments_say",
+    ("guards/budget.md", "python", 5): "test_price_table_example_prices_what_the_app_did_not",
     ("effort-routing.md", "python", 0): "test_effort_example_routes_by_effort",
     ("effort-routing.md", "python", 1): "test_effort_override_example_escalates_premium_users",
     ("last-good.md", "python", 0): "test_last_good_example_serves_the_last_answer",
@@ -166,6 +178,7 @@ CHECKED = {
     ("development.md", "", 0): "test_layout_names_files_that_exist",
     ("benchmarks.md", "sh", 0): "test_benchmark_commands_are_make_targets",
     ("stores.md", "python", 0): "test_development_redis_example_answers",
+    ("providers/anthropic.md", "python", 0): "test_anthropic_example_falls_back_over_http",
 }
 
 
@@ -537,6 +550,16 @@ def test_prices_example_bills_as_its_comments_say() -> None:
 
 async def ask(ai: AI[str]) -> str:
     return await ai.run({"prompt": "hi"})
+
+
+def test_price_table_example_prices_what_the_app_did_not() -> None:
+    guards = page_example("guards/budget.md", 5)["guards"]
+    capped = Budget(spend_per_day=1.0)
+    guards.route(model="gpt-4o-mini", fallback_models=["gpt-4o"], max_tokens=10, budget=capped)(ask)
+    assert guards.prices["gpt-4o-mini"].input_token == 0.1e-6  # the app's own price wins
+    assert guards.prices["gpt-4o"].input_token > 0  # the table's, for the model it did not price
+    with pytest.raises(ConfigurationError, match="no price for not-a-listed-model"):
+        guards.route(model="not-a-listed-model", max_tokens=10, budget=capped)(ask)
 
 
 def test_scoped_budgets_example_admits_every_scope_together(use_fake_ai: Any) -> None:
@@ -1346,3 +1369,19 @@ def test_development_redis_example_answers() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "True\n"
+
+
+def test_anthropic_example_falls_back_over_http(
+    use_fake_servers: Callable[[FastAPI], None], fake_anthropic: FakeAnthropic, app_client: AppClient
+) -> None:
+    """The Anthropic page's route, its binding pointed at the fake Anthropic server: an
+    overloaded first model is retried once, then the second answers through the answer tool."""
+    app: FastAPI = page_example("providers/anthropic.md")["app"]
+    use_fake_servers(app)
+    fake_anthropic.script("claude-sonnet-4-5", Fail(status=529), Fail(status=529))
+    fake_anthropic.script("claude-haiku-4-5", Reply({"label": "billing", "confidence": 0.9}))
+    response = app_client(app).post("/label", json={"text": "I was charged twice."})
+    assert response.status_code == 200, response.text
+    assert response.json() == {"label": "billing", "confidence": 0.9}
+    assert [c.model for c in fake_anthropic.calls] == ["claude-sonnet-4-5"] * 2 + ["claude-haiku-4-5"]
+    assert fake_anthropic.calls[0].inputs["system"] == "Label the support ticket."

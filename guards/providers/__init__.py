@@ -4,6 +4,7 @@ admission limit), and the incremental Server-Sent Events parser their streams sh
 `http_library` is the HTTP client library the adapters use, `httpx` or `httpx2`
 (docs/providers/index.md): build a `client=` of your own with `http_library.AsyncClient(...)`."""
 
+from ._anthropic import Anthropic
 from ._gemini import Gemini
 from ._http import http_client
 from ._httpx import httpx as http_library
@@ -12,6 +13,7 @@ from ._sse import EventTooLarge, SSEEvent, SSEParser
 from ._workers_ai import WorkersAI, parse_workers_ai_response
 
 __all__ = [
+    "Anthropic",
     "EventTooLarge",
     "Gemini",
     "OpenAICompatible",

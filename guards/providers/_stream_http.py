@@ -31,8 +31,8 @@ __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
     "DEFAULT_MAX_RECONNECTS",
     "ChunkDecoder",
-    "EventDecoder",
     "InBandError",
+    "StreamDecoder",
     "result_events",
     "stream_sse",
 ]
@@ -59,10 +59,10 @@ InBandError = Callable[[dict[str, Any]], ProviderError | None]
 WholeParser = Callable[[httpx.Response, bytes], AIResult]
 
 
-class EventDecoder(Protocol):
-    """What `stream_sse` asks of a wire's decoder (`ChunkDecoder` for OpenAI's chunks, one per
-    other wire): the events of each SSE event, whether the completion signal came, and the end
-    when the body ending now completes the stream (None: a truncation)."""
+class StreamDecoder(Protocol):
+    """What `stream_sse` needs of a wire's decoder (`ChunkDecoder`, or another wire's own):
+    the stream events of each SSE event (raising `ProviderError` for an in-band error),
+    `complete` once the completion signal came, and the end a body ending now would give."""
 
     complete: bool
 
@@ -266,7 +266,7 @@ async def stream_sse(
     body: Mapping[str, Any],
     headers: httpx.Headers | Mapping[str, str],
     provider: str,
-    decoder: EventDecoder,
+    decoder: StreamDecoder,
     parse_whole: WholeParser,
     idle_timeout_s: float,
     max_reconnects: int,

@@ -5,6 +5,7 @@ through the `pytest11` entry point: installing the package is enough) that hands
 
 from ._types import UseFakeAI, UseFakeServers
 from .clock import ManualClock
+from .fake_anthropic import FakeAnthropic
 from .fake_binding import FakeBinding
 from .fake_gemini import FakeGemini
 from .fake_openai import FakeOpenAI
@@ -33,6 +34,7 @@ __all__ = [
     "Chooser",
     "Drop",
     "Fail",
+    "FakeAnthropic",
     "FakeBinding",
     "FakeGemini",
     "FakeOpenAI",
