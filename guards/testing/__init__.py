@@ -5,6 +5,7 @@ controllable clock, and a pytest plugin (`guards.testing.pytest_plugin`, registe
 
 from ._types import UseFakeAI, UseFakeServers
 from .clock import ManualClock
+from .fake_azure_openai import FakeAzureOpenAI
 from .fake_binding import FakeBinding
 from .fake_openai import FakeOpenAI
 from .fake_workers_ai import FakeWorkersAI
@@ -32,6 +33,7 @@ __all__ = [
     "Chooser",
     "Drop",
     "Fail",
+    "FakeAzureOpenAI",
     "FakeBinding",
     "FakeOpenAI",
     "FakeWorkersAI",
