@@ -2,6 +2,7 @@
 admission limit), and the incremental Server-Sent Events parser their streams share."""
 
 from ._azure_openai import AzureOpenAI
+from ._bedrock import Bedrock
 from ._http import http_client
 from ._openai import OpenAICompatible
 from ._sse import EventTooLarge, SSEEvent, SSEParser
@@ -9,6 +10,7 @@ from ._workers_ai import WorkersAI, parse_workers_ai_response
 
 __all__ = [
     "AzureOpenAI",
+    "Bedrock",
     "EventTooLarge",
     "OpenAICompatible",
     "SSEEvent",

@@ -6,6 +6,7 @@ controllable clock, and a pytest plugin (`guards.testing.pytest_plugin`, registe
 from ._types import UseFakeAI, UseFakeServers
 from .clock import ManualClock
 from .fake_azure_openai import FakeAzureOpenAI
+from .fake_bedrock import FakeBedrock
 from .fake_binding import FakeBinding
 from .fake_openai import FakeOpenAI
 from .fake_workers_ai import FakeWorkersAI
@@ -34,6 +35,7 @@ __all__ = [
     "Drop",
     "Fail",
     "FakeAzureOpenAI",
+    "FakeBedrock",
     "FakeBinding",
     "FakeOpenAI",
     "FakeWorkersAI",
