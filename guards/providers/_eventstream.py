@@ -34,6 +34,10 @@ _MIN_MESSAGE = 16
 #: The size of each fixed-size header value, by type; 6 (bytes) and 7 (string) carry a 2-byte
 #: length, 0 and 1 (true, false) nothing.
 _FIXED = {0: 0, 1: 0, 2: 1, 3: 2, 4: 4, 5: 8, 8: 8, 9: 16}
+#: A stream repeats a few header blocks (one per event type): blocks this short are read once
+#: and kept, at most `_CACHED` of them per parser (then the cache starts over).
+_CACHE_BYTES = 256
+_CACHED = 32
 
 
 class EventStreamCorrupt(FrameError):
@@ -57,11 +61,12 @@ class EventStreamParser:
     whatever their split.
     """
 
-    __slots__ = ("_buffer", "_max")
+    __slots__ = ("_buffer", "_headers", "_max")
 
     def __init__(self, *, max_event_bytes: int) -> None:
         self._buffer = bytearray()
         self._max = max_event_bytes
+        self._headers: dict[bytes, dict[str, Any]] = {}
 
     def feed(self, data: bytes) -> list[Message]:
         buffer = self._buffer
@@ -85,13 +90,29 @@ class EventStreamParser:
                 raise EventStreamCorrupt("event stream corrupt: message checksum")
             headers_start = start + _PRELUDE_BYTES
             payload_start = headers_start + headers_length
-            headers = _headers(bytes(view[headers_start:payload_start]))
-            messages.append(Message(headers, bytes(view[payload_start : end - 4])))
+            messages.append(
+                Message(
+                    self._read_headers(bytes(view[headers_start:payload_start])),
+                    bytes(view[payload_start : end - 4]),
+                )
+            )
             view.release()
             start = end
         if start:
             del buffer[:start]
         return messages
+
+    def _read_headers(self, raw: bytes) -> dict[str, Any]:
+        """The headers of `raw`, read once per parser for a short block (a copy each time: a
+        message's headers are its own)."""
+        if len(raw) > _CACHE_BYTES:
+            return _headers(raw)
+        known = self._headers.get(raw)
+        if known is None:
+            if len(self._headers) >= _CACHED:
+                self._headers.clear()
+            known = self._headers[raw] = _headers(raw)
+        return known.copy()
 
     @property
     def pending(self) -> int:

@@ -115,3 +115,10 @@ def test_time_is_linear_in_the_bytes(slice_bytes: int) -> None:
     """Four times the bytes, well under sixteen times the time (a quadratic parser's ratio)."""
     small, large = _seconds(2_000, slice_bytes), _seconds(8_000, slice_bytes)
     assert large < 8 * small
+
+
+def test_repeated_header_blocks_are_each_messages_own() -> None:
+    """A header block read once is handed out as a copy: a message's headers are its own."""
+    first, second = parse([FRAMES[1] * 2])
+    first.headers[":event-type"] = "changed"
+    assert second.headers == {":event-type": "contentBlockDelta"}
