@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._sse import EventTooLarge, FrameError
 
@@ -44,8 +43,7 @@ class EventStreamCorrupt(FrameError):
     """A frame whose lengths or checksums do not hold: the stream cannot be read further."""
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(NamedTuple):
     """One message: its headers (strings as `str`, byte arrays as `bytes`, booleans and
     integers as such, timestamps as milliseconds, UUIDs as 16 bytes) and its payload."""
 
@@ -61,18 +59,23 @@ class EventStreamParser:
     whatever their split.
     """
 
-    __slots__ = ("_buffer", "_headers", "_max")
+    __slots__ = ("_buffer", "_headers", "_max", "_need")
 
     def __init__(self, *, max_event_bytes: int) -> None:
         self._buffer = bytearray()
         self._max = max_event_bytes
         self._headers: dict[bytes, dict[str, Any]] = {}
+        #: The bytes the message being received needs in all, once its prelude was checked.
+        self._need = 0
 
     def feed(self, data: bytes) -> list[Message]:
         buffer = self._buffer
         buffer += data
+        size = len(buffer)
+        if size < self._need:
+            return []  # the same message still on its way: nothing to read again
         messages: list[Message] = []
-        start, size = 0, len(buffer)
+        start = self._need = 0
         while size - start >= _PRELUDE_BYTES:
             total, headers_length, prelude_crc = _PRELUDE.unpack_from(buffer, start)
             if total > self._max:
@@ -82,7 +85,8 @@ class EventStreamParser:
             if total < _MIN_MESSAGE or headers_length > total - _MIN_MESSAGE:
                 raise EventStreamCorrupt("event stream corrupt: lengths")
             if size - start < total:
-                break  # the rest of the message is still on its way
+                self._need = total  # the rest of the message is still on its way
+                break
             end = start + total
             view = memoryview(buffer)
             (message_crc,) = struct.unpack_from(">I", buffer, end - 4)

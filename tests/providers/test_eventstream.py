@@ -99,22 +99,39 @@ def test_impossible_lengths_are_refused(lengths: tuple[int, int]) -> None:
         parse([prelude + struct.pack(">I", zlib.crc32(prelude)) + b"\x00" * 8])
 
 
-def _seconds(count: int, slice_bytes: int) -> float:
-    body = encode_message({":event-type": "contentBlockDelta"}, b'{"delta":{"text":"x"}}') * count
-    chunks = [body[i : i + slice_bytes] for i in range(0, len(body), slice_bytes)]
-    best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
-        parse(chunks)
-        best = min(best, time.perf_counter() - started)
-    return best
+MIB = 1 << 20
+#: CPU seconds allowed for 1 MiB (as tests/walk/test_linear_time.py): a linear parser takes
+#: tens of milliseconds; a quadratic one, re-reading what it holds at each read, minutes.
+BOUND_S = 1.0
 
 
-@pytest.mark.parametrize("slice_bytes", [7, 4096])
-def test_time_is_linear_in_the_bytes(slice_bytes: int) -> None:
-    """Four times the bytes, well under sixteen times the time (a quadratic parser's ratio)."""
-    small, large = _seconds(1_000, slice_bytes), _seconds(4_000, slice_bytes)
-    assert large < 8 * small
+def cpu_seconds(chunks: list[bytes], cap: int = 2 * MIB) -> float:
+    parser = EventStreamParser(max_event_bytes=cap)
+    start = time.thread_time()
+    for chunk in chunks:
+        parser.feed(chunk)
+    return time.thread_time() - start
+
+
+def slices(body: bytes, size: int) -> list[bytes]:
+    return [body[i : i + size] for i in range(0, len(body), size)]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(encode_message({}, b"") * (MIB // 16), id="65536-empty-messages"),
+        pytest.param(
+            encode_message({":event-type": "contentBlockDelta"}, b"x" * (MIB - 64)), id="one-1-MiB-message"
+        ),
+    ],
+)
+@pytest.mark.parametrize("size", [7, 4096])
+def test_a_mebibyte_in_linear_time(body: bytes, size: int) -> None:
+    """Any split of 1 MiB: many tiny messages, or one message as large as the cap allows,
+    arriving a few bytes at a time."""
+    spent = cpu_seconds(slices(body, size))
+    assert spent < BOUND_S, f"{spent:.2f} s of CPU for 1 MiB"
 
 
 def test_repeated_header_blocks_are_each_messages_own() -> None:
