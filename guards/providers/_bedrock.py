@@ -96,7 +96,9 @@ class Bedrock:
         self.provider = provider
         self._headers = httpx.Headers({"content-type": "application/json", **IDENTITY})
         keys = aws_access_key_id is not None or aws_secret_access_key is not None
-        bearer = api_key if api_key is not None or keys else os.environ.get("AWS_BEARER_TOKEN_BEDROCK")
+        bearer = (
+            api_key if api_key is not None or keys else os.environ.get("AWS_BEARER_TOKEN_BEDROCK") or None
+        )
         self._signer: _Signer | None = None
         region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if bearer is not None:

@@ -238,7 +238,9 @@ def bedrock_stream_wire(outcome: Stream) -> list[bytes]:
     """Every frame of `outcome` as `converse-stream` sends it: `messageStart`, one per part
     (a `ToolCall` is two: its block's start and its whole input; a `Refusal` and a `Meta` none,
     a refused stream stopping as `content_filtered`), then, when `done`, `messageStop` and `metadata` (usage).
-    With `error_after=N`, the first N frames then a `modelStreamErrorException`."""
+    With `error_after=N`, the first N frames then a `modelStreamErrorException`: N counts
+    `messageStart` (frame 0) as the wire sends it, where `FakeBinding`'s in-process stream
+    counts the parts alone (its `error_after=N` is this wire's N+1)."""
     frames = [_event("messageStart", {"role": "assistant"})]
     refused = False
     for block, part in enumerate(outcome.parts):
