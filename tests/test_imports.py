@@ -532,6 +532,7 @@ NOT_IMPORTED = {
     "prometheus_client": "prometheus-client (until the first flush or scrape)",
     "guards.providers": "the HTTP providers",
     "httpx": "the providers' HTTP client",
+    "botocore": "Bedrock's signer (the `bedrock` extra)",
     "guards.testing": "the test doubles",
 }
 

@@ -29,6 +29,7 @@ import anyio
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 from app.service import create_app
 from app.settings import Settings
@@ -179,6 +180,8 @@ CHECKED = {
     ("benchmarks.md", "sh", 0): "test_benchmark_commands_are_make_targets",
     ("stores.md", "python", 0): "test_development_redis_example_answers",
     ("providers/anthropic.md", "python", 0): "test_anthropic_example_falls_back_over_http",
+    ("providers/bedrock.md", "python", 0): "test_bedrock_example_answers_through_the_fake",
+    ("providers/azure-openai.md", "python", 0): "test_azure_openai_example_answers_through_the_fake",
 }
 
 
@@ -1385,3 +1388,48 @@ def test_anthropic_example_falls_back_over_http(
     assert response.json() == {"label": "billing", "confidence": 0.9}
     assert [c.model for c in fake_anthropic.calls] == ["claude-sonnet-4-5"] * 2 + ["claude-haiku-4-5"]
     assert fake_anthropic.calls[0].inputs["system"] == "Label the support ticket."
+
+
+# --- provider pages -------------------------------------------------------------------------------
+
+
+def test_bedrock_example_answers_through_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page's app, its settings from the standard AWS variables (pointed at the fake), its
+    requests signed: the first model unavailable, the second answers."""
+    from fixtures import FakeBedrock
+
+    with FakeBedrock() as server:
+        settings = {
+            "AWS_REGION": server.region,
+            "AWS_ACCESS_KEY_ID": server.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": server.secret_access_key,
+            "AWS_ENDPOINT_URL_BEDROCK_RUNTIME": server.base_url,
+        }
+        for name, value in settings.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+        monkeypatch.delenv("AWS_BEARER_TOKEN_BEDROCK", raising=False)
+        app = page_example("providers/bedrock.md")["app"]
+        server.script("anthropic.claude-3-5-haiku-20241022-v1:0", Fail(status=503), Fail(status=503))
+        server.script("amazon.nova-lite-v1:0", Reply("On its way."))
+        Guards.of(app).sleep = no_sleep
+        with TestClient(app) as client:
+            answer = client.post("/reply", json={"text": "Where is my parcel?"}).json()
+        assert answer == {"ok": True, "data": "On its way.", "fallback": None}
+        assert len(server.calls) == 3
+
+
+def test_azure_openai_example_answers_through_the_fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fixtures import FakeAzureOpenAI
+
+    with FakeAzureOpenAI() as server:
+        monkeypatch.setenv("AZURE_OPENAI_ENDPOINT", server.endpoint)
+        monkeypatch.setenv("AZURE_OPENAI_API_KEY", str(server.api_key))
+        monkeypatch.setenv("OPENAI_API_VERSION", "2024-10-21")
+        app = page_example("providers/azure-openai.md")["app"]
+        server.script("gpt-4o-mini-prod", Fail(status=400, error_code="content_filter"))
+        with TestClient(app) as client:
+            answer = client.post("/reply", json={"text": "Where is my parcel?"}).json()
+        assert answer["fallback"]["reason"] == "moderation_blocked"
+        assert answer["data"] == "Sorry, try again later."
+        assert [c.model for c in server.calls] == ["gpt-4o-mini-prod"]

@@ -9,7 +9,8 @@ status-first rule would retry quota exhaustion; hence codes first.
     code 3006, or a context-length flag                                    -> context_length_exceeded
     code 5004 5005 5007 5016 5018 5035 3042                                -> model_incompatible
     code 3036 (or a quota flag)                                            -> model_quota_exhausted
-    code 3040 or 3007, status 408, status >= 500, transport failure        -> model_temporarily_unavailable
+    code 3040 or 3007, a transient flag, status 408, status >= 500,
+      transport failure                                                    -> model_temporarily_unavailable
     status 413                                                             -> context_length_exceeded
     status 400 403 404 405                                                 -> model_incompatible
     status 429                                                             -> model_rate_limited
@@ -92,7 +93,7 @@ def classify(failure: BaseException) -> Classification:
         return _INCOMPATIBLE
     if code in QUOTA_CODES or failure.quota_exhausted:
         return _QUOTA
-    if code in TRANSIENT_CODES:
+    if code in TRANSIENT_CODES or failure.transient:
         return _TRANSIENT
     if status is None or status >= 500 or status in TRANSIENT_STATUSES:
         return _TRANSIENT

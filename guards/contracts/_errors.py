@@ -44,7 +44,9 @@ class ProviderError(GuardsError):
     input too long for the model's context window, signalled without a numeric code (OpenAI's
     `context_length_exceeded`, a compatible server's message); `content_filtered` a refusal by
     the provider's content policy (OpenAI's and Azure's `content_filter`,
-    `content_policy_violation`). `retry_after_s` is the
+    `content_policy_violation`; Bedrock's `guardrail_intervened`); `transient` a failure the
+    provider documents as passing whatever its status (Bedrock's `ModelNotReadyException`,
+    sent with 429, and `modelStreamErrorException`). `retry_after_s` is the
     provider's wait in seconds as this process read it; `retry_at`, when the wait came as an
     HTTP date, is that date (seconds since the epoch), so a cooldown can end by it on the
     store's clock rather than this process's.
@@ -64,6 +66,7 @@ class ProviderError(GuardsError):
         context_exceeded: bool = False,
         content_filtered: bool = False,
         note: str = "",
+        transient: bool = False,
     ) -> None:
         self.provider = provider
         self.code = code
@@ -75,6 +78,7 @@ class ProviderError(GuardsError):
         self.retry_at = retry_at
         self.context_exceeded = context_exceeded
         self.content_filtered = content_filtered
+        self.transient = transient
         self.note = note
         super().__init__(self.describe())
 
@@ -97,6 +101,8 @@ class ProviderError(GuardsError):
             parts.append("context length exceeded")
         if self.content_filtered:
             parts.append("content filtered")
+        if self.transient:
+            parts.append("transient")
         if self.note:
             parts.append(self.note)
         return " ".join(parts)

@@ -5,6 +5,8 @@ admission limit), and the incremental Server-Sent Events parser their streams sh
 (docs/providers/index.md): build a `client=` of your own with `http_library.AsyncClient(...)`."""
 
 from ._anthropic import Anthropic
+from ._azure_openai import AzureOpenAI
+from ._bedrock import Bedrock
 from ._gemini import Gemini
 from ._http import http_client
 from ._httpx import httpx as http_library
@@ -14,6 +16,8 @@ from ._workers_ai import WorkersAI, parse_workers_ai_response
 
 __all__ = [
     "Anthropic",
+    "AzureOpenAI",
+    "Bedrock",
     "EventTooLarge",
     "Gemini",
     "OpenAICompatible",

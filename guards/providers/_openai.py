@@ -194,12 +194,13 @@ class OpenAICompatible:
         """Run `model` on `inputs`; raises `ProviderError` for every failure. Cancelling the task
         closes the streamed response, and with it the connection."""
         body = chat_request(model, inputs)
+        headers = await self._authorized(self._headers)
         try:
             async with self._client.stream(
                 "POST",
-                self._url,
+                self._url_for(model),
                 json=body,
-                headers=self._headers,
+                headers=headers,
                 follow_redirects=False,  # a 3xx is a failure (model_unavailable), whatever the client
             ) as response:
                 first_output_arrived()  # the answer's head: its first output (a model's limit)
@@ -223,6 +224,12 @@ class OpenAICompatible:
         event raises `ProviderError` with status 200, the numeric code if any, and never the
         provider's text. Closing the iterator, or cancelling its consumer, closes the
         connection."""
+        return self._stream(model, inputs, self._stream_headers)
+
+    def _stream(
+        self, model: str, inputs: Mapping[str, Any], headers: httpx.Headers
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """`stream` with these request headers."""
         body = chat_request(model, inputs)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -235,9 +242,9 @@ class OpenAICompatible:
 
         return stream_sse(
             self._client,
-            self._url,
+            self._url_for(model),
             body=body,
-            headers=self._stream_headers,
+            headers=headers,
             provider=provider,
             decoder=ChunkDecoder(provider, model, functools.partial(in_band_error, provider)),
             parse_whole=parse_whole,
@@ -246,6 +253,14 @@ class OpenAICompatible:
             resume_base=self._resume_base,
             max_event_bytes=self._max_body_bytes,
         )
+
+    def _url_for(self, model: str) -> str:
+        """Where a request for `model` goes (one address here; Azure's deployments differ)."""
+        return self._url
+
+    async def _authorized(self, headers: httpx.Headers) -> httpx.Headers:
+        """The headers of one request (the same here; Azure's Entra ID token is asked per request)."""
+        return headers
 
     async def aclose(self) -> None:
         if self._owns_client:

@@ -16,14 +16,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MAX_EVENT_BYTES", "EventTooLarge", "SSEEvent", "SSEParser"]
+__all__ = ["DEFAULT_MAX_EVENT_BYTES", "EventTooLarge", "FrameError", "SSEEvent", "SSEParser"]
 
 DEFAULT_MAX_EVENT_BYTES = 1 << 20
 
 _BOM = b"\xef\xbb\xbf"
 
 
-class EventTooLarge(ValueError):
+class FrameError(ValueError):
+    """Bytes a stream parser cannot accept (the stream engine turns it into a `ProviderError`
+    whose note is the error's own text, never the provider's)."""
+
+
+class EventTooLarge(FrameError):
     """A line or an event passed the parser's size cap (the adapter turns it into a
     `ProviderError`)."""
 

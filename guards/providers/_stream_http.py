@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -25,12 +25,13 @@ from ..waits._alarm import Alarm
 from ._http import parse_usage, read_capped, refuse_encoded, transport_error
 from ._httpx import httpx
 from ._identifiers import identifier
-from ._sse import EventTooLarge, SSEEvent, SSEParser
+from ._sse import FrameError, SSEEvent, SSEParser
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S",
     "DEFAULT_MAX_RECONNECTS",
     "ChunkDecoder",
+    "FrameParser",
     "InBandError",
     "StreamDecoder",
     "result_events",
@@ -59,16 +60,24 @@ InBandError = Callable[[dict[str, Any]], ProviderError | None]
 WholeParser = Callable[[httpx.Response, bytes], AIResult]
 
 
+class FrameParser(Protocol):
+    """Cuts a body into its events as its bytes arrive (`SSEParser`; Bedrock's binary event
+    stream): linear in the bytes fed, and raising `FrameError` for what it cannot accept."""
+
+    def feed(self, data: bytes) -> Sequence[Any]: ...
+
+
 class StreamDecoder(Protocol):
-    """What `stream_sse` needs of a wire's decoder (`ChunkDecoder`, or another wire's own):
-    the stream events of each SSE event (raising `ProviderError` for an in-band error),
-    `complete` once the completion signal came, and the end a body ending now would give."""
+    """Turns the events a `FrameParser` cut into stream events (`ChunkDecoder` for OpenAI's
+    chunks and Workers AI's events): `complete` once the completion signal came."""
 
     complete: bool
 
-    def decode(self, sse: SSEEvent) -> list[StreamEvent]: ...
+    def decode(self, event: Any) -> list[StreamEvent]: ...
 
-    def end_at_eof(self) -> StreamEnd | None: ...
+    def end_at_eof(self) -> StreamEnd | None:
+        """The end, when the body ending now completes the stream; else None (truncated)."""
+        ...
 
 
 class ChunkDecoder:
@@ -228,6 +237,10 @@ def result_events(result: AIResult, finish_reason: str | None = None) -> list[St
     return events
 
 
+def _sse_parser(max_event_bytes: int) -> SSEParser:
+    return SSEParser(max_event_bytes=max_event_bytes)
+
+
 def _idle_timeout(base: httpx.Timeout, idle_timeout_s: float) -> httpx.Timeout:
     """The client's timeouts, with the read timeout (no byte for that long) set to the idle
     limit: a provider that sends no byte at all fails there, in httpx, at no cost per event
@@ -263,7 +276,7 @@ async def stream_sse(
     client: httpx.AsyncClient,
     url: str,
     *,
-    body: Mapping[str, Any],
+    body: Mapping[str, Any] | bytes,
     headers: httpx.Headers | Mapping[str, str],
     provider: str,
     decoder: StreamDecoder,
@@ -272,8 +285,11 @@ async def stream_sse(
     max_reconnects: int,
     resume_base: str | None,
     max_event_bytes: int,
+    new_parser: Callable[[int], FrameParser] | None = None,
 ) -> AsyncGenerator[StreamEvent, None]:
-    """POST `body` to `url` and yield its stream events, then exactly one `StreamEnd`.
+    """POST `body` to `url` (an object as JSON, bytes as they are: a signed body) and yield its
+    stream events, then exactly one `StreamEnd`. The body is cut into events by
+    `new_parser(max_event_bytes)` (default: an `SSEParser`) and each is decoded by `decoder`.
 
     Raises `ProviderError`: an answer (the resume's too) whose `Content-Encoding` is not
     `identity`, unread (`note="content-encoding refused"`: the body is read as sent, never
@@ -295,7 +311,9 @@ async def stream_sse(
     """
     timeout = _idle_timeout(client.timeout, idle_timeout_s)
     method, target = "POST", url
-    payload: dict[str, Any] | None = dict(body)
+    payload: dict[str, Any] | None = None if isinstance(body, bytes) else dict(body)
+    content = body if isinstance(body, bytes) else None
+    make_parser = new_parser or _sse_parser
     resume_url: str | None = None  # the run's resume address, once the answer gave a run id
     delivered = 0  # complete SSE events received on this run (the resume position)
     reconnects = 0
@@ -313,7 +331,13 @@ async def stream_sse(
             try:
                 idle.waiting = current_task()
                 async with client.stream(
-                    method, target, json=payload, headers=headers, timeout=timeout, follow_redirects=False
+                    method,
+                    target,
+                    json=payload,
+                    content=content,
+                    headers=headers,
+                    timeout=timeout,
+                    follow_redirects=False,
                 ) as response:
                     status = response.status_code
                     refuse_encoded(response, provider)  # before any byte of the body
@@ -330,7 +354,7 @@ async def stream_sse(
                         run_id = response.headers.get(RUN_ID_HEADER)
                         if run_id:
                             resume_url = f"{resume_base}/run/{run_id}/resume"
-                    parser = SSEParser(max_event_bytes=max_event_bytes)
+                    parser = make_parser(max_event_bytes)
                     reading = True
                     chunks = response.aiter_raw()  # as sent: never inflated
                     next_chunk = chunks.__anext__
@@ -359,7 +383,7 @@ async def stream_sse(
                                         return
                                     if not delivered % _YIELD_EVERY:
                                         await asyncio.sleep(0)  # the loop's turn (not a wait on the provider)
-                    except EventTooLarge as exc:
+                    except FrameError as exc:
                         raise ProviderError(provider, status=status, note=str(exc)) from None
             except httpx.ReadTimeout:
                 raise ProviderError(provider, note="stream stalled") from None
@@ -383,6 +407,6 @@ async def stream_sse(
             if reconnects >= max_reconnects:
                 raise ProviderError(provider, note="stream interrupted")
             reconnects += 1
-            method, target, payload = "GET", f"{resume_url}?from={delivered}", None
+            method, target, payload, content = "GET", f"{resume_url}?from={delivered}", None, None
     finally:
         idle.close()

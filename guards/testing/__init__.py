@@ -6,6 +6,8 @@ through the `pytest11` entry point: installing the package is enough) that hands
 from ._types import UseFakeAI, UseFakeServers
 from .clock import ManualClock
 from .fake_anthropic import FakeAnthropic
+from .fake_azure_openai import FakeAzureOpenAI
+from .fake_bedrock import FakeBedrock
 from .fake_binding import FakeBinding
 from .fake_gemini import FakeGemini
 from .fake_openai import FakeOpenAI
@@ -35,6 +37,8 @@ __all__ = [
     "Drop",
     "Fail",
     "FakeAnthropic",
+    "FakeAzureOpenAI",
+    "FakeBedrock",
     "FakeBinding",
     "FakeGemini",
     "FakeOpenAI",

@@ -7,7 +7,8 @@ Expected values are written from the contract, row by row:
     code 5004 5005 5007 5016 5018 5035 3042, or status 400 403 404 405      -> model_incompatible
     status 413                                                              -> context_length_exceeded
     code 3036                                                               -> model_quota_exhausted
-    code 3040 or 3007, status 408, any status >= 500, transport failure     -> model_temporarily_unavailable
+    code 3040 or 3007, a transient flag, status 408, any status >= 500,
+      transport failure                                                     -> model_temporarily_unavailable
     status 429                                                              -> model_rate_limited
     anything else                                                           -> model_unavailable
 
@@ -130,6 +131,33 @@ LIMITS = [
     ),
 ]
 
+# Bedrock's error types, as its adapter reads them (docs/providers/bedrock.md): the status, and a
+# transient flag where the type says more than its status.
+BEDROCK = [
+    pytest.param(ProviderError("bedrock", status=429), RATE_LIMITED, id="ThrottlingException/429"),
+    pytest.param(
+        ProviderError("bedrock", status=429, transient=True), TRANSIENT, id="ModelNotReady/429-transient"
+    ),
+    pytest.param(
+        ProviderError("bedrock", status=424, transient=True), TRANSIENT, id="modelStreamError/424-transient"
+    ),
+    pytest.param(
+        ProviderError("bedrock", status=400, quota_exhausted=True), QUOTA, id="ServiceQuotaExceeded/400"
+    ),
+    pytest.param(
+        ProviderError("bedrock", status=429, quota_exhausted=True, transient=True),
+        QUOTA,
+        id="quota-before-transient",
+    ),
+    pytest.param(
+        ProviderError("bedrock", status=400, context_exceeded=True),
+        CONTEXT,
+        id="Validation/400-input-too-long",
+    ),
+    pytest.param(ProviderError("bedrock", status=424), UNAVAILABLE, id="ModelErrorException/424"),
+    pytest.param(ProviderError("bedrock", status=403), INCOMPATIBLE, id="UnrecognizedClient/403"),
+]
+
 NOT_PROVIDER_ERRORS = [
     pytest.param(ProviderError("workers-ai", note="ConnectError"), TRANSIENT, id="transport-no-status"),
     pytest.param(wai(7003, None), TRANSIENT, id="unlisted-code-no-status-is-transport"),
@@ -140,7 +168,7 @@ NOT_PROVIDER_ERRORS = [
 
 @pytest.mark.parametrize(
     ("failure", "expected"),
-    [*DOCUMENTED_CODES, *CODES_WIN_OVER_STATUS, *BARE_STATUSES, *LIMITS, *NOT_PROVIDER_ERRORS],
+    [*DOCUMENTED_CODES, *CODES_WIN_OVER_STATUS, *BARE_STATUSES, *LIMITS, *BEDROCK, *NOT_PROVIDER_ERRORS],
 )
 def test_classify(failure: BaseException, expected: tuple[Kind, int | None, bool]) -> None:
     kind, status, retryable = expected
@@ -149,7 +177,14 @@ def test_classify(failure: BaseException, expected: tuple[Kind, int | None, bool
 
 def test_only_transient_failures_are_retryable() -> None:
     """Contract 2: `retryable` is true only for transient failures."""
-    rows = [*DOCUMENTED_CODES, *CODES_WIN_OVER_STATUS, *BARE_STATUSES, *LIMITS, *NOT_PROVIDER_ERRORS]
+    rows = [
+        *DOCUMENTED_CODES,
+        *CODES_WIN_OVER_STATUS,
+        *BARE_STATUSES,
+        *LIMITS,
+        *BEDROCK,
+        *NOT_PROVIDER_ERRORS,
+    ]
     for row in rows:
         failure = row.values[0]
         assert isinstance(failure, BaseException)

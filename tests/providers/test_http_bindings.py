@@ -1,4 +1,5 @@
-"""What every HTTP binding promises alike, checked on each (`WorkersAI`, `OpenAICompatible`)
+"""What every HTTP binding promises alike, checked on each (`WorkersAI`, `OpenAICompatible`,
+`AzureOpenAI`, `Bedrock`)
 against its fake server: cancellation closes the connection, and `aclose` closes only a client
 the binding made itself."""
 
@@ -13,10 +14,11 @@ import anyio
 import pytest
 
 from app.service import create_app
-from fixtures import FakeOpenAI, FakeWorkersAI, Hang, Raw, Reply
+from fixtures import FakeAzureOpenAI, FakeBedrock, FakeOpenAI, FakeWorkersAI, Hang, Raw, Reply
+from fixtures.fake_bedrock import bedrock_wire
 from fixtures.script import openai_wire, workers_ai_wire
 from guards import AIResult, Binding, Kind, ProviderError, classify
-from guards.providers import OpenAICompatible, WorkersAI, http_library
+from guards.providers import AzureOpenAI, Bedrock, OpenAICompatible, WorkersAI, http_library
 
 from ..conftest import AppClient, assert_error, workers_ai_settings
 
@@ -27,7 +29,7 @@ INPUTS: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hello."}
 class Provider:
     """A running fake server, the model it serves, and how to make a binding for it."""
 
-    server: FakeWorkersAI | FakeOpenAI
+    server: FakeWorkersAI | FakeOpenAI | FakeBedrock
     model: str
     make: Callable[..., Binding]
 
@@ -58,7 +60,34 @@ def _openai() -> tuple[FakeWorkersAI | FakeOpenAI, str, Callable[..., Binding]]:
     return server, "gpt-4o-mini", make
 
 
-@pytest.fixture(params=[_workers_ai, _openai], ids=["workers-ai", "openai"])
+def _azure_openai() -> tuple[FakeAzureOpenAI, str, Callable[..., Binding]]:
+    server = FakeAzureOpenAI()
+
+    def make(**overrides: Any) -> Binding:
+        return AzureOpenAI(**{"api_key": server.api_key, "endpoint": server.endpoint, **overrides})
+
+    return server, "gpt-4o-mini-prod", make
+
+
+def _bedrock() -> tuple[FakeBedrock, str, Callable[..., Binding]]:
+    server = FakeBedrock()
+
+    def make(**overrides: Any) -> Binding:
+        options = {
+            "region": server.region,
+            "endpoint_url": server.base_url,
+            "aws_access_key_id": server.access_key_id,
+            "aws_secret_access_key": server.secret_access_key,
+        }
+        return Bedrock(**{**options, **overrides})
+
+    return server, "anthropic.claude-3-5-haiku-20241022-v1:0", make
+
+
+@pytest.fixture(
+    params=[_workers_ai, _openai, _azure_openai, _bedrock],
+    ids=["workers-ai", "openai", "azure-openai", "bedrock"],
+)
 def provider(request: pytest.FixtureRequest) -> Iterator[Provider]:
     server, model, make = request.param()
     with server:
@@ -136,7 +165,10 @@ def redirect(provider: Provider, status: int) -> Raw:
     """A redirect carrying a valid success answer, to the very address that was called (where
     the next scripted answer would be served, were it followed)."""
     server, model = provider.server, provider.model
-    if isinstance(server, FakeOpenAI):
+    if isinstance(server, FakeBedrock):
+        _, _, body = bedrock_wire(Reply("redirected"))
+        location = f"{server.base_url}/model/{model}/converse"
+    elif isinstance(server, FakeOpenAI):
         _, _, body = openai_wire(Reply("redirected"), model)
         location = f"{server.base_url}/chat/completions"
     else:
