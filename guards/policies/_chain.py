@@ -290,10 +290,16 @@ def check_hints(hints: Mapping[str, str]) -> dict[str, str]:
 
 
 def parse_model(entry: str, providers: Collection[str]) -> ModelRef | None:
-    """One model spec as a `ModelRef`; None for an empty model id."""
+    """One model spec as a `ModelRef`; None for an empty model id. `provider:model` names a
+    configured provider; a first part with a dot that names none is part of the main binding's
+    model id (Bedrock's ids: `amazon.nova-lite-v1:0`)."""
     entry = entry.strip()
     prefix, colon, rest = entry.partition(":")
     if colon and _PROVIDER.match(prefix) and not prefix.startswith("@"):
+        if prefix not in providers and "." in prefix:
+            # A model id with a colon whose first part has a dot (Bedrock's
+            # `anthropic.claude-3-5-haiku-20241022-v1:0`) names no provider: the main binding's.
+            return ModelRef(None, entry)
         if prefix not in providers:
             raise ConfigurationError(
                 f"model {entry!r} names provider {prefix!r}, which is not configured: give its "

@@ -505,6 +505,17 @@ def test_a_provider_without_credentials_fails_start_up() -> None:
         flatten_chain(["@cf/a", "anthropic:claude-haiku"], providers=("openai",))
 
 
+def test_a_bedrock_model_id_with_a_colon_is_the_main_bindings_model() -> None:
+    """Bedrock's ids (`vendor.model-v1:0`) have a colon after a dotted name: no provider."""
+    chain = flatten_chain(
+        ["anthropic.claude-3-5-haiku-20241022-v1:0", "bedrock:amazon.nova-lite-v1:0"], providers=("bedrock",)
+    )
+    assert [(ref.provider, ref.model) for ref in chain.models] == [
+        (None, "anthropic.claude-3-5-haiku-20241022-v1:0"),
+        ("bedrock", "amazon.nova-lite-v1:0"),
+    ]
+
+
 def test_a_main_binding_model_id_with_a_colon_uses_the_default_prefix() -> None:
     chain = flatten_chain(["default:llama3:8b"])
     assert [(ref.provider, ref.model) for ref in chain.models] == [(None, "llama3:8b")]
