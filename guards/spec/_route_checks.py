@@ -360,23 +360,7 @@ def _checked_chain(
     chain = flatten_chain(
         [first, *settings.fallbacks], profiles=shared.profiles, providers=shared.providers, hints=shared.hints
     )
-    problems = dict.fromkeys(chain.problems)
-    timeout_s = settings.timeout_s
-    models = tuple(ref.limited(limits) for ref in chain.models)
-    if settings.first_output_s is UNSET and len(models) > 1:
-        # A silent or slow model never holds a request another model could answer: each
-        # model but the last, with no limit of its own or the route's, gets a share of
-        # the deadline to start answering, which leaves the rest of the chain its room.
-        share = (timeout_s / (len(models) + 1), None)
-        models = (*(ref.limited(share) for ref in models[:-1]), models[-1])
-    for ref in models:
-        if ref.first_output_s is not None and ref.first_output_s >= timeout_s:
-            # Kept, though it never fires before the deadline: the same `Model` or
-            # profile may serve routes with longer deadlines.
-            problems[
-                f"model {ref.key!r}: first_output_s {ref.first_output_s:g}s is not below the "
-                f"route's timeout_s {timeout_s:g}s: it never fires (the deadline does first)"
-            ] = None
+    models, never_fire = _call_limits(chain.models, settings, limits)
     if not chain.models:
         raise ConfigurationError(f"{where}: no model left in its chain ({'; '.join(chain.problems)})")
     attempts = settings.attempts
@@ -398,7 +382,32 @@ def _checked_chain(
             + ", ".join(unpriced)
             + ': add one under its key, or a price for every model without one under "*"'
         )
-    return CheckedChain(models, attempt_budget, tuple(problems))
+    return CheckedChain(models, attempt_budget, tuple(dict.fromkeys((*chain.problems, *never_fire))))
+
+
+def _call_limits(
+    models: tuple[ModelRef, ...], settings: RouteSettings, limits: Limits
+) -> tuple[tuple[ModelRef, ...], tuple[str, ...]]:
+    """Each model of a chain with the route's call limits where it has none of its own (unset
+    `first_output_s`: a share of the deadline for each model but the last), and the limits
+    that can never fire."""
+    timeout_s = settings.timeout_s
+    models = tuple(ref.limited(limits) for ref in models)
+    if settings.first_output_s is UNSET and len(models) > 1:
+        # A silent or slow model never holds a request another model could answer: each
+        # model but the last, with no limit of its own or the route's, gets a share of
+        # the deadline to start answering, which leaves the rest of the chain its room.
+        share = (timeout_s / (len(models) + 1), None)
+        models = (*(ref.limited(share) for ref in models[:-1]), models[-1])
+    # Kept, though it never fires before the deadline: the same `Model` or profile may serve
+    # routes with longer deadlines.
+    never_fire = tuple(
+        f"model {ref.key!r}: first_output_s {ref.first_output_s:g}s is not below the "
+        f"route's timeout_s {timeout_s:g}s: it never fires (the deadline does first)"
+        for ref in models
+        if ref.first_output_s is not None and ref.first_output_s >= timeout_s
+    )
+    return models, never_fire
 
 
 def _handler_shape(handler: Callable[..., Any], ai_type: type) -> HandlerShape:
