@@ -12,20 +12,16 @@ import anyio
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
-from starlette.responses import Response
 
 from .contracts._binding import Binding
 from .contracts._clock import SystemClock
-from .contracts._envelope import MAX_PROBLEMS, Problem
 from .contracts._errors import ConfigurationError
 from .contracts._output import Moderation
-from .contracts._responses import PublicError, error_response
 from .contracts._settings import UNSET, Unset, keywords_checked
-from .contracts._vocabulary import Attribution, ErrorCode
+from .contracts._vocabulary import Attribution
 from .observe._ledger import Ledger, LogLedger
-from .observe._log import emit, emit_warning, flush_logs, logger, show_logs
-from .observe._metrics import flush_metrics, flush_soon
+from .observe._log import emit_warning, flush_logs, logger, show_logs
+from .observe._metrics import flush_metrics
 from .policies._budget import Budget, Price
 from .policies._call import Retry
 from .policies._chain import DEFAULT_PROVIDER, HINT_PREFIX, Model, Profile, check_hints
@@ -34,11 +30,11 @@ from .policies._credentials import CredentialWarnings
 from .policies._price_table import PriceTable, check_table
 from .policies._retry_budget import RetryWindows
 from .policies._tasks import Task
-from .routes._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit, BodyTooLarge
-from .routes._endpoint import handler_entered, request_trace_id
+from .routes._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from .routes._invalid_input import invalid_input_handler
 from .routes._route import guard_route
 from .spec._levels import LevelMiddleware, Levels, ServiceLevel
-from .spec._route_checks import check_route_settings
+from .spec._route_checks import RouteSettings
 from .spec._route_spec import NO_FALLBACK, GuardedRoute, KnownRefusal, route_of
 from .stores import MemoryStore, Store
 from .stores._breaker import Breaker
@@ -57,8 +53,6 @@ __all__ = ["Guards"]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
-#: The longest field path (or problem token) a 400 reports; a longer one is cut.
-_FIELD_MAX = 200
 #: `app.state`'s flag: its `Guards` were installed by a guarded route's first request, not by
 #: `install` (which may then still be called).
 _AUTOMATIC = "guards_installed_automatically"
@@ -354,7 +348,7 @@ class Guards:
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
 
-        check_route_settings(
+        settings = RouteSettings(
             model=model,
             fallbacks=fallbacks,
             attempts=attempts,
@@ -362,48 +356,27 @@ class Guards:
             retry=retry,
             budget=budget,
             breaker=breaker,
+            fallback=fallback,
             moderation=moderation,
             name=name,
             max_tokens=max_tokens,
             stream_max_s=stream_max_s,
             stream_max_chars=stream_max_chars,
+            stream_format=stream_format,
             max_body_bytes=max_body_bytes,
+            effort=effort,
+            shed_at=shed_at,
             task=task,
+            first_output_s=first_output_s,
+            stream_idle_s=stream_idle_s,
             content_filter_fallback=content_filter_fallback,
             on_rejected=on_rejected,
+            tools=tools,
             downgrade_to=downgrade_to,
-            shed_at=shed_at,
-        )
+        )  # checked now, before the handler is seen
 
         def decorate(handler: F) -> F:
-            endpoint = guard_route(
-                self,
-                handler,
-                model=model,
-                fallbacks=fallbacks,
-                attempts=attempts,
-                timeout_s=timeout_s,
-                retry=retry,
-                budget=budget,
-                breaker=breaker,
-                fallback=fallback,
-                moderation=moderation,
-                name=name,
-                max_tokens=max_tokens,
-                stream_max_s=stream_max_s,
-                stream_max_chars=stream_max_chars,
-                stream_format=stream_format,
-                max_body_bytes=max_body_bytes,
-                effort=effort,
-                shed_at=shed_at,
-                task=task,
-                first_output_s=first_output_s,
-                stream_idle_s=stream_idle_s,
-                content_filter_fallback=content_filter_fallback,
-                on_rejected=on_rejected,
-                tools=tools,
-                downgrade_to=downgrade_to,
-            )
+            endpoint = guard_route(self, handler, settings)
             route = route_of(endpoint)
             assert route is not None
             self.levels.watch(route)
@@ -471,7 +444,7 @@ class Guards:
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):
             previous = app.exception_handlers.get(exc_class)
-            app.add_exception_handler(exc_class, _invalid_input_handler(previous, self.tracing))
+            app.add_exception_handler(exc_class, invalid_input_handler(previous, self.tracing))
         original_openapi = app.openapi
 
         def openapi() -> dict[str, Any]:
@@ -542,87 +515,6 @@ class Guards:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
-
-
-def _invalid_input_handler(
-    previous: Any, tracing: Tracing | None
-) -> Callable[[Request, Exception], Awaitable[Response]]:
-    async def handle(request: Request, exc: Exception) -> Response:
-        route = route_of(request.scope.get("endpoint"))
-        before_handler = route is not None and not handler_entered(request)
-        if before_handler and (isinstance(exc, RequestValidationError) or _is_bad_request(exc)):
-            assert route is not None
-            return _invalid_request(route, request, exc, tracing)
-        if previous is None:
-            raise exc
-        response: Response = await previous(request, exc)
-        return response
-
-    return handle
-
-
-def _is_bad_request(exc: Exception) -> bool:
-    # FastAPI raises HTTPException(400) for a body it cannot parse at all.
-    return isinstance(exc, StarletteHTTPException) and exc.status_code == 400
-
-
-def _invalid_request(
-    route: GuardedRoute, request: Request, exc: Exception, tracing: Tracing | None
-) -> Response:
-    """The 400 of input that never reached the guarded handler (unreadable, invalid, or a body
-    over the route's limit): counted as `outcome="invalid"`, logged (and traced), no model call."""
-    if tracing is None:
-        trace_id = request_trace_id(request)
-    else:
-        trace = tracing.start(route.name, request, lambda: request_trace_id(request))
-        trace.finish("invalid", 400, None, ErrorCode.invalid_request, 0)
-        trace_id = trace.trace_id
-    found = _problems(exc, route.input_names)
-    route.metrics.invalid.add()
-    flush_soon(time.perf_counter())
-    emit(
-        "request",
-        route=route.name,
-        trace_id=trace_id,
-        outcome="error",
-        status=400,
-        error=ErrorCode.invalid_request.value,
-        problems=[f"{p.field}:{p.problem}" for p in found],
-        attempts=0,
-    )
-    return error_response(PublicError(400, ErrorCode.invalid_request, False), trace_id, problems=found)
-
-
-#: Where FastAPI says an invalid input came from: the first element of its location.
-_SOURCES = frozenset({"body", "query", "path", "header", "cookie"})
-
-
-def _problems(exc: Exception, names: frozenset[str]) -> list[Problem]:
-    """What to fix: each field path and pydantic error type, in pydantic's order, without
-    duplicates, at most `MAX_PROBLEMS`. Never the input, its `msg` or its `ctx`, nor a key the
-    client wrote (a `dict` field's, an unknown field's): a path holds where the input came
-    from (`body`, `query`...), list indices and the names the route declares (`names`), and
-    `<key>` for anything else."""
-    if isinstance(exc, BodyTooLarge):  # over the route's `max_body_bytes`, never read whole
-        return [Problem(field="body", problem="too_long")]
-    if not isinstance(exc, RequestValidationError):
-        # FastAPI could not read the body at all (e.g. bytes that are not UTF-8 JSON).
-        return [Problem(field="body", problem="json_invalid")]
-    found: dict[tuple[str, str], None] = {}
-    for error in exc.errors():
-        loc = tuple(error.get("loc", ()))
-        kind = str(error.get("type", "invalid"))
-        if kind == "json_invalid":
-            loc = loc[:1]  # (body, character offset): the offset is not a field
-        told = [
-            part if isinstance(part, int) or part in names or (at == 0 and part in _SOURCES) else "<key>"
-            for at, part in enumerate(loc)
-        ]
-        field = ".".join(str(part) for part in told)[:_FIELD_MAX] or "body"
-        found[(field, kind[:_FIELD_MAX])] = None
-        if len(found) == MAX_PROBLEMS:
-            break
-    return [Problem(field=field, problem=problem) for field, problem in found]
 
 
 def _success_clock(store: Store) -> Callable[[], float]:

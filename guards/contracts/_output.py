@@ -293,7 +293,7 @@ def _declared(schema: CoreSchema) -> frozenset[str]:
 def input_names(parameters: Iterable[inspect.Parameter]) -> frozenset[str]:
     """What a location of a route's invalid input may name that the route declares: its
     parameters' names and aliases, and what each parameter's type declares (`_declared`).
-    Anything else in a location is a key the client wrote (`guards._guards._problems`)."""
+    Anything else in a location is a key the client wrote (`guards.routes._invalid_input._problems`)."""
     names: set[str] = set()
     for param in parameters:
         names.update((param.name, param.name.replace("_", "-")))  # a header's, as FastAPI reads it

@@ -35,10 +35,12 @@ from ..streams._event_stream import EventStream
 from ..waits._arrival import ARRIVED
 from ..walk import AI, TASK_SCOPE, Observers, walk_step
 from ..walk._checkpoints import resumed
+from ._attribution import add_attribution
 
 if TYPE_CHECKING:
     from ..spec._route_spec import GuardedRoute
     from ..spec._shared import Shared
+    from ..walk._events import RequestEnded
 
 __all__ = [
     "REQUEST_PARAMETER",
@@ -53,7 +55,6 @@ REQUEST_PARAMETER = "guards_request_"
 RESPONSE_PARAMETER = "guards_response_"
 _ENTERED = "guards.handler_entered"
 _TRACE_ID = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
-_UNSAFE_HEADER = re.compile(r"[^\x21-\x7e]")
 #: The most first steps a route keeps (`GuardedEndpoint._first_steps`), and the longest caller
 #: key kept.
 _MAX_FIRST_STEPS = 1024
@@ -186,68 +187,58 @@ class GuardedEndpoint:
                 await last_good.remember(shared.store, arguments, value, trace_id)
         except GuardTripped as tripped:
             del kwargs[ai_name]  # the fallback sees the route's own arguments
-            outcome = "cancelled" if tripped.kind is Kind.cancelled else "error"
-            if not route.degrading:
-                error = public_error(tripped, shared.retry_after_s)
-                observe.request_ended(ai._ended(outcome, error.status, tripped=tripped, error=error.error))
-                answer = error_response(error, trace_id)
-                _attribution(answer.raw_headers, ai, shared.attribution)
-                return answer
-            if self._last_good is None and not callable(self._plain):
-                data, detail = self._plain, tripped.detail  # `_fallback`'s plain value, inline
-            else:
-                try:
-                    data, detail = await self._fallback(kwargs, tripped, trace_id)
-                except Exception as exc:
-                    return _application_failure(ai, exc, shared.attribution)
-            observe.request_ended(
-                ai._ended("fallback" if outcome == "error" else outcome, 200, tripped=tripped)
-            )
-            # A model that answered is named even when its answer was rejected.
-            _attribution(response.raw_headers, ai, shared.attribution)
-            response.raw_headers.append((b"x-trace-id", trace_id.encode()))
-            kept = self._fallback_answers.get((tripped.reason, detail))
-            if kept is None or kept.data is not data:
-                kept = self._fallback_answer(tripped.reason, detail, data)
-            return kept
+            return await self._tripped(ai, tripped, kwargs, response, observe)
         except HTTPException:
             raise  # the handler's own deliberate HTTP answer
         except Exception as exc:
             return _application_failure(ai, exc, shared.attribution)
         else:
-            if route.downgrade is not None and not isinstance(value, EventStream):
-                observe.request_ended(ai._ended("ok", 200))  # (its line says `downgraded`)
-            elif not isinstance(value, EventStream):  # a stream counts its outcome when it ends
-                # `ai._ended("ok", 200)`, inline: every request's path.
-                observe.request_ended(
-                    (
-                        route,
-                        trace_id,
-                        "ok",
-                        200,
-                        started,
-                        ai.attempts,
-                        ai.attempt_budget,
-                        ai.model,
-                        ai.fallback_model,
-                        ai._served_leg,
-                        None,
-                        None,
-                        None,
-                        (resumed(request) or None) if route.task is not None else None,
-                        None if route.answers is None else route.answers.logged(ai),
-                        ai._held,
-                    )
-                )
+            if not isinstance(value, EventStream):  # a stream counts its outcome when it ends
+                observe.request_ended(_succeeded(route, ai, request))
         finally:
             if trace is not None:
                 trace.leave()
         headers = (value if isinstance(value, Response) else response).raw_headers
-        _attribution(headers, ai, shared.attribution)
+        add_attribution(headers, ai, shared.attribution)
         headers.append((b"x-trace-id", trace_id.encode()))
         if self._envelope_type is not None and not isinstance(value, Response):
             return self._envelope_type(ok=True, data=value, fallback=None)
         return value
+
+    async def _tripped(
+        self,
+        ai: AI[Any],
+        tripped: GuardTripped,
+        arguments: Mapping[str, Any],
+        response: Response,
+        observe: Observers,
+    ) -> Any:
+        """The answer of a request a guard ended (`tripped`): the public error on a strict
+        route; on a degrading one the envelope of its fallback (computed from the route's own
+        `arguments`), with `response`'s headers."""
+        shared, trace_id = self._shared, ai.trace_id
+        outcome = "cancelled" if tripped.kind is Kind.cancelled else "error"
+        if not self._route.degrading:
+            error = public_error(tripped, shared.retry_after_s)
+            observe.request_ended(ai._ended(outcome, error.status, tripped=tripped, error=error.error))
+            answer = error_response(error, trace_id)
+            add_attribution(answer.raw_headers, ai, shared.attribution)
+            return answer
+        if self._last_good is None and not callable(self._plain):
+            data, detail = self._plain, tripped.detail  # `_fallback`'s plain value, inline
+        else:
+            try:
+                data, detail = await self._fallback(arguments, tripped, trace_id)
+            except Exception as exc:
+                return _application_failure(ai, exc, shared.attribution)
+        observe.request_ended(ai._ended("fallback" if outcome == "error" else outcome, 200, tripped=tripped))
+        # A model that answered is named even when its answer was rejected.
+        add_attribution(response.raw_headers, ai, shared.attribution)
+        response.raw_headers.append((b"x-trace-id", trace_id.encode()))
+        kept = self._fallback_answers.get((tripped.reason, detail))
+        if kept is None or kept.data is not data:
+            kept = self._fallback_answer(tripped.reason, detail, data)
+        return kept
 
     async def _fallback(
         self, arguments: Mapping[str, Any], tripped: GuardTripped, trace_id: str
@@ -330,52 +321,29 @@ def request_trace_id(request: Request) -> str:
     return getrandbits(128).to_bytes(16, "big").hex()
 
 
-def _attribution(headers: list[tuple[bytes, bytes]], ai: AI[Any], mode: str) -> None:
-    """Add which model answered to response `headers`: `x-ai-model` (the model the provider
-    says served) and `x-ai-fallback` (the chain entry that served, when not the first) in
-    `detailed` mode; only `x-ai-fallback: true` in `redacted` mode; nothing when `off`, or
-    when no model answered. A model whose answer the output guard rejected answered too. On a
-    route that moves rejected answers on, `x-ai-rejected` names the chain entries whose answers
-    were rejected, one per answer, in order (`detailed`), or says how many were (`redacted`).
-    Whatever the mode, a request admitted past a budget's soft limit carries `x-ai-budget`, and
-    one that ran the route's downgrade chain `x-ai-downgraded` (the scopes that sent it)."""
-    route = ai._route
-    if route.soft_limited:
-        if (near := getattr(ai, "_near", None)) is not None:
-            headers.append((b"x-ai-budget", near))
-        if route.downgrade is not None and (downgraded := getattr(ai, "_downgraded", None)) is not None:
-            headers.append((b"x-ai-downgraded", _header_value(downgraded)))
-    model = ai.model
-    if mode == "off" or model is None:
-        return
-    answers = route.answers
-    if answers is not None and (rejected := answers.rejected_header(ai, mode)) is not None:
-        headers.append((b"x-ai-rejected", _header_value(rejected)))
-    if mode == "redacted":
-        if ai.fallback_model is not None:
-            headers.append((b"x-ai-fallback", b"true"))
-        return
-    headers.append((b"x-ai-model", _header_values.get(model) or _header_value(model)))
-    if ai.fallback_model is not None:
-        headers.append((b"x-ai-fallback", _header_value(ai.fallback_model)))
-
-
-def _header_value(text: str) -> bytes:
-    # A served-model name comes from the provider: keep it a short, printable ASCII token.
-    # The same few names come back on every request: each is cleaned once (bounded cache).
-    text = text[:200]  # all that is sent: the cache keys on it alone, whatever the name's size
-    value = _header_values.get(text)
-    if value is None:
-        clean = text
-        if not (clean.isascii() and clean.isprintable() and " " not in clean):
-            clean = _UNSAFE_HEADER.sub("?", clean)
-        if len(_header_values) >= 256:
-            _header_values.clear()
-        value = _header_values[text] = clean.encode("ascii")
-    return value
-
-
-_header_values: dict[str, bytes] = {}
+def _succeeded(route: GuardedRoute, ai: AI[Any], request: Request) -> RequestEnded:
+    """The record of a request its handler answered (`ai._ended("ok", 200)`, built inline on
+    a route without a downgrade: every request's path)."""
+    if route.downgrade is not None:
+        return ai._ended("ok", 200)  # (its line says `downgraded`)
+    return (
+        route,
+        ai.trace_id,
+        "ok",
+        200,
+        ai._started,
+        ai.attempts,
+        ai.attempt_budget,
+        ai.model,
+        ai.fallback_model,
+        ai._served_leg,
+        None,
+        None,
+        None,
+        (resumed(request) or None) if route.task is not None else None,
+        None if route.answers is None else route.answers.logged(ai),
+        ai._held,
+    )
 
 
 def _application_failure(ai: AI[Any], exc: Exception, attribution: str) -> Response:
@@ -396,5 +364,5 @@ def _application_failure(ai: AI[Any], exc: Exception, attribution: str) -> Respo
         frames_omitted=omitted or None,
     )
     answer = error_response(PublicError(500, error, False), ai.trace_id)
-    _attribution(answer.raw_headers, ai, attribution)
+    add_attribution(answer.raw_headers, ai, attribution)
     return answer

@@ -21,7 +21,7 @@ from ..contracts._responses import PublicError, error_response
 from ..contracts._vocabulary import ErrorCode
 from ..observe._metrics import TASK_STEPS, counter
 from ..policies._tasks import KEY_PARAMETER, lease_s
-from ..stores import StoreUnavailable, TaskStatus
+from ..stores import StoreUnavailable, TaskClaim, TaskStatus
 from ..walk import TASK_SCOPE, Observers, TaskRun
 from ..walk._events import RequestEnded, StoreFailed
 
@@ -63,11 +63,7 @@ def task_endpoint(
             return await endpoint(**kwargs)
         request: Request = kwargs[request_param]
         started = time.perf_counter()
-        caller = route.budget.key(request) if route.budget is not None else ""
-        name = hashlib.sha256(f"{caller}\n{idempotency_key}".encode("utf-8", "surrogatepass")).hexdigest()
-        key = f"guards:task:{route.name}:{name}"
-        caller_digest = hashlib.sha256(caller.encode("utf-8", "surrogatepass")).hexdigest()
-        owner = f"guards:tasks:{route.name}:{caller_digest}"  # whose live tasks are capped
+        key, owner = _task_keys(route, request, idempotency_key)
         try:
             claim = await guards.store.task_claim(
                 key,
@@ -80,17 +76,8 @@ def task_endpoint(
         except StoreUnavailable:
             observe.store_failed(StoreFailed(route, None, "task", mode="open"))
             return await endpoint(**kwargs)
-        if claim.status is TaskStatus.reused:
+        if (error := _refusal(claim)) is not None:
             conflict.add()
-            error = PublicError(422, ErrorCode.idempotency_key_reused, False)
-            return _answer(route, guards, request, started, error, trace_id_of)
-        if claim.status is TaskStatus.busy:
-            conflict.add()
-            error = PublicError(409, ErrorCode.task_in_progress, True, 1.0)
-            return _answer(route, guards, request, started, error, trace_id_of)
-        if claim.status is TaskStatus.full:  # too many live tasks: a rate of new tasks, spent
-            conflict.add()
-            error = PublicError(429, ErrorCode.rate_limited, False, claim.retry_after_s)
             return _answer(route, guards, request, started, error, trace_id_of)
         if claim.status is TaskStatus.done:
             assert claim.response is not None
@@ -117,6 +104,28 @@ def task_endpoint(
         return _response(stored[0], stored[1], replayed=False)
 
     return run_task
+
+
+def _task_keys(route: GuardedRoute, request: Request, idempotency_key: str) -> tuple[str, str]:
+    """The store key of the request's task (its caller's, under its `Idempotency-Key`), and
+    the key of the caller whose live tasks are capped (`Task.max_live`)."""
+    caller = route.budget.key(request) if route.budget is not None else ""
+    name = hashlib.sha256(f"{caller}\n{idempotency_key}".encode("utf-8", "surrogatepass")).hexdigest()
+    caller_digest = hashlib.sha256(caller.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"guards:task:{route.name}:{name}", f"guards:tasks:{route.name}:{caller_digest}"
+
+
+def _refusal(claim: TaskClaim) -> PublicError | None:
+    """The public error of a claim the store refused (None: claimed, or done): the key reused
+    with another body (422), the task held by another request (409), or too many live tasks
+    (429: a rate of new tasks, spent)."""
+    if claim.status is TaskStatus.reused:
+        return PublicError(422, ErrorCode.idempotency_key_reused, False)
+    if claim.status is TaskStatus.busy:
+        return PublicError(409, ErrorCode.task_in_progress, True, 1.0)
+    if claim.status is TaskStatus.full:
+        return PublicError(429, ErrorCode.rate_limited, False, claim.retry_after_s)
+    return None
 
 
 async def _fingerprint(request: Request) -> str:

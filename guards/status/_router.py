@@ -11,8 +11,8 @@ import hashlib
 import hmac
 import math
 import typing
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Security
@@ -151,41 +151,8 @@ def status_router(
         raise ConfigurationError("window_s must be at least 1 (seconds of recent counts)")
     page = StatusPage(shared, refresh_s=refresh_s, window_s=window_s)
     required = OperatorToken(token) if token is not None else None
-    # Parses `Authorization: Bearer ...` (None for anything else) and, with a token, documents
-    # the bearer scheme in OpenAPI; the page checks it itself, to answer a browser's 401 with
-    # the page that asks for the token.
-    scheme = HTTPBearer(auto_error=False, description="The operator token (STATUS_TOKEN).")
-
-    async def no_credentials() -> None:
-        return None
-
-    credentials_of: Any = scheme if required is not None else no_credentials
-
-    @asynccontextmanager
-    async def copying(app: Any) -> AsyncIterator[None]:
-        # The recent window fills from the app's start, not from the first view.
-        await page.history.start()
-        try:
-            yield
-        finally:
-            page.history.stop()
-
-    router = APIRouter(dependencies=list(dependencies), lifespan=copying)
-    responses: dict[int | str, dict[str, Any]] = {
-        200: {"content": {"text/html": {"schema": {"type": "string"}}}},
-        406: {
-            "description": "The request accepts neither application/json nor text/html.",
-            "model": StatusProblem,
-        },
-    }
-    if required is not None:
-        responses[401] = {
-            "description": "No operator token, or a wrong one (`WWW-Authenticate: Bearer`); a "
-            "browser gets the page that asks for it.",
-            "model": StatusProblem,
-            "content": {"text/html": {"schema": {"type": "string"}}},
-            "headers": {"WWW-Authenticate": {"schema": {"type": "string", "const": "Bearer"}}},
-        }
+    credentials_of = _credentials_of(required)
+    router = APIRouter(dependencies=list(dependencies), lifespan=_copying(page))
 
     @router.get(
         path,
@@ -195,7 +162,7 @@ def status_router(
         description="The service level, every model's breaker, cooldown and last failure, recent "
         "rates per route and today's spend: JSON (`application/json`, and the default), or one "
         "HTML page for a browser (`text/html` preferred in `Accept`).",
-        responses=responses,
+        responses=_responses(required),
     )
     async def status(
         request: Request,
@@ -219,3 +186,52 @@ def status_router(
         return JSONResponse(report.model_dump(mode="json"), headers=_HEADERS)
 
     return router
+
+
+def _credentials_of(required: OperatorToken | None) -> Any:
+    """The page's dependency for its caller's credentials: with a token, one that parses
+    `Authorization: Bearer ...` (None for anything else) and documents the bearer scheme in
+    OpenAPI (the page checks the token itself, to answer a browser's 401 with the page that
+    asks for it); without, one that reads nothing."""
+    if required is not None:
+        return HTTPBearer(auto_error=False, description="The operator token (STATUS_TOKEN).")
+
+    async def no_credentials() -> None:
+        return None
+
+    return no_credentials
+
+
+def _copying(page: StatusPage) -> Callable[[Any], AbstractAsyncContextManager[None]]:
+    """The router's lifespan: the page's recent window fills from the app's start, not from
+    its first view."""
+
+    @asynccontextmanager
+    async def copying(app: Any) -> AsyncIterator[None]:
+        await page.history.start()
+        try:
+            yield
+        finally:
+            page.history.stop()
+
+    return copying
+
+
+def _responses(required: OperatorToken | None) -> dict[int | str, dict[str, Any]]:
+    """The page's answers besides its JSON, as OpenAPI documents them."""
+    responses: dict[int | str, dict[str, Any]] = {
+        200: {"content": {"text/html": {"schema": {"type": "string"}}}},
+        406: {
+            "description": "The request accepts neither application/json nor text/html.",
+            "model": StatusProblem,
+        },
+    }
+    if required is not None:
+        responses[401] = {
+            "description": "No operator token, or a wrong one (`WWW-Authenticate: Bearer`); a "
+            "browser gets the page that asks for it.",
+            "model": StatusProblem,
+            "content": {"text/html": {"schema": {"type": "string"}}},
+            "headers": {"WWW-Authenticate": {"schema": {"type": "string", "const": "Bearer"}}},
+        }
+    return responses
