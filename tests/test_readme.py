@@ -558,7 +558,7 @@ async def ask(ai: AI[str]) -> str:
 def test_price_table_example_prices_what_the_app_did_not() -> None:
     guards = page_example("guards/budget.md", 5)["guards"]
     capped = Budget(spend_per_day=1.0)
-    guards.route(model="gpt-4o-mini", fallback_models=["gpt-4o"], max_tokens=10, budget=capped)(ask)
+    guards.route(model="gpt-4o-mini", fallbacks=["gpt-4o"], max_tokens=10, budget=capped)(ask)
     assert guards.prices["gpt-4o-mini"].input_token == 0.1e-6  # the app's own price wins
     assert guards.prices["gpt-4o"].input_token > 0  # the table's, for the model it did not price
     with pytest.raises(ConfigurationError, match="no price for not-a-listed-model"):
