@@ -526,8 +526,10 @@ def chat_inputs(body: UIChatRequest) -> dict[str, Any]:
 
 
 def make_binding(settings: Settings, provider: str) -> Binding:
-    """The binding of one provider the settings name (`fake`, `workers-ai`, `openai`). The
-    HTTP providers (and their HTTP client) are imported only by an app that calls them."""
+    """The binding of one provider the settings name (`fake`, `workers-ai`, `openai`,
+    `anthropic`, `gemini`, `bedrock`, `azure-openai`). The HTTP providers (and their HTTP
+    client, and botocore for Bedrock) are imported only by an app that calls them."""
+    idle = settings.ai_stream_idle_timeout_s
     if provider == "workers-ai":
         from guards.providers import WorkersAI
 
@@ -535,7 +537,7 @@ def make_binding(settings: Settings, provider: str) -> Binding:
             account_id=settings.cloudflare_account_id,
             api_token=settings.cloudflare_api_token.get_secret_value(),
             base_url=settings.cloudflare_api_base,
-            idle_timeout_s=settings.ai_stream_idle_timeout_s,
+            idle_timeout_s=idle,
         )
     if provider == "openai":
         from guards.providers import OpenAICompatible
@@ -543,7 +545,41 @@ def make_binding(settings: Settings, provider: str) -> Binding:
         return OpenAICompatible(
             api_key=settings.openai_api_key.get_secret_value() or None,
             base_url=settings.openai_base_url,
-            idle_timeout_s=settings.ai_stream_idle_timeout_s,
+            idle_timeout_s=idle,
+        )
+    if provider == "anthropic":
+        from guards.providers import Anthropic
+
+        return Anthropic(
+            api_key=settings.anthropic_api_key.get_secret_value(),
+            base_url=settings.anthropic_base_url,
+            idle_timeout_s=idle,
+        )
+    if provider == "gemini":
+        from guards.providers import Gemini
+
+        return Gemini(
+            api_key=settings.gemini_api_key.get_secret_value(),
+            base_url=settings.gemini_base_url,
+            idle_timeout_s=idle,
+        )
+    if provider == "bedrock":
+        from guards.providers import Bedrock
+
+        # Credentials: the standard AWS chain, which the adapter reads (checked at start-up).
+        return Bedrock(
+            region=settings.aws_region,
+            endpoint_url=settings.aws_endpoint_url_bedrock_runtime or None,
+            idle_timeout_s=idle,
+        )
+    if provider == "azure-openai":
+        from guards.providers import AzureOpenAI
+
+        return AzureOpenAI(
+            endpoint=settings.azure_openai_endpoint,
+            api_key=settings.azure_openai_api_key.get_secret_value(),
+            api_version=settings.openai_api_version or None,
+            idle_timeout_s=idle,
         )
     return OfflineModel()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Literal
 
@@ -10,8 +11,11 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 OPENAI_BASE_URL = "https://api.openai.com/v1"
+ANTHROPIC_BASE_URL = "https://api.anthropic.com"
+GEMINI_BASE_URL = "https://generativelanguage.googleapis.com"
 #: Provider names the example app knows, usable as AI_PROVIDER and as AI_FALLBACK_MODELS prefixes.
-PROVIDERS = ("fake", "workers-ai", "openai")
+PROVIDERS = ("fake", "workers-ai", "openai", "anthropic", "gemini", "bedrock", "azure-openai")
+Provider = Literal["fake", "workers-ai", "openai", "anthropic", "gemini", "bedrock", "azure-openai"]
 #: A browser origin: scheme, host and optional port, nothing after.
 _ORIGIN = re.compile(r"https?://[^/\s,]+")
 #: An operator token: long enough not to be guessed, and what a bearer token may hold (RFC 6750).
@@ -30,12 +34,28 @@ class SettingsError(RuntimeError):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(case_sensitive=False, extra="ignore")
 
-    ai_provider: Literal["fake", "workers-ai", "openai"] = "fake"
+    ai_provider: Provider = "fake"
     cloudflare_account_id: str = ""
     cloudflare_api_token: SecretStr = SecretStr("")
     cloudflare_api_base: str = "https://api.cloudflare.com/client/v4"
     openai_base_url: str = OPENAI_BASE_URL
     openai_api_key: SecretStr = SecretStr("")
+    anthropic_api_key: SecretStr = SecretStr("")
+    #: The adapter adds `/v1/messages`.
+    anthropic_base_url: str = ANTHROPIC_BASE_URL
+    gemini_api_key: SecretStr = SecretStr("")
+    #: The adapter adds `/v1beta/models/...`.
+    gemini_base_url: str = GEMINI_BASE_URL
+    #: Bedrock's region; its credentials come from the standard AWS chain (environment,
+    #: profile, role, or `AWS_BEARER_TOKEN_BEDROCK`), read by the adapter.
+    aws_region: str = ""
+    #: Bedrock's runtime endpoint (unset: `https://bedrock-runtime.{region}.amazonaws.com`).
+    aws_endpoint_url_bedrock_runtime: str = ""
+    #: An Azure OpenAI resource (`https://<resource>.openai.azure.com`) and its key; with
+    #: OPENAI_API_VERSION the deployment endpoint, else the v1 endpoint.
+    azure_openai_endpoint: str = ""
+    azure_openai_api_key: SecretStr = SecretStr("")
+    openai_api_version: str = ""
     ai_model: str = Field(default="@cf/meta/llama-3.3-70b-instruct-fp8-fast", min_length=1)
     #: The ordered fallback chain, comma-separated; an entry may name its provider
     #: (`openai:gpt-4o-mini`, `workers-ai:@cf/...`, `fake:any`), else it is an AI_PROVIDER model.
@@ -231,6 +251,13 @@ class Settings(BaseSettings):
                 ("CLOUDFLARE_API_TOKEN", self.cloudflare_api_token.get_secret_value()),
             ),
             "openai": (("OPENAI_API_KEY", self.openai_api_key.get_secret_value()),),
+            "anthropic": (("ANTHROPIC_API_KEY", self.anthropic_api_key.get_secret_value()),),
+            "gemini": (("GEMINI_API_KEY", self.gemini_api_key.get_secret_value()),),
+            "bedrock": (("AWS_REGION", self.aws_region),),
+            "azure-openai": (
+                ("AZURE_OPENAI_ENDPOINT", self.azure_openai_endpoint),
+                ("AZURE_OPENAI_API_KEY", self.azure_openai_api_key.get_secret_value()),
+            ),
         }
         named = self._named_providers()
         for provider in sorted(self.providers_used()):
@@ -238,10 +265,35 @@ class Settings(BaseSettings):
             # A local OpenAI-compatible server (Ollama, llama.cpp) needs no key.
             if provider == "openai" and self.openai_base_url != OPENAI_BASE_URL:
                 missing = []
+            where = "AI_PROVIDER" if provider == self.ai_provider else named[provider]
             if missing:
-                where = "AI_PROVIDER" if provider == self.ai_provider else named[provider]
                 raise ValueError(f"{where} uses {provider}, which needs {' and '.join(missing)} to be set")
+            problem = aws_credentials_problem() if provider == "bedrock" else None
+            if problem:
+                raise ValueError(f"{where} uses bedrock, which {problem}")
         return self
+
+
+def aws_credentials_problem() -> str | None:
+    """What keeps Bedrock from signing its requests, or None: a Bedrock API key is set, or the
+    standard AWS chain resolves (environment, shared files, SSO, container or instance role:
+    the chain the adapter reads). Never a value."""
+    if os.environ.get("AWS_BEARER_TOKEN_BEDROCK"):
+        return None
+    try:
+        import botocore.session
+    except ModuleNotFoundError:
+        return "needs botocore: pip install 'route-guards[bedrock]'"
+    try:
+        credentials = botocore.session.Session().get_credentials()
+    except Exception:  # a profile that does not exist, a broken config file: none resolve
+        credentials = None
+    if credentials is None:
+        return (
+            "found no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, a role, or AWS_BEARER_TOKEN_BEDROCK"
+        )
+    return None
 
 
 def load_settings() -> Settings:

@@ -32,11 +32,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from app.service import create_app
-from app.settings import Settings
+from app.settings import Settings, load_settings
 from fixtures import (
     Fail,
     FakeAnthropic,
     FakeBinding,
+    FakeGemini,
     FakeOpenAI,
     FakeWorkersAI,
     Hang,
@@ -48,6 +49,7 @@ from fixtures import (
 from guards import AI, Budget, CircuitState, ConfigurationError, Envelope, Guards, Outcome, StatusReport
 from guards.stores import MemoryStore
 
+from .app.test_app_providers import PROVIDER_VARIABLES
 from .app.test_ui_stream import check_ui_stream
 from .conftest import AppClient, LogLines, Serve, asgi_client, no_sleep, wait_until, workers_ai_settings
 
@@ -145,6 +147,7 @@ CHECKED = {
     ("fallback-chains.md", "python", 0): "test_readme_chain_example_falls_back_as_documented",
     ("fallback-chains.md", "python", 1): "test_chat_route_example_moves_past_a_silent_model",
     ("fallback-chains.md", "python", 2): "test_limits_example_skips_and_moves_on_as_documented",
+    ("fallback-chains.md", "python", 3): "test_cross_provider_example_walks_as_documented",
     ("guards/output.md", "python", 0): "test_output_example_moves_rejected_answers_on",
     ("guards/output.md", "text", 0): "test_output_reask_sample_is_the_turn_sent",
     ("streaming.md", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
@@ -178,6 +181,7 @@ CHECKED = {
     ("tasks.md", "python", 0): "test_readme_task_example_resumes_and_replays",
     ("development.md", "", 0): "test_layout_names_files_that_exist",
     ("benchmarks.md", "sh", 0): "test_benchmark_commands_are_make_targets",
+    ("example-app.md", "sh", 0): "test_example_app_provider_lines_start_the_app",
     ("stores.md", "python", 0): "test_development_redis_example_answers",
     ("providers/anthropic.md", "python", 0): "test_anthropic_example_falls_back_over_http",
     ("providers/bedrock.md", "python", 0): "test_bedrock_example_answers_through_the_fake",
@@ -1433,3 +1437,60 @@ def test_azure_openai_example_answers_through_the_fake(monkeypatch: pytest.Monke
         assert answer["fallback"]["reason"] == "moderation_blocked"
         assert answer["data"] == "Sorry, try again later."
         assert [c.model for c in server.calls] == ["gpt-4o-mini-prod"]
+
+
+def test_example_app_provider_lines_start_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each line of docs/example-app.md's providers block is `make run` with settings the app
+    starts on (Bedrock's `AWS_PROFILE` read from a shared credentials file, as the AWS chain
+    does), each on the provider it names, with the chain it names."""
+    credentials = tmp_path / "credentials"
+    credentials.write_text("[support]\naws_access_key_id = AKIDEXAMPLE\naws_secret_access_key = secret\n")
+    lines = block("example-app.md", "sh").splitlines()
+    assert {line.split()[0] for line in lines} == {
+        f"AI_PROVIDER={name}" for name in ("anthropic", "gemini", "bedrock", "azure-openai")
+    }
+    for line in lines:
+        *assignments, make, target = shlex.split(line)
+        assert (make, target) == ("make", "run")
+        with monkeypatch.context() as env:
+            for name in PROVIDER_VARIABLES:
+                env.delenv(name, raising=False)
+            env.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+            env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+            env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+            given = dict(assignment.split("=", 1) for assignment in assignments)
+            for name, value in given.items():
+                env.setenv(name, value)
+            settings = load_settings()
+            assert settings.ai_provider == given["AI_PROVIDER"]
+            assert settings.ai_model == given["AI_MODEL"]
+            assert settings.fallback_models == [
+                entry for entry in given.get("AI_FALLBACK_MODELS", "").split(",") if entry
+            ]
+
+
+def test_cross_provider_example_walks_as_documented(
+    use_fake_servers: Callable[[FastAPI], None],
+    fake_anthropic: FakeAnthropic,
+    fake_gemini: FakeGemini,
+    fake_openai: FakeOpenAI,
+    app_client: AppClient,
+) -> None:
+    """Over real HTTP: Anthropic overloaded moves on to claude-sonnet-4-5; a refusal skips it
+    for Gemini, whose UNAVAILABLE (retried once) moves on to gpt-4o-mini."""
+    example = run_block({}, "fallback-chains.md", 3)
+    use_fake_servers(example["app"])
+    client = app_client(example["app"])
+    fake_anthropic.script("claude-haiku-4-5", Fail(status=529), Fail(status=529))
+    fake_anthropic.script("claude-sonnet-4-5", Reply("From Sonnet."))
+    response = client.post("/reply", json={"message": "hi"})
+    assert (response.json(), response.headers["x-ai-fallback"]) == ("From Sonnet.", "claude-sonnet-4-5")
+    fake_anthropic.reset()
+    fake_anthropic.script("claude-haiku-4-5", Reply(refusal="I can't help with that."))
+    fake_gemini.script("gemini-2.5-flash", Fail(status=503), Fail(status=503))
+    fake_openai.script("gpt-4o-mini", Reply("From GPT."))
+    response = client.post("/reply", json={"message": "hi"})
+    assert (response.json(), response.headers["x-ai-fallback"]) == ("From GPT.", "openai:gpt-4o-mini")
+    assert [call.model for call in fake_anthropic.calls] == ["claude-haiku-4-5"]
+    assert [call.model for call in fake_gemini.calls] == ["gemini-2.5-flash"] * 2
+    assert [call.model for call in fake_openai.calls] == ["gpt-4o-mini"]

@@ -47,7 +47,7 @@ from ._store_steps import admitted, cool_down, leg_down, next_step, record, send
 from ._store_steps import report as report_call
 from ._store_steps import report_end as settled
 from ._verdicts import exhausted, gone, timed_out
-from ._windows import LIMIT_KINDS, Limits
+from ._windows import LIMIT_KINDS, Limits, flagged
 
 if TYPE_CHECKING:
     from ..spec._route_spec import GuardedRoute, Leg
@@ -248,6 +248,11 @@ async def walk(
                         on_attempt(state, stopped, started)
                         raise
                     else:
+                        if route.content_filter_fallback and type(result) is AIResult and result.moderated:
+                            # Its provider flagged the answer: its content filter (`_windows`).
+                            inflight, start, limits = None, index + 1, limits or Limits(state, inputs)
+                            report, last = flagged(state, leg, result, started, probe, record_success, limits)
+                            continue
                         if check is not None:  # the route moves rejected answers on (`_rejected`)
                             moved = await check.moved_on(
                                 state, leg, index, result, started, probe, record_success

@@ -14,7 +14,11 @@ declared one, an undeclared one may well be smaller, and is skipped.
 
 After a provider's content filter (`moderation_blocked`), the walk ends, unless the route says
 `content_filter_fallback`: then it goes on to the next leg of another provider, the legs of
-every provider whose filter refused skipped (`content_filter`).
+every provider whose filter refused skipped (`content_filter`). A filter is the provider's
+error (Azure OpenAI's `content_filter`, AI Gateway's guardrails) or its answer flagged
+(`AIResult.moderated`: Anthropic's `refusal`, Gemini's `SAFETY`, Bedrock's guardrail, OpenAI's
+`content_filter` finish; `flagged`); without the fallback, a flagged answer is the output
+guard's to reject, as any answer.
 
 A walk whose route declares no window makes no `Limits` until such a failure: its requests pay
 one comparison per leg for all this.
@@ -23,19 +27,25 @@ one comparison per leg for all this.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from ..contracts._errors import GuardTripped
 from ..contracts._tokens import binding_estimate, estimate_tokens
 from ..contracts._vocabulary import Kind, Reason
+from ..stores._breaker import Outcome
+from ._accounting import account
 from ._known import skip
+from ._store_steps import report
 from ._verdicts import LIMIT_REASONS
 
 if TYPE_CHECKING:
+    from ..contracts._binding import AIResult
     from ..spec._route_spec import Leg
+    from ..stores import Report
     from ._state import RequestState
 
-__all__ = ["LIMIT_KINDS", "Limits", "reserved_tokens"]
+__all__ = ["LIMIT_KINDS", "Limits", "flagged", "reserved_tokens"]
 
 #: The failures that say something about the request, not the model: never retried, and they
 #: narrow the legs the walk may go on to.
@@ -56,6 +66,42 @@ def reserved_tokens(inputs: Mapping[str, Any]) -> int:
     return 0
 
 
+def flagged(
+    state: RequestState,
+    leg: Leg,
+    result: AIResult,
+    started: float,
+    probe: float | None,
+    record_success: bool,
+    limits: Limits,
+) -> tuple[Report | None, GuardTripped]:
+    """A call to `leg` answered `result`, which its provider flagged (`moderated`), on a route
+    with `content_filter_fallback`: its content filter, as when it refuses with an error. The
+    call is accounted (`moderation_blocked`, billed: it answered), the model reported as having
+    answered (its breaker hears a success), and `limits` narrowed to other providers: (the
+    report of the call, the content filter's `moderation_blocked`)."""
+    state.attempts += 1
+    kind = Kind.moderation_blocked
+    served = result.model or leg.ref.model
+    account(state, leg, kind.value, result.usage, served, perf_counter() - started, billed=True)
+    leg.last_success[0] = state._shared.success_clock()
+    made = (
+        report(state, leg, Outcome.success, probe, settle=False)
+        if record_success or probe is not None
+        else None
+    )
+    state._note(leg, kind.value, None)
+    limits.failed(leg, kind)
+    tripped = GuardTripped(
+        Reason.moderation_blocked,
+        "the provider flagged the completion",
+        kind=kind,
+        attempts=state.attempts,
+        model=leg.ref.key,
+    )
+    return made, tripped
+
+
 class Limits:
     """One walk's limits (see the module's docstring)."""
 
@@ -69,7 +115,7 @@ class Limits:
         #: None: no call failed for its context length; else the largest declared window of
         #: the models that did (0: none of them declared one).
         self.floor: int | None = None
-        #: The providers (`ModelRef.provider`) whose content filter refused the request.
+        #: The providers (`provider_of`) whose content filter refused the request.
         self.filtered: frozenset[str | None] = frozenset()
 
     def need(self, leg: Leg) -> int:
@@ -83,12 +129,19 @@ class Limits:
             return self._default
         return int(estimate(leg.ref.model, self.inputs)) + reserved_tokens(self.inputs)
 
+    def provider_of(self, leg: Leg) -> str | None:
+        """The provider `leg` calls: the one its chain entry names, else the main binding's
+        own name (its `provider`), so that `anthropic:claude-...` and a main Anthropic binding
+        are one provider."""
+        provider = leg.ref.provider
+        return provider if provider is not None else getattr(self._state._shared.binding, "provider", None)
+
     def unfit(self, leg: Leg) -> str | None:
         """Why `leg` may not be called for this request (a skip's reason), or None."""
         window, floor = leg.window, self.floor
         if floor is not None and (window <= floor if window is not None else floor > 0):
             return CONTEXT_WINDOW
-        if self.filtered and leg.ref.provider in self.filtered:
+        if self.filtered and self.provider_of(leg) in self.filtered:
             return CONTENT_FILTER
         if window is not None and window < self.need(leg):
             return CONTEXT_WINDOW
@@ -113,7 +166,7 @@ class Limits:
             return True
         if not self._state._route.content_filter_fallback:
             return False
-        self.filtered |= {leg.ref.provider}
+        self.filtered |= {self.provider_of(leg)}
         return True
 
     def verdict(self, last: GuardTripped | None) -> GuardTripped | None:

@@ -76,8 +76,8 @@ def test_a_local_openai_compatible_server_needs_no_key(monkeypatch: pytest.Monke
 
 
 def test_an_unknown_provider_prefix_fails_start_up(fake_workers_ai: FakeWorkersAI) -> None:
-    settings = workers_ai_settings(fake_workers_ai, ai_fallback_models="anthropic:claude-haiku")
-    with pytest.raises(ConfigurationError, match="provider 'anthropic', which is not configured"):
+    settings = workers_ai_settings(fake_workers_ai, ai_fallback_models="mistral:mistral-small")
+    with pytest.raises(ConfigurationError, match="provider 'mistral', which is not configured"):
         create_app(settings)
 
 
