@@ -226,10 +226,10 @@ class _Signer:
         region: str | None,
     ) -> None:
         try:
-            import botocore.auth
-            import botocore.awsrequest
-            import botocore.credentials
-            import botocore.session
+            import botocore.auth  # type: ignore[import-untyped,unused-ignore]
+            import botocore.awsrequest  # type: ignore[import-untyped,unused-ignore]
+            import botocore.credentials  # type: ignore[import-untyped,unused-ignore]
+            import botocore.session  # type: ignore[import-untyped,unused-ignore]
         except ModuleNotFoundError as error:
             raise missing_extra(error, "bedrock", "guards.providers.Bedrock") from None
         self._auth = botocore.auth.SigV4Auth
