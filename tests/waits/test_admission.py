@@ -20,7 +20,7 @@ from fastapi import FastAPI
 
 from fixtures import FakeWorkersAI, Hang, Reply
 from guards import AI, Breaker, EventStream, Guards
-from guards.providers import WorkersAI, http_client
+from guards.providers import WorkersAI, http_client, http_library
 
 from ..conftest import LogLines, Serve, assert_error, no_sleep
 
@@ -155,9 +155,9 @@ def test_waiters_are_admitted_newest_first_and_a_cancelled_one_holds_nothing(
             fake.script("hang", Hang())
             hung = asyncio.ensure_future(client.post(url + "hang", headers=auth, json=INPUTS))
             await wait_for_calls(fake, 5)
-            with pytest.raises(httpx.PoolTimeout):
+            with pytest.raises(http_library.PoolTimeout):
                 await client.post(
-                    url + "late", headers=auth, json=INPUTS, timeout=httpx.Timeout(5, pool=0.05)
+                    url + "late", headers=auth, json=INPUTS, timeout=http_library.Timeout(5, pool=0.05)
                 )
             hung.cancel()
 
