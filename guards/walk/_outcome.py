@@ -6,14 +6,18 @@ from __future__ import annotations
 from logging import INFO
 from random import random
 from time import perf_counter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..observe._log import emit, logger
 from ..observe._metrics import flush_soon
 from ._events import RequestEnded
 
 if TYPE_CHECKING:
+    from ..contracts._errors import GuardTripped
+    from ..observe._metrics import RouteMetrics
+    from ..spec._route_spec import Leg
     from ..spec._tracing import RequestTrace
+    from ._events import AttemptEnded
 
 __all__ = ["Traced", "request_ended"]
 
@@ -52,20 +56,7 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
     ) = event
     now = perf_counter()
     elapsed = now - started
-    metrics = route.metrics
-    metrics.seconds.observe(elapsed)
-    if outcome == "ok":
-        metrics.ok.count += 1  # `Tally.add`, in place: every request's path
-        if served is not None:  # a model's answer served (not the handler's own value)
-            served.served.count += 1
-    elif outcome == "fallback":
-        metrics.fallback.count += 1  # `Tally.add`, in place: every refused request's path
-    elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback
-        metrics.cancelled.add()
-    else:
-        metrics.error.add()
-    if tripped is not None and outcome != "cancelled":
-        metrics.tripped(tripped.reason)
+    _count(route.metrics, outcome, served, tripped, elapsed)
     flush_soon(now)
     trace = observers.trace
     if trace is not None:
@@ -75,25 +66,7 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         return
     if outcome == "ok" and observers.log_sample < 1.0 and random() >= observers.log_sample:
         return  # sampled out: a success (every other outcome keeps its line)
-    if held is not None:  # the request's only attempt: no `attempt` line was written for it
-        usage, elapsed_s, delivered, provider_status, provider_code = (
-            held[5],
-            held[7],
-            held[9],
-            held[10],
-            held[11],
-        )
-        attempt = {
-            "prompt_tokens": usage.prompt_tokens if usage is not None else None,
-            "completion_tokens": usage.completion_tokens if usage is not None else None,
-            "call_ms": round(elapsed_s * 1000, 2),
-            "delivered_chars": delivered,
-            "provider_status": provider_status,
-            "provider_code": provider_code,
-        }
-        extra = attempt if extra is None else {**attempt, **extra}
-    if tripped is not None and tripped.scope is not None:  # the budget scope that refused
-        extra = {**(extra or {}), "scope": tripped.scope}
+    extra = _extra(extra, held, tripped)
     emit(
         "request",
         route=route.name,
@@ -113,3 +86,50 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         latency_ms=round(elapsed * 1000, 2),
         **(extra or {}),
     )
+
+
+def _count(
+    metrics: RouteMetrics, outcome: str, served: Leg | None, tripped: GuardTripped | None, elapsed: float
+) -> None:
+    """Count a request's outcome and latency on its route's metrics (and the serving model's
+    answers, when a model's answer served it)."""
+    metrics.seconds.observe(elapsed)
+    if outcome == "ok":
+        metrics.ok.count += 1  # `Tally.add`, in place: every request's path
+        if served is not None:  # a model's answer served (not the handler's own value)
+            served.served.count += 1
+    elif outcome == "fallback":
+        metrics.fallback.count += 1  # `Tally.add`, in place: every refused request's path
+    elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback
+        metrics.cancelled.add()
+    else:
+        metrics.error.add()
+    if tripped is not None and outcome != "cancelled":
+        metrics.tripped(tripped.reason)
+
+
+def _extra(
+    extra: dict[str, Any] | None, held: AttemptEnded | None, tripped: GuardTripped | None
+) -> dict[str, Any] | None:
+    """The request line's `extra` fields, with those of the request's only attempt (`held`:
+    no `attempt` line was written for it) and the budget scope that refused it."""
+    if held is not None:
+        usage, elapsed_s, delivered, provider_status, provider_code = (
+            held[5],
+            held[7],
+            held[9],
+            held[10],
+            held[11],
+        )
+        attempt = {
+            "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+            "completion_tokens": usage.completion_tokens if usage is not None else None,
+            "call_ms": round(elapsed_s * 1000, 2),
+            "delivered_chars": delivered,
+            "provider_status": provider_status,
+            "provider_code": provider_code,
+        }
+        extra = attempt if extra is None else {**attempt, **extra}
+    if tripped is not None and tripped.scope is not None:  # the budget scope that refused
+        extra = {**(extra or {}), "scope": tripped.scope}
+    return extra
