@@ -304,7 +304,7 @@ def _ended_by(
     end: StreamEnd | None,
     delivered: int,
 ) -> tuple[Relayed, bool]:
-    """How a stream that `exc` ended ended (`rang`: its alarm interrupted the wait for the next
+    """How a stream stopped by `exc` ended (`rang`: its alarm interrupted the wait for the next
     event), and whether the server cut it while its client read (its request is being
     cancelled). A cancellation that is neither the alarm's nor its client's (the response
     cancels the scope the relay runs in when its client leaves) is the server's, cancelling the
