@@ -110,7 +110,6 @@ async def walk(
     spent = False  # the request's attempt budget ran out before a leg
     limits = Limits(state, inputs) if route.windowed else None  # else made on a hit (`_windows`)
     try:
-        # Kept before it is entered: a deadline passed raises there (later walks stay later).
         scope = state._scope = _deadline(state)
         with scope:
             try:
@@ -171,7 +170,8 @@ async def walk(
                         record_success = _timed(state, started)
                     return leg, result, probe, record_success
             finally:
-                _stop_watch(state)
+                if state._watch is not None:
+                    _stop_watch(state)
     except BaseException as stopped:
         await _stopped(state, inflight, probe, stopped)  # raises a timeout's verdict
         raise
@@ -198,7 +198,8 @@ def _first_start(state: RequestState) -> int:
 def _deadline(state: RequestState) -> Deadline:
     """The walk's deadline: the request's first walk's from the request's arrival (the time to
     take it in counts), each later walk's from its start. A request being served watches its
-    client from the deadline's mark (`MARK_AFTER_S`)."""
+    client from the deadline's mark (`MARK_AFTER_S`). The walk keeps it before entering it: a
+    deadline already passed raises there, and the request's later walks are still later walks."""
     timeout_s = state._route.timeout_s
     if state._scope is None:  # the request's first walk
         timeout_s -= perf_counter() - state._started
@@ -265,10 +266,10 @@ def _timed(state: RequestState, started: float) -> bool:
 
 
 def _stop_watch(state: RequestState) -> None:
-    """The walk is over: stop watching the client, if it was."""
-    if state._watch is not None:
-        state._watch.cancel()
-        state._watch = None
+    """The walk is over: stop watching the client."""
+    assert state._watch is not None
+    state._watch.cancel()
+    state._watch = None
 
 
 async def _stopped(

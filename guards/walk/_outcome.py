@@ -14,8 +14,6 @@ from ._events import RequestEnded
 
 if TYPE_CHECKING:
     from ..contracts._errors import GuardTripped
-    from ..observe._metrics import RouteMetrics
-    from ..spec._route_spec import Leg
     from ..spec._tracing import RequestTrace
     from ._events import AttemptEnded
 
@@ -56,7 +54,20 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
     ) = event
     now = perf_counter()
     elapsed = now - started
-    _count(route.metrics, outcome, served, tripped, elapsed)
+    metrics = route.metrics
+    metrics.seconds.observe(elapsed)
+    if outcome == "ok":
+        metrics.ok.count += 1  # `Tally.add`, in place: every request's path
+        if served is not None:  # a model's answer served (not the handler's own value)
+            served.served.count += 1
+    elif outcome == "fallback":
+        metrics.fallback.count += 1  # `Tally.add`, in place: every refused request's path
+    elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback
+        metrics.cancelled.add()
+    else:
+        metrics.error.add()
+    if tripped is not None and outcome != "cancelled":
+        metrics.tripped(tripped.reason)
     flush_soon(now)
     trace = observers.trace
     if trace is not None:
@@ -86,26 +97,6 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         latency_ms=round(elapsed * 1000, 2),
         **(extra or {}),
     )
-
-
-def _count(
-    metrics: RouteMetrics, outcome: str, served: Leg | None, tripped: GuardTripped | None, elapsed: float
-) -> None:
-    """Count a request's outcome and latency on its route's metrics (and the serving model's
-    answers, when a model's answer served it)."""
-    metrics.seconds.observe(elapsed)
-    if outcome == "ok":
-        metrics.ok.count += 1  # `Tally.add`, in place: every request's path
-        if served is not None:  # a model's answer served (not the handler's own value)
-            served.served.count += 1
-    elif outcome == "fallback":
-        metrics.fallback.count += 1  # `Tally.add`, in place: every refused request's path
-    elif outcome == "cancelled":  # the client left: neither the model's fault nor a fallback
-        metrics.cancelled.add()
-    else:
-        metrics.error.add()
-    if tripped is not None and outcome != "cancelled":
-        metrics.tripped(tripped.reason)
 
 
 def _extra(
