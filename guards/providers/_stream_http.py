@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 import anyio
@@ -241,6 +242,27 @@ def _sse_parser(max_event_bytes: int) -> SSEParser:
     return SSEParser(max_event_bytes=max_event_bytes)
 
 
+def _request(
+    client: httpx.AsyncClient,
+    method: str,
+    target: str,
+    payload: dict[str, Any] | None,
+    content: bytes | None,
+    headers: httpx.Headers | Mapping[str, str],
+    timeout: httpx.Timeout,
+) -> AbstractAsyncContextManager[httpx.Response]:
+    """A stream's request (its POST, or a resume's GET), as sent: never redirected."""
+    return client.stream(
+        method,
+        target,
+        json=payload,
+        content=content,
+        headers=headers,
+        timeout=timeout,
+        follow_redirects=False,
+    )
+
+
 def _idle_timeout(base: httpx.Timeout, idle_timeout_s: float) -> httpx.Timeout:
     """The client's timeouts, with the read timeout (no byte for that long) set to the idle
     limit: a provider that sends no byte at all fails there, in httpx, at no cost per event
@@ -270,6 +292,44 @@ async def _drain(chunks: AsyncIterator[bytes]) -> None:
             size += len(chunk)
             if size > _DRAIN_BYTES:
                 return
+
+
+def _event_stream(response: httpx.Response, provider: str, resuming: bool) -> bool:
+    """Whether `response`'s head announces the event stream asked for; else its body is a whole
+    answer (an error status, or a JSON body from a server that does not stream). Raises
+    `ProviderError` for an encoded body (never inflated) and for a resume whose buffer expired."""
+    status = response.status_code
+    refuse_encoded(response, provider)  # before any byte of the body
+    if resuming and status == 404:
+        raise ProviderError(provider, status=404, note="stream resume expired")
+    return 200 <= status < 300 and (resuming or not _is_json(response))
+
+
+def _resume_url(response: httpx.Response, resume_base: str | None, max_reconnects: int) -> str | None:
+    """Where the run `response` started resumes (`cf-aig-run-id`), when the stream may resume."""
+    if resume_base is None or max_reconnects <= 0:
+        return None
+    run_id = response.headers.get(RUN_ID_HEADER)
+    return f"{resume_base}/run/{run_id}/resume" if run_id else None
+
+
+def _stalled(idle: Alarm) -> bool:
+    """Whether the idle alarm interrupted this task's wait on the provider (its cancellation)."""
+    task = asyncio.current_task()
+    return task is not None and idle.interrupted(task)
+
+
+def _resume_at(
+    provider: str, resume_url: str | None, delivered: int, reconnects: int, max_reconnects: int
+) -> str:
+    """Where a stream cut before its completion signal resumes, after the `delivered` complete
+    events of its run. Raises `ProviderError`: `stream truncated` when it cannot resume (no
+    run id, or no complete event yet), `stream interrupted` after `max_reconnects`."""
+    if resume_url is None or delivered == 0:
+        raise ProviderError(provider, note="stream truncated")
+    if reconnects >= max_reconnects:
+        raise ProviderError(provider, note="stream interrupted")
+    return f"{resume_url}?from={delivered}"
 
 
 async def stream_sse(
@@ -313,14 +373,9 @@ async def stream_sse(
     method, target = "POST", url
     payload: dict[str, Any] | None = None if isinstance(body, bytes) else dict(body)
     content = body if isinstance(body, bytes) else None
-    make_parser = new_parser or _sse_parser
     resume_url: str | None = None  # the run's resume address, once the answer gave a run id
-    delivered = 0  # complete SSE events received on this run (the resume position)
-    reconnects = 0
-    # Idle means no complete event: comments, blank lines and bytes of a line that never ends
-    # do not count. The alarm's deadline moves with each event; it interrupts only a wait on
-    # the provider (`idle.waiting` is set around each, and never while an event is yielded),
-    # and time the consumer holds the stream is not the provider's.
+    delivered = reconnects = 0  # complete SSE events received on this run (the resume position)
+    # The idle alarm moves with each complete event and interrupts only a wait on the provider.
     loop = asyncio.get_running_loop()
     idle = Alarm(loop.time() + idle_timeout_s, defer_s=idle_timeout_s)
     current_task = asyncio.current_task
@@ -330,83 +385,52 @@ async def stream_sse(
             reading = False  # past the answer's head, into the event stream
             try:
                 idle.waiting = current_task()
-                async with client.stream(
-                    method,
-                    target,
-                    json=payload,
-                    content=content,
-                    headers=headers,
-                    timeout=timeout,
-                    follow_redirects=False,
-                ) as response:
-                    status = response.status_code
-                    refuse_encoded(response, provider)  # before any byte of the body
-                    if resuming and status == 404:
-                        raise ProviderError(provider, status=404, note="stream resume expired")
-                    if not 200 <= status < 300 or (not resuming and _is_json(response)):
+                async with _request(client, method, target, payload, content, headers, timeout) as response:
+                    if not _event_stream(response, provider, resuming):
                         raw = await read_capped(response, provider, max_event_bytes)
                         idle.waiting = None
                         for event in result_events(parse_whole(response, raw)):
                             yield event
                         return
                     idle.waiting = None
-                    if not resuming and resume_base is not None and max_reconnects > 0:
-                        run_id = response.headers.get(RUN_ID_HEADER)
-                        if run_id:
-                            resume_url = f"{resume_base}/run/{run_id}/resume"
-                    parser = make_parser(max_event_bytes)
-                    reading = True
+                    if not resuming:
+                        resume_url = _resume_url(response, resume_base, max_reconnects)
+                    parser, reading = (new_parser or _sse_parser)(max_event_bytes), True
                     chunks = response.aiter_raw()  # as sent: never inflated
-                    next_chunk = chunks.__anext__
-                    try:
-                        while True:
-                            idle.waiting = current_task()
-                            try:
-                                chunk = await next_chunk()
-                            except StopAsyncIteration:
-                                break
-                            idle.waiting = None
-                            for piece in _slices(chunk):
-                                complete = parser.feed(piece)
-                                if not complete:
-                                    continue
+                    idle.waiting = current_task()
+                    async for chunk in chunks:
+                        idle.waiting = None
+                        for piece in _slices(chunk):
+                            if complete := parser.feed(piece):
                                 idle.when = loop.time() + idle_timeout_s
-                                for sse in complete:
-                                    delivered += 1
-                                    events = decoder.decode(sse)
-                                    if decoder.complete:
-                                        # Before the end is handed over: a consumer may stop there.
-                                        await _drain(chunks)
-                                    for event in events:
-                                        yield event
-                                    if decoder.complete:
-                                        return
-                                    if not delivered % _YIELD_EVERY:
-                                        await asyncio.sleep(0)  # the loop's turn (not a wait on the provider)
-                    except FrameError as exc:
-                        raise ProviderError(provider, status=status, note=str(exc)) from None
-            except httpx.ReadTimeout:
-                raise ProviderError(provider, note="stream stalled") from None
+                            for sse in complete:
+                                delivered += 1
+                                events = decoder.decode(sse)
+                                if decoder.complete:
+                                    await _drain(chunks)  # before the end: a consumer may stop there
+                                for event in events:
+                                    yield event
+                                if decoder.complete:
+                                    return
+                                if not delivered % _YIELD_EVERY:
+                                    await asyncio.sleep(0)  # the loop's turn (not a wait on the provider)
+                        idle.waiting = current_task()
+            except FrameError as exc:
+                raise ProviderError(provider, status=response.status_code, note=str(exc)) from None
+            except (httpx.ReadTimeout, asyncio.CancelledError) as exc:  # no byte, or no event, in time?
+                if isinstance(exc, httpx.ReadTimeout) or _stalled(idle):
+                    raise ProviderError(provider, note="stream stalled") from None
+                raise
             except httpx.HTTPError as exc:
                 if not reading and not resuming:
                     raise transport_error(provider, exc) from None
-            except asyncio.CancelledError:
-                task = current_task()
-                if task is not None and idle.interrupted(task):
-                    raise ProviderError(provider, note="stream stalled") from None
-                raise
             finally:
                 idle.waiting = None
             # The body ended, or the connection broke, before the completion signal.
-            end = decoder.end_at_eof()
-            if end is not None:
+            if (end := decoder.end_at_eof()) is not None:
                 yield end
                 return
-            if resume_url is None or delivered == 0:
-                raise ProviderError(provider, note="stream truncated")
-            if reconnects >= max_reconnects:
-                raise ProviderError(provider, note="stream interrupted")
-            reconnects += 1
-            method, target, payload, content = "GET", f"{resume_url}?from={delivered}", None, None
+            target = _resume_at(provider, resume_url, delivered, reconnects, max_reconnects)
+            method, payload, content, reconnects = "GET", None, None, reconnects + 1
     finally:
         idle.close()

@@ -15,7 +15,7 @@ import functools
 from collections.abc import Sequence
 from typing import Protocol
 
-from ._base import Admission, Passage, Step
+from ._base import Admission, Passage, Report, Step
 from ._breaker import ADMIT_CLOSED, Breaker, BreakerDecision, BreakerState, CircuitState, forget_before
 from ._breaker import admit as breaker_admit
 from ._breaker import record as breaker_record
@@ -52,27 +52,8 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
     #: The breaker state changes this step makes (see `Passage.transitions`; rare: no list
     #: until there is one).
     transitions: list[tuple[str, CircuitState]] | None = None
-    report = step.report
-    if report is not None:
-        if report.breaker_key is not None and report.breaker is not None:
-            before = stored = state.breaker(report.breaker_key, now)
-            if report.success_age is not None:
-                before = forget_before(before, report.breaker, now - report.success_age)
-            recorded = breaker_record(before, report.breaker, now, report.outcome, probe=report.probe)
-            if recorded is not stored:  # unchanged (a stale probe, a healthy success): no write
-                state.put_breaker(report.breaker_key, recorded, report.breaker, now)
-                if recorded.state is not before.state:
-                    transitions = [(report.breaker_key, recorded.state)]
-        if report.cooldown_key is not None and report.cooldown_s > 0:
-            seconds = report.cooldown_s
-            if report.cooldown_until is not None:  # a provider's date, read on the store's clock
-                seconds = min(seconds, report.cooldown_until - now)
-            if seconds > 0:
-                state.start_cooldown(report.cooldown_key, seconds, now)
-        if report.spend_key is not None and report.reservation is not None:
-            state.settle(report.spend_key, report.reservation, report.actual, now)
-        if report.charge is not None and report.reservation is not None:
-            settle_charge(state, report.charge, report.reservation, report.actual, report.tokens, now)
+    if step.report is not None:
+        recorded, transitions = _apply_report(state, step.report, now)
     legs = step.legs
     if not legs:
         return Passage(recorded=recorded, transitions=tuple(transitions or ()))
@@ -129,6 +110,35 @@ def run_step(state: StepState, step: Step, now: float) -> Passage:
         tuple(transitions) if transitions else (),
         near=near,
     )
+
+
+def _apply_report(
+    state: StepState, report: Report, now: float
+) -> tuple[BreakerState | None, list[tuple[str, CircuitState]] | None]:
+    """Write what a step reports: the breaker's outcome (the state it recorded, and its
+    transition when it moved), the cooldown it starts, the spend or charge it settles."""
+    recorded: BreakerState | None = None
+    transitions: list[tuple[str, CircuitState]] | None = None
+    if report.breaker_key is not None and report.breaker is not None:
+        before = stored = state.breaker(report.breaker_key, now)
+        if report.success_age is not None:
+            before = forget_before(before, report.breaker, now - report.success_age)
+        recorded = breaker_record(before, report.breaker, now, report.outcome, probe=report.probe)
+        if recorded is not stored:  # unchanged (a stale probe, a healthy success): no write
+            state.put_breaker(report.breaker_key, recorded, report.breaker, now)
+            if recorded.state is not before.state:
+                transitions = [(report.breaker_key, recorded.state)]
+    if report.cooldown_key is not None and report.cooldown_s > 0:
+        seconds = report.cooldown_s
+        if report.cooldown_until is not None:  # a provider's date, read on the store's clock
+            seconds = min(seconds, report.cooldown_until - now)
+        if seconds > 0:
+            state.start_cooldown(report.cooldown_key, seconds, now)
+    if report.spend_key is not None and report.reservation is not None:
+        state.settle(report.spend_key, report.reservation, report.actual, now)
+    if report.charge is not None and report.reservation is not None:
+        settle_charge(state, report.charge, report.reservation, report.actual, report.tokens, now)
+    return recorded, transitions
 
 
 def first_admitted(

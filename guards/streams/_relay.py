@@ -14,6 +14,7 @@ gives it to do the accounting; `done` and `error` give the data of the last even
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -189,32 +190,15 @@ async def relay(
     `writer` writes the events (guards' own, `GUARDS_EVENTS`, by default), each lone surrogate
     of their text replaced by U+FFFD (the first events have none: `open_stream`).
     """
-    if writer is None:
-        writer = GUARDS_EVENTS.writer()
+    writer = GUARDS_EVENTS.writer() if writer is None else writer
     text, encode = writer.text, writer.event
     task = asyncio.current_task()
     assert task is not None
-    alarm = Alarm(deadline)
-    _live.add(alarm)
-    if _stopping:
-        alarm.ring()
-    unsettled = asyncio.get_running_loop().create_future()
-    _unsettled.add(unsettled)
-
-    async def settle(relayed: Relayed) -> None:
-        try:
-            await ended(relayed)
-        finally:
-            _unsettled.discard(unsettled)
-            unsettled.set_result(None)
-
-    upstream = opened.iter_events
+    alarm, settle = _alarm(deadline), _settler(ended)
     delivered = 0
     end: StreamEnd | None = opened.end
-    failure: GuardTripped | None = None
     try:
-        preamble = writer.start()
-        if preamble:
+        if preamble := writer.start():
             yield preamble
         for event in opened.first:
             delivered += chars(event)
@@ -227,7 +211,7 @@ async def relay(
             # `alarm.waiting` is set exactly while the loop's header awaits the next event: the
             # only wait the alarm may interrupt (see `Alarm`).
             alarm.waiting = task
-            async for event in upstream:
+            async for event in opened.iter_events:
                 alarm.waiting = None
                 if type(event) is TextDelta:  # the hot path: one per token
                     delivered += len(event.text)
@@ -249,83 +233,138 @@ async def relay(
             else:
                 raise ProviderError(provider, note="stream truncated")
     except BaseException as exc:
-        alarm.waiting = None
-        _live.discard(alarm)
-        rang = alarm.interrupted(task) or isinstance(exc, _TimeUp)
-        # A cancellation that is neither the alarm's nor its client's (the response cancels
-        # the scope the relay runs in when its client leaves) is the server's, cancelling the
-        # request while its client reads: uvicorn at the end of its graceful shutdown.
-        cut = (
-            not rang
-            and isinstance(exc, asyncio.CancelledError)
-            and anyio.current_effective_deadline() != -math.inf
-        )
-        stopped = (rang and _stopping) or cut
-        if stopped:
-            failure = GuardTripped(Reason.timeout, SHUTDOWN_DETAIL, model=model)
-        elif rang:
-            failure = GuardTripped(
-                Reason.timeout,
-                f"the stream reached its time limit ({max_s:g}s)",
-                kind=Kind.model_temporarily_unavailable,
-                model=model,
-            )
-        elif isinstance(exc, _OverSize):
-            failure = GuardTripped(
-                Reason.provider_error,
-                f"the stream reached its size limit ({max_chars} characters)",
-                kind=Kind.model_unavailable,
-                model=model,
-            )
-        elif isinstance(exc, Exception):
-            kind = classify(exc).kind
-            failure = GuardTripped(
-                Reason.provider_error, "stream interrupted after output", kind=kind, model=model
-            )
-        else:
-            # The client left (or the server is stopping): no verdict on the model; what was
-            # delivered is recorded, nothing more is fetched or billed.
-            with anyio.CancelScope(shield=True):
-                alarm.close()
-                await aclose(upstream)
-                await settle(Relayed(Kind.cancelled.value, Outcome.released, end, delivered, None))
-            raise
-        # The provider's stream is closed before the client hears of the end (and a client
-        # that leaves meanwhile does not keep the end from being settled).
-        alarm.close()
+        relayed, cut = _ended_by(exc, alarm.interrupted(task), model, max_s, max_chars, end, delivered)
+        _put_away(alarm)
+        # The provider's stream is closed before the client hears of the end (a client that
+        # leaves meanwhile does not keep the end from being settled). The client gone, or the
+        # request cancelled (its `error` event handed to the response: `StreamCut`): settled now.
         with anyio.CancelScope(shield=True):
-            await aclose(upstream)
+            await aclose(opened.iter_events)
+            if relayed.failure is None or cut:
+                await settle(relayed)
+        if (failure := relayed.failure) is None:
+            raise
         if cut:
-            # The request is being cancelled: settle now, and hand the last events to the
-            # response (`StreamCut`), which writes them before the cancellation goes on.
-            with anyio.CancelScope(shield=True):
-                await settle(
-                    Relayed(Kind.cancelled.value, Outcome.released, end, delivered, failure, stopped=True)
-                )
             raise StreamCut(writer.error(error(failure)), exc) from None
-        if stopped:
-            # Not the model's doing: no verdict on it, and the attempt counts as cancelled.
-            relayed = Relayed(Kind.cancelled.value, Outcome.released, end, delivered, failure, stopped=True)
-        else:
-            relayed = Relayed(
-                failure.kind.value if failure.kind else "ok", Outcome.failure, end, delivered, failure
-            )
         try:
             yield writer.error(error(failure))
         finally:
             await settle(relayed)
         return
-    _live.discard(alarm)
-    alarm.close()
-    if end.finish_reason == "content_filter":
-        failure = GuardTripped(Reason.moderation_blocked, "the provider filtered the stream", model=model)
-        last, relayed = writer.error(error(failure)), Relayed("ok", Outcome.success, end, delivered, failure)
-    else:
-        last, relayed = writer.done(done(end)), Relayed("ok", Outcome.success, end, delivered, None)
+    _put_away(alarm)
+    last, relayed = _finished(writer, done, error, end, delivered, model)
     try:
         yield last
     finally:
         await settle(relayed)
+
+
+def _alarm(deadline: float) -> Alarm:
+    """A stream's alarm at `deadline`, among those `stop_streams` rings (rung at once when it
+    was called)."""
+    alarm = Alarm(deadline)
+    _live.add(alarm)
+    if _stopping:
+        alarm.ring()
+    return alarm
+
+
+def _put_away(alarm: Alarm) -> None:
+    """The stream is over: its alarm stopped, and no longer among those `stop_streams` rings."""
+    alarm.waiting = None
+    _live.discard(alarm)
+    alarm.close()
+
+
+def _settler(ended: Callable[[Relayed], Awaitable[None]]) -> Callable[[Relayed], Awaitable[None]]:
+    """`ended`, awaited once, which `settled()` waits for until it has returned."""
+    unsettled = asyncio.get_running_loop().create_future()
+    _unsettled.add(unsettled)
+    return functools.partial(_settle, ended, unsettled)
+
+
+async def _settle(
+    ended: Callable[[Relayed], Awaitable[None]], unsettled: asyncio.Future[None], relayed: Relayed
+) -> None:
+    """Hand how the relay ended to its `ended` callback, then mark the relay settled
+    (`settled()` waits for it)."""
+    try:
+        await ended(relayed)
+    finally:
+        _unsettled.discard(unsettled)
+        unsettled.set_result(None)
+
+
+def _ended_by(
+    exc: BaseException,
+    rang: bool,
+    model: str,
+    max_s: float,
+    max_chars: int,
+    end: StreamEnd | None,
+    delivered: int,
+) -> tuple[Relayed, bool]:
+    """How a stream stopped by `exc` ended (`rang`: its alarm interrupted the wait for the next
+    event), and whether the server cut it while its client read (its request is being
+    cancelled). A cancellation that is neither the alarm's nor its client's (the response
+    cancels the scope the relay runs in when its client leaves) is the server's, cancelling the
+    request while its client reads: uvicorn at the end of its graceful shutdown."""
+    rang = rang or isinstance(exc, _TimeUp)
+    cut = (
+        not rang
+        and isinstance(exc, asyncio.CancelledError)
+        and anyio.current_effective_deadline() != -math.inf
+    )
+    stopped = (rang and _stopping) or cut
+    failure = _failure(exc, rang, stopped, model, max_s, max_chars)
+    if failure is None or stopped:  # not the model's doing: no verdict on it, the attempt cancelled
+        return Relayed(Kind.cancelled.value, Outcome.released, end, delivered, failure, stopped), cut
+    kind = failure.kind.value if failure.kind else "ok"
+    return Relayed(kind, Outcome.failure, end, delivered, failure), False
+
+
+def _failure(
+    exc: BaseException, rang: bool, stopped: bool, model: str, max_s: float, max_chars: int
+) -> GuardTripped | None:
+    """What the `error` event of a stream ended by `exc` says (`rang`: its time limit passed;
+    `stopped`: the server cut it). None: the client left, or the server cancelled the request
+    while the response waited on the client (no event)."""
+    if stopped:
+        return GuardTripped(Reason.timeout, SHUTDOWN_DETAIL, model=model)
+    if rang:
+        return GuardTripped(
+            Reason.timeout,
+            f"the stream reached its time limit ({max_s:g}s)",
+            kind=Kind.model_temporarily_unavailable,
+            model=model,
+        )
+    if isinstance(exc, _OverSize):
+        return GuardTripped(
+            Reason.provider_error,
+            f"the stream reached its size limit ({max_chars} characters)",
+            kind=Kind.model_unavailable,
+            model=model,
+        )
+    if isinstance(exc, Exception):
+        kind = classify(exc).kind
+        return GuardTripped(Reason.provider_error, "stream interrupted after output", kind=kind, model=model)
+    return None
+
+
+def _finished(
+    writer: StreamWriter,
+    done: Callable[[StreamEnd | None], dict[str, Any]],
+    error: Callable[[GuardTripped], dict[str, Any]],
+    end: StreamEnd | None,
+    delivered: int,
+    model: str,
+) -> tuple[bytes, Relayed]:
+    """The last event of a stream that completed (`end`), and how it ended: `done`, or
+    `error` when the provider filtered it (`moderation_blocked`)."""
+    if end is not None and end.finish_reason == "content_filter":
+        failure = GuardTripped(Reason.moderation_blocked, "the provider filtered the stream", model=model)
+        return writer.error(error(failure)), Relayed("ok", Outcome.success, end, delivered, failure)
+    return writer.done(done(end)), Relayed("ok", Outcome.success, end, delivered, None)
 
 
 def _lone_surrogate(event: StreamEvent) -> bool:

@@ -4,7 +4,7 @@ the request's spend hold settles to (`_store_steps.report_end`)."""
 
 from __future__ import annotations
 
-import time
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from ..contracts._binding import AIResult
@@ -20,15 +20,15 @@ if TYPE_CHECKING:
     from ..spec._route_spec import Leg
     from ._state import RequestState
 
-__all__ = ["account", "on_attempt", "worst"]
+__all__ = ["account", "answered", "on_attempt", "worst"]
 
 
 def on_attempt(state: RequestState, outcome: Any, started: float) -> None:
     """Count one provider call on the leg being called, ended in `outcome` (a result, an
     `Opened` stream, or what it raised). A stream that reached its first output is accounted
     for when it ends (`_streaming`). A call cancelled while waiting for a connection never
-    left: it is not one. (The walk counts the usual success itself, inline.)"""
-    elapsed = time.perf_counter() - started
+    left: it is not one. (The walk counts its answers with `answered`.)"""
+    elapsed = perf_counter() - started
     leg = state._leg
     if isinstance(outcome, BaseException) and (
         never_admitted(outcome) or (isinstance(outcome, NoFirstOutput) and outcome.never_sent)
@@ -58,6 +58,38 @@ def on_attempt(state: RequestState, outcome: Any, started: float) -> None:
             status=outcome.status if provider_error else None,
             code=outcome.code if provider_error else None,
         )
+
+
+def answered(state: RequestState, leg: Leg, result: Any, started: float) -> None:
+    """Count the call to `leg` that answered `result` (its first attempt's): `on_attempt`, with
+    its usual case (an `AIResult` with no price, no token cap: no cost to add) inline, as it
+    is on every request's path."""
+    route = state._route
+    if type(result) is not AIResult or leg.price is not None or route.token_capped:
+        on_attempt(state, result, started)
+        return
+    state.attempts += 1
+    if (usage := result.usage) is not None:
+        state.usage = usage if state.usage is None else state.usage + usage
+    state._held = state._observe.attempt_ended(
+        (
+            route,
+            state.trace_id,
+            leg,
+            state.attempts,
+            "ok",
+            usage,
+            result.model or leg.ref.model,
+            perf_counter() - started,
+            None,
+            None,
+            None,
+            None,
+            resumed(state._request) if route.task is not None else (),
+            None,
+        ),
+        state._held,
+    )
 
 
 def account(

@@ -23,7 +23,6 @@ the walk goes on; legs without one are called as they are.
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Awaitable, Callable, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
@@ -32,22 +31,21 @@ import anyio
 
 from ..contracts._binding import AIResult, Binding
 from ..contracts._errors import GuardTripped
-from ..policies._call import CallFailed, call_model
+from ..policies._call import CallFailed
 from ..policies._chain import DEFAULT_PROVIDER
 from ..stores import Passage, StoreUnavailable
 from ..stores._breaker import Outcome
 from ..waits._admission import never_admitted, waited_for_admission
 from ..waits._deadline import Deadline
 from ..waits._first_output import limited
-from ._accounting import on_attempt
-from ._checkpoints import resumed
+from ._accounting import answered, on_attempt
 from ._known import known_refused
-from ._retries import alone, before_retry, leg_limit
-from ._store_steps import admitted, cool_down, leg_down, next_step, record, send, settle
+from ._retries import retried
+from ._store_steps import admitted, leg_down, next_step, record, send, settle
 from ._store_steps import report as report_call
 from ._store_steps import report_end as settled
 from ._verdicts import exhausted, gone, timed_out
-from ._windows import LIMIT_KINDS, Limits, flagged
+from ._windows import LIMIT_KINDS, Limits, moved_by_filter
 
 if TYPE_CHECKING:
     from ..spec._route_spec import GuardedRoute, Leg
@@ -104,232 +102,219 @@ async def walk(
     answer (of `run` calls) under the walk's deadline: a rejected one moves the walk on to the
     leg and inputs it says, its call already reported. The caller records the outcome and
     settles the spend; on failure this settles and raises `GuardTripped`."""
-    route, observe = state._route, state._observe
-    if state._notes:
-        state._notes = []  # the notes of this walk only
-    state._waits = None
-    start = 0
-    if route.legs[0].known.until and not state.attempts:
-        # The request's first walk, its first model known refused (`_known`): skipped as the
-        # store would. When every model is, the walk ends as when the store refuses them all,
-        # with nothing to report, charge or settle, and no deadline to keep.
-        start = known_refused(state, 0)
-        if start == len(route.legs):
-            raise exhausted(state, None, False, state._shared.attribution == "detailed")
+    route = state._route
+    start = _first_start(state)
     inflight: Leg | None = None  # the leg being called (its probe ticket: `probe`)
     probe: float | None = None
     last: GuardTripped | None = None
     spent = False  # the request's attempt budget ran out before a leg
-    # Context windows and content filters (`_windows`): made now only when a leg declares a
-    # window, else at a call that hits such a limit.
-    limits = Limits(state, inputs) if route.windowed else None
-    timeout_s = route.timeout_s
-    if state._scope is None:  # the request's first walk: from the request's arrival
-        timeout_s -= perf_counter() - state._started
+    limits = Limits(state, inputs) if route.windowed or route.content_filter_fallback else None  # or on a hit
     try:
-        on_mark = _start_watch if state._request is not None else None
-        # Kept before it is entered: a deadline already passed raises there, and the request's
-        # later walks are still later walks.
-        scope = state._scope = Deadline(timeout_s, on_mark, state)
+        scope = state._scope = _deadline(state)
         with scope:
-            deadline = scope.when
             try:
-                legs, report = route.legs, None
-                count = len(legs)
+                legs, report, count = route.legs, None, len(route.legs)
                 while True:
                     if limits is not None and start < count:
                         start = limits.skip(start)  # the legs this request cannot be sent to
-                    # One store operation: the last call's report, then the next admission.
                     if start < count and state.attempts >= state.attempt_budget:
                         spent, start = True, count  # no further call: report only
-                    left = start < count and state.attempts > 0 and await client_gone(state)
-                    if left or start >= count:
-                        # The walk is over: the report settles the spend too.
-                        if (ending := settled(state, report)) is not None:
-                            await send(state, ending)
-                        if left:
-                            raise gone(state, legs[start])
+                    if start >= count or (state.attempts > 0 and await client_gone(state)):
+                        await _over(state, report, legs[start] if start < count else None)
                         break
-                    if state.attempts and legs[start].known.until:
-                        # After a call, a model known refused (`_known`, as above): skipped
-                        # as the store would, with no store operation.
-                        known = known_refused(state, start)
-                        if known != start:
-                            start = known
-                            continue
-                    first = state._first
-                    if (
-                        first is not None
-                        and not start
-                        and report is None
-                        and not state._charged
-                        and first.legs is route.step_legs
-                        and not route.holds
-                    ):
-                        step = first  # `next_step`'s usual answer, inline: every request's path
-                    else:
-                        step = next_step(state, start, report, inputs)
-                    try:
+                    if state.attempts and (known := known_refused(state, start)) != start:
+                        start = known  # after a call, skipped as the store would (`_known`)
+                        continue
+                    step = next_step(state, start, report, inputs)
+                    try:  # one store operation: the last call's report, then the next admission
                         passage: Passage | None = await state._shared.store.step(step)
                     except StoreUnavailable:
                         passage = None
-                    let_in = admitted(state, start, step, passage)
-                    if let_in is None:
+                    if (let_in := admitted(state, start, step, passage)) is None:
                         break
                     index, probe, record_success = let_in
                     leg = legs[index]
                     if limits is not None and index > start and limits.unfit(leg) is not None:
-                        # The store admitted a leg past `start` (those before it resting) that
-                        # this request cannot be sent to: the next step frees its probe slot,
-                        # and the walk goes on after it (the loop's first check skips it).
-                        start, report = index, None
-                        if probe is not None:
-                            report = report_call(state, leg, Outcome.released, probe, settle=False)
+                        start, report = index, _unfit(state, leg, probe)
                         continue
-                    inflight = leg
-                    state._leg = leg
-                    call: Call[Any]
-                    if call_for is None:  # the leg's binding's `run` (`binding`, inline)
-                        provider = leg.ref.provider
-                        shared = state._shared
-                        call = (shared.binding if provider is None else shared.providers[provider]).run
-                    else:
-                        call = call_for(leg)
-                    if leg.first_output_s is not None:
-                        call = first_output_limited(state, leg, call, signalled=call_for is None)
-                    if observe.trace is not None:
-                        call = traced(state, call, leg)
-                    made = state.attempts  # the request's calls before this leg's
-                    started = perf_counter()
+                    inflight = state._leg = leg
+                    call = _call(state, leg, call_for)
+                    made, started = state.attempts, perf_counter()  # the calls before this leg's
                     try:
-                        # The leg's first call, made here; `call_model` only retries a
-                        # failure (one coroutine less on every request's path).
-                        result = await call(leg.ref.model, inputs)
+                        result = await call(leg.ref.model, inputs)  # retried by `retried`
                     except Exception as error:
                         on_attempt(state, error, started)
                         try:
-                            # A half-open probe is one call: it tells whether the model is
-                            # back, and its failure moves on at once.
-                            probing = probe is not None
-                            result, _ = await call_model(
-                                call,
-                                leg.ref.model,
-                                inputs,
-                                policy=route.retry,
-                                deadline=deadline,
-                                limit=(
-                                    1
-                                    if probing
-                                    else leg_limit(state, index, made)
-                                    if index + 1 < count
-                                    else state.attempt_budget - made  # the last leg's
-                                ),
-                                sleep=state._shared.sleep,
-                                on_attempt=lambda _, outcome, began: on_attempt(state, outcome, began),
-                                on_retry=functools.partial(before_retry, state),
-                                failed=error,
-                                wait_out=(
-                                    None
-                                    if probing or not alone(state, index)
-                                    else functools.partial(cool_down, state, leg)
-                                ),
-                            )
+                            result, _ = await retried(state, leg, index, call, inputs, error, made, probe)
                         except CallFailed as failure:
                             inflight = None
                             report, last = await leg_down(state, leg, failure, probe)
-                            start = index + 1
-                            if (kind := failure.verdict.kind) in LIMIT_KINDS:
-                                if limits is None:
-                                    limits = Limits(state, inputs)
-                                if not limits.failed(leg, kind):
-                                    start = count  # the walk ends here
+                            start, limits = _after_failure(state, inputs, limits, index, failure)
                             continue
-                    except BaseException as stopped:  # cancelled: it may still be billed
-                        on_attempt(state, stopped, started)
+                    except BaseException as cancelled:  # it may still be billed
+                        on_attempt(state, cancelled, started)
                         raise
                     else:
-                        if route.content_filter_fallback and type(result) is AIResult and result.moderated:
-                            # Its provider flagged the answer: its content filter (`_windows`).
-                            inflight, start, limits = None, index + 1, limits or Limits(state, inputs)
-                            report, last = flagged(state, leg, result, started, probe, record_success, limits)
-                            continue
-                        if check is not None:  # the route moves rejected answers on (`_rejected`)
+                        moved = moved_by_filter(
+                            state, leg, index, result, started, probe, record_success, limits, inputs
+                        )
+                        if moved is None and check is not None:
                             moved = await check.moved_on(
                                 state, leg, index, result, started, probe, record_success
                             )
-                            if moved is not None:
-                                inflight = None
-                                report, last, start, inputs = moved
-                                continue
-                        if type(result) is AIResult and leg.price is None and not route.token_capped:
-                            # `on_attempt`'s usual case, inline (every request's path): a
-                            # success with no price, so no cost to add.
-                            state.attempts += 1
-                            if (usage := result.usage) is not None:
-                                state.usage = usage if state.usage is None else state.usage + usage
-                            state._held = observe.attempt_ended(
-                                (
-                                    route,
-                                    state.trace_id,
-                                    leg,
-                                    state.attempts,
-                                    "ok",
-                                    usage,
-                                    result.model or leg.ref.model,
-                                    perf_counter() - started,
-                                    None,
-                                    None,
-                                    None,
-                                    None,
-                                    resumed(state._request) if route.task is not None else (),
-                                    None,
-                                ),
-                                state._held,
-                            )
-                        else:
-                            on_attempt(state, result, started)
+                        if moved is not None:
+                            inflight, (report, last, start, inputs) = None, moved
+                            continue
+                        answered(state, leg, result, started)
                     if route.slow_call_s is not None:
-                        # A breaker counting slow calls hears of every call: the leg's time
-                        # from its first attempt to its answer (a stream's first output).
-                        state._slow = perf_counter() - started > route.slow_call_s
-                        record_success = True
+                        record_success = _timed(state, started)
                     return leg, result, probe, record_success
             finally:
                 if state._watch is not None:
-                    state._watch.cancel()
-                    state._watch = None
-    except TimeoutError as expired:
-        leg = inflight if inflight is not None else state._leg
-        if state._gone:  # the watcher ended the walk: no verdict on the model
-            if inflight is not None:
-                await record(state, leg, Outcome.released, probe)
-            await settle(state)
-            raise gone(state, leg) from None
-        # A call that spent its deadline waiting for a connection: no verdict on the model.
-        queued = waited_for_admission(expired)
-        if inflight is not None:
-            await record(state, leg, Outcome.released if queued else Outcome.failure, probe)
-        await settle(state)
-        raise timed_out(state, leg, never_admitted(expired)) from None
-    except GuardTripped:
-        # A budget refusal (before any call) or the client gone: no verdict on the model.
-        if inflight is not None:
-            await record(state, inflight, Outcome.released, probe)
-        await settle(state)
+                    _stop_watch(state)
+    except BaseException as stopped:
+        await _stopped(state, inflight, probe, stopped)  # raises a timeout's verdict
         raise
-    except BaseException:
-        # Cancelled from outside (server stopping): no verdict on the model, but a probe
-        # slot must be freed and the spend settled, shielded from the cancellation.
+    raise await _no_answer(state, limits, last, spent)
+
+
+def _first_start(state: RequestState) -> int:
+    """Ready `state` for a walk, and the leg it starts from: the request's first walk skips a
+    first model known refused (`_known`) as the store would. When every model is, the walk
+    ends (`exhausted`) as when the store refuses them all, with nothing to report, charge or
+    settle, and no deadline to keep."""
+    if state._notes:
+        state._notes = []  # the notes of this walk only
+    state._waits = None
+    legs = state._route.legs
+    if not legs[0].known.until or state.attempts:
+        return 0
+    start = known_refused(state, 0)
+    if start == len(legs):
+        raise exhausted(state, None, False, state._shared.attribution == "detailed")
+    return start
+
+
+def _deadline(state: RequestState) -> Deadline:
+    """The walk's deadline: the request's first walk's from the request's arrival (the time to
+    take it in counts), each later walk's from its start. A request being served watches its
+    client from the deadline's mark (`MARK_AFTER_S`). The walk keeps it before entering it: a
+    deadline already passed raises there, and the request's later walks are still later walks."""
+    timeout_s = state._route.timeout_s
+    if state._scope is None:  # the request's first walk
+        timeout_s -= perf_counter() - state._started
+    return Deadline(timeout_s, _start_watch if state._request is not None else None, state)
+
+
+async def _over(state: RequestState, report: Report | None, left: Leg | None) -> None:
+    """The walk is over before another call: the last call's `report`, which settles the spend
+    too, sent. `left`: the client left before the walk got to that leg (raises `gone`)."""
+    if (ending := settled(state, report)) is not None:
+        await send(state, ending)
+    if left is not None:
+        raise gone(state, left)
+
+
+def _unfit(state: RequestState, leg: Leg, probe: float | None) -> Report | None:
+    """What the next step reports of an admitted leg the request cannot be sent to: the probe
+    slot it took, freed (None: it took none)."""
+    if probe is None:
+        return None
+    return report_call(state, leg, Outcome.released, probe, settle=False)
+
+
+def _call(state: RequestState, leg: Leg, call_for: Callable[[Leg], Call[Any]] | None) -> Call[Any]:
+    """What makes one attempt on `leg`: `call_for(leg)`, by default its binding's `run`
+    (`binding`, inline), each attempt limited to the leg's first-output time and traced when
+    the leg and the request ask for it."""
+    call: Call[Any]
+    if call_for is None:
+        provider = leg.ref.provider
+        shared = state._shared
+        call = (shared.binding if provider is None else shared.providers[provider]).run
+    else:
+        call = call_for(leg)
+    if leg.first_output_s is not None:
+        call = first_output_limited(state, leg, call, signalled=call_for is None)
+    if state._observe.trace is not None:
+        call = traced(state, call, leg)
+    return call
+
+
+def _after_failure(
+    state: RequestState, inputs: Mapping[str, Any], limits: Limits | None, index: int, failure: CallFailed
+) -> tuple[int, Limits | None]:
+    """Where the walk goes on after the leg at `index` gave up (the next leg), and the request's
+    limits: a failure that is the request's own limit (a context window, a content filter:
+    `_windows`) starts them, and may leave no later leg to try (the walk ends)."""
+    if (kind := failure.verdict.kind) not in LIMIT_KINDS:
+        return index + 1, limits
+    if limits is None:
+        limits = Limits(state, inputs)
+    legs = state._route.legs
+    return (index + 1 if limits.failed(legs[index], kind) else len(legs)), limits
+
+
+def _timed(state: RequestState, started: float) -> bool:
+    """A breaker counting slow calls hears of every call: whether the leg's time from its
+    first attempt to its answer (a stream's first output) was slow is kept for its record
+    (`finish_leg`). Returns True: the success must be recorded."""
+    slow_call_s = state._route.slow_call_s
+    assert slow_call_s is not None
+    state._slow = perf_counter() - started > slow_call_s
+    return True
+
+
+def _stop_watch(state: RequestState) -> None:
+    """The walk is over: stop watching the client."""
+    assert state._watch is not None
+    state._watch.cancel()
+    state._watch = None
+
+
+async def _stopped(
+    state: RequestState, inflight: Leg | None, probe: float | None, stopped: BaseException
+) -> None:
+    """The walk stopped by `stopped`: the call in flight (`inflight`, its probe ticket `probe`)
+    recorded and the spend settled. A budget refusal (before any call), the client gone (the
+    watcher, or a check between models) and a cancellation from outside (the server stopping,
+    shielded from it) say nothing of the model. Its deadline passing fails the call in flight,
+    unless it spent the deadline waiting for a connection, and raises `timed_out` instead."""
+    if isinstance(stopped, GuardTripped):
+        await _released(state, inflight, probe)
+    elif not isinstance(stopped, TimeoutError):
         with anyio.CancelScope(shield=True):
-            if inflight is not None:
-                await record(state, inflight, Outcome.released, probe)
-            await settle(state)
-        raise
+            await _released(state, inflight, probe)
+    elif state._gone:  # the watcher ended the walk
+        await _released(state, inflight, probe)
+        raise gone(state, inflight if inflight is not None else state._leg) from None
+    else:
+        queued = waited_for_admission(stopped)
+        if inflight is not None:
+            await record(state, inflight, Outcome.released if queued else Outcome.failure, probe)
+        await settle(state)
+        leg = inflight if inflight is not None else state._leg
+        raise timed_out(state, leg, never_admitted(stopped)) from None
+
+
+async def _released(state: RequestState, inflight: Leg | None, probe: float | None) -> None:
+    """No verdict on the model: the call in flight (its probe slot) released, the spend settled."""
+    if inflight is not None:
+        await record(state, inflight, Outcome.released, probe)
+    await settle(state)
+
+
+async def _no_answer(
+    state: RequestState, limits: Limits | None, last: GuardTripped | None, spent: bool
+) -> GuardTripped:
+    """The walk ended with no answer (`last`: the last model's failure; `spent`: the attempt
+    budget ran out first): the spend settled, and the verdict to raise (a request's own
+    limit's, when one kept it from every model: `_windows`)."""
     if state._hold is not None:
         await settle(state)
     if limits is not None and (limited := limits.verdict(last)) is not None:
-        raise limited
-    raise exhausted(state, last, spent, state._shared.attribution == "detailed")
+        return limited
+    return exhausted(state, last, spent, state._shared.attribution == "detailed")
 
 
 def first_output_limited(state: RequestState, leg: Leg, call: Call[R], *, signalled: bool) -> Call[R]:

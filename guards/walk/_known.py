@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..stores._breaker import CircuitState
+
 if TYPE_CHECKING:
     from ..spec._route_spec import Leg
+    from ..stores import Passage
     from ._state import RequestState
 
-__all__ = ["forget", "known_refused", "remember", "skip"]
+__all__ = ["forget", "known_refused", "passed_over", "remember", "skip"]
 
 #: A skip's note, by reason (the text built once).
 _SKIPPED = {why: f"skipped ({why})" for why in ("cooldown", "circuit_open")}
@@ -36,6 +39,8 @@ def known_refused(state: RequestState, start: int) -> int:
     skipped as the store would skip it: `skip`'s note and event, with the wait left."""
     route = state._route
     legs = route.legs
+    if start < len(legs) and not legs[start].known.until:
+        return start  # nothing known of it: the store decides
     now = state._shared.success_clock()
     while start < len(legs):
         leg = legs[start]
@@ -72,3 +77,28 @@ def skip(state: RequestState, leg: Leg, why: str, wait_s: float | None) -> None:
     the observers."""
     state._note(leg, _SKIPPED.get(why) or f"skipped ({why})", wait_s)
     state._observe.skipped((state._route, state.trace_id, leg, why, wait_s))
+
+
+def passed_over(state: RequestState, start: int, passage: Passage) -> None:
+    """The legs from `start` the store passed over (cooling down, or refused by their breaker),
+    each noted and remembered (`_known`), and each breaker state it read seen, up to the one
+    it admitted (or whose charge it refused), which is no longer known refused."""
+    legs, decisions = state._route.legs, passage.decisions
+    for offset, wait in enumerate(passage.waits):
+        leg = legs[start + offset]
+        if wait > 0:
+            skip(state, leg, "cooldown", wait)
+            remember(state, leg, "cooldown", wait)
+            continue
+        decision = decisions[offset] if offset < len(decisions) else None
+        if decision is not None:
+            if decision.state is not leg.last_state[0]:
+                leg.saw(decision.state)
+            if not decision.allowed:
+                skip(state, leg, "circuit_open", decision.retry_after_s)
+                if decision.state is CircuitState.open:  # (half-open: a probe may close it sooner)
+                    remember(state, leg, "circuit_open", decision.retry_after_s)
+                continue
+        if leg.known.until:
+            forget(leg)  # admitted (or its charge refused): the store let it through
+        break  # the leg admitted, or the one whose charge was refused

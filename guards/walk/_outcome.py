@@ -6,14 +6,16 @@ from __future__ import annotations
 from logging import INFO
 from random import random
 from time import perf_counter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..observe._log import emit, logger
 from ..observe._metrics import flush_soon
 from ._events import RequestEnded
 
 if TYPE_CHECKING:
+    from ..contracts._errors import GuardTripped
     from ..spec._tracing import RequestTrace
+    from ._events import AttemptEnded
 
 __all__ = ["Traced", "request_ended"]
 
@@ -75,25 +77,7 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         return
     if outcome == "ok" and observers.log_sample < 1.0 and random() >= observers.log_sample:
         return  # sampled out: a success (every other outcome keeps its line)
-    if held is not None:  # the request's only attempt: no `attempt` line was written for it
-        usage, elapsed_s, delivered, provider_status, provider_code = (
-            held[5],
-            held[7],
-            held[9],
-            held[10],
-            held[11],
-        )
-        attempt = {
-            "prompt_tokens": usage.prompt_tokens if usage is not None else None,
-            "completion_tokens": usage.completion_tokens if usage is not None else None,
-            "call_ms": round(elapsed_s * 1000, 2),
-            "delivered_chars": delivered,
-            "provider_status": provider_status,
-            "provider_code": provider_code,
-        }
-        extra = attempt if extra is None else {**attempt, **extra}
-    if tripped is not None and tripped.scope is not None:  # the budget scope that refused
-        extra = {**(extra or {}), "scope": tripped.scope}
+    extra = _extra(extra, held, tripped)
     emit(
         "request",
         route=route.name,
@@ -113,3 +97,30 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         latency_ms=round(elapsed * 1000, 2),
         **(extra or {}),
     )
+
+
+def _extra(
+    extra: dict[str, Any] | None, held: AttemptEnded | None, tripped: GuardTripped | None
+) -> dict[str, Any] | None:
+    """The request line's `extra` fields, with those of the request's only attempt (`held`:
+    no `attempt` line was written for it) and the budget scope that refused it."""
+    if held is not None:
+        usage, elapsed_s, delivered, provider_status, provider_code = (
+            held[5],
+            held[7],
+            held[9],
+            held[10],
+            held[11],
+        )
+        attempt = {
+            "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+            "completion_tokens": usage.completion_tokens if usage is not None else None,
+            "call_ms": round(elapsed_s * 1000, 2),
+            "delivered_chars": delivered,
+            "provider_status": provider_status,
+            "provider_code": provider_code,
+        }
+        extra = attempt if extra is None else {**attempt, **extra}
+    if tripped is not None and tripped.scope is not None:  # the budget scope that refused
+        extra = {**(extra or {}), "scope": tripped.scope}
+    return extra

@@ -1,20 +1,28 @@
-"""Retries within a walk: how many calls a leg may make (so a retry never starves the
-fallbacks), whether a retry the policy allows is admitted by the model's retry budget, and
-whether a leg is alone (no other model left to answer: a short provider wait is then waited out,
-`Retry.wait_out_s`)."""
+"""Retries within a walk: a leg's retries after its first call failed (`retried`), how many
+calls a leg may make (so a retry never starves the fallbacks), whether a retry the policy allows
+is admitted by the model's retry budget, and whether a leg is alone (no other model left to
+answer: a short provider wait is then waited out, `Retry.wait_out_s`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..policies._call import call_model
 from ..policies._retry_budget import admit_retry
+from ._accounting import on_attempt
 from ._events import Retried
+from ._store_steps import cool_down
 
 if TYPE_CHECKING:
     from ..contracts._classify import Classification
+    from ..spec._route_spec import Leg
     from ._state import RequestState
 
-__all__ = ["alone", "before_retry", "leg_limit"]
+__all__ = ["alone", "before_retry", "leg_limit", "retried"]
+
+R = TypeVar("R")
 
 
 def leg_limit(state: RequestState, index: int, made: int) -> int:
@@ -69,3 +77,37 @@ def before_retry(state: RequestState, attempt: int, verdict: Classification, del
         )
     )
     return admitted
+
+
+def retried(
+    state: RequestState,
+    leg: Leg,
+    index: int,
+    call: Callable[[str, Mapping[str, Any]], Awaitable[R]],
+    inputs: Mapping[str, Any],
+    error: Exception,
+    made: int,
+    probe: float | None,
+) -> Awaitable[tuple[R, int]]:
+    """The retries of `leg`, at `index`, after its first call failed with `error`
+    (`call_model`, awaited by the walk: no coroutine of its own), the request having made
+    `made` calls before the leg. A half-open probe is one call: it tells whether the model is
+    back, and its failure moves on at once; a leg with later legs leaves them their calls
+    (`leg_limit`); a leg alone waits a short provider wait out (`cool_down`). Raises
+    `CallFailed`."""
+    probing = probe is not None
+    last = index + 1 >= len(state._route.legs)
+    assert state._scope is not None  # the walk's
+    return call_model(
+        call,
+        leg.ref.model,
+        inputs,
+        policy=state._route.retry,
+        deadline=state._scope.when,
+        limit=1 if probing else state.attempt_budget - made if last else leg_limit(state, index, made),
+        sleep=state._shared.sleep,
+        on_attempt=lambda _, outcome, began: on_attempt(state, outcome, began),
+        on_retry=functools.partial(before_retry, state),
+        failed=error,
+        wait_out=None if probing or not alone(state, index) else functools.partial(cool_down, state, leg),
+    )

@@ -23,7 +23,7 @@ from ..stores import Charge, Passage, Report, Step, StoreUnavailable
 from ..stores._breaker import CircuitState, Outcome
 from ._events import BreakerMoved, BudgetNear, CooldownStarted, StoreFailed
 from ._holds import holding, settled
-from ._known import forget, remember, skip
+from ._known import forget, passed_over, remember
 from ._verdicts import COOLDOWN_KINDS, LIMIT_REASONS, failed
 
 if TYPE_CHECKING:
@@ -94,23 +94,7 @@ def admitted(
     legs = route.legs
     report, charge = step.report, step.charge
     if passage is None:
-        report_lost(state, report)
-        state._observe.store_failed(StoreFailed(route, state.trace_id, "cooldown", mode="open"))
-        if route.breaker is not None:
-            store_failed(state, "breaker", route.breaker.on_store_failure)
-        if charge is not None and route.budget is not None:
-            local = route.local_share
-            if local is None:
-                closed = any(budget.on_store_failure == "closed" for budget in route.budgets)
-                store_failed(state, "budget", "closed" if closed else "open")
-            else:  # this worker's share, in its own memory (`guards.policies._local_budget`)
-                state._observe.store_failed(StoreFailed(route, state.trace_id, "budget", mode="local"))
-                refusal = local.charge(charge)
-                if refusal is not None:
-                    state._charged = True
-                    refused = refusal.charge if refusal.charge < len(route.budgets) else 0
-                    raise budget_refusal(route.budgets[refused], refusal, route.scopes[refused])
-            state._charged = True
+        store_down(state, step)
         return start, None, False
     if passage.plain:  # the usual answer (`Passage.plain`): the first leg from `start`
         if charge is not None:
@@ -126,29 +110,11 @@ def admitted(
         saw_report(state, report, passage.recorded.state)
     if passage.transitions:
         saw_transitions(state, passage.transitions, report)
-    waits, decisions = passage.waits, passage.decisions
     if len(legs) > 1:  # only a leg with later legs reads the waits (`_retries.leg_limit`)
         if state._waits is None:
             state._waits = [0.0] * len(legs)
-        state._waits[start:] = waits
-    for offset, wait in enumerate(waits):
-        leg = legs[start + offset]
-        if wait > 0:
-            skip(state, leg, "cooldown", wait)
-            remember(state, leg, "cooldown", wait)
-            continue
-        decision = decisions[offset] if offset < len(decisions) else None
-        if decision is not None:
-            if decision.state is not leg.last_state[0]:
-                leg.saw(decision.state)
-            if not decision.allowed:
-                skip(state, leg, "circuit_open", decision.retry_after_s)
-                if decision.state is CircuitState.open:  # (half-open: a probe may close it sooner)
-                    remember(state, leg, "circuit_open", decision.retry_after_s)
-                continue
-        if leg.known.until:
-            forget(leg)  # admitted (or its charge refused): the store let it through
-        break  # the leg admitted, or the one whose charge was refused
+        state._waits[start:] = passage.waits
+    passed_over(state, start, passage)
     if (refusal := passage.refusal) is not None:
         assert route.budget is not None
         refused = refusal.charge if refusal.charge < len(route.budgets) else 0
@@ -160,7 +126,7 @@ def admitted(
             near(state, passage.near)
         if route.downgrade is not None:
             route.downgrade.saw(charge, route.scopes, passage.near)
-    index = passage.admitted
+    index, decisions = passage.admitted, passage.decisions
     if index is None:
         return None
     decision = decisions[index] if index < len(decisions) else None
@@ -380,6 +346,31 @@ def report_lost(state: RequestState, made: Report | None) -> None:
         observe.store_failed(StoreFailed(route, trace_id, "cooldown", op="start_cooldown"))
     if made.spend_key is not None or made.charge is not None:
         observe.store_failed(StoreFailed(route, trace_id, "budget", op="settle_spend"))
+
+
+def store_down(state: RequestState, step: Step) -> None:
+    """The store did not answer `step`: its report is lost, and each guard does as it does
+    when its store is down (cooldowns fail open; the breaker and the budget as configured, a
+    local share charged in this worker's memory: `guards.policies._local_budget`)."""
+    route, charge = state._route, step.charge
+    report_lost(state, step.report)
+    state._observe.store_failed(StoreFailed(route, state.trace_id, "cooldown", mode="open"))
+    if route.breaker is not None:
+        store_failed(state, "breaker", route.breaker.on_store_failure)
+    if charge is None or route.budget is None:
+        return
+    local = route.local_share
+    if local is None:
+        closed = any(budget.on_store_failure == "closed" for budget in route.budgets)
+        store_failed(state, "budget", "closed" if closed else "open")
+    else:
+        state._observe.store_failed(StoreFailed(route, state.trace_id, "budget", mode="local"))
+        refusal = local.charge(charge)
+        if refusal is not None:
+            state._charged = True
+            refused = refusal.charge if refusal.charge < len(route.budgets) else 0
+            raise budget_refusal(route.budgets[refused], refusal, route.scopes[refused])
+    state._charged = True
 
 
 def store_failed(state: RequestState, guard: str, mode: str) -> None:

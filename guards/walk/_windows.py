@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
+from ..contracts._binding import AIResult
 from ..contracts._errors import GuardTripped
 from ..contracts._tokens import binding_estimate, estimate_tokens
 from ..contracts._vocabulary import Kind, Reason
@@ -40,12 +41,11 @@ from ._store_steps import report
 from ._verdicts import LIMIT_REASONS
 
 if TYPE_CHECKING:
-    from ..contracts._binding import AIResult
     from ..spec._route_spec import Leg
     from ..stores import Report
     from ._state import RequestState
 
-__all__ = ["LIMIT_KINDS", "Limits", "flagged", "reserved_tokens"]
+__all__ = ["LIMIT_KINDS", "Limits", "flagged", "moved_by_filter", "reserved_tokens"]
 
 #: The failures that say something about the request, not the model: never retried, and they
 #: narrow the legs the walk may go on to.
@@ -187,3 +187,25 @@ class Limits:
             attempts=state.attempts,
             model=state._route.legs[0].ref.key,
         )
+
+
+def moved_by_filter(
+    state: RequestState,
+    leg: Leg,
+    index: int,
+    result: Any,
+    started: float,
+    probe: float | None,
+    record_success: bool,
+    limits: Limits | None,
+    inputs: Mapping[str, Any],
+) -> tuple[Report | None, GuardTripped, int, Mapping[str, Any]] | None:
+    """An answer its provider flagged (`moderated`), on a route with `content_filter_fallback`:
+    the walk moves on as after its content filter's error (`_windows`; report, verdict, next
+    start, inputs), before the route's own check of the answer (`_rejected`)."""
+    if limits is None or not state._route.content_filter_fallback or type(result) is not AIResult:
+        return None
+    if not result.moderated:
+        return None
+    report, last = flagged(state, leg, result, started, probe, record_success, limits)
+    return report, last, index + 1, inputs
