@@ -41,7 +41,7 @@ from guards.stores import MemoryStore
 from ..conftest import LiveServer, no_sleep
 
 #: Cases per route (the `GET /health` route has no input: one case covers it).
-CASES_PER_ROUTE = 700
+CASES_PER_ROUTE = 450
 #: Cases the whole run must reach.
 TOTAL_CASES = 2_000
 
