@@ -1,10 +1,10 @@
 """The HTTP client library the adapters use: the one place that decides between `httpx` and
-`httpx2`, its maintained fork with the same API (the official OpenAI SDK's default since 2026).
+`httpx2`, its maintained fork with the same API (the official OpenAI SDK's default).
 
 `httpx2` when it is installed, else `httpx` (a dependency of guards); `GUARDS_HTTP_CLIENT=httpx`
 or `=httpx2` decides instead, read once when the first adapter is imported. The two differ in
 one way an operator sees: `httpx2` verifies TLS against the system's trust store (through
-`truststore`), `httpx` against `certifi`'s bundle (see docs/reference/providers.md).
+`truststore`), `httpx` against `certifi`'s bundle (see docs/providers/index.md).
 
 An adapter given a client of the other library refuses it at construction (`check_client`):
 its errors would not be the ones the adapter classifies.
