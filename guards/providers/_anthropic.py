@@ -24,9 +24,8 @@ from typing import Any
 from ..contracts._binding import AIResult
 from ..contracts._errors import ConfigurationError
 from ..contracts._stream import StreamEvent
-from ..waits._first_output import first_output_arrived
 from ._anthropic_wire import JSON_TOOL, PROVIDER, JsonMode, MessagesDecoder, parse_messages_answer
-from ._http import DEFAULT_MAX_BODY_BYTES, IDENTITY, new_client, read_capped, transport_error
+from ._http import DEFAULT_MAX_BODY_BYTES, IDENTITY, new_client, post_capped
 from ._httpx import check_client, httpx
 from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, stream_sse
 
@@ -141,14 +140,14 @@ class Anthropic:
         """Run `model` on `inputs`; raises `ProviderError` for every failure. Cancelling the task
         closes the response, and with it the connection."""
         body, json_mode = messages_request(model, inputs, default_max_tokens=self._default_max_tokens)
-        try:
-            async with self._client.stream(
-                "POST", self._url, json=body, headers=self._headers, follow_redirects=False
-            ) as response:
-                first_output_arrived()  # the answer's head: its first output (a model's limit)
-                raw = await read_capped(response, self.provider, self._max_body_bytes)
-        except httpx.HTTPError as exc:
-            raise transport_error(self.provider, exc) from None
+        response, raw = await post_capped(
+            self._client,
+            self._url,
+            provider=self.provider,
+            max_bytes=self._max_body_bytes,
+            headers=self._headers,
+            json=body,
+        )
         return parse_messages_answer(
             response.status_code,
             response.headers,

@@ -26,10 +26,9 @@ from ..contracts._binding import AIResult
 from ..contracts._errors import ConfigurationError
 from ..contracts._extras import missing_extra
 from ..contracts._stream import StreamEvent
-from ..waits._first_output import first_output_arrived
 from ._converse import ConverseDecoder, converse_request, parse_converse_answer
 from ._eventstream import EventStreamParser
-from ._http import DEFAULT_MAX_BODY_BYTES, IDENTITY, new_client, read_capped, transport_error
+from ._http import DEFAULT_MAX_BODY_BYTES, IDENTITY, new_client, post_capped
 from ._httpx import check_client, httpx
 from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, stream_sse
 
@@ -150,14 +149,14 @@ class Bedrock:
         url = self._url(model, "converse")
         body = _encode(converse_request(inputs))
         headers = await self._request_headers(url, body, "application/json")
-        try:
-            async with self._client.stream(
-                "POST", url, content=body, headers=headers, follow_redirects=False
-            ) as response:
-                first_output_arrived()
-                raw = await read_capped(response, self.provider, self._max_body_bytes)
-        except httpx.HTTPError as exc:
-            raise transport_error(self.provider, exc) from None
+        response, raw = await post_capped(
+            self._client,
+            url,
+            provider=self.provider,
+            max_bytes=self._max_body_bytes,
+            headers=headers,
+            content=body,
+        )
         return parse_converse_answer(
             response.status_code, response.headers, raw, model=model, provider=self.provider
         )

@@ -35,7 +35,6 @@ from urllib.parse import quote
 from ..contracts._binding import AIResult, Usage
 from ..contracts._errors import ConfigurationError, ProviderError
 from ..contracts._stream import ReasoningDelta, StreamEnd, StreamEvent, TextDelta, ToolCallDelta
-from ..waits._first_output import first_output_arrived
 from ._gemini_request import gemini_request
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -43,9 +42,8 @@ from ._http import (
     bounded_wait,
     new_client,
     parse_retry_after,
-    read_capped,
+    post_capped,
     retry_date,
-    transport_error,
 )
 from ._httpx import check_client, httpx
 from ._identifiers import identifier
@@ -183,18 +181,14 @@ class Gemini:
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
         """Run `model` on `inputs`; raises `ProviderError` for every failure. Cancelling the
         task closes the response, and with it the connection."""
-        try:
-            async with self._client.stream(
-                "POST",
-                self._url(model, "generateContent"),
-                json=gemini_request(inputs),
-                headers=self._headers,
-                follow_redirects=False,  # a 3xx is a failure (model_unavailable), whatever the client
-            ) as response:
-                first_output_arrived()  # the answer's head: its first output (a model's limit)
-                raw = await read_capped(response, self.provider, self._max_body_bytes)
-        except httpx.HTTPError as exc:
-            raise transport_error(self.provider, exc) from None
+        response, raw = await post_capped(
+            self._client,
+            self._url(model, "generateContent"),
+            provider=self.provider,
+            max_bytes=self._max_body_bytes,
+            headers=self._headers,
+            json=gemini_request(inputs),
+        )
         return parse_gemini_answer(
             response.status_code, response.headers, raw, model=model, provider=self.provider
         )

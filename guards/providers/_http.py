@@ -15,12 +15,13 @@ import asyncio
 import email.utils
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from ..contracts._binding import Usage
 from ..contracts._errors import ProviderError
 from ..waits._admission import ADMITTED_LATE, Admission
+from ..waits._first_output import first_output_arrived
 from ._httpx import httpx
 
 __all__ = [
@@ -169,6 +170,31 @@ async def read_capped(response: httpx.Response, provider: str, max_bytes: int) -
             raise ProviderError(provider, status=response.status_code, note=f"body over {max_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def post_capped(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    provider: str,
+    max_bytes: int,
+    headers: httpx.Headers | Mapping[str, str],
+    json: Any = None,
+    content: bytes | None = None,
+) -> tuple[httpx.Response, bytes]:
+    """The non-streamed call every adapter's `run` makes: POST `json` (or `content`, bytes as
+    they are: a signed body) to `url`, never following a redirect (a 3xx is a failure,
+    whatever the client), report the answer's head as its first output (a model's limit),
+    and read the body as sent, capped (`read_capped`). (The response, its body); raises
+    `ProviderError` for a transport failure. Cancelling the task closes the connection."""
+    try:
+        async with client.stream(
+            "POST", url, json=json, content=content, headers=headers, follow_redirects=False
+        ) as response:
+            first_output_arrived()
+            return response, await read_capped(response, provider, max_bytes)
+    except httpx.HTTPError as exc:
+        raise transport_error(provider, exc) from None
 
 
 def transport_error(provider: str, exc: httpx.HTTPError) -> ProviderError:

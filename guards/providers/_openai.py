@@ -29,7 +29,6 @@ from typing import Any
 from ..contracts._binding import AIResult
 from ..contracts._errors import ConfigurationError, ProviderError
 from ..contracts._stream import StreamEvent
-from ..waits._first_output import first_output_arrived
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
     IDENTITY,
@@ -42,9 +41,8 @@ from ._http import (
     numeric_code,
     parse_retry_after,
     parse_usage,
-    read_capped,
+    post_capped,
     retry_date,
-    transport_error,
 )
 from ._httpx import check_client, httpx
 from ._identifiers import identifier
@@ -195,18 +193,14 @@ class OpenAICompatible:
         closes the streamed response, and with it the connection."""
         body = chat_request(model, inputs)
         headers = await self._authorized(self._headers)
-        try:
-            async with self._client.stream(
-                "POST",
-                self._url_for(model),
-                json=body,
-                headers=headers,
-                follow_redirects=False,  # a 3xx is a failure (model_unavailable), whatever the client
-            ) as response:
-                first_output_arrived()  # the answer's head: its first output (a model's limit)
-                raw = await read_capped(response, self.provider, self._max_body_bytes)
-        except httpx.HTTPError as exc:
-            raise transport_error(self.provider, exc) from None
+        response, raw = await post_capped(
+            self._client,
+            self._url_for(model),
+            provider=self.provider,
+            max_bytes=self._max_body_bytes,
+            headers=headers,
+            json=body,
+        )
         return parse_chat_answer(
             response.status_code, response.headers, raw, model=model, provider=self.provider
         )

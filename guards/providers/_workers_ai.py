@@ -19,7 +19,6 @@ from urllib.parse import quote
 from ..contracts._binding import AIResult
 from ..contracts._errors import ConfigurationError, ProviderError
 from ..contracts._stream import StreamEvent
-from ..waits._first_output import first_output_arrived
 from ._http import (
     DEFAULT_MAX_BODY_BYTES,
     IDENTITY,
@@ -31,9 +30,8 @@ from ._http import (
     numeric_code,
     parse_retry_after,
     parse_usage,
-    read_capped,
+    post_capped,
     retry_date,
-    transport_error,
 )
 from ._httpx import check_client, httpx
 from ._stream_http import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_RECONNECTS, ChunkDecoder, stream_sse
@@ -123,18 +121,14 @@ class WorkersAI:
         return WorkersAI(**options)
 
     async def run(self, model: str, inputs: Mapping[str, Any]) -> AIResult:
-        try:
-            async with self._client.stream(
-                "POST",
-                self._url + quote(model, safe="/@:"),
-                json=dict(inputs),
-                headers=self._headers,
-                follow_redirects=False,  # a 3xx is a failure (model_unavailable), whatever the client
-            ) as response:
-                first_output_arrived()  # the answer's head: its first output (a model's limit)
-                body = await read_capped(response, PROVIDER, self._max_body_bytes)
-        except httpx.HTTPError as exc:
-            raise transport_error(PROVIDER, exc) from None
+        response, body = await post_capped(
+            self._client,
+            self._url + quote(model, safe="/@:"),
+            provider=PROVIDER,
+            max_bytes=self._max_body_bytes,
+            headers=self._headers,
+            json=dict(inputs),
+        )
         return parse_workers_ai_response(
             response.status_code, body, model=model, retry_after=response.headers.get("retry-after")
         )
