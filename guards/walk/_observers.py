@@ -7,10 +7,11 @@ method below is where that event's subscribers are listed, in the order they run
 
     event             metrics                      log line      ledger    trace
     attempt started                                                        attempt span opens
-    attempt ended     attempts, seconds, tokens,                 record    (span ends with
-                      cost                                                  its call)
-    skipped           guards_skips_total           skip (1/s)              route span event
-    retried           retry budget exhausted       retry
+    attempt ended     attempts, seconds, tokens,                 record    an answered call's
+                      cost                                                  span ends (a failed
+                                                                            one's ended with it)
+    skipped           guards_skips_total           skip (1/s)              skip span
+    retried           retry budget exhausted       retry                   skip span (refused)
     store failed      guards_store_unavailable     store_unavailable
     cooldown started                               cooldown
     breaker moved     breaker transitions
@@ -121,6 +122,8 @@ class Observers:
             _,
         ) = event
         leg.seconds.observe(elapsed_s)
+        if self.trace is not None:  # an answered call's span ends with its verdict
+            self.trace.attempt_ended(outcome)
         if outcome == "ok":
             leg.attempts["ok"].count += 1  # `Tally.add`, in place: every request's path
         else:
@@ -162,7 +165,7 @@ class Observers:
             tally = leg.skips[reason] = counter(SKIPS, key, reason)
         tally.count += 1  # `Tally.add`, in place: every refused request's path
         if self.trace is not None:
-            self.trace.skipped(key, reason, wait_s)
+            self.trace.skipped(leg, reason, wait_s, fallback=leg is not route.legs[0])
         if logger.isEnabledFor(INFO):
             emit_skip(
                 route.name,
@@ -176,6 +179,9 @@ class Observers:
         model, delay_s = event.leg.ref.key, event.delay_s
         if event.skipped is not None:
             counter(RETRY_BUDGET_EXHAUSTED, model).add()
+            if self.trace is not None:  # the retry not made: a skipped attempt
+                leg = event.leg
+                self.trace.skipped(leg, event.skipped, None, fallback=leg is not event.route.legs[0])
         emit(
             "retry",
             route=event.route.name,

@@ -36,7 +36,10 @@ FALLBACK = "gpt-4o-mini"
 SERVED = "gpt-4o-mini-2024-07-18"
 PROMPT_CANARY = "CANARY-PROMPT-5b1e07"
 ANSWER_CANARY = "CANARY-ANSWER-c9d342"
-TRANSIENT = Fail(code=3040, status=429)
+#: A provider's error text and a budget key (the caller's x-user-id): in no span either.
+MESSAGE_CANARY = "CANARY-MESSAGE-77a0e1"
+KEY_CANARY = "CANARY-KEY-3f9b52"
+TRANSIENT = Fail(code=3040, status=429, message=f"AiError: out of capacity {MESSAGE_CANARY}")
 #: A caller's W3C trace context: the request span joins this trace, under this span.
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "b7ad6b7169203331"
@@ -94,10 +97,11 @@ def attempts(found: list[ReadableSpan]) -> list[ReadableSpan]:
 
 
 def assert_no_content(found: list[ReadableSpan]) -> None:
-    """Neither the prompt nor the answer anywhere in the spans (names, attributes, events)."""
+    """Neither the prompt, the answer, a provider's message nor a budget key anywhere in the
+    spans (names, attributes, events, statuses)."""
     text = json.dumps([json.loads(span.to_json()) for span in found])
-    assert PROMPT_CANARY not in text
-    assert ANSWER_CANARY not in text
+    for canary in (PROMPT_CANARY, ANSWER_CANARY, MESSAGE_CANARY, KEY_CANARY):
+        assert canary not in text
     for span in found:
         assert not [key for key in span.attributes or {} if key.startswith(("gen_ai.input", "gen_ai.output"))]
         assert "gen_ai.system_instructions" not in (span.attributes or {})
@@ -121,7 +125,7 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
     response = client.post(
         "/draft-reply",
         json={"message": f"Where is my parcel? {PROMPT_CANARY}"},
-        headers={"traceparent": TRACEPARENT},
+        headers={"traceparent": TRACEPARENT, "x-user-id": KEY_CANARY},
     )
     assert response.status_code == 200, response.text
     assert response.json()["attempts"] == 3
@@ -134,12 +138,16 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
     assert route.parent.is_remote
     assert hex_id(route.parent.span_id, 16) == CALLER_SPAN
     assert route.kind is SpanKind.INTERNAL
+    # The gateway span: the requested model (the chain's first) and the effective one.
     assert dict(route.attributes or {}) == {
         "guards.route": "draft_reply",
         "guards.outcome": "ok",
         "guards.attempts": 3,
         "http.response.status_code": 200,
         "guards.service_level": "full",
+        "gen_ai.gateway.request.model": MODEL,
+        "guards.model": f"openai:{FALLBACK}",
+        "gen_ai.response.model": SERVED,
     }
     assert route.status.status_code is StatusCode.UNSET
 
@@ -162,6 +170,7 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
             "guards.attempt.number": number,
             "guards.attempt.retry": number == 2,
             "guards.attempt.fallback": False,
+            "guards.attempt.outcome": "model_temporarily_unavailable",
             "error.type": "model_temporarily_unavailable",
         }
         assert span.status.status_code is StatusCode.ERROR
@@ -178,6 +187,7 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
         "gen_ai.usage.input_tokens": 31,
         "gen_ai.usage.output_tokens": 7,
         "gen_ai.response.finish_reasons": ("stop",),
+        "guards.attempt.outcome": "ok",
     }
     assert fallback.status.status_code is StatusCode.UNSET
     # Each attempt lies within the request's span.
@@ -190,7 +200,7 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
     assert_no_content(found)
 
 
-def test_skipped_models_are_events_and_a_public_error_is_the_span_status(
+def test_skipped_models_are_child_spans_and_a_public_error_is_the_span_status(
     client: httpx.Client,
     fake_workers_ai: FakeWorkersAI,
     fake_openai: FakeOpenAI,
@@ -218,16 +228,33 @@ def test_skipped_models_are_events_and_a_public_error_is_the_span_status(
     skipped = client.post("/draft-reply", json={"message": "hi"})
     assert skipped.status_code == 503
     assert skipped.json()["error"] == "circuit_open"
-    (route,) = finished(spans, 1)  # no attempt: no attempt span
-    events = [(event.name, dict(event.attributes or {})) for event in route.events]
-    assert [
-        (name, attributes["guards.model"], attributes["guards.skip.reason"]) for name, attributes in events
-    ] == [
-        ("guards.skip", MODEL, "circuit_open"),
-        ("guards.skip", f"openai:{FALLBACK}", "cooldown"),
-    ]
-    assert all(attributes["guards.retry_after_s"] > 0 for _, attributes in events)
+    found = finished(spans, 3)  # no call: no CLIENT span, a skip span per model
+    route = route_span(found)
+    assert not attempts(found)
+    skips = sorted((span for span in found if span is not route), key=lambda s: s.start_time or 0)
+    assert [span.name for span in skips] == [f"guards.skip {MODEL}", f"guards.skip openai:{FALLBACK}"]
+    for span, model, key, reason in (
+        (skips[0], MODEL, MODEL, "circuit_open"),
+        (skips[1], FALLBACK, f"openai:{FALLBACK}", "cooldown"),
+    ):
+        assert span.kind is SpanKind.INTERNAL
+        assert span.parent is not None
+        assert span.parent.span_id == route.context.span_id
+        attributes = dict(span.attributes or {})
+        assert attributes.pop("guards.retry_after_s") > 0
+        assert attributes == {
+            "gen_ai.request.model": model,
+            "guards.model": key,
+            "guards.attempt.skipped": True,
+            "guards.attempt.fallback": key != MODEL,
+            "guards.skip.reason": reason,
+            "guards.attempt.outcome": "skipped",
+        }
+    assert not route.events
     attributes = dict(route.attributes or {})
+    assert attributes["gen_ai.gateway.request.model"] == MODEL
+    assert "guards.model" not in attributes  # no model answered: no effective model
+    assert "gen_ai.response.model" not in attributes
     assert attributes["guards.outcome"] == "error"
     assert attributes["guards.fallback.guard"] == "budget"
     assert attributes["guards.fallback.reason"] == "circuit_open"
@@ -255,6 +282,7 @@ def test_a_stream_attempt_ends_with_its_stream(
     attributes = dict(attempt.attributes or {})
     assert attributes["guards.stream.delivered_chars"] == len("Thank ") + len(f"you {ANSWER_CANARY}")
     assert attributes["error.type"] == "model_temporarily_unavailable"
+    assert attributes["guards.attempt.outcome"] == "model_temporarily_unavailable"
     assert attributes["gen_ai.response.time_to_first_chunk"] > 0
     assert attempt.status.status_code is StatusCode.ERROR
     assert (route.attributes or {})["guards.outcome"] == "error"
@@ -270,7 +298,10 @@ def test_a_stream_attempt_ends_with_its_stream(
     )
     whole = client.post("/draft-reply/stream", json={"message": "hi"})
     assert "event: done" in whole.text
-    (attempt,) = attempts(finished(spans, 2))
+    found = finished(spans, 3)  # the route, the first model's skip (its breaker), the fallback
+    (attempt,) = attempts(found)
+    (skip,) = [span for span in found if span.name == f"guards.skip {MODEL}"]
+    assert (skip.attributes or {})["guards.skip.reason"] == "circuit_open"
     attributes = dict(attempt.attributes or {})
     assert attributes["gen_ai.provider.name"] == "openai"
     assert attributes["guards.attempt.fallback"] is True
@@ -278,6 +309,7 @@ def test_a_stream_attempt_ends_with_its_stream(
     assert attributes["gen_ai.response.finish_reasons"] == ("stop",)
     assert attributes["gen_ai.usage.input_tokens"] == 4
     assert attributes["gen_ai.usage.output_tokens"] == 2
+    assert attributes["guards.attempt.outcome"] == "ok"
     assert "error.type" not in attributes
     assert_no_content(found)
 
@@ -292,6 +324,7 @@ def test_an_invalid_request_is_a_span_too(client: httpx.Client, spans: InMemoryS
         "guards.outcome": "invalid",
         "guards.attempts": 0,
         "http.response.status_code": 400,
+        "gen_ai.gateway.request.model": MODEL,
     }
 
 
