@@ -7,8 +7,9 @@ method below is where that event's subscribers are listed, in the order they run
 
     event             metrics                      log line      ledger    trace
     attempt started                                                        attempt span opens
+    first output      first output seconds (a stream's)
     attempt ended     attempts, seconds, tokens,                 record    an answered call's
-                      cost                                                  span ends (a failed
+                      cost, answer seconds                                  span ends (a failed
                                                                             one's ended with it)
     skipped           guards_skips_total           skip (1/s)              skip span
     retried           retry budget exhausted       retry                   skip span (refused)
@@ -115,7 +116,7 @@ class Observers:
             _,
             elapsed_s,
             cost,
-            _,
+            delivered,
             _,
             _,
             _,
@@ -125,6 +126,9 @@ class Observers:
         if self.trace is not None:  # an answered call's span ends with its verdict
             self.trace.attempt_ended(outcome)
         if outcome == "ok":
+            leg.answered.observe(elapsed_s)
+            if delivered is None:  # a whole answer: its first output is its arrival
+                leg.first_output.observe(elapsed_s)
             leg.attempts["ok"].count += 1  # `Tally.add`, in place: every request's path
         else:
             leg.attempts[outcome].add()  # a failure kind's tally also stamps its time
@@ -146,6 +150,11 @@ class Observers:
             ledger.record(_attempt(held))
         ledger.record(_attempt(event))
         return None
+
+    def first_output(self, leg: Leg, elapsed_s: float) -> None:
+        """A streamed call produced its first output part `elapsed_s` after it started (its
+        whole answer is timed when it ends, with its record)."""
+        leg.first_output.observe(elapsed_s)
 
     def stream_ended(self, opened: Opened, kind: str, end: StreamEnd | None, delivered: int) -> None:
         """A committed stream ended (its attempt span ends; its record follows)."""

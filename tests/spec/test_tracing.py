@@ -7,18 +7,24 @@ of OpenTelemetry imported at all.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from google.protobuf import json_format
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -539,3 +545,113 @@ def test_the_example_app_traces_to_the_console_when_asked(
     assert attempt["attributes"]["gen_ai.provider.name"] == "cloudflare.workers_ai"
     assert {span["resource"]["attributes"]["service.name"] for span in printed} == {"support"}
     assert PROMPT_CANARY not in out.read_text()  # neither in a span nor in a log line
+
+
+# --- OTLP over loopback: what a collector receives -----------------------------------------------
+
+
+class _OTLPReceiver(ThreadingHTTPServer):
+    """The receiving end of OTLP/HTTP (`POST /v1/traces`, protobuf), on loopback: each export
+    decoded to its OTLP/JSON form (what `docs/operating/traces.md` shows)."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, Any]] = []
+        super().__init__(("127.0.0.1", 0), _OTLPHandler)
+
+
+class _OTLPHandler(BaseHTTPRequestHandler):
+    server: _OTLPReceiver
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        export = ExportTraceServiceRequest()
+        export.ParseFromString(body)
+        found = json_format.MessageToDict(export)
+        for resource in found["resourceSpans"]:  # ids in hex, as OTLP/JSON writes them
+            for scope in resource["scopeSpans"]:
+                for span in scope["spans"]:
+                    for name in ("traceId", "spanId", "parentSpanId"):
+                        if name in span:
+                            span[name] = base64.b64decode(span[name]).hex()
+        self.server.received.append(found)
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def otlp_attributes(span: dict[str, Any]) -> dict[str, Any]:
+    """An OTLP/JSON span's attributes as plain values."""
+    found: dict[str, Any] = {}
+    for attribute in span.get("attributes", []):
+        ((kind, value),) = attribute["value"].items()
+        found[attribute["key"]] = (
+            [next(iter(v.values())) for v in value["values"]] if kind == "arrayValue" else value
+        )
+    return found
+
+
+def test_a_retry_and_a_fallback_exported_over_otlp(
+    example_client: ExampleClient, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+) -> None:
+    """The SDK's OTLP/HTTP exporter sends the request's trace over loopback: the gateway span
+    and its three attempt children arrive with the documented attributes, and nothing else."""
+    receiver = _OTLPReceiver()
+    serving = threading.Thread(target=receiver.serve_forever, daemon=True)
+    serving.start()
+    provider = TracerProvider()
+    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}/v1/traces"
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint, timeout=5)))
+    try:
+        client = example_client(
+            ai_fallback_models=f"openai:{FALLBACK}",
+            openai_base_url=fake_openai.base_url,
+            openai_api_key=fake_openai.api_key,
+            tracer_provider=provider,
+        )
+        fake_workers_ai.script(MODEL, TRANSIENT, TRANSIENT)
+        fake_openai.script(
+            FALLBACK,
+            Reply(ANSWER_CANARY, model=SERVED, usage={"prompt_tokens": 31, "completion_tokens": 7}),
+        )
+        response = client.post(
+            "/draft-reply", json={"message": f"hi {PROMPT_CANARY}"}, headers={"x-user-id": KEY_CANARY}
+        )
+        assert response.status_code == 200
+    finally:
+        provider.shutdown()
+        receiver.shutdown()
+        receiver.server_close()
+    text = json.dumps(receiver.received)
+    if dump := os.environ.get("GUARDS_OTLP_DUMP"):  # the trace docs/operating/traces.md shows
+        Path(dump).write_text(json.dumps(receiver.received, indent=1))
+    for canary in (PROMPT_CANARY, ANSWER_CANARY, MESSAGE_CANARY, KEY_CANARY):
+        assert canary not in text
+    spans = [
+        span
+        for export in receiver.received
+        for resource in export["resourceSpans"]
+        for scope in resource["scopeSpans"]
+        if scope["scope"]["name"] == "guards"
+        for span in scope["spans"]
+    ]
+    by_name = {span["name"]: span for span in spans}
+    route = by_name["guards.route"]
+    assert route["traceId"]
+    assert len(spans) == 4
+    assert {span["name"] for span in spans} == {"guards.route", f"chat {MODEL}", f"chat {FALLBACK}"}
+    assert otlp_attributes(route)["gen_ai.gateway.request.model"] == MODEL
+    assert otlp_attributes(route)["gen_ai.response.model"] == SERVED
+    children = sorted(
+        (span for span in spans if span is not route), key=lambda span: int(span["startTimeUnixNano"])
+    )
+    assert all(span["parentSpanId"] == route["spanId"] for span in children)
+    assert [otlp_attributes(span)["guards.attempt.number"] for span in children] == ["1", "2", "3"]
+    assert [otlp_attributes(span)["guards.attempt.outcome"] for span in children] == [
+        "model_temporarily_unavailable",
+        "model_temporarily_unavailable",
+        "ok",
+    ]
