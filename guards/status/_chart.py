@@ -42,8 +42,7 @@ def _chart(latency: Latency) -> str:
         return ""
     first_at, last_at = points[0].at, points[-1].at
     span = max(last_at - first_at, 1e-9)
-    top = max((p.answer_p95_s or 0.0, p.first_output_p95_s or 0.0) for p in points)
-    highest = max(max(top), 1e-9)
+    highest = max(max(p.answer_p95_s or 0.0, p.first_output_p95_s or 0.0) for p in points) or 1e-9
 
     def line(values: list[tuple[float, float | None]]) -> str:
         found = [

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from google.protobuf import json_format
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -30,9 +31,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
+from pydantic import BaseModel
 
 from app.service import create_app
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
+from guards import AI, Guards
+from guards.providers import WorkersAI
 
 from ..conftest import AppClient, ExampleClient, no_sleep, workers_ai_settings
 from ..e2e.test_shared_state import AppProcess, app_process_env
@@ -320,6 +324,50 @@ def test_a_stream_attempt_ends_with_its_stream(
     assert_no_content(found)
 
 
+class Triage(BaseModel):
+    label: str
+    urgent: bool
+
+
+def test_a_rejected_answer_is_its_attempts_outcome(
+    fake_workers_ai: FakeWorkersAI,
+    provider: TracerProvider,
+    spans: InMemorySpanExporter,
+    app_client: AppClient,
+) -> None:
+    """An answer the output guard rejects, on a route that moves it on: its attempt's span
+    ends once the walk judged it, with `rejected` as its outcome; the next model's answer is
+    the effective one."""
+    binding = WorkersAI(
+        account_id=fake_workers_ai.account_id,
+        api_token=fake_workers_ai.api_token,
+        base_url=fake_workers_ai.base_url,
+    )
+    guards = Guards(binding, sleep=no_sleep, tracing=provider)
+    app = FastAPI()
+    guards.install(app)
+    second = "@cf/test/second"
+
+    @app.post("/triage")
+    @guards.route(model=MODEL, fallbacks=[second], on_rejected="next_model")
+    async def triage(ai: AI[Triage]) -> Triage:
+        return await ai.run({"prompt": f"triage {PROMPT_CANARY}"})
+
+    fake_workers_ai.script(MODEL, Reply({"label": ANSWER_CANARY}))  # no `urgent`: rejected
+    fake_workers_ai.script(second, Reply({"label": "billing", "urgent": False}))
+    answered = app_client(app).post("/triage")
+    assert answered.status_code == 200, answered.text
+    found = finished(spans, 3)
+    rejected, accepted = attempts(found)
+    assert (rejected.attributes or {})["guards.attempt.outcome"] == "rejected"
+    assert (rejected.attributes or {})["error.type"] == "rejected"
+    assert rejected.status.status_code is StatusCode.ERROR
+    assert (accepted.attributes or {})["guards.attempt.outcome"] == "ok"
+    route = dict(route_span(found).attributes or {})
+    assert (route["gen_ai.gateway.request.model"], route["guards.model"]) == (MODEL, second)
+    assert_no_content(found)
+
+
 def test_an_invalid_request_is_a_span_too(client: httpx.Client, spans: InMemorySpanExporter) -> None:
     response = client.post("/draft-reply", json={"message": ""}, headers={"traceparent": TRACEPARENT})
     assert response.status_code == 400
@@ -594,11 +642,12 @@ def otlp_attributes(span: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def test_a_retry_and_a_fallback_exported_over_otlp(
+def otlp_export(
     example_client: ExampleClient, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
-) -> None:
-    """The SDK's OTLP/HTTP exporter sends the request's trace over loopback: the gateway span
-    and its three attempt children arrive with the documented attributes, and nothing else."""
+) -> list[dict[str, Any]]:
+    """What the SDK's OTLP/HTTP exporter sends over loopback for a request to the example app
+    whose first model fails transiently, is retried, fails again, and whose fallback answers:
+    each export as OTLP/JSON."""
     receiver = _OTLPReceiver()
     serving = threading.Thread(target=receiver.serve_forever, daemon=True)
     serving.start()
@@ -625,19 +674,34 @@ def test_a_retry_and_a_fallback_exported_over_otlp(
         provider.shutdown()
         receiver.shutdown()
         receiver.server_close()
-    text = json.dumps(receiver.received)
-    if dump := os.environ.get("GUARDS_OTLP_DUMP"):  # the trace docs/operating/traces.md shows
-        Path(dump).write_text(json.dumps(receiver.received, indent=1))
-    for canary in (PROMPT_CANARY, ANSWER_CANARY, MESSAGE_CANARY, KEY_CANARY):
-        assert canary not in text
+    return receiver.received
+
+
+def otlp_spans(received: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """guards' spans in OTLP/JSON exports, in the order they started."""
     spans = [
         span
-        for export in receiver.received
+        for export in received
         for resource in export["resourceSpans"]
         for scope in resource["scopeSpans"]
         if scope["scope"]["name"] == "guards"
         for span in scope["spans"]
     ]
+    return sorted(spans, key=lambda span: int(span["startTimeUnixNano"]))
+
+
+def test_a_retry_and_a_fallback_exported_over_otlp(
+    example_client: ExampleClient, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+) -> None:
+    """The SDK's OTLP/HTTP exporter sends the request's trace over loopback: the gateway span
+    and its three attempt children arrive with the documented attributes, and nothing else."""
+    received = otlp_export(example_client, fake_workers_ai, fake_openai)
+    text = json.dumps(received)
+    if dump := os.environ.get("GUARDS_OTLP_DUMP"):  # the trace docs/operating/traces.md shows
+        Path(dump).write_text(json.dumps(received, indent=1))
+    for canary in (PROMPT_CANARY, ANSWER_CANARY, MESSAGE_CANARY, KEY_CANARY):
+        assert canary not in text
+    spans = otlp_spans(received)
     by_name = {span["name"]: span for span in spans}
     route = by_name["guards.route"]
     assert route["traceId"]
