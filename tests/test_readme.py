@@ -51,7 +51,17 @@ from guards.stores import MemoryStore
 
 from .app.test_app_providers import PROVIDER_VARIABLES
 from .app.test_ui_stream import check_ui_stream
-from .conftest import AppClient, LogLines, Serve, asgi_client, no_sleep, wait_until, workers_ai_settings
+from .conftest import (
+    AppClient,
+    ExampleClient,
+    LogLines,
+    Serve,
+    asgi_client,
+    no_sleep,
+    wait_until,
+    workers_ai_settings,
+)
+from .spec.test_tracing import otlp_export, otlp_spans
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -170,6 +180,7 @@ CHECKED = {
     ("operating/status-page.md", "json", 0): "test_status_sample_has_the_fields_of_a_real_answer",
     ("operating/status-page.md", "sh", 0): "test_status_curls_run_against_a_live_server",
     ("operating/traces.md", "python", 0): "test_tracing_snippet_traces_with_its_provider",
+    ("operating/traces.md", "json", 0): "test_traces_sample_is_what_an_otlp_export_sends",
     ("testing.md", "python", 0): "test_testing_page_tests_pass_in_either_order",
     ("testing.md", "python", 1): "test_testing_page_fake_servers_example_passes_under_pytest",
     ("operating/serving.md", "sh", 0): "test_which_server_commands_are_the_served_ones",
@@ -1026,6 +1037,31 @@ def test_tracing_snippet_traces_with_its_provider() -> None:
     run_block(namespace, "operating/traces.md")
     assert namespace["guards"].tracing is not None
     namespace["provider"].shutdown()
+
+
+def test_traces_sample_is_what_an_otlp_export_sends(
+    example_client: ExampleClient, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+) -> None:
+    """The page's OTLP/JSON is what the exporter sends for its scenario (a retry, then the
+    fallback): the same spans, kinds, parents, attributes and statuses; only ids and times
+    differ (and the resource's instance id)."""
+    [sample] = json_values(block("operating/traces.md", "json"))
+
+    def shape(spans: list[dict[str, Any]]) -> list[Any]:
+        ids = {span["spanId"]: n for n, span in enumerate(spans)}
+        return [
+            (
+                span["name"],
+                span["kind"],
+                ids.get(span.get("parentSpanId", "")),
+                span["attributes"],
+                span.get("status", {}),
+            )
+            for span in spans
+        ]
+
+    real = otlp_export(example_client, fake_workers_ai, fake_openai)
+    assert shape(otlp_spans([sample])) == shape(otlp_spans(real))
 
 
 def plugin_options() -> list[str]:

@@ -13,6 +13,7 @@ from ._prometheus import Metric
 
 __all__ = [
     "ATTEMPTS",
+    "ANSWER_SECONDS",
     "ATTEMPT_SECONDS",
     "BREAKER_STATE",
     "BREAKER_TRANSITIONS",
@@ -22,6 +23,8 @@ __all__ = [
     "COST",
     "EFFORT_DECISIONS",
     "FALLBACKS",
+    "FIRST_OUTPUT_SECONDS",
+    "LATENCY_BUCKETS",
     "LOG_LINES_DROPPED",
     "REQUESTS",
     "REQUEST_SECONDS",
@@ -156,6 +159,29 @@ ATTEMPT_SECONDS = Metric(
     "Latency of single provider calls, by model.",
     ["model"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+#: The latency histograms' bounds, in seconds: each bound at most twice the one below it, so a
+#: percentile read from them (interpolated within its bucket) is off by less than its bucket's
+#: width (`guards.observe._latency`).
+LATENCY_BUCKETS = (
+    0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+FIRST_OUTPUT_SECONDS = Metric(
+    "Histogram",
+    "guards_model_first_output_seconds",
+    "Time from a provider call's start to its first output, by model (as configured in the "
+    "chain): a stream's first output part, a whole answer's arrival. Calls that produced one.",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+)
+ANSWER_SECONDS = Metric(
+    "Histogram",
+    "guards_model_answer_seconds",
+    "Time from a provider call's start to its whole answer, by model (as configured in the "
+    "chain): a stream's end. Answered calls only (kind ok).",
+    ["model"],
+    buckets=LATENCY_BUCKETS,
 )
 BREAKER_STATE = Metric(
     "Gauge",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from ..contracts._vocabulary import Reason
 from ._families import (
+    ANSWER_SECONDS,
     ATTEMPT_SECONDS,
     ATTEMPTS,
     BREAKER_STATE,
@@ -36,6 +37,7 @@ from ._families import (
     COST,
     EFFORT_DECISIONS,
     FALLBACKS,
+    FIRST_OUTPUT_SECONDS,
     REQUEST_SECONDS,
     REQUESTS,
     RETRY_BUDGET_EXHAUSTED,
@@ -67,6 +69,7 @@ from ._tallies import (
 )
 
 __all__ = [
+    "ANSWER_SECONDS",
     "ATTEMPTS",
     "ATTEMPT_SECONDS",
     "BREAKER_STATE",
@@ -77,6 +80,7 @@ __all__ = [
     "COST",
     "EFFORT_DECISIONS",
     "FALLBACKS",
+    "FIRST_OUTPUT_SECONDS",
     "REQUESTS",
     "REQUEST_SECONDS",
     "RETRY_BUDGET_EXHAUSTED",

@@ -37,6 +37,7 @@ __all__ = [
     "HistogramTally",
     "StampedTally",
     "Tally",
+    "bucket_label",
     "counter",
     "counts",
     "flush_metrics",
@@ -100,7 +101,17 @@ class HistogramTally:
     """This process's observations of one histogram series (`histogram(metric, *labels)`):
     per bucket (the first bound >= the value, as prometheus-client counts) and their sum."""
 
-    __slots__ = ("_bounds", "_child", "_counts", "_flushed", "_flushed_sum", "_labels", "_metric", "_sum")
+    __slots__ = (
+        "_bounds",
+        "_child",
+        "_counts",
+        "_flushed",
+        "_flushed_sum",
+        "_keys",
+        "_labels",
+        "_metric",
+        "_sum",
+    )
 
     def __init__(self, metric: Metric | Histogram, labels: tuple[str, ...]) -> None:
         self._metric = metric
@@ -114,10 +125,24 @@ class HistogramTally:
         self._flushed = [0] * len(self._bounds)
         self._sum = 0.0
         self._flushed_sum = 0.0
+        self._keys: tuple[tuple[str, ...], ...] | None = None
 
     def observe(self, value: float) -> None:
         self._counts[bisect_left(self._bounds, value)] += 1
         self._sum += value
+
+    def cumulative(self) -> list[tuple[tuple[str, ...], float]]:
+        """Each bucket's count as `/metrics` shows it: by the series' labels and its bound
+        (`le`, `bucket_label`), the observations at or below it. (The label tuples are made
+        once: copies of the counts share them.)"""
+        keys = self._keys
+        if keys is None:
+            keys = self._keys = tuple((*self._labels, bucket_label(bound)) for bound in self._bounds)
+        found, total = [], 0.0
+        for key, count in zip(keys, self._counts, strict=True):
+            total += count
+            found.append((key, total))
+        return found
 
     def _flush(self) -> None:
         # prometheus-client has no public "add n observations": its histogram child keeps one
@@ -225,15 +250,27 @@ def peek(metric: Metric | Counter, *labels: str) -> Tally | None:
     return tally if isinstance(tally, Tally) else None
 
 
+def bucket_label(bound: float) -> str:
+    """A histogram bucket's `le` as `counts` and `totals` key it (one spelling for this
+    process's tallies and the workers' files)."""
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
 def counts(*metrics: Metric) -> dict[tuple[Metric, tuple[str, ...]], float]:
     """This process's count so far of every series of the counters `metrics` that has a
-    tally, by `(metric, labels)` (call it from the event loop that updates them)."""
+    tally, by `(metric, labels)`; of a histogram, each bucket's cumulative count, by `(metric,
+    labels + (le,))` (call it from the event loop that updates them)."""
     wanted = set(metrics)
-    return {
-        (metric, labels): tally.count
-        for (metric, labels), tally in list(_tallies.items())
-        if metric in wanted and isinstance(tally, Tally)
-    }
+    found: dict[tuple[Metric, tuple[str, ...]], float] = {}
+    for (metric, labels), tally in list(_tallies.items()):
+        if metric not in wanted:
+            continue
+        if isinstance(tally, Tally):
+            found[metric, labels] = tally.count
+        elif isinstance(tally, HistogramTally):
+            for key, count in tally.cumulative():
+                found[metric, key] = count
+    return found
 
 
 def totals(*metrics: Metric) -> dict[tuple[Metric, tuple[str, ...]], float]:
@@ -244,13 +281,18 @@ def totals(*metrics: Metric) -> dict[tuple[Metric, tuple[str, ...]], float]:
     if not multiprocess():
         return counts(*metrics)
     flush_metrics()
-    by_sample = {f"{metric._name}_total": metric for metric in metrics}
+    by_sample = {
+        f"{metric._name}_bucket" if metric._kind == "Histogram" else f"{metric._name}_total": metric
+        for metric in metrics
+    }
     found: dict[tuple[Metric, tuple[str, ...]], float] = {}
     for family in worker_files().collect():
         for sample in family.samples:
             metric = by_sample.get(sample.name)
             if metric is not None:
                 labels = tuple(sample.labels.get(name, "") for name in metric._labelnames)
+                if metric._kind == "Histogram":  # a bucket: keyed by its `le` too
+                    labels = (*labels, bucket_label(float(sample.labels["le"])))
                 found[metric, labels] = found.get((metric, labels), 0.0) + sample.value
     return found
 

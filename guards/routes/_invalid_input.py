@@ -70,7 +70,7 @@ def _invalid_request(
         trace_id = request_trace_id(request)
     else:
         trace = tracing.start(route.name, request, lambda: request_trace_id(request))
-        trace.finish("invalid", 400, None, ErrorCode.invalid_request, 0)
+        trace.finish("invalid", 400, None, ErrorCode.invalid_request, 0, requested=route.model)
         trace_id = trace.trace_id
     found = _problems(exc, route.input_names)
     route.metrics.invalid.add()

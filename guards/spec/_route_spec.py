@@ -16,11 +16,13 @@ from typing import Any, Protocol, overload
 
 from ..contracts._vocabulary import Kind
 from ..observe._metrics import (
+    ANSWER_SECONDS,
     ATTEMPT_SECONDS,
     ATTEMPTS,
     BREAKER_STATE,
     BREAKER_TRANSITIONS,
     COST,
+    FIRST_OUTPUT_SECONDS,
     SERVED,
     STATE_VALUE,
     TOKENS,
@@ -89,6 +91,9 @@ class Leg:
     #: The model's price (`Guards(prices=...)`), when known.
     price: Price | None
     seconds: HistogramTally
+    #: Its calls' time to first output and to the whole answer (the status page's latency).
+    first_output: HistogramTally
+    answered: HistogramTally
     breaker_state: GaugeTally
     attempts: dict[str, Tally]
     #: The breaker state this process last saw (the gauge is set only when it changes).
@@ -134,6 +139,8 @@ class Leg:
             cooldown_key=f"guards:cooldown:{ref.key}",
             price=price,
             seconds=histogram(ATTEMPT_SECONDS, ref.key),
+            first_output=histogram(FIRST_OUTPUT_SECONDS, ref.key),
+            answered=histogram(ANSWER_SECONDS, ref.key),
             breaker_state=gauge(BREAKER_STATE, ref.key),
             attempts={
                 "ok": counter(ATTEMPTS, ref.key, "ok"),

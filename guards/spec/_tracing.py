@@ -6,10 +6,16 @@ hooks are `is None` checks and nothing of OpenTelemetry is loaded.
 
 With tracing on, a guarded request is one span, `guards.route`, child of the current span (an
 ASGI instrumentation's server span) or else of the caller's W3C `traceparent`; its trace id is
-the request's `x-trace-id`. Each provider call is a CLIENT child span named
+the request's `x-trace-id`. It is the gateway span of the proposed GenAI gateway shape
+(semantic-conventions #3342, semantic-conventions-genai #299, both still open): it carries the
+requested model (`gen_ai.gateway.request.model`) and the effective one, and has one child per
+attempt. Each provider call, retries included, is a CLIENT child named
 `{gen_ai.operation.name} {gen_ai.request.model}` carrying the conventions' attributes
-(`gen_ai.*`, `error.type`) and guards' own (`guards.*`); a streamed attempt's span ends when
-the stream ends. A model skipped without a call is an event of the route span.
+(`gen_ai.*`, `error.type`) and guards' own (`guards.*`, its outcome among them); a model passed
+over without a call is an INTERNAL child `guards.skip {model}` saying why (not CLIENT: no call
+was made, and a GenAI backend must not count it as one). An answered call's span ends when the
+walk accounted for it (so that it carries the output guard's verdict); a streamed attempt's
+when the stream ends.
 
 Never the prompt, the answer, a budget key or a provider's message: the conventions' opt-in
 content attributes (`gen_ai.input.messages`, `gen_ai.output.messages`,
@@ -45,6 +51,8 @@ R = TypeVar("R")
 _UNNAMED_PROVIDER = "guards.{}"
 #: The instrumentation scope of guards' spans.
 _SCOPE = "guards"
+#: Each attempt's outcome: `ok`, a failure kind, `rejected`, a stream's ending, `skipped`.
+_OUTCOME = "guards.attempt.outcome"
 
 
 def provider_name(binding: Any, chain_provider: str | None) -> str:
@@ -112,7 +120,17 @@ class Tracing:
 class RequestTrace:
     """One request's spans: the route span, and a span per provider attempt."""
 
-    __slots__ = ("_streams", "_token", "_tracing", "finished", "recording", "span", "streaming", "trace_id")
+    __slots__ = (
+        "_pending",
+        "_streams",
+        "_token",
+        "_tracing",
+        "finished",
+        "recording",
+        "span",
+        "streaming",
+        "trace_id",
+    )
 
     def __init__(self, tracing: Tracing, span: Span, trace_id: str, recording: bool) -> None:
         self._tracing = tracing
@@ -126,6 +144,8 @@ class RequestTrace:
         self._token: object = None
         #: The span of each committed stream attempt, open until its stream ends.
         self._streams: dict[int, Span] = {}
+        #: The span of the answered call the walk has not accounted for yet (`attempt_ended`).
+        self._pending: Span | None = None
         #: Whether an answer still streams (the route span ends with it, in `finish`).
         self.streaming = False
         self.finished = False
@@ -145,6 +165,7 @@ class RequestTrace:
             self._token = None
         if not self.finished and not self.streaming:
             self.finished = True
+            self._close_pending()
             self.span.end()
 
     def traced(
@@ -203,10 +224,35 @@ class RequestTrace:
                 self._answered(span, result.end, result.model)
             elif isinstance(result, AIResult):
                 self._answered(span, result, result.model)
+                self._close_pending()
+                self._pending = span  # ends with its verdict (`attempt_ended`)
+                return result
+            span.set_attribute(_OUTCOME, "ok")
             span.end()
             return result
 
         return attempt
+
+    def attempt_ended(self, outcome: str) -> None:
+        """The walk accounted for the answered call whose span is still open: `outcome` is
+        `ok`, `rejected` (the output guard's verdict, on a route that moves a rejected answer
+        on) or the kind its answer was refused as (a content filter's finish)."""
+        span = self._pending
+        if span is None:
+            return
+        self._pending = None
+        if outcome == "ok":
+            span.set_attribute(_OUTCOME, outcome)
+        else:
+            self._failed(span, outcome)
+        span.end()
+
+    def _close_pending(self) -> None:
+        """End an answered call's span that no verdict reached (the walk stopped between the
+        answer and its accounting: a deadline, a cancellation): no outcome."""
+        if self._pending is not None:
+            self._pending.end()
+            self._pending = None
 
     def stream_ended(self, opened: Opened, kind: str, end: StreamEnd | None, delivered: int) -> None:
         """End the span of a committed stream attempt: what it delivered, and how it ended
@@ -218,16 +264,32 @@ class RequestTrace:
         self._answered(span, end, (end.model if end is not None else None) or opened.model)
         if kind != "ok":
             self._failed(span, kind)
+        else:
+            span.set_attribute(_OUTCOME, kind)
         span.end()
 
-    def skipped(self, model: str, reason: str, wait_s: float | None) -> None:
-        """A model of the chain skipped without a call (`cooldown`, `circuit_open`)."""
+    def skipped(self, leg: Leg, reason: str, wait_s: float | None, *, fallback: bool) -> None:
+        """A model of the chain passed over without a call (`reason`: `cooldown`,
+        `circuit_open`, `context_window`, `content_filter`, or `retry_budget` for a retry the
+        retry budget refused): a child span of its own, as long as nothing (no call)."""
         if not self.recording:
             return
-        attributes: dict[str, Any] = {"guards.model": model, "guards.skip.reason": reason}
+        tracing = self._tracing
+        key = leg.ref.key
+        attributes: dict[str, Any] = {
+            "gen_ai.request.model": leg.ref.model,
+            "guards.model": key,
+            "guards.attempt.skipped": True,
+            "guards.attempt.fallback": fallback,
+            "guards.skip.reason": reason,
+            _OUTCOME: "skipped",
+        }
         if wait_s is not None:
             attributes["guards.retry_after_s"] = round(wait_s, 3)
-        self.span.add_event("guards.skip", attributes)
+        parent = tracing._trace.set_span_in_context(self.span)
+        tracing._tracer.start_span(
+            f"guards.skip {key}", context=parent, kind=tracing._trace.SpanKind.INTERNAL, attributes=attributes
+        ).end()
 
     def finish(
         self,
@@ -238,14 +300,20 @@ class RequestTrace:
         attempts: int,
         *,
         service_level: str | None = None,
+        requested: str | None = None,
+        effective: Leg | None = None,
+        served: str | None = None,
     ) -> None:
         """End the route span with the request's outcome (`guards_requests_total`'s), its HTTP
         status, the guard that tripped, the provider calls made and, when known, the service
-        level. A server error (5xx) is the span's error status, its `error.type` the
-        classifier's kind (else the public error)."""
+        level; the requested model (the chain's first), and the effective one: the chain
+        entry whose answer the request was given (`effective`) and the model the provider
+        said served it (`served`). A server error (5xx) is the span's error status, its
+        `error.type` the classifier's kind (else the public error)."""
         if self.finished:
             return
         self.finished = True
+        self._close_pending()
         span = self.span
         if not self.recording:
             return
@@ -254,6 +322,11 @@ class RequestTrace:
             "guards.attempts": attempts,
             "http.response.status_code": status,
         }
+        if requested is not None:
+            attributes["gen_ai.gateway.request.model"] = requested
+        if effective is not None:
+            attributes["guards.model"] = effective.ref.key
+            attributes["gen_ai.response.model"] = served or effective.ref.model
         if tripped is not None:
             attributes["guards.fallback.guard"] = tripped.guard.value
             attributes["guards.fallback.reason"] = tripped.reason.value
@@ -281,4 +354,6 @@ class RequestTrace:
     def _failed(self, span: Span, kind: str) -> None:
         status, code = self._tracing._status
         span.set_attribute("error.type", kind)
+        if span is not self.span:  # an attempt's
+            span.set_attribute(_OUTCOME, kind)
         span.set_status(status(code.ERROR, kind))

@@ -6,6 +6,10 @@ answering worker's tallies; copied every `window_s / COPIES` seconds by a task o
 loop (`History`, started with the app's lifespan, or by the first view). A rate is the
 difference between the counts now and the oldest copy at most `window_s` old, over the time
 between them; the day's spend, the difference since the copy the UTC day started from.
+
+The latency histograms' counts are copied with them, and one copy in `TREND_STEPS` (every
+`window_s / 5`: a minute for the default 5-minute window) is kept, latency only, for
+`TREND_POINTS` steps (an hour): the latency trend (`guards.status._latency`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 import anyio.to_thread
 
+from ..observe._latency import LATENCY_METRICS
 from ..observe._metrics import (
     ATTEMPTS,
     BUDGET_SETTLED,
@@ -31,10 +36,13 @@ from ..observe._metrics import (
 )
 from ..stores import utc_day
 
-__all__ = ["COPIES", "DAY_S", "Counts", "History", "Reading", "grown"]
+__all__ = ["COPIES", "DAY_S", "TREND_POINTS", "Counts", "History", "Reading", "grown"]
 
 #: Copies of the counts a window holds: a rate's window is `window_s` less at most one interval.
 COPIES = 30
+#: The latency trend: a point every `window_s / TREND_STEPS`, `TREND_POINTS` of them at most.
+TREND_STEPS = 5
+TREND_POINTS = 60
 DAY_S = 86_400.0
 
 Key = tuple[Metric, tuple[str, ...]]
@@ -49,7 +57,7 @@ class _Copy:
 
 
 #: The counters the page reads.
-_COUNTED = (REQUESTS, SERVED, FALLBACKS, ATTEMPTS, COST, BUDGET_SETTLED)
+_COUNTED = (REQUESTS, SERVED, FALLBACKS, ATTEMPTS, COST, BUDGET_SETTLED, *LATENCY_METRICS)
 
 
 async def _copy() -> _Copy:
@@ -72,17 +80,22 @@ class Reading:
     today: Counts
     day: str
     since: float
+    #: The latency trend's copies, oldest first: (seconds since the epoch, latency counts).
+    trend: tuple[tuple[float, Counts], ...] = ()
 
 
 class History:
-    """Copies of the counts, one every `window_s / COPIES` seconds, kept for `window_s`; and
-    the copy the UTC day started from. Bounded: at most `COPIES + 1` copies. The first copy is
-    taken when copying starts (the app's lifespan, else the first view)."""
+    """Copies of the counts, one every `window_s / COPIES` seconds, kept for `window_s`; the
+    copy the UTC day started from; and the latency trend's copies. Bounded: at most `COPIES +
+    1` copies and `TREND_POINTS + 1` trend copies, each one count per series. The first copy
+    is taken when copying starts (the app's lifespan, else the first view)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self.every_s = window_s / COPIES
+        self.trend_step_s = window_s / TREND_STEPS
         self._copies: deque[_Copy] = deque()
+        self._trend: deque[tuple[float, float, Counts]] = deque()
         self._day, self._day_counts, self._since = "", Counts(), 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -111,6 +124,13 @@ class History:
         copies.append(copy)
         while len(copies) > COPIES + 1 or (len(copies) > 1 and copies[0].mono < copy.mono - self.window_s):
             copies.popleft()
+        trend = self._trend
+        # A step's copy (less a tenth of an interval: the timer's copies drift a little late).
+        if not trend or copy.mono - trend[-1][0] >= self.trend_step_s - self.every_s / 10:
+            latency = {key: n for key, n in copy.counts.items() if key[0] in LATENCY_METRICS}
+            trend.append((copy.mono, copy.wall, latency))
+            while len(trend) > TREND_POINTS + 1:
+                trend.popleft()
 
     def _roll(self, copy: _Copy) -> None:
         """A new UTC day starts from the newest copy (taken before midnight, at most one interval
@@ -132,7 +152,13 @@ class History:
         # the newest one, and the window says how long it really is.
         base = next((c for c in self._copies if c.mono >= oldest), self._copies[-1])
         return Reading(
-            now.counts, base.counts, now.mono - base.mono, self._day_counts, self._day, self._since
+            now.counts,
+            base.counts,
+            now.mono - base.mono,
+            self._day_counts,
+            self._day,
+            self._since,
+            tuple((wall, counts) for _, wall, counts in self._trend),
         )
 
 

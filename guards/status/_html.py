@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ..contracts._vocabulary import Level
+from ._chart import latency_cell
 from ._history import DAY_S
 from ._report import ModelStatus, RouteStatus, StatusReport
 
@@ -56,6 +57,7 @@ input{flex:1 1 220px;font:inherit;padding:8px 10px;border:1px solid var(--line);
 background:var(--bg);color:var(--text)}
 button{font:inherit;font-weight:600;padding:8px 14px;border:0;border-radius:8px;background:var(--text);
 color:var(--bg);cursor:pointer}
+svg.trend{display:block;margin:4px 0 0 auto;color:var(--muted)}
 @media (max-width:700px){
 main{padding:14px 10px 24px}
 section{padding:10px 12px}
@@ -222,6 +224,7 @@ def _model_row(model: ModelStatus, now: float) -> str:
         + _cell("Cooldown", cooldown)
         + _cell("Last failure", last)
         + _cell("Calls", calls, "num")
+        + _cell("Latency p50 / p95", latency_cell(model.latency), "num")
         + _cell("Spent today", cost, "num")
         + "</tr>"
     )
@@ -273,7 +276,7 @@ def render_html(report: StatusReport, window_s: float) -> str:
 </header>
 <section id="models">
 <h2>Models <small>· calls in the last {_e(window)}</small></h2>
-{_table((("Model", ""), ("State", ""), ("Breaker", ""), ("Cooldown", ""), ("Last failure", ""), ("Calls", "num"), ("Spent today", "num")), models) if models else '<p class="muted">No guarded route names a model.</p>'}
+{_table((("Model", ""), ("State", ""), ("Breaker", ""), ("Cooldown", ""), ("Last failure", ""), ("Calls", "num"), ("Latency p50 / p95", "num"), ("Spent today", "num")), models) if models else '<p class="muted">No guarded route names a model.</p>'}
 </section>
 <section id="routes">
 <h2>Routes <small>· the last {_e(window)}</small></h2>

@@ -13,6 +13,9 @@
   of the event loop (`History`, in `_history.py`, started with the app's lifespan, or by the
   first view); a rate is the difference between the counts now and the oldest copy at most
   `window_s` old, over the time between them;
+- **each model's latency**: the time to first output and to the whole answer, p50 and p95 over
+  the recent window, and their trend over the last hour, from the latency histograms' counts
+  copied with the rest (`_latency.py`);
 - **spend today**: the same counts of `guards_cost_usd_total` since the UTC day began (to
   within one copy's interval), or since the worker started when that was later; the spend caps
   are the routes' `Budget(spend_per_day=...)`, each applying to each budget key on its own.
@@ -52,6 +55,7 @@ from ..spec._levels import ServiceLevel, WatchedModel, down_for, level_of
 from ..stores import Health, StoreUnavailable
 from ..stores._epoch import Epoch
 from ._history import History, grown
+from ._latency import NO_LATENCY, Latency, latencies
 
 if typing.TYPE_CHECKING:
     from ..spec._route_spec import GuardedRoute
@@ -144,6 +148,10 @@ class ModelStatus(BaseModel):
         description="What its calls cost today (see today.counts), US dollars; null without a price."
     )
     price: Price | None = Field(description="Its price (Guards(prices=...)), when it has one.")
+    latency: Latency = Field(
+        description="Its calls' time to first output and to the whole answer (see recent.counts): "
+        "the figures latency-based routing reads."
+    )
 
 
 class Outcomes(BaseModel):
@@ -297,7 +305,7 @@ class StatusPage:
         wall = time.time()
         # When the store did not answer: the level as this worker last read it.
         seen = shared.service_level() if health is None else None
-        models = self._models(recent[ATTEMPTS], spent, health, seen, wall)
+        models = self._models(recent[ATTEMPTS], spent, health, seen, wall, latencies(reading))
         if seen is None:
             level, now = level_of(sum(m.down for m in models), len(models)), health.now if health else wall
         else:
@@ -343,6 +351,7 @@ class StatusPage:
         health: Health | None,
         seen: ServiceLevel | None,
         wall: float,
+        latency: dict[str, Latency],
     ) -> list[ModelStatus]:
         """Each watched model: its calls, failures and spend, and whether it is down, as the
         store's reading (`health`) says, or else as this worker last read it (`seen`)."""
@@ -361,6 +370,7 @@ class StatusPage:
                 if price is None
                 else _usd(sum(n for (_, k), n in spent.items() if k == key)),
                 "price": None if price is None else _price(price, shared.cost_unit_usd),
+                "latency": latency.get(key, NO_LATENCY),
             }
             if health is not None:
                 entry.update(_stored_state(model, health, index))

@@ -42,6 +42,8 @@ def on_attempt(state: RequestState, outcome: Any, started: float) -> None:
             end = outcome.end
             usage = end.usage if end is not None else None
             account(state, leg, "ok", usage, outcome.model or leg.ref.model, elapsed, billed=True)
+        else:  # at its first output: timed now, accounted when it ends
+            state._observe.first_output(leg, elapsed)
     else:
         # Billed unless the provider refused the call: a timeout (its first output's too), a
         # cancelled call, any failure that is not a provider's error answer, JSON mode not met.

@@ -7,10 +7,12 @@ method below is where that event's subscribers are listed, in the order they run
 
     event             metrics                      log line      ledger    trace
     attempt started                                                        attempt span opens
-    attempt ended     attempts, seconds, tokens,                 record    (span ends with
-                      cost                                                  its call)
-    skipped           guards_skips_total           skip (1/s)              route span event
-    retried           retry budget exhausted       retry
+    first output      first output seconds (a stream's)
+    attempt ended     attempts, seconds, tokens,                 record    an answered call's
+                      cost, answer seconds                                  span ends (a failed
+                                                                            one's ended with it)
+    skipped           guards_skips_total           skip (1/s)              skip span
+    retried           retry budget exhausted       retry                   skip span (refused)
     store failed      guards_store_unavailable     store_unavailable
     cooldown started                               cooldown
     breaker moved     breaker transitions
@@ -114,14 +116,19 @@ class Observers:
             _,
             elapsed_s,
             cost,
-            _,
+            delivered,
             _,
             _,
             _,
             _,
         ) = event
         leg.seconds.observe(elapsed_s)
+        if self.trace is not None:  # an answered call's span ends with its verdict
+            self.trace.attempt_ended(outcome)
         if outcome == "ok":
+            leg.answered.observe(elapsed_s)
+            if delivered is None:  # a whole answer: its first output is its arrival
+                leg.first_output.observe(elapsed_s)
             leg.attempts["ok"].count += 1  # `Tally.add`, in place: every request's path
         else:
             leg.attempts[outcome].add()  # a failure kind's tally also stamps its time
@@ -144,6 +151,11 @@ class Observers:
         ledger.record(_attempt(event))
         return None
 
+    def first_output(self, leg: Leg, elapsed_s: float) -> None:
+        """A streamed call produced its first output part `elapsed_s` after it started (its
+        whole answer is timed when it ends, with its record)."""
+        leg.first_output.observe(elapsed_s)
+
     def stream_ended(self, opened: Opened, kind: str, end: StreamEnd | None, delivered: int) -> None:
         """A committed stream ended (its attempt span ends; its record follows)."""
         if self.trace is not None:
@@ -162,7 +174,7 @@ class Observers:
             tally = leg.skips[reason] = counter(SKIPS, key, reason)
         tally.count += 1  # `Tally.add`, in place: every refused request's path
         if self.trace is not None:
-            self.trace.skipped(key, reason, wait_s)
+            self.trace.skipped(leg, reason, wait_s, fallback=leg is not route.legs[0])
         if logger.isEnabledFor(INFO):
             emit_skip(
                 route.name,
@@ -176,6 +188,9 @@ class Observers:
         model, delay_s = event.leg.ref.key, event.delay_s
         if event.skipped is not None:
             counter(RETRY_BUDGET_EXHAUSTED, model).add()
+            if self.trace is not None:  # the retry not made: a skipped attempt
+                leg = event.leg
+                self.trace.skipped(leg, event.skipped, None, fallback=leg is not event.route.legs[0])
         emit(
             "retry",
             route=event.route.name,

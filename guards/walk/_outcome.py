@@ -72,7 +72,17 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
     trace = observers.trace
     if trace is not None:
         # The one place the request span learns its outcome, and the level it was served at.
-        trace.finish(outcome, status, tripped, error, attempts, service_level=observers.service_level())
+        trace.finish(
+            outcome,
+            status,
+            tripped,
+            error,
+            attempts,
+            service_level=observers.service_level(),
+            requested=route.model,
+            effective=served,
+            served=model,
+        )
     if not logger.isEnabledFor(INFO):
         return
     if outcome == "ok" and observers.log_sample < 1.0 and random() >= observers.log_sample:

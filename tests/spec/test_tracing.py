@@ -7,26 +7,36 @@ of OpenTelemetry imported at all.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from google.protobuf import json_format
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import NoOpTracerProvider, SpanKind, StatusCode
+from pydantic import BaseModel
 
 from app.service import create_app
 from fixtures import Fail, FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
+from guards import AI, Guards
+from guards.providers import WorkersAI
 
 from ..conftest import AppClient, ExampleClient, no_sleep, workers_ai_settings
 from ..e2e.test_shared_state import AppProcess, app_process_env
@@ -36,7 +46,10 @@ FALLBACK = "gpt-4o-mini"
 SERVED = "gpt-4o-mini-2024-07-18"
 PROMPT_CANARY = "CANARY-PROMPT-5b1e07"
 ANSWER_CANARY = "CANARY-ANSWER-c9d342"
-TRANSIENT = Fail(code=3040, status=429)
+#: A provider's error text and a budget key (the caller's x-user-id): in no span either.
+MESSAGE_CANARY = "CANARY-MESSAGE-77a0e1"
+KEY_CANARY = "CANARY-KEY-3f9b52"
+TRANSIENT = Fail(code=3040, status=429, message=f"AiError: out of capacity {MESSAGE_CANARY}")
 #: A caller's W3C trace context: the request span joins this trace, under this span.
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "b7ad6b7169203331"
@@ -94,10 +107,11 @@ def attempts(found: list[ReadableSpan]) -> list[ReadableSpan]:
 
 
 def assert_no_content(found: list[ReadableSpan]) -> None:
-    """Neither the prompt nor the answer anywhere in the spans (names, attributes, events)."""
+    """Neither the prompt, the answer, a provider's message nor a budget key anywhere in the
+    spans (names, attributes, events, statuses)."""
     text = json.dumps([json.loads(span.to_json()) for span in found])
-    assert PROMPT_CANARY not in text
-    assert ANSWER_CANARY not in text
+    for canary in (PROMPT_CANARY, ANSWER_CANARY, MESSAGE_CANARY, KEY_CANARY):
+        assert canary not in text
     for span in found:
         assert not [key for key in span.attributes or {} if key.startswith(("gen_ai.input", "gen_ai.output"))]
         assert "gen_ai.system_instructions" not in (span.attributes or {})
@@ -121,7 +135,7 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
     response = client.post(
         "/draft-reply",
         json={"message": f"Where is my parcel? {PROMPT_CANARY}"},
-        headers={"traceparent": TRACEPARENT},
+        headers={"traceparent": TRACEPARENT, "x-user-id": KEY_CANARY},
     )
     assert response.status_code == 200, response.text
     assert response.json()["attempts"] == 3
@@ -134,12 +148,16 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
     assert route.parent.is_remote
     assert hex_id(route.parent.span_id, 16) == CALLER_SPAN
     assert route.kind is SpanKind.INTERNAL
+    # The gateway span: the requested model (the chain's first) and the effective one.
     assert dict(route.attributes or {}) == {
         "guards.route": "draft_reply",
         "guards.outcome": "ok",
         "guards.attempts": 3,
         "http.response.status_code": 200,
         "guards.service_level": "full",
+        "gen_ai.gateway.request.model": MODEL,
+        "guards.model": f"openai:{FALLBACK}",
+        "gen_ai.response.model": SERVED,
     }
     assert route.status.status_code is StatusCode.UNSET
 
@@ -162,6 +180,7 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
             "guards.attempt.number": number,
             "guards.attempt.retry": number == 2,
             "guards.attempt.fallback": False,
+            "guards.attempt.outcome": "model_temporarily_unavailable",
             "error.type": "model_temporarily_unavailable",
         }
         assert span.status.status_code is StatusCode.ERROR
@@ -178,6 +197,7 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
         "gen_ai.usage.input_tokens": 31,
         "gen_ai.usage.output_tokens": 7,
         "gen_ai.response.finish_reasons": ("stop",),
+        "guards.attempt.outcome": "ok",
     }
     assert fallback.status.status_code is StatusCode.UNSET
     # Each attempt lies within the request's span.
@@ -190,7 +210,7 @@ def test_a_fallback_chain_with_a_retry_is_one_tree(
     assert_no_content(found)
 
 
-def test_skipped_models_are_events_and_a_public_error_is_the_span_status(
+def test_skipped_models_are_child_spans_and_a_public_error_is_the_span_status(
     client: httpx.Client,
     fake_workers_ai: FakeWorkersAI,
     fake_openai: FakeOpenAI,
@@ -218,16 +238,33 @@ def test_skipped_models_are_events_and_a_public_error_is_the_span_status(
     skipped = client.post("/draft-reply", json={"message": "hi"})
     assert skipped.status_code == 503
     assert skipped.json()["error"] == "circuit_open"
-    (route,) = finished(spans, 1)  # no attempt: no attempt span
-    events = [(event.name, dict(event.attributes or {})) for event in route.events]
-    assert [
-        (name, attributes["guards.model"], attributes["guards.skip.reason"]) for name, attributes in events
-    ] == [
-        ("guards.skip", MODEL, "circuit_open"),
-        ("guards.skip", f"openai:{FALLBACK}", "cooldown"),
-    ]
-    assert all(attributes["guards.retry_after_s"] > 0 for _, attributes in events)
+    found = finished(spans, 3)  # no call: no CLIENT span, a skip span per model
+    route = route_span(found)
+    assert not attempts(found)
+    skips = sorted((span for span in found if span is not route), key=lambda s: s.start_time or 0)
+    assert [span.name for span in skips] == [f"guards.skip {MODEL}", f"guards.skip openai:{FALLBACK}"]
+    for span, model, key, reason in (
+        (skips[0], MODEL, MODEL, "circuit_open"),
+        (skips[1], FALLBACK, f"openai:{FALLBACK}", "cooldown"),
+    ):
+        assert span.kind is SpanKind.INTERNAL
+        assert span.parent is not None
+        assert span.parent.span_id == route.context.span_id
+        attributes = dict(span.attributes or {})
+        assert attributes.pop("guards.retry_after_s") > 0
+        assert attributes == {
+            "gen_ai.request.model": model,
+            "guards.model": key,
+            "guards.attempt.skipped": True,
+            "guards.attempt.fallback": key != MODEL,
+            "guards.skip.reason": reason,
+            "guards.attempt.outcome": "skipped",
+        }
+    assert not route.events
     attributes = dict(route.attributes or {})
+    assert attributes["gen_ai.gateway.request.model"] == MODEL
+    assert "guards.model" not in attributes  # no model answered: no effective model
+    assert "gen_ai.response.model" not in attributes
     assert attributes["guards.outcome"] == "error"
     assert attributes["guards.fallback.guard"] == "budget"
     assert attributes["guards.fallback.reason"] == "circuit_open"
@@ -255,6 +292,7 @@ def test_a_stream_attempt_ends_with_its_stream(
     attributes = dict(attempt.attributes or {})
     assert attributes["guards.stream.delivered_chars"] == len("Thank ") + len(f"you {ANSWER_CANARY}")
     assert attributes["error.type"] == "model_temporarily_unavailable"
+    assert attributes["guards.attempt.outcome"] == "model_temporarily_unavailable"
     assert attributes["gen_ai.response.time_to_first_chunk"] > 0
     assert attempt.status.status_code is StatusCode.ERROR
     assert (route.attributes or {})["guards.outcome"] == "error"
@@ -270,7 +308,10 @@ def test_a_stream_attempt_ends_with_its_stream(
     )
     whole = client.post("/draft-reply/stream", json={"message": "hi"})
     assert "event: done" in whole.text
-    (attempt,) = attempts(finished(spans, 2))
+    found = finished(spans, 3)  # the route, the first model's skip (its breaker), the fallback
+    (attempt,) = attempts(found)
+    (skip,) = [span for span in found if span.name == f"guards.skip {MODEL}"]
+    assert (skip.attributes or {})["guards.skip.reason"] == "circuit_open"
     attributes = dict(attempt.attributes or {})
     assert attributes["gen_ai.provider.name"] == "openai"
     assert attributes["guards.attempt.fallback"] is True
@@ -278,7 +319,52 @@ def test_a_stream_attempt_ends_with_its_stream(
     assert attributes["gen_ai.response.finish_reasons"] == ("stop",)
     assert attributes["gen_ai.usage.input_tokens"] == 4
     assert attributes["gen_ai.usage.output_tokens"] == 2
+    assert attributes["guards.attempt.outcome"] == "ok"
     assert "error.type" not in attributes
+    assert_no_content(found)
+
+
+class Triage(BaseModel):
+    label: str
+    urgent: bool
+
+
+def test_a_rejected_answer_is_its_attempts_outcome(
+    fake_workers_ai: FakeWorkersAI,
+    provider: TracerProvider,
+    spans: InMemorySpanExporter,
+    app_client: AppClient,
+) -> None:
+    """An answer the output guard rejects, on a route that moves it on: its attempt's span
+    ends once the walk judged it, with `rejected` as its outcome; the next model's answer is
+    the effective one."""
+    binding = WorkersAI(
+        account_id=fake_workers_ai.account_id,
+        api_token=fake_workers_ai.api_token,
+        base_url=fake_workers_ai.base_url,
+    )
+    guards = Guards(binding, sleep=no_sleep, tracing=provider)
+    app = FastAPI()
+    guards.install(app)
+    second = "@cf/test/second"
+
+    @app.post("/triage")
+    @guards.route(model=MODEL, fallbacks=[second], on_rejected="next_model")
+    async def triage(ai: AI[Triage]) -> Triage:
+        return await ai.run({"prompt": f"triage {PROMPT_CANARY}"})
+
+    fake_workers_ai.script(MODEL, Reply({"label": ANSWER_CANARY}))  # no `urgent`: rejected
+    fake_workers_ai.script(second, Reply({"label": "billing", "urgent": False}))
+    answered = app_client(app).post("/triage")
+    assert answered.status_code == 200, answered.text
+    found = finished(spans, 3)
+    rejected, accepted = attempts(found)
+    assert (rejected.attributes or {})["guards.attempt.outcome"] == "rejected"
+    assert (rejected.attributes or {})["error.type"] == "rejected"
+    assert rejected.status.status_code is StatusCode.ERROR
+    assert (accepted.attributes or {})["guards.attempt.outcome"] == "ok"
+    route = dict(route_span(found).attributes or {})
+    assert (route["gen_ai.gateway.request.model"], route["guards.model"]) == (MODEL, second)
     assert_no_content(found)
 
 
@@ -292,6 +378,7 @@ def test_an_invalid_request_is_a_span_too(client: httpx.Client, spans: InMemoryS
         "guards.outcome": "invalid",
         "guards.attempts": 0,
         "http.response.status_code": 400,
+        "gen_ai.gateway.request.model": MODEL,
     }
 
 
@@ -506,3 +593,129 @@ def test_the_example_app_traces_to_the_console_when_asked(
     assert attempt["attributes"]["gen_ai.provider.name"] == "cloudflare.workers_ai"
     assert {span["resource"]["attributes"]["service.name"] for span in printed} == {"support"}
     assert PROMPT_CANARY not in out.read_text()  # neither in a span nor in a log line
+
+
+# --- OTLP over loopback: what a collector receives -----------------------------------------------
+
+
+class _OTLPReceiver(ThreadingHTTPServer):
+    """The receiving end of OTLP/HTTP (`POST /v1/traces`, protobuf), on loopback: each export
+    decoded to its OTLP/JSON form (what `docs/operating/traces.md` shows)."""
+
+    def __init__(self) -> None:
+        self.received: list[dict[str, Any]] = []
+        super().__init__(("127.0.0.1", 0), _OTLPHandler)
+
+
+class _OTLPHandler(BaseHTTPRequestHandler):
+    server: _OTLPReceiver
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        export = ExportTraceServiceRequest()
+        export.ParseFromString(body)
+        found = json_format.MessageToDict(export)
+        for resource in found["resourceSpans"]:  # ids in hex, as OTLP/JSON writes them
+            for scope in resource["scopeSpans"]:
+                for span in scope["spans"]:
+                    for name in ("traceId", "spanId", "parentSpanId"):
+                        if name in span:
+                            span[name] = base64.b64decode(span[name]).hex()
+        self.server.received.append(found)
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def otlp_attributes(span: dict[str, Any]) -> dict[str, Any]:
+    """An OTLP/JSON span's attributes as plain values."""
+    found: dict[str, Any] = {}
+    for attribute in span.get("attributes", []):
+        ((kind, value),) = attribute["value"].items()
+        found[attribute["key"]] = (
+            [next(iter(v.values())) for v in value["values"]] if kind == "arrayValue" else value
+        )
+    return found
+
+
+def otlp_export(
+    example_client: ExampleClient, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+) -> list[dict[str, Any]]:
+    """What the SDK's OTLP/HTTP exporter sends over loopback for a request to the example app
+    whose first model fails transiently, is retried, fails again, and whose fallback answers:
+    each export as OTLP/JSON."""
+    receiver = _OTLPReceiver()
+    serving = threading.Thread(target=receiver.serve_forever, daemon=True)
+    serving.start()
+    provider = TracerProvider()
+    endpoint = f"http://127.0.0.1:{receiver.server_address[1]}/v1/traces"
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint, timeout=5)))
+    try:
+        client = example_client(
+            ai_fallback_models=f"openai:{FALLBACK}",
+            openai_base_url=fake_openai.base_url,
+            openai_api_key=fake_openai.api_key,
+            tracer_provider=provider,
+        )
+        fake_workers_ai.script(MODEL, TRANSIENT, TRANSIENT)
+        fake_openai.script(
+            FALLBACK,
+            Reply(ANSWER_CANARY, model=SERVED, usage={"prompt_tokens": 31, "completion_tokens": 7}),
+        )
+        response = client.post(
+            "/draft-reply", json={"message": f"hi {PROMPT_CANARY}"}, headers={"x-user-id": KEY_CANARY}
+        )
+        assert response.status_code == 200
+    finally:
+        provider.shutdown()
+        receiver.shutdown()
+        receiver.server_close()
+    return receiver.received
+
+
+def otlp_spans(received: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """guards' spans in OTLP/JSON exports, in the order they started."""
+    spans = [
+        span
+        for export in received
+        for resource in export["resourceSpans"]
+        for scope in resource["scopeSpans"]
+        if scope["scope"]["name"] == "guards"
+        for span in scope["spans"]
+    ]
+    return sorted(spans, key=lambda span: int(span["startTimeUnixNano"]))
+
+
+def test_a_retry_and_a_fallback_exported_over_otlp(
+    example_client: ExampleClient, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+) -> None:
+    """The SDK's OTLP/HTTP exporter sends the request's trace over loopback: the gateway span
+    and its three attempt children arrive with the documented attributes, and nothing else."""
+    received = otlp_export(example_client, fake_workers_ai, fake_openai)
+    text = json.dumps(received)
+    if dump := os.environ.get("GUARDS_OTLP_DUMP"):  # the trace docs/operating/traces.md shows
+        Path(dump).write_text(json.dumps(received, indent=1))
+    for canary in (PROMPT_CANARY, ANSWER_CANARY, MESSAGE_CANARY, KEY_CANARY):
+        assert canary not in text
+    spans = otlp_spans(received)
+    by_name = {span["name"]: span for span in spans}
+    route = by_name["guards.route"]
+    assert route["traceId"]
+    assert len(spans) == 4
+    assert {span["name"] for span in spans} == {"guards.route", f"chat {MODEL}", f"chat {FALLBACK}"}
+    assert otlp_attributes(route)["gen_ai.gateway.request.model"] == MODEL
+    assert otlp_attributes(route)["gen_ai.response.model"] == SERVED
+    children = sorted(
+        (span for span in spans if span is not route), key=lambda span: int(span["startTimeUnixNano"])
+    )
+    assert all(span["parentSpanId"] == route["spanId"] for span in children)
+    assert [otlp_attributes(span)["guards.attempt.number"] for span in children] == ["1", "2", "3"]
+    assert [otlp_attributes(span)["guards.attempt.outcome"] for span in children] == [
+        "model_temporarily_unavailable",
+        "model_temporarily_unavailable",
+        "ok",
+    ]

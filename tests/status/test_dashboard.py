@@ -37,6 +37,8 @@ SHOWN = {
     "guards_cost_usd_total",  # and cost
     "guards_service_level",  # service level (issue 14)
     "guards_served_total",  # answers by chain position
+    "guards_model_first_output_seconds_bucket",  # each model's latency (issue 43)
+    "guards_model_answer_seconds_bucket",
 }
 
 

@@ -263,6 +263,16 @@ def test_the_json_has_the_documented_shape(fake_workers_ai: FakeWorkersAI, app_c
         "failures",
         "cost_usd_today",
         "price",
+        "latency",
+    }
+    assert set(report["models"][0]["latency"]) == {
+        "first_outputs",
+        "answers",
+        "first_output_p50_s",
+        "first_output_p95_s",
+        "answer_p50_s",
+        "answer_p95_s",
+        "trend",
     }
     assert [r["route"] for r in report["routes"]] == [
         "draft_reply",
@@ -612,6 +622,8 @@ def test_every_worker_shows_the_totals_of_all_in_multiprocess_mode(
         assert route(report, "draft_reply")["fallback_model_rate"] == 1.0
         assert model(report, A)["breaker"] == "open"
         assert model(report, B)["calls"] == requests
+        # The latency histograms are summed over the workers' files too.
+        assert model(report, B)["latency"]["answers"] == requests
 
 
 def test_bearer_token_guards_a_route_of_your_own(app_client: AppClient) -> None:
