@@ -98,7 +98,8 @@ _DOWNGRADED = {
 _STREAM_DESCRIPTION = (
     "Server-Sent Events: `delta` {text}, `reasoning` {text}, `tool_call` {index, id, name, "
     "arguments}, then exactly one of `done` {finish_reason, usage, model, fallback_model, "
-    "attempts, trace_id} or `error` {guard, reason, detail, trace_id}. Sent once the first "
+    "attempts, trace_id} (and `object` on a structured stream) or `error` {guard, reason, "
+    "detail, trace_id}. Sent once the first "
     "output is ready: a failure before it is an error status instead. Each event is described "
     "as an object with its `event` name and its `data`, a JSON text (OpenAPI 3.1 practice)."
 )
@@ -208,8 +209,7 @@ def _stream_response(attribution: str, answer: dict[str, Any] | None) -> dict[st
         for name, data in stream_events(attribution, answer).items()
     ]
     return {
-        "description": _STREAM_DESCRIPTION
-        + ("" if answer is None else " A structured stream's `done` carries its validated `object`."),
+        "description": _STREAM_DESCRIPTION,
         "content": {"text/event-stream": {"schema": {"oneOf": events}}},
     }
 
