@@ -19,7 +19,7 @@ __all__ = ["KeptText"]
 
 
 class KeptText:
-    """A `StreamWriter` that writes as `writer` does and keeps the answer's text (`text()`):
+    """A `StreamWriter` that writes as `writer` does and keeps the answer's text (`kept()`):
     one buffer, not an object per token (a list of 4-character tokens would take about 60
     bytes a token). Only text: reasoning and tool calls are not the answer."""
 

@@ -102,8 +102,7 @@ def relayed(
     observe = state._observe
 
     async def on_end(relayed: Relayed) -> None:
-        problems = relayed.failure.problems if relayed.kind == REJECTED and relayed.failure else None
-        _stream_done(state, leg, opened, relayed, recorded, inputs, problems)
+        _stream_done(state, leg, opened, relayed, recorded, inputs)
         await finish_leg(state, leg, relayed.outcome, probe, record_success)
         failure = relayed.failure
         if relayed.stopped:
@@ -168,13 +167,13 @@ def _stream_done(
     relayed: Relayed,
     recorded: bool,
     inputs: Mapping[str, Any] | None,
-    problems: tuple[str, ...] | None,
 ) -> None:
-    """Account for the committed stream attempt once it ended (its ledger record; `problems`:
-    a structured answer's the output guard rejected). A stream that ended early (its client
-    gone, or cut) with no usage from the provider is charged, under a spend cap or a token
-    limit, an estimate (`ended_early`)."""
-    kind, end, delivered = relayed.kind, relayed.end, relayed.delivered
+    """Account for the committed stream attempt once it ended (its ledger record, with the
+    problems of a structured answer the output guard rejected). A stream that ended early (its
+    client gone, or cut) with no usage from the provider is charged, under a spend cap or a
+    token limit, an estimate (`ended_early`)."""
+    kind, end, delivered, failure = relayed.kind, relayed.end, relayed.delivered, relayed.failure
+    problems = failure.problems if kind == REJECTED and failure is not None else None
     state._observe.stream_ended(opened, kind, end, delivered)
     if not recorded:
         usage = end.usage if end is not None else None
