@@ -274,3 +274,33 @@ def test_a_streaming_route_typed_with_text_that_is_not_str_is_refused_at_start_u
         @guards.route(model=WORKERS)
         async def label(ai: AI[Literal["billing", "other"]]) -> EventStream:
             return await ai.stream({"prompt": "Label this message."})
+
+
+def test_a_rejected_structured_answer_is_no_failure_for_the_breaker(
+    fake_workers_ai: FakeWorkersAI, app_client: AppClient
+) -> None:
+    """The model answered: its breaker counts a success (one failure would open it here)."""
+    guards = Guards(
+        WorkersAI(
+            account_id=fake_workers_ai.account_id,
+            api_token=fake_workers_ai.api_token,
+            base_url=fake_workers_ai.base_url,
+        ),
+        sleep=no_sleep,
+    )
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/triage")
+    @guards.route(model=WORKERS, breaker=Breaker(failure_threshold=1))
+    async def triage(ai: AI[Triage]) -> EventStream:
+        return await ai.stream({"prompt": "Triage this message."})
+
+    fake_workers_ai.script(WORKERS, *[Stream(parts=tuple(map(Text, BAD)))] * 2)
+    client = app_client(app, socket=True)
+    for _ in range(2):
+        response = client.post("/triage")
+        assert response.status_code == 200
+        name, data = parse_sse(response.text)[-1]
+        assert (name, data["reason"]) == ("error", "schema_invalid")
+    assert len(fake_workers_ai.calls) == 2
