@@ -162,6 +162,7 @@ CHECKED = {
     ("guards/output.md", "text", 0): "test_output_reask_sample_is_the_turn_sent",
     ("streaming.md", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
     ("streaming.md", "python", 1): "test_use_chat_example_answers_the_ui_message_stream",
+    ("streaming.md", "python", 2): "test_structured_stream_example_streams_and_checks_its_json",
     ("streaming.md", "sh", 0): "test_streaming_curl_streams",
     ("streaming.md", "", 0): "test_stream_sample_has_the_documented_events",
     ("operating/logs.md", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
@@ -934,6 +935,40 @@ def test_use_chat_example_answers_the_ui_message_stream() -> None:
     # The version the page says is tested is the one the SDK tests install.
     tested = json.loads((ROOT / "js" / "package.json").read_text())["dependencies"]["ai"]
     assert f"Tested with `ai` {tested}" in page_text("streaming.md")
+
+
+def test_structured_stream_example_streams_and_checks_its_json() -> None:
+    example = page_example("fallback-chains.md")
+    run_block(example, "streaming.md")
+    run_block(example, "streaming.md", 2)
+    guards = example["guards"]
+    main, openai = FakeBinding(), FakeBinding()
+    guards.binding, guards.providers["openai"] = main, openai
+    main.script(
+        "*",
+        Stream(parts=(Text('{"label": "billing",'), Text(' "urgent": true}'))),
+        Stream(parts=(Text('{"label": "billing"}'),)),
+    )
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            return [
+                await client.post("/triage/stream", json={"message": "I was charged twice."}) for _ in "ab"
+            ]
+
+    answered, rejected = anyio.run(scenario)
+    assert 'data: {"text":"{\\"label\\": \\"billing\\","}' in answered.text
+    name, done = answered.text.rstrip().splitlines()[-2:]
+    assert name == "event: done"
+    assert json.loads(done.removeprefix("data: "))["object"] == {"label": "billing", "urgent": True}
+    assert main.calls[0].inputs["response_format"]["json_schema"]["title"] == "Triage"
+    name, error = rejected.text.rstrip().splitlines()[-2:]
+    assert name == "event: error"
+    data = json.loads(error.removeprefix("data: "))
+    assert (data["guard"], data["reason"]) == ("output", "schema_invalid")
+    # The page's sample of the detail is the real one.
+    assert f'"detail": "{data["detail"]}"' in page_text("streaming.md")
+    assert openai.calls == []  # committed: no other model
 
 
 def test_metrics_snippet_serves_the_exposition() -> None:

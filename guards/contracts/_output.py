@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -67,6 +68,24 @@ class OutputGuard:
     def dump(self, value: Any) -> str:
         """`value` (an output this guard passed) as JSON text, to keep it (a task's step)."""
         return (self._adapter or _ANY).dump_json(value).decode()
+
+    def plain(self, value: Any) -> Any:
+        """`value` (an output this guard passed) as plain JSON data (dicts, lists, strings,
+        numbers): what a structured stream's `done` event carries as its `object`."""
+        return (self._adapter or _ANY).dump_python(value, mode="json")
+
+    def impossible(self, held: str) -> bool:
+        """Whether `held`, the start of a JSON answer's text (a stream's first characters),
+        can already not become an answer of this guard's type: the type is an object or an
+        array and the first character that is not whitespace is neither `{` (`[` for an array)
+        nor the backquote of a Markdown fence (which `unfenced` takes off). For a hold that
+        reads a JSON route's stream before the commit point: True is a `schema_invalid`
+        answer known before it completes. Linear in the whitespace it skips; False when only
+        whitespace is held, and for any other type."""
+        kind = self.json_schema.get("type") if self.json_schema is not None else None
+        expected = _FIRST_CHARS.get(kind) if isinstance(kind, str) else None
+        found = _NOT_SPACE.search(held) if expected is not None else None
+        return found is not None and found[0] not in (expected, "`")
 
     def load(self, text: str) -> Any:
         """An output kept as JSON text, validated again (raises `pydantic.ValidationError`
@@ -165,6 +184,12 @@ class OutputGuard:
         declared = self._declared
         return tuple(part if isinstance(part, int) or part in declared else _KEY for part in loc)
 
+
+#: What the JSON text of an object and of an array starts with (pydantic's lax mode takes a
+#: number or a boolean from a string, so other types are not told apart by their first one).
+_FIRST_CHARS = {"object": "{", "array": "["}
+#: A character that is not whitespace.
+_NOT_SPACE = re.compile(r"\S")
 
 #: The error `_validated` raises for a lone surrogate (its message is never told).
 _INVALID_UNICODE = PydanticCustomError(INVALID_UNICODE, "a lone surrogate")

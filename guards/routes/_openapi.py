@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fastapi.routing import APIRoute
+from pydantic import TypeAdapter
 
 from ..contracts._envelope import MAX_PROBLEMS, ErrorBody
 from ..contracts._responses import STRICT_STATUSES
@@ -97,7 +98,8 @@ _DOWNGRADED = {
 _STREAM_DESCRIPTION = (
     "Server-Sent Events: `delta` {text}, `reasoning` {text}, `tool_call` {index, id, name, "
     "arguments}, then exactly one of `done` {finish_reason, usage, model, fallback_model, "
-    "attempts, trace_id} or `error` {guard, reason, detail, trace_id}. Sent once the first "
+    "attempts, trace_id} (and `object` on a structured stream) or `error` {guard, reason, "
+    "detail, trace_id}. Sent once the first "
     "output is ready: a failure before it is an error status instead. Each event is described "
     "as an object with its `event` name and its `data`, a JSON text (OpenAPI 3.1 practice)."
 )
@@ -121,10 +123,21 @@ def _object(properties: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": list(properties)}
 
 
-def stream_events(attribution: str) -> dict[str, dict[str, Any]]:
+def stream_events(attribution: str, answer: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """The JSON Schema of each event's `data`, by event name (the vocabulary of
-    `guards.EventStream`)."""
+    `guards.EventStream`); `answer`: a structured stream's output type, which its `done`
+    carries as `object`."""
     text = _object({"text": {"type": "string"}})
+    done = {
+        "finish_reason": _NULLABLE_STRING,
+        "usage": {"anyOf": [_USAGE, {"type": "null"}]},
+        "model": _NULLABLE_STRING if attribution == "detailed" else {"type": "null"},
+        "fallback_model": _FALLBACK_MODEL[attribution],
+        "attempts": {"type": "integer"},
+        "trace_id": {"type": "string"},
+    }
+    if answer is not None:
+        done["object"] = answer
     return {
         "delta": text,
         "reasoning": text,
@@ -136,16 +149,7 @@ def stream_events(attribution: str) -> dict[str, dict[str, Any]]:
                 "arguments": {"type": "string"},
             }
         ),
-        "done": _object(
-            {
-                "finish_reason": _NULLABLE_STRING,
-                "usage": {"anyOf": [_USAGE, {"type": "null"}]},
-                "model": _NULLABLE_STRING if attribution == "detailed" else {"type": "null"},
-                "fallback_model": _FALLBACK_MODEL[attribution],
-                "attempts": {"type": "integer"},
-                "trace_id": {"type": "string"},
-            }
-        ),
+        "done": _object(done),
         "error": _object(
             {
                 "guard": {"type": "string", "enum": [g.value for g in GuardName]},
@@ -157,9 +161,10 @@ def stream_events(attribution: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def _ui_stream_response() -> dict[str, Any]:
+def _ui_stream_response(answer: dict[str, Any] | None) -> dict[str, Any]:
     """The 200 of a route answering the Vercel AI SDK's UI message stream (`UI_MESSAGE_STREAM`):
-    events without a name, each `data` a JSON chunk with its `type`, the last `[DONE]`."""
+    events without a name, each `data` a JSON chunk with its `type`, the last `[DONE]`
+    (`answer`: a structured stream's output type, its `data-object` chunk's `data`)."""
     chunk = {"type": "object", "properties": {"type": {"type": "string"}}, "required": ["type"]}
     events = [
         {
@@ -177,15 +182,21 @@ def _ui_stream_response() -> dict[str, Any]:
             "`start`, the text, reasoning and tool-input parts, then exactly one of `finish` "
             "(`messageMetadata.guards`: the `done` data) and `error` (`errorText`: the reason), "
             "then `[DONE]`."
+            + (
+                ""
+                if answer is None
+                else " A structured stream sends its validated object as a `data-object` chunk "
+                "(`data`) just before `finish`."
+            )
         ),
         "headers": {"x-vercel-ai-ui-message-stream": {"schema": {"const": "v1"}}},
         "content": {"text/event-stream": {"schema": {"oneOf": events}}},
     }
 
 
-def _stream_response(attribution: str) -> dict[str, Any]:
+def _stream_response(attribution: str, answer: dict[str, Any] | None) -> dict[str, Any]:
     """The 200 of a streaming route: one of the five events, each `{event, data}` with its
-    `data` a JSON text of the event's schema."""
+    `data` a JSON text of the event's schema (`answer`: a structured stream's output type)."""
     events = [
         {
             "type": "object",
@@ -195,7 +206,7 @@ def _stream_response(attribution: str) -> dict[str, Any]:
             },
             "required": ["event", "data"],
         }
-        for name, data in stream_events(attribution).items()
+        for name, data in stream_events(attribution, answer).items()
     ]
     return {
         "description": _STREAM_DESCRIPTION,
@@ -265,8 +276,11 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             if route.streaming:
+                answer = _answer_schema(route, schemas)
                 guards_events = route.stream_format.name == "guards"
-                responses["200"] = _stream_response(attribution) if guards_events else _ui_stream_response()
+                responses["200"] = (
+                    _stream_response(attribution, answer) if guards_events else _ui_stream_response(answer)
+                )
             if route.task is not None:
                 responses.setdefault("200", {}).setdefault("headers", {}).update(_REPLAYED)
             for status, codes in error_statuses(route).items():
@@ -296,6 +310,17 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
                 headers = response.setdefault("headers", {})
                 headers["x-trace-id"] = _TRACE_HEADER
                 headers["x-service-level"] = _LEVEL_HEADER
+
+
+def _answer_schema(route: GuardedRoute, schemas: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON Schema of a structured stream's validated output as its `done` carries it
+    (its models among the document's `schemas`); None for a text stream."""
+    if route.output.json_schema is None:
+        return None
+    schema = TypeAdapter(route.output.output_type).json_schema(mode="serialization", ref_template=_REF)
+    for name, model in schema.pop("$defs", {}).items():
+        schemas.setdefault(name, model)
+    return schema
 
 
 def _error_response(status: int, codes: list[ErrorCode]) -> dict[str, Any]:

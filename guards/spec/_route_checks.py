@@ -284,10 +284,10 @@ def check_route(
     spend_capped, token_capped, soft = _check_caps(where, settings, budgets)
     chain = _checked_chain(shared, settings, where, limits, spend_capped, settings.first_entry)
     shape = _handler_shape(handler, ai_type)
-    _check_answer(where, settings, shape)
+    output = OutputGuard(shape.output_type, settings.moderation)
+    _check_answer(where, settings, shape, output)
     data_adapter: TypeAdapter[Any] = TypeAdapter(Any if shape.streaming else shape.data_type)
     plain = _checked_fallback(where, settings.fallback, data_adapter)
-    output = OutputGuard(shape.output_type, settings.moderation)
     return CheckedRoute(
         settings=settings,
         where=where,
@@ -448,10 +448,10 @@ def _handler_shape(handler: Callable[..., Any], ai_type: type) -> HandlerShape:
     )
 
 
-def _check_answer(where: str, settings: RouteSettings, shape: HandlerShape) -> None:
+def _check_answer(where: str, settings: RouteSettings, shape: HandlerShape, output: OutputGuard) -> None:
     """What the route answers fits its settings: a degrading route annotates its return type;
-    a streaming route has no fallback, answers text, and is neither a task nor checks its
-    answers (`on_rejected`, tools)."""
+    a streaming route has no fallback, answers text or JSON (a structured stream), and is
+    neither a task nor checks its answers (`on_rejected`, tools)."""
     degrading = settings.fallback is not NO_FALLBACK
     if degrading and shape.data_type is Any:
         raise ConfigurationError(
@@ -464,8 +464,11 @@ def _check_answer(where: str, settings: RouteSettings, shape: HandlerShape) -> N
             f"streaming route {where} cannot declare a fallback: it fails with a "
             "public error before its first event, and with an `error` event after it"
         )
-    if shape.output_type not in (str, Any):
-        raise ConfigurationError(f"streaming route {where} must declare `AI[str]`")
+    if shape.output_type not in (str, Any) and output.json_schema is None:
+        raise ConfigurationError(
+            f"streaming route {where} must declare `AI[str]`, or a JSON output type "
+            "(`AI[YourModel]`: a structured stream)"
+        )
     if settings.task is not None:
         raise ConfigurationError(f"streaming route {where} cannot run as a task: a stream is not replayed")
     if settings.on_rejected != "fallback" or settings.tools is not None:

@@ -8,7 +8,9 @@ The vocabulary (each event's `data` is one JSON object):
                                                              a piece of a tool call (concatenate
                                                              `arguments` of one index in order)
     event: done        {"finish_reason", "usage", "model", "fallback_model", "attempts", "trace_id"}
-                                                             the answer is complete
+                                                             the answer is complete (a structured
+                                                             stream's also has `object`: its
+                                                             validated answer)
     event: error       {"guard", "reason", "detail", "trace_id"}
                                                              the stream ended without completing;
                                                              `reason` is from the closed taxonomy

@@ -43,6 +43,7 @@ from ._event_stream import GUARDS_EVENTS, StreamCut, StreamWriter
 __all__ = [
     "DEFAULT_STREAM_MAX_CHARS",
     "DEFAULT_STREAM_MAX_S",
+    "REJECTED",
     "SHUTDOWN_DETAIL",
     "Opened",
     "Relayed",
@@ -59,6 +60,9 @@ DEFAULT_STREAM_MAX_S = 300.0
 #: whole answer, `DEFAULT_MAX_BODY_BYTES` of the adapters.
 DEFAULT_STREAM_MAX_CHARS = 1 << 20
 
+
+#: `Relayed.kind` of a structured stream whose whole answer the output guard rejected.
+REJECTED = "rejected"
 
 #: The `error` event's detail of a stream cut because the server stops (`call`/`timeout`).
 SHUTDOWN_DETAIL = "the server is stopping: the stream was cut at the end of its graceful shutdown"
@@ -146,8 +150,9 @@ async def open_stream(binding: StreamingBinding, model: str, inputs: Mapping[str
 
 @dataclass(frozen=True, slots=True)
 class Relayed:
-    """How a relayed stream ended: `kind` is `"ok"`, the classifier's kind of the failure that
-    cut it, or `"cancelled"` (the client left, or the server is stopping); `outcome` the
+    """How a relayed stream ended: `kind` is `"ok"`, `"rejected"` (a structured stream whose
+    answer the output guard refused: `failure` says why), the classifier's kind of the failure
+    that cut it, or `"cancelled"` (the client left, or the server is stopping); `outcome` the
     breaker's verdict on the model (`released`: none); `end` the completion signal, if it
     came; `delivered` the characters of output sent; `failure` what the `error` event said
     (None after `done`, and when the stream was cancelled without one: its client left, or the
@@ -177,7 +182,8 @@ async def relay(
     writer: StreamWriter | None = None,
 ) -> AsyncIterator[bytes]:
     """The client's events for a committed attempt (`opened`): its first events, the rest of
-    the stream, then `done` (with the data `done(end)` gives) or `error` (`error(tripped)`).
+    the stream, then `done` (with the data `done(end)` gives) or `error` (`error(tripped)`;
+    also when `done(end)` raises `GuardTripped`: a structured stream's answer, refused).
     `ended` is awaited once, however the stream ends (shielded when it is cancelled; `settled()`
     waits for it). `model` names the chain entry in failures; `provider` in a truncation.
 
@@ -360,11 +366,16 @@ def _finished(
     model: str,
 ) -> tuple[bytes, Relayed]:
     """The last event of a stream that completed (`end`), and how it ended: `done`, or
-    `error` when the provider filtered it (`moderation_blocked`)."""
+    `error` when the provider filtered it (`moderation_blocked`) or when `done` raised the
+    output guard's `GuardTripped` (a structured stream's answer, refused: `REJECTED`)."""
     if end is not None and end.finish_reason == "content_filter":
         failure = GuardTripped(Reason.moderation_blocked, "the provider filtered the stream", model=model)
         return writer.error(error(failure)), Relayed("ok", Outcome.success, end, delivered, failure)
-    return writer.done(done(end)), Relayed("ok", Outcome.success, end, delivered, None)
+    try:
+        data = done(end)
+    except GuardTripped as rejected:  # the provider answered: a success for its breaker
+        return writer.error(error(rejected)), Relayed(REJECTED, Outcome.success, end, delivered, rejected)
+    return writer.done(data), Relayed("ok", Outcome.success, end, delivered, None)
 
 
 def _lone_surrogate(event: StreamEvent) -> bool:

@@ -9,6 +9,7 @@ Events of JSON chunks, with the header `x-vercel-ai-ui-message-stream: v1`:
     {"type":"tool-input-start","toolCallId","toolName"} {"type":"tool-input-delta",
     "toolCallId","inputTextDelta"}  then, at the end, {"type":"tool-input-available",
     "toolCallId","toolName","input"} (`tool-input-error` when the arguments are not JSON)
+    {"type":"data-object","data":{...}}   a structured stream's validated object (`done`'s `object`)
     {"type":"finish","finishReason","messageMetadata":{"guards":{...the `done` data...}}}
   or {"type":"message-metadata","messageMetadata":{"guards":{...the `error` data...}}}
     {"type":"error","errorText":"<reason>"}   (a public token of the closed taxonomy)
@@ -153,8 +154,12 @@ class _UIWriter:
         reason = data.get("finish_reason")
         if reason is not None:
             finish["finishReason"] = _FINISH.get(reason, "other")
+        ended = self._switch(None) + self._end_tools(None)
+        if "object" in data:  # a structured stream: its validated object, as a data part
+            data = dict(data)
+            ended += _chunk({"type": "data-object", "data": data.pop("object")})
         finish["messageMetadata"] = {"guards": data}
-        return self._switch(None) + self._end_tools(None) + _chunk(finish) + _DONE
+        return ended + _chunk(finish) + _DONE
 
     def error(self, data: dict[str, Any]) -> bytes:
         reason = str(data["reason"])

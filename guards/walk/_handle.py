@@ -203,12 +203,20 @@ class AI(RequestState, Generic[T]):
         which end the stream with an `error` event. A lone surrogate in the events up to the
         first output rejects the answer (`schema_invalid`, `answer: invalid_unicode`), as in a
         whole answer; after it, one is sent as U+FFFD.
+
+        On a route typed with a JSON output (`AI[YourModel]`: a structured stream), JSON mode
+        is requested as `run` requests it, the JSON text is relayed as it comes, and the whole
+        text is checked by the output guard once it completed: `done` carries the validated
+        output (`object`), a rejected answer ends the stream with the guard's `error`
+        (`schema_invalid`, `empty_response`).
         """
         route = self._route
         if route.effort is not None:
             route = by_effort(self, inputs)
         elif route.downgrade is not None and not self._charged:
             route = route.downgrade.choose(self)
+        if route.response_format is not None and "response_format" not in inputs:  # structured
+            inputs = {**inputs, "response_format": route.response_format}
         inputs = with_max_tokens(inputs, route.max_tokens)
         leg, opened, probe, record_success = await walk(
             self, inputs, lambda leg: functools.partial(open_stream, streaming(self, leg))
@@ -234,11 +242,13 @@ class AI(RequestState, Generic[T]):
                 Reason.moderation_blocked, "the provider filtered the stream", model=leg.ref.key
             )
         result = await recover(self, leg, inputs, probe, record_success)
-        text = await route.output.check(result)
+        output = route.output
+        value = await output.check(result)
         self._served(leg, result.model)
         recovered = Opened(
             iter_events=no_events(),
-            first=[TextDelta(str(text))],
+            # A structured stream's answer as its JSON text (checked again at the relay's end).
+            first=[TextDelta(str(value) if output.json_schema is None else output.dump(value))],
             end=StreamEnd(finish_reason="stop", usage=result.usage, model=result.model),
             started=time.perf_counter(),
         )

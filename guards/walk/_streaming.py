@@ -6,6 +6,7 @@ the one non-streaming recovery call after a stream that completed empty."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,8 @@ from ..policies._call import CallFailed, call_model
 from ..policies._chain import DEFAULT_PROVIDER
 from ..stores._breaker import Outcome
 from ..streams._event_stream import EventStream, end_data
-from ..streams._relay import Opened, Relayed, relay
+from ..streams._relay import REJECTED, Opened, Relayed, relay
+from ..streams._structured import KeptText
 from ..waits._first_output import idle_limited
 from ._accounting import account, on_attempt
 from ._chain_walk import Call, binding, first_output_limited, traced
@@ -100,7 +102,7 @@ def relayed(
     observe = state._observe
 
     async def on_end(relayed: Relayed) -> None:
-        _stream_done(state, leg, opened, relayed.kind, relayed.end, relayed.delivered, recorded, inputs)
+        _stream_done(state, leg, opened, relayed, recorded, inputs)
         await finish_leg(state, leg, relayed.outcome, probe, record_success)
         failure = relayed.failure
         if relayed.stopped:
@@ -120,6 +122,11 @@ def relayed(
     observe.streaming()  # the request's span ends with the stream
     # The stream's time limit counts from the request's arrival, in event-loop time.
     left_s = route.stream_max_s - (time.perf_counter() - state._started)
+    writer = route.stream_format.writer()
+    done = functools.partial(_done_data, state)
+    if route.output.json_schema is not None:  # a structured stream: its text checked at the end
+        writer = kept = KeptText(writer)
+        done = functools.partial(_structured_done, state, leg, kept)
     return EventStream(
         relay(
             opened,
@@ -128,34 +135,51 @@ def relayed(
             deadline=asyncio.get_running_loop().time() + left_s,
             max_s=route.stream_max_s,
             max_chars=route.stream_max_chars,
-            done=lambda end: _done_data(state, end),
+            done=done,
             error=lambda tripped: _error_data(state, tripped),
             ended=on_end,
-            writer=route.stream_format.writer(),
+            writer=writer,
         ),
         route.stream_format.headers,
     )
+
+
+def _structured_done(state: RequestState, leg: Leg, kept: KeptText, end: StreamEnd | None) -> dict[str, Any]:
+    """The `done` data of a structured stream whose whole text (`kept`, as sent) passed the
+    route's output guard (the checks of `run`'s answer but the moderation hook: empty,
+    Unicode, schema), with `object`: the validated output, as JSON data. Else the guard's
+    `GuardTripped` (never the model's text: field paths and error types, the keys the model
+    wrote told as `<key>`), naming the model: the relay ends the stream with its `error`."""
+    output = state._route.output
+    try:
+        value = output.check_shape(AIResult(response=kept.kept(), model=leg.ref.model))
+    except GuardTripped as tripped:
+        raise GuardTripped(
+            tripped.reason, tripped.detail, model=leg.ref.key, problems=tripped.problems
+        ) from None
+    return {**_done_data(state, end), "object": output.plain(value)}
 
 
 def _stream_done(
     state: RequestState,
     leg: Leg,
     opened: Opened,
-    kind: str,
-    end: StreamEnd | None,
-    delivered: int,
+    relayed: Relayed,
     recorded: bool,
     inputs: Mapping[str, Any] | None,
 ) -> None:
-    """Account for the committed stream attempt once it ended (its ledger record). A stream
-    that ended early (its client gone, or cut) with no usage from the provider is charged,
-    under a spend cap or a token limit, an estimate (`ended_early`)."""
+    """Account for the committed stream attempt once it ended (its ledger record, with the
+    problems of a structured answer the output guard rejected). A stream that ended early (its
+    client gone, or cut) with no usage from the provider is charged, under a spend cap or a
+    token limit, an estimate (`ended_early`)."""
+    kind, end, delivered, failure = relayed.kind, relayed.end, relayed.delivered, relayed.failure
+    problems = failure.problems if kind == REJECTED and failure is not None else None
     state._observe.stream_ended(opened, kind, end, delivered)
     if not recorded:
         usage = end.usage if end is not None else None
         served = (end.model if end is not None else None) or opened.model or leg.ref.model
         estimate = None
-        if usage is None and kind != "ok" and state._route.holds and inputs is not None:
+        if usage is None and kind not in ("ok", REJECTED) and state._route.holds and inputs is not None:
             estimate = ended_early(binding(state, leg), leg.ref.model, inputs, delivered)
         account(
             state,
@@ -167,6 +191,7 @@ def _stream_done(
             billed=True,
             delivered=delivered,
             estimate=estimate,
+            problems=problems,
         )
 
 

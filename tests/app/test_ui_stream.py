@@ -85,6 +85,9 @@ def check_ui_stream(response: httpx.Response) -> list[dict[str, Any]]:
         elif kind in ("tool-input-available", "tool-input-error"):
             assert tools[chunk["toolCallId"]] == "streaming", chunk
             tools[chunk["toolCallId"]] = "done"
+        elif kind == "data-object":  # a structured stream's validated object, just before `finish`
+            assert chunks[-1]["type"] == "finish", chunk
+            assert chunk is chunks[-2], chunk
         elif kind == "message-metadata":
             assert chunks[-1]["type"] == "error"
             assert set(chunk["messageMetadata"]["guards"]) == {"guard", "reason", "detail", "trace_id"}
