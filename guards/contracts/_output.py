@@ -86,6 +86,26 @@ class OutputGuard:
                 )
         return value
 
+    async def check_held(self, text: str, complete: bool, *, tool_calls: bool = False) -> None:
+        """The output guard on the held start of a streamed answer (`route(stream_hold=...)`):
+        its `text` so far, `complete` when the answer ended inside the hold, `tool_calls` when
+        it called a tool. Raises `GuardTripped` for an answer that completed with no text (blank
+        text included) and no tool call (`empty_response`), and for held text the moderation
+        hook blocks (`moderation_blocked`: the hook is given the text held so far). What a JSON
+        route checks of a partial answer (its prefix parses) belongs here too."""
+        if complete and not tool_calls and not text.strip():
+            raise GuardTripped(
+                Reason.empty_response, "the model returned an empty completion", problems=_EMPTY
+            )
+        if self.moderation is not None and text:
+            flagged = self.moderation(text)
+            if inspect.isawaitable(flagged):
+                flagged = await flagged
+            if flagged:
+                raise GuardTripped(
+                    Reason.moderation_blocked, "the moderation hook blocked the completion", problems=_BLOCKED
+                )
+
     def check_shape(self, result: AIResult) -> Any:
         """Everything `check` does but the moderation hook (synchronous)."""
         answer = result.response

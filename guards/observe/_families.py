@@ -20,6 +20,7 @@ __all__ = [
     "BUDGET_NEAR",
     "BUDGET_SETTLED",
     "COST",
+    "HOLD_REJECTIONS",
     "EFFORT_DECISIONS",
     "FALLBACKS",
     "LOG_LINES_DROPPED",
@@ -29,6 +30,7 @@ __all__ = [
     "SERVED",
     "SERVICE_LEVEL",
     "SKIPS",
+    "SLOW_STREAMS",
     "STATE_VALUE",
     "STORE_RESETS",
     "STORE_UNAVAILABLE",
@@ -129,6 +131,20 @@ SKIPS = Metric(
     "guards_model_skips",
     "Chain models skipped without a call, by reason: cooldown, circuit_open, context_window or content_filter.",
     ["model", "reason"],
+)
+HOLD_REJECTIONS = Metric(
+    "Counter",
+    "guards_stream_hold_rejections",
+    "Streamed answers the output guard rejected inside their hold (route(stream_hold=...)), by "
+    "route and reason: empty_response, moderation_blocked. The client saw none of them.",
+    ["route", "reason"],
+)
+SLOW_STREAMS = Metric(
+    "Counter",
+    "guards_stream_slow_models",
+    "Streams cancelled before their commit point for streaming below their model's "
+    "min_chars_per_s, by route and model (as configured in the chain).",
+    ["route", "model"],
 )
 EFFORT_DECISIONS = Metric(
     "Counter",

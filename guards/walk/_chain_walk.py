@@ -86,7 +86,10 @@ async def walk(
 
 @overload
 async def walk(
-    state: RequestState, inputs: Mapping[str, Any], call_for: Callable[[Leg], Call[R]]
+    state: RequestState,
+    inputs: Mapping[str, Any],
+    call_for: Callable[[Leg], Call[R]],
+    check: Check | None = None,
 ) -> tuple[Leg, R, float | None, bool]: ...
 
 
@@ -99,8 +102,9 @@ async def walk(
     """Walk the chain until a call succeeds: (its leg, its result, the leg's breaker probe
     ticket, whether its success must be recorded). `call_for(leg)` is what makes one attempt
     on a leg: `call(model, inputs)` (default: the leg's binding's `run`). `check` checks each
-    answer (of `run` calls) under the walk's deadline: a rejected one moves the walk on to the
-    leg and inputs it says, its call already reported. The caller records the outcome and
+    answer (of `run` calls, or a held stream's start: `_streaming.HoldCheck`) under the walk's
+    deadline: a rejected one moves the walk on to the leg and inputs it says, its call
+    already reported. The caller records the outcome and
     settles the spend; on failure this settles and raises `GuardTripped`."""
     route = state._route
     start = _first_start(state)
@@ -235,7 +239,9 @@ def _call(state: RequestState, leg: Leg, call_for: Callable[[Leg], Call[Any]] | 
     else:
         call = call_for(leg)
     if leg.first_output_s is not None:
-        call = first_output_limited(state, leg, call, signalled=call_for is None)
+        # A binding's `run` may say when its answer's first byte came; a stream's hold says when
+        # its first output came (`guards.streams._hold`): the limit is not the hold's.
+        call = first_output_limited(state, leg, call, signalled=True)
     if state._observe.trace is not None:
         call = traced(state, call, leg)
     return call
