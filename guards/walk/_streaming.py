@@ -35,7 +35,7 @@ from ..policies._chain import DEFAULT_PROVIDER
 from ..stores._breaker import Outcome
 from ..streams._event_stream import EventStream, end_data
 from ..streams._hold import held_text, window
-from ..streams._relay import Opened, Relayed, aclose, open_stream, relay
+from ..streams._relay import Opened, Relayed, aclose, chars, open_stream, relay
 from ..waits._first_output import idle_limited
 from ._accounting import account, on_attempt
 from ._chain_walk import Call, binding, first_output_limited, traced
@@ -114,6 +114,11 @@ class HoldCheck:
         with anyio.CancelScope(shield=True):
             await aclose(result.iter_events)
         end, problems = result.end, rejection.problems
+        usage = end.usage if end is not None else None
+        estimate = None
+        if usage is None and state._route.holds:  # cut unsent: charged as a stream ended early
+            held = sum(map(chars, result.first))
+            estimate = ended_early(binding(state, leg), leg.ref.model, self._inputs, held)
         state.attempts += 1
         if result.committed:  # its attempt span, open until its stream ends
             state._observe.stream_ended(result, "rejected", end, 0)
@@ -121,12 +126,13 @@ class HoldCheck:
             state,
             leg,
             "rejected",
-            end.usage if end is not None else None,
+            usage,
             (end.model if end is not None else None) or result.model or leg.ref.model,
             time.perf_counter() - started,
             billed=True,
             delivered=0,
             problems=problems,
+            estimate=estimate,
         )
         leg.last_success[0] = state._shared.success_clock()  # the model answered: it is up
         made = (

@@ -30,17 +30,19 @@ from guards import (
     UI_MESSAGE_STREAM,
     Attempt,
     Breaker,
+    Budget,
     ConfigurationError,
     EventStream,
     Guards,
     Model,
+    Price,
     StreamFormat,
     StreamHold,
     render_metrics,
 )
 from guards.providers import OpenAICompatible, WorkersAI
 
-from ..conftest import AppClient, no_sleep
+from ..conftest import AppClient, no_sleep, wait_until
 
 WORKERS_MODEL = "@cf/test/model"
 OPENAI_MODEL = "gpt-4o-mini"
@@ -132,7 +134,9 @@ def setup(request: pytest.FixtureRequest, fake_workers_ai: FakeWorkersAI, fake_o
     return Setup("openai", fake_openai, fake_workers_ai, OPENAI_MODEL, WORKERS_MODEL, Recorder())
 
 
-def make_guards(fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, ledger: Recorder) -> Guards:
+def make_guards(
+    fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, ledger: Recorder, **settings: Any
+) -> Guards:
     return Guards(
         WorkersAI(
             account_id=fake_workers_ai.account_id,
@@ -142,6 +146,7 @@ def make_guards(fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, ledger:
         providers={"openai": OpenAICompatible(api_key=fake_openai.api_key, base_url=fake_openai.base_url)},
         sleep=no_sleep,
         ledger=ledger,
+        **settings,
     )
 
 
@@ -150,15 +155,19 @@ def post(
     setup: Setup, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, app_client: AppClient
 ) -> Post:
     def send(
-        *, stream_format: StreamFormat = GUARDS_EVENTS, first: dict[str, Any] | None = None, **route: Any
+        *,
+        stream_format: StreamFormat = GUARDS_EVENTS,
+        first: dict[str, Any] | None = None,
+        app: dict[str, Any] | None = None,
+        **route: Any,
     ) -> Answer:
-        guards = make_guards(fake_workers_ai, fake_openai, setup.ledger)
-        app = FastAPI()
-        guards.install(app)
+        guards = make_guards(fake_workers_ai, fake_openai, setup.ledger, **(app or {}))
+        served = FastAPI()
+        guards.install(served)
         route.setdefault("timeout_s", 5)
         route.setdefault("fallbacks", [setup.second_entry])
 
-        @app.post("/stream")
+        @served.post("/stream")
         @guards.route(
             model=Model(setup.first_entry, **(first or {})),
             breaker=Breaker(failure_threshold=100),
@@ -168,7 +177,7 @@ def post(
         async def stream(body: Ask, ai: AI[str]) -> EventStream:
             return await ai.stream({"messages": [{"role": "user", "content": body.message}]})
 
-        client = app_client(app, socket=True)
+        client = app_client(served, socket=True)
         started = time.monotonic()
         response = client.post("/stream", json={"message": "Where is my parcel?"}, timeout=15)
         return read(response, time.monotonic() - started)
@@ -249,6 +258,29 @@ def test_a_moderated_answer_inside_the_hold_is_answered_by_the_next_model(
     ]
     after = metric("guards_stream_hold_rejections_total", route="stream", reason="moderation_blocked")
     assert after == before + 1
+
+
+def test_a_rejected_hold_without_usage_is_charged_what_it_read_not_its_worst_case(
+    post: Post, setup: Setup
+) -> None:
+    """On a spend-capped route, a stream cut unsent inside its hold reports no usage: it is
+    charged as a stream that ended early (its input and the characters it held), not the
+    worst case of `max_tokens` (0.1 here)."""
+    words = (Text("This is "), Text("the forbidden"), *(Text(" and more") for _ in range(50)))
+    setup.script(Stream(parts=words))
+    price = Price(input_token=1e-6, output_token=1e-6)
+    before = metric("guards_budget_settled_total", scope="stream", unit="spend")
+    answer = post(
+        stream_hold=StreamHold(chars=40),
+        moderation=blocks,
+        budget=Budget(spend_per_day=10.0),
+        max_tokens=100_000,
+        app={"prices": {setup.first_entry: price, setup.second_entry: price}},
+    )
+    assert_second_answered(answer, setup)
+    wait_until(lambda: metric("guards_budget_settled_total", scope="stream", unit="spend") > before)
+    settled = metric("guards_budget_settled_total", scope="stream", unit="spend") - before
+    assert 0 < settled < 0.001
 
 
 def test_a_provider_filter_inside_the_hold_is_answered_by_the_next_model(post: Post, setup: Setup) -> None:
