@@ -112,6 +112,9 @@ class Opened:
     #: Whether its first events hold a lone surrogate: the answer is rejected before it
     #: commits (`invalid_unicode`), the stream closed.
     invalid: bool = False
+    #: When its first output part came (`time.perf_counter()`), when a window held it past
+    #: it (None: the attempt returned then).
+    first_output_at: float | None = None
 
     @property
     def committed(self) -> bool:
@@ -142,10 +145,12 @@ async def open_stream(
                     return Opened(events, first, None, started, invalid=True)
                 if window is None:
                     return Opened(events, first, None, started)
+                first_output_at = time.perf_counter()
                 end, rest = await hold(events, first, window)
                 if end is not None:
                     await aclose(events)
-                return Opened(rest, first, end, started, model=end.model if end is not None else None)
+                served = end.model if end is not None else None
+                return Opened(rest, first, end, started, model=served, first_output_at=first_output_at)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await aclose(events)

@@ -171,7 +171,7 @@ async def walk(
                             continue
                         answered(state, leg, result, started)
                     if route.slow_call_s is not None:
-                        record_success = _timed(state, started)
+                        record_success = _timed(state, started, result)
                     return leg, result, probe, record_success
             finally:
                 if state._watch is not None:
@@ -261,13 +261,15 @@ def _after_failure(
     return (index + 1 if limits.failed(legs[index], kind) else len(legs)), limits
 
 
-def _timed(state: RequestState, started: float) -> bool:
+def _timed(state: RequestState, started: float, result: Any) -> bool:
     """A breaker counting slow calls hears of every call: whether the leg's time from its
-    first attempt to its answer (a stream's first output) was slow is kept for its record
-    (`finish_leg`). Returns True: the success must be recorded."""
+    first attempt to its answer (a stream's first output, the start of its hold when it has
+    one) was slow is kept for its record (`finish_leg`). Returns True: the success must be
+    recorded."""
     slow_call_s = state._route.slow_call_s
     assert slow_call_s is not None
-    state._slow = perf_counter() - started > slow_call_s
+    answered = getattr(result, "first_output_at", None) or perf_counter()
+    state._slow = answered - started > slow_call_s
     return True
 
 

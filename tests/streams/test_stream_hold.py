@@ -166,11 +166,11 @@ def post(
         guards.install(served)
         route.setdefault("timeout_s", 5)
         route.setdefault("fallbacks", [setup.second_entry])
+        route.setdefault("breaker", Breaker(failure_threshold=100))
 
         @served.post("/stream")
         @guards.route(
             model=Model(setup.first_entry, **(first or {})),
-            breaker=Breaker(failure_threshold=100),
             stream_format=stream_format,
             **route,
         )
@@ -388,6 +388,25 @@ def test_the_first_output_limit_bounds_the_first_output_not_the_hold(post: Post,
     answer = post(stream_hold=StreamHold(seconds=1), first={"first_output_s": 0.3})
     assert answer.text == "".join(part.text for part in words)
     assert (len(setup.first.calls), len(setup.second.calls)) == (1, 0)
+
+
+def test_a_breaker_times_a_held_stream_to_its_first_output_not_the_end_of_its_hold(
+    post: Post, setup: Setup
+) -> None:
+    """A breaker counting calls slower than 0.3 s as failures (opening at the first) and a hold
+    of 0.6 s: the call's time is to its first output (0.1 s), as without a hold, so the
+    breaker stays closed."""
+    words = tuple(Text(f"w{i} ") for i in range(10))
+    setup.script(Stream(parts=words, interval_s=0.1))
+    opened = {"model": setup.first_entry, "to": "open"}
+    before = metric("guards_breaker_transitions_total", **opened)
+    served = metric("guards_requests_total", route="stream", outcome="ok")
+    breaker = Breaker(slow_call_s=0.3, window_s=60, failure_threshold=1, minimum_calls=1)
+    answer = post(stream_hold=StreamHold(seconds=0.6), breaker=breaker)
+    assert answer.text == "".join(part.text for part in words)
+    # The request is counted once its breaker outcome was recorded.
+    wait_until(lambda: metric("guards_requests_total", route="stream", outcome="ok") > served)
+    assert metric("guards_breaker_transitions_total", **opened) == before
 
 
 # --- minimum throughput -------------------------------------------------------------------------
