@@ -1,8 +1,9 @@
 """Fallback chains: which models a route may call, in order, and where each one is served.
 
 A chain entry is a string, or a `Model`: a string with call limits of its own
-(`first_output_s`, `stream_idle_s`, `min_chars_per_s`), which every model the string names gets unless it has its
-own (a `Profile` whose `model` is a `Model`); a route's own limits fill in what is still unset.
+(`first_output_s`, `stream_idle_s`, `min_chars_per_s`), which every model the string names gets
+unless it has its own (a `Profile` whose `model` is a `Model`); a route's own limits fill in what
+is still unset.
 The string is:
 
 - `"provider:model"`, when `provider` names a binding given to `Guards(providers=...)` (or

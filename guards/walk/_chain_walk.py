@@ -104,8 +104,8 @@ async def walk(
     on a leg: `call(model, inputs)` (default: the leg's binding's `run`). `check` checks each
     answer (of `run` calls, or a held stream's start: `_streaming.HoldCheck`) under the walk's
     deadline: a rejected one moves the walk on to the leg and inputs it says, its call
-    already reported. The caller records the outcome and
-    settles the spend; on failure this settles and raises `GuardTripped`."""
+    already reported. The caller records the outcome and settles the spend; on failure this
+    settles and raises `GuardTripped`."""
     route = state._route
     start = _first_start(state)
     inflight: Leg | None = None  # the leg being called (its probe ticket: `probe`)

@@ -217,7 +217,7 @@ class AI(RequestState, Generic[T]):
             route = route.downgrade.choose(self)
         inputs = with_max_tokens(inputs, route.max_tokens)
         check = HoldCheck(inputs) if route.stream_hold is not None else None
-        leg, opened, probe, record_success = await walk(self, inputs, opener(self), check)
+        leg, opened, probe, record_success = await walk(self, inputs, opener(self, route), check)
         if opened.committed:
             self._served(leg, opened.model)
             return relayed(self, leg, opened, probe, record_success, inputs=inputs)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
     from ..contracts._binding import Binding
-    from ..spec._route_spec import Leg
+    from ..spec._route_spec import GuardedRoute, Leg
     from ..stores import Report
     from ._state import RequestState
 
@@ -64,10 +64,9 @@ def streaming(state: RequestState, leg: Leg) -> StreamingBinding:
 _FILTERED = ("answer: moderation_blocked",)
 
 
-def opener(state: RequestState) -> Callable[[Leg], Call[Opened]]:
-    """What makes one streaming attempt on a leg of the request's route: `open_stream` on its
-    binding, with the window of the route's hold and the leg's minimum rate, when it has one."""
-    route = state._route
+def opener(state: RequestState, route: GuardedRoute) -> Callable[[Leg], Call[Opened]]:
+    """What makes one streaming attempt on a leg of `route` (the request's chain): `open_stream`
+    on its binding, with the window of the route's hold and the leg's minimum rate, if any."""
     hold, moves_on = route.stream_hold, len(route.legs) > 1
 
     def call_for(leg: Leg) -> Call[Opened]:
