@@ -355,7 +355,7 @@ def test_status_and_headers_wait_for_the_end_of_the_hold(
     async def stream(body: Ask, ai: AI[str]) -> EventStream:
         return await ai.stream({"prompt": body.message})
 
-    words = tuple(Text(f"w{i} ") for i in range(15))
+    words = tuple(Text(f"w{i} ") for i in range(10))
     setup.first.script(setup.first_model, Stream(parts=words, interval_s=0.1))
     client = app_client(app, socket=True)
     started = time.monotonic()
@@ -381,11 +381,11 @@ def test_the_hold_never_extends_the_deadline(post: Post, setup: Setup) -> None:
 
 
 def test_the_first_output_limit_bounds_the_first_output_not_the_hold(post: Post, setup: Setup) -> None:
-    """`first_output_s` 0.3 s and a hold of 1 s on a stream of a part every 0.1 s: the first
-    part came in time, so the hold runs on; the model is not cancelled at 0.3 s."""
-    words = tuple(Text(f"w{i} ") for i in range(20))
+    """`first_output_s` 0.3 s and a hold of 0.6 s on a stream of a part every 0.1 s: the
+    first part came in time, so the hold runs on; the model is not cancelled at 0.3 s."""
+    words = tuple(Text(f"w{i} ") for i in range(10))
     setup.script(Stream(parts=words, interval_s=0.1))
-    answer = post(stream_hold=StreamHold(seconds=1), first={"first_output_s": 0.3})
+    answer = post(stream_hold=StreamHold(seconds=0.6), first={"first_output_s": 0.3})
     assert answer.text == "".join(part.text for part in words)
     assert (len(setup.first.calls), len(setup.second.calls)) == (1, 0)
 
