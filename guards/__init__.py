@@ -57,6 +57,7 @@ if typing.TYPE_CHECKING:
     from .status import StatusReport, bearer_token
     from .stores._breaker import Breaker, Outcome
     from .streams._event_stream import GUARDS_EVENTS, EventStream, StreamFormat, StreamWriter
+    from .streams._hold import StreamHold
     from .streams._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
     from .waits._first_output import first_output_arrived
     from .waits._throttle import Throttled
@@ -91,6 +92,7 @@ __all__ = [
     "GuardsError",
     "Kind",
     "StreamFormat",
+    "StreamHold",
     "StreamWriter",
     "UIChatRequest",
     "UIMessage",
@@ -183,6 +185,7 @@ _PUBLIC = {
     "EventStream": ".streams._event_stream",
     "GUARDS_EVENTS": ".streams._event_stream",
     "StreamFormat": ".streams._event_stream",
+    "StreamHold": ".streams._hold",
     "StreamWriter": ".streams._event_stream",
     "first_output_arrived": ".waits._first_output",
     "Guards": "._guards",

@@ -39,6 +39,7 @@ from .spec._route_spec import NO_FALLBACK, GuardedRoute, KnownRefusal, route_of
 from .stores import MemoryStore, Store
 from .stores._breaker import Breaker
 from .streams._event_stream import GUARDS_EVENTS, StreamFormat
+from .streams._hold import StreamHold
 from .streams._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S, settled
 
 if TYPE_CHECKING:
@@ -264,6 +265,8 @@ class Guards:
         on_rejected: Literal["fallback", "next_model", "reask"] = "fallback",
         tools: Mapping[str, type[BaseModel]] | None = None,
         downgrade_to: str | Model | None = None,
+        stream_hold: StreamHold | None = None,
+        min_chars_per_s: float | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -314,6 +317,18 @@ class Guards:
           or before its output (text, reasoning, tool calls) would pass this many characters
           (`call`/`provider_error`); the provider's stream is closed at that moment. Defaults:
           300 s and 1 MiB (1,048,576) characters, the body cap of a whole answer.
+        - `stream_hold`: `StreamHold(chars=..., seconds=...)` holds the start of a streamed
+          answer before its commit point (at most 65,536 characters and 30 s, the seconds below
+          `timeout_s`; default None: commit at the first output): it is read but not sent, the
+          output guard checks it (an empty answer, `moderation` on the held text, a provider's
+          content filter), and a rejected answer moves on to the next model, unseen by the
+          client; then it is sent at once, and the rest as it comes. The hold ends early when
+          the answer completes inside it, and never extends the deadline.
+        - `min_chars_per_s`: the slowest a stream may be before its commit point, for each model
+          of the chain that sets none of its own (`Model`; default None: no minimum), measured
+          over the hold, else over the first second after the first output (which then is
+          held). A slower model is cancelled before the commit and the walk moves on, as for
+          `first_output_s` (ledger kind `model_temporarily_unavailable`); never after it.
         - `stream_format`: how a streamed answer is written: guards' own events
           (`GUARDS_EVENTS`, the default) or `UI_MESSAGE_STREAM`, the Vercel AI SDK's UI
           message stream that `useChat` reads.
@@ -373,6 +388,8 @@ class Guards:
             on_rejected=on_rejected,
             tools=tools,
             downgrade_to=downgrade_to,
+            stream_hold=stream_hold,
+            min_chars_per_s=min_chars_per_s,
         )  # checked now, before the handler is seen
 
         def decorate(handler: F) -> F:

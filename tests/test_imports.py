@@ -378,7 +378,7 @@ PUBLIC = {
     "Ledger", "Level", "LogLedger", "Model", "ModelDown", "ModelRef", "Moderation", "Outcome", "Price",
     "Problem", "Profile", "ProviderError", "PublicError", "Reason", "ReasoningDelta", "Retry",
     "RetryBudget", "ServiceLevel", "StatusReport", "StoreFailureMode", "StreamEnd", "StreamEvent",
-    "StreamFormat", "StreamWriter", "StreamingBinding", "SystemClock", "Task", "TextDelta",
+    "StreamFormat", "StreamHold", "StreamWriter", "StreamingBinding", "SystemClock", "Task", "TextDelta",
     "Throttled", "Tier", "ToolCall", "ToolCallDelta", "UIChatRequest", "UIMessage", "UIPart",
     "UI_MESSAGE_STREAM", "Usage", "bearer_token", "classify", "client_key", "estimate_effort",
     "estimate_tokens", "first_output_arrived", "flatten_chain", "flush_logs", "header_key", "is_output", "override_effort", "public_error",

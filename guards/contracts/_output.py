@@ -33,6 +33,8 @@ MAX_PROBLEMS = 10
 _MAX_PROBLEM_CHARS = 100
 _BLOCKED = ("answer: moderation_blocked",)
 _EMPTY = ("answer: empty_response",)
+#: A held JSON answer whose start can no longer be JSON of the type (`impossible`).
+_NOT_JSON = ("answer: json_invalid",)
 #: The problem token of an answer holding a lone surrogate (U+D800 to U+DFFF, unpaired): valid
 #: JSON (`"\\ud800"`), but no UTF-8 can carry it, so no response could.
 INVALID_UNICODE = "invalid_unicode"
@@ -104,6 +106,35 @@ class OutputGuard:
                     Reason.moderation_blocked, "the moderation hook blocked the completion", problems=_BLOCKED
                 )
         return value
+
+    async def check_held(self, text: str, complete: bool, *, tool_calls: bool = False) -> None:
+        """The output guard on the held start of a streamed answer (`route(stream_hold=...)`):
+        its `text` so far, `complete` when the answer ended inside the hold, `tool_calls` when
+        it called a tool. Raises `GuardTripped` for an answer that completed with no text (blank
+        text included) and no tool call (`empty_response`), and for held text the moderation
+        hook blocks (`moderation_blocked`: the hook is given the text held so far). On a JSON
+        route (a structured stream), `schema_invalid` for held text that can no longer become
+        an answer of the type (`impossible`) and, when the answer completed inside the hold,
+        for a whole answer the schema rejects (`check_shape`, as at a structured stream's end)."""
+        if complete and not tool_calls and not text.strip():
+            raise GuardTripped(
+                Reason.empty_response, "the model returned an empty completion", problems=_EMPTY
+            )
+        if self.json_schema is not None and not tool_calls:
+            if complete:
+                self.check_shape(AIResult(response=text, model=""))
+            elif self.impossible(text):
+                raise GuardTripped(
+                    Reason.schema_invalid, "answer does not match the schema (json_invalid)", problems=_NOT_JSON
+                )
+        if self.moderation is not None and text:
+            flagged = self.moderation(text)
+            if inspect.isawaitable(flagged):
+                flagged = await flagged
+            if flagged:
+                raise GuardTripped(
+                    Reason.moderation_blocked, "the moderation hook blocked the completion", problems=_BLOCKED
+                )
 
     def check_shape(self, result: AIResult) -> Any:
         """Everything `check` does but the moderation hook (synchronous)."""

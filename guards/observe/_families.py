@@ -25,6 +25,7 @@ __all__ = [
     "FALLBACKS",
     "FIRST_OUTPUT_SECONDS",
     "LATENCY_BUCKETS",
+    "HOLD_REJECTIONS",
     "LOG_LINES_DROPPED",
     "REQUESTS",
     "REQUEST_SECONDS",
@@ -32,6 +33,7 @@ __all__ = [
     "SERVED",
     "SERVICE_LEVEL",
     "SKIPS",
+    "SLOW_STREAMS",
     "STATE_VALUE",
     "STORE_RESETS",
     "STORE_UNAVAILABLE",
@@ -132,6 +134,20 @@ SKIPS = Metric(
     "guards_model_skips",
     "Chain models skipped without a call, by reason: cooldown, circuit_open, context_window or content_filter.",
     ["model", "reason"],
+)
+HOLD_REJECTIONS = Metric(
+    "Counter",
+    "guards_stream_hold_rejections",
+    "Streamed answers the output guard rejected inside their hold (route(stream_hold=...)), by "
+    "route and reason: empty_response, moderation_blocked. The client saw none of them.",
+    ["route", "reason"],
+)
+SLOW_STREAMS = Metric(
+    "Counter",
+    "guards_stream_slow_models",
+    "Streams cancelled before their commit point for streaming below their model's "
+    "min_chars_per_s, by route and model (as configured in the chain).",
+    ["route", "model"],
 )
 EFFORT_DECISIONS = Metric(
     "Counter",

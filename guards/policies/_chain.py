@@ -1,8 +1,9 @@
 """Fallback chains: which models a route may call, in order, and where each one is served.
 
 A chain entry is a string, or a `Model`: a string with call limits of its own
-(`first_output_s`, `stream_idle_s`), which every model the string names gets unless it has its
-own (a `Profile` whose `model` is a `Model`); a route's own limits fill in what is still unset.
+(`first_output_s`, `stream_idle_s`, `min_chars_per_s`), which every model the string names gets
+unless it has its own (a `Profile` whose `model` is a `Model`); a route's own limits fill in what
+is still unset.
 The string is:
 
 - `"provider:model"`, when `provider` names a binding given to `Guards(providers=...)` (or
@@ -41,6 +42,7 @@ __all__ = [
     "Profile",
     "check_hints",
     "check_limit",
+    "check_rate",
     "entry_parts",
     "flatten_chain",
 ]
@@ -59,15 +61,16 @@ _HINT_NAME = _PROVIDER
 @dataclass(frozen=True, slots=True)
 class ModelRef:
     """One model of a chain: `model` at `provider` (None: the main binding). `hint` is the
-    routing hint the chain entry named, when the model came from one; `first_output_s` and
-    `stream_idle_s` its call limits (see `Model`; None: none). None of these is part of
-    equality: the model is the same whichever way it was named."""
+    routing hint the chain entry named, when the model came from one; `first_output_s`,
+    `stream_idle_s` and `min_chars_per_s` its call limits (see `Model`; None: none). None of
+    these is part of equality: the model is the same whichever way it was named."""
 
     provider: str | None
     model: str
     hint: str | None = field(default=None, compare=False)
     first_output_s: float | None = field(default=None, compare=False, kw_only=True)
     stream_idle_s: float | None = field(default=None, compare=False, kw_only=True)
+    min_chars_per_s: float | None = field(default=None, compare=False, kw_only=True)
     #: How the model is named in keys, logs and headers: `model` or `provider:model` (made
     #: once: read on every request's path).
     key: str = field(init=False, compare=False, repr=False)
@@ -83,27 +86,31 @@ class ModelRef:
 
     def limited(self, limits: Limits) -> ModelRef:
         """This model with `limits` where it has none of its own."""
-        first_output_s, stream_idle_s = limits
-        if (first_output_s is None or self.first_output_s is not None) and (
-            stream_idle_s is None or self.stream_idle_s is not None
-        ):
+        own = (self.first_output_s, self.stream_idle_s, self.min_chars_per_s)
+        first_output_s, stream_idle_s, min_chars_per_s = merged = _inner(own, limits)
+        if merged == own:
             return self
         return replace(
-            self,
-            first_output_s=self.first_output_s if self.first_output_s is not None else first_output_s,
-            stream_idle_s=self.stream_idle_s if self.stream_idle_s is not None else stream_idle_s,
+            self, first_output_s=first_output_s, stream_idle_s=stream_idle_s, min_chars_per_s=min_chars_per_s
         )
 
 
-#: `(first_output_s, stream_idle_s)`: a model's call limits, None where unset.
-Limits = tuple[float | None, float | None]
-_NO_LIMITS: Limits = (None, None)
+#: `(first_output_s, stream_idle_s, min_chars_per_s)`: a model's call limits, None where unset.
+Limits = tuple[float | None, float | None, float | None]
+_NO_LIMITS: Limits = (None, None, None)
 
 
 def check_limit(name: str, value: float | None) -> float | None:
     """`value` as a call limit: None, or a positive finite number of seconds; raises
     `ConfigurationError` naming `name` otherwise."""
     number(name, value, above=0, unit="seconds", none="no limit")
+    return None if value is None else float(value)
+
+
+def check_rate(name: str, value: float | None) -> float | None:
+    """`value` as a minimum rate: None, or a positive finite number of characters per second;
+    raises `ConfigurationError` naming `name` otherwise."""
+    number(name, value, above=0, unit="characters per second", none="no minimum")
     return None if value is None else float(value)
 
 
@@ -119,25 +126,31 @@ class Model:
     byte, when its binding says when that came, else the whole answer); past it the attempt
     is cancelled and fails as `model_temporarily_unavailable`. `stream_idle_s`: once a stream
     has sent output, the longest wait for its next part; past it the stream ends with its
-    `error` event. None (the default): no limit of the model's own (the route's, if any). A
-    plain string is the same as `Model(spec)`. Raises `ConfigurationError` for a limit that is
-    not a positive, finite number.
+    `error` event. `min_chars_per_s`: the slowest a stream may be before its commit point,
+    in characters of output per second, measured over the route's hold or the first second
+    after its first output (see docs/streaming.md, "Minimum throughput"); a model below it is
+    cancelled before the commit and the walk moves on, as for `first_output_s`. None (the
+    default): no limit of the model's own (the route's, if any). A plain string is the same as
+    `Model(spec)`. Raises `ConfigurationError` for a limit that is not a positive, finite
+    number.
     """
 
     spec: str
     _: KW_ONLY
     first_output_s: float | None = None
     stream_idle_s: float | None = None
+    min_chars_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, str):
             raise ConfigurationError(f"Model(spec): a chain entry string, not {type(self.spec).__name__}")
         object.__setattr__(self, "first_output_s", check_limit("Model.first_output_s", self.first_output_s))
         object.__setattr__(self, "stream_idle_s", check_limit("Model.stream_idle_s", self.stream_idle_s))
+        object.__setattr__(self, "min_chars_per_s", check_rate("Model.min_chars_per_s", self.min_chars_per_s))
 
     @property
     def limits(self) -> Limits:
-        return self.first_output_s, self.stream_idle_s
+        return self.first_output_s, self.stream_idle_s, self.min_chars_per_s
 
 
 def entry_parts(entry: str | Model) -> tuple[str, Limits]:
@@ -152,6 +165,7 @@ def _inner(limits: Limits, outer: Limits) -> Limits:
     return (
         limits[0] if limits[0] is not None else outer[0],
         limits[1] if limits[1] is not None else outer[1],
+        limits[2] if limits[2] is not None else outer[2],
     )
 
 
@@ -228,10 +242,15 @@ def flatten_chain(
             problems.append(f"{where}: duplicate model {ref.key!r} removed")
         else:
             seen.add(ref.key)
-            first_output_s, stream_idle_s = _inner(own, outer)
+            first_output_s, stream_idle_s, min_chars_per_s = _inner(own, outer)
             models.append(
                 ModelRef(
-                    ref.provider, ref.model, hint, first_output_s=first_output_s, stream_idle_s=stream_idle_s
+                    ref.provider,
+                    ref.model,
+                    hint,
+                    first_output_s=first_output_s,
+                    stream_idle_s=stream_idle_s,
+                    min_chars_per_s=min_chars_per_s,
                 )
             )
 

@@ -129,6 +129,7 @@ def _spec(guards: Shared, checked: CheckedRoute, legs: tuple[Leg, ...]) -> Guard
         stream_max_s=settings.stream_max_s,
         stream_max_chars=settings.stream_max_chars,
         stream_format=settings.stream_format,
+        stream_hold=settings.stream_hold,
         shed_at=settings.level,
         task=settings.task,
         windowed=any(leg.window is not None for leg in legs),

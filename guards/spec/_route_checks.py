@@ -29,12 +29,22 @@ from ..contracts._tokens import MAX_TOKENS
 from ..contracts._vocabulary import Level
 from ..policies._budget import Budget, price_of
 from ..policies._call import Retry
-from ..policies._chain import HINT_PREFIX, Limits, Model, ModelRef, check_limit, entry_parts, flatten_chain
+from ..policies._chain import (
+    HINT_PREFIX,
+    Limits,
+    Model,
+    ModelRef,
+    check_limit,
+    check_rate,
+    entry_parts,
+    flatten_chain,
+)
 from ..policies._last_good import LastGood
 from ..policies._price_table import fill_prices
 from ..policies._tasks import Task
 from ..stores._breaker import Breaker
 from ..streams._event_stream import EventStream, StreamFormat
+from ..streams._hold import StreamHold
 from ._route_spec import NO_FALLBACK
 
 if typing.TYPE_CHECKING:
@@ -82,6 +92,8 @@ class RouteSettings:
     on_rejected: Literal["fallback", "next_model", "reask"]
     tools: Mapping[str, type[BaseModel]] | None
     downgrade_to: str | Model | None
+    stream_hold: StreamHold | None = None
+    min_chars_per_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_chain_entries(self.model, self.fallbacks, self.downgrade_to)
@@ -98,6 +110,7 @@ class RouteSettings:
             )
         choice("route: on_rejected", self.on_rejected, ("fallback", "next_model", "reask"))
         choice("route: shed_at", self.shed_at, (Level.degraded, Level.minimal), none="never shed")
+        _check_hold(self)
 
     @property
     def level(self) -> Level | None:
@@ -110,6 +123,32 @@ class RouteSettings:
         if self.effort is not None:
             return HINT_PREFIX + self.effort.standard
         return self.model if self.model is not None else ""
+
+
+def _check_hold(settings: RouteSettings) -> None:
+    """`stream_hold` is a `StreamHold` (its own values checked when it was made: at most
+    `MAX_HOLD_CHARS` characters and `MAX_HOLD_S` seconds) that fits the route: its time below
+    the route's deadline (which it never extends), its characters within `stream_max_chars`;
+    `min_chars_per_s` a rate."""
+    hold = settings.stream_hold
+    check_rate("route: min_chars_per_s", settings.min_chars_per_s)
+    if hold is None:
+        return
+    if not isinstance(hold, StreamHold):
+        raise ConfigurationError(
+            f"route: stream_hold must be a guards.StreamHold(chars=..., seconds=...) or None; got {hold!r}"
+        )
+    if hold.seconds is not None and hold.seconds >= settings.timeout_s:
+        raise ConfigurationError(
+            f"route: stream_hold's seconds ({hold.seconds:g}) must be below timeout_s "
+            f"({settings.timeout_s:g}): the hold never extends the deadline, so a hold as long "
+            "would end every request that reaches it as a timeout"
+        )
+    if hold.chars is not None and hold.chars > settings.stream_max_chars:
+        raise ConfigurationError(
+            f"route: stream_hold's chars ({hold.chars}) must not exceed stream_max_chars "
+            f"({settings.stream_max_chars})"
+        )
 
 
 def _entry(setting: str, entry: object) -> None:
@@ -241,7 +280,7 @@ class CheckedRoute:
     token_capped: bool
     #: Whether each budget has a soft limit.
     soft: tuple[bool, ...]
-    #: The route's call limits (`first_output_s` when set, `stream_idle_s`).
+    #: The route's call limits (`first_output_s` when set, `stream_idle_s`, `min_chars_per_s`).
     limits: Limits
     #: The chain of the first entry (`RouteSettings.first_entry`).
     chain: CheckedChain
@@ -278,6 +317,7 @@ def check_route(
         if isinstance(settings.first_output_s, Unset)
         else check_limit("route: first_output_s", settings.first_output_s),
         check_limit("route: stream_idle_s", settings.stream_idle_s),
+        settings.min_chars_per_s,
     )
     name = settings.name or handler.__name__
     budgets, scopes = route_budgets(where, settings.budget, name)
@@ -397,7 +437,7 @@ def _call_limits(
         # A silent or slow model never holds a request another model could answer: each
         # model but the last, with no limit of its own or the route's, gets a share of
         # the deadline to start answering, which leaves the rest of the chain its room.
-        share = (timeout_s / (len(models) + 1), None)
+        share = (timeout_s / (len(models) + 1), None, None)
         models = (*(ref.limited(share) for ref in models[:-1]), models[-1])
     # Kept, though it never fires before the deadline: the same `Model` or profile may serve
     # routes with longer deadlines.
@@ -458,6 +498,11 @@ def _check_answer(where: str, settings: RouteSettings, shape: HandlerShape, outp
             f"degrading route {where} must annotate its return type (the envelope's data)"
         )
     if not shape.streaming:
+        if settings.stream_hold is not None or settings.min_chars_per_s is not None:
+            raise ConfigurationError(
+                f"{where}: stream_hold and min_chars_per_s are for streaming routes "
+                "(`-> EventStream`, `return await ai.stream(...)`)"
+            )
         return
     if degrading:
         raise ConfigurationError(

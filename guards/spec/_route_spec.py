@@ -51,6 +51,7 @@ if typing.TYPE_CHECKING:
     from ..policies._tasks import Task
     from ..stores import Charge
     from ..stores._breaker import Breaker
+    from ..streams._hold import StreamHold
 
 __all__ = [
     "NO_FALLBACK",
@@ -118,6 +119,9 @@ class Leg:
     #: read by the walk: the first output of an attempt, the gaps of a stream after it.
     first_output_s: float | None = None
     stream_idle_s: float | None = None
+    #: The slowest a stream of the model may be before its commit point, in characters of
+    #: output per second (`guards.streams._hold`; None: no minimum).
+    min_chars_per_s: float | None = None
     #: The model's declared context window in tokens (`Guards(context_windows=...)`), if any.
     window: int | None = None
 
@@ -158,6 +162,7 @@ class Leg:
             known=known.get(ref.key) or known.setdefault(ref.key, KnownRefusal()),
             first_output_s=ref.first_output_s,
             stream_idle_s=ref.stream_idle_s,
+            min_chars_per_s=ref.min_chars_per_s,
             window=window,
         )
 
@@ -299,6 +304,8 @@ class GuardedRoute:
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS
     #: How a streamed answer is written (guards' own events by default).
     stream_format: StreamFormat = GUARDS_EVENTS
+    #: The hold before a streamed answer's commit point (`route(stream_hold=...)`; None: none).
+    stream_hold: StreamHold | None = None
     #: A route that routes by effort: its chain per tier (the route itself runs the standard
     #: tier's chain until a request's first call picks one). None: the chain is pinned.
     effort: EffortChoice | None = None

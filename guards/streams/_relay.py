@@ -39,6 +39,7 @@ from ..contracts._vocabulary import Kind, Reason
 from ..stores._breaker import Outcome
 from ..waits._alarm import Alarm
 from ._event_stream import GUARDS_EVENTS, StreamCut, StreamWriter
+from ._hold import Window, hold
 
 __all__ = [
     "DEFAULT_STREAM_MAX_CHARS",
@@ -115,17 +116,24 @@ class Opened:
     #: Whether its first events hold a lone surrogate: the answer is rejected before it
     #: commits (`invalid_unicode`), the stream closed.
     invalid: bool = False
+    #: When its first output part came (`time.perf_counter()`), when a window held it past
+    #: it (None: the attempt returned then).
+    first_output_at: float | None = None
 
     @property
     def committed(self) -> bool:
         return not self.invalid and any(is_output(event) for event in self.first)
 
 
-async def open_stream(binding: StreamingBinding, model: str, inputs: Mapping[str, Any]) -> Opened:
+async def open_stream(
+    binding: StreamingBinding, model: str, inputs: Mapping[str, Any], *, window: Window | None = None
+) -> Opened:
     """One streaming attempt, up to the commit point: read until the first output part (the
     attempt succeeds), the end of a stream that had none, or a failure (raised, like `run`;
     the preamble read so far is dropped with the attempt). First events holding a lone
-    surrogate are an answer rejected before it commits (`Opened.invalid`)."""
+    surrogate are an answer rejected before it commits (`Opened.invalid`). With a `window`
+    (a hold, a minimum rate: `guards.streams._hold`), the commit point is the window's end:
+    its events join the first ones, and a failure inside it is raised as one before."""
     started = time.perf_counter()
     events = binding.stream(model, inputs)
     first: list[StreamEvent] = []
@@ -139,7 +147,14 @@ async def open_stream(binding: StreamingBinding, model: str, inputs: Mapping[str
                 if any(map(_lone_surrogate, first)):  # nothing sent yet: refused whole
                     await aclose(events)
                     return Opened(events, first, None, started, invalid=True)
-                return Opened(events, first, None, started)
+                if window is None:
+                    return Opened(events, first, None, started)
+                first_output_at = time.perf_counter()
+                end, rest = await hold(events, first, window)
+                if end is not None:
+                    await aclose(events)
+                served = end.model if end is not None else None
+                return Opened(rest, first, end, started, model=served, first_output_at=first_output_at)
     except BaseException:
         with anyio.CancelScope(shield=True):
             await aclose(events)
@@ -206,11 +221,11 @@ async def relay(
     try:
         if preamble := writer.start():
             yield preamble
-        for event in opened.first:
+        for event in opened.first:  # a hold's may hold a lone surrogate past the first output
             delivered += chars(event)
             if delivered > max_chars:
                 raise _OverSize
-            yield encode(event)
+            yield encode(_well_formed(event))
         if end is None:
             if alarm.rang:  # the limit passed before the first events were out
                 raise _TimeUp
@@ -389,6 +404,8 @@ def _lone_surrogate(event: StreamEvent) -> bool:
 def _well_formed(event: StreamEvent) -> StreamEvent:
     """`event` with each lone surrogate of its text replaced by U+FFFD: after the first
     output, the client has the answer's start, so a lone surrogate no longer ends it."""
+    if isinstance(event, TextDelta):
+        return event if event.text.isascii() else TextDelta(well_formed(event.text))
     if isinstance(event, ReasoningDelta):
         return ReasoningDelta(well_formed(event.text))
     if isinstance(event, ToolCallDelta):

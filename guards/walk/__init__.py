@@ -10,7 +10,8 @@
     _retries.py      a leg's share of the attempt budget; the retry budget's admission
     _accounting.py   attempts, tokens, cost (the spend settles to it)
     _verdicts.py     every ending without an answer, as a `GuardTripped` (pure)
-    _streaming.py    a committed stream's relay and its accounting; the empty-stream recovery
+    _streaming.py    a streamed attempt, its hold's check, the committed stream's relay and its
+                     accounting; the empty-stream recovery
     _checkpoints.py  a task's saved steps (`TaskRun`)
     _events.py       the events of a request, as frozen records
     _observers.py    `Observers`: the one seam where metrics, logs, the ledger and traces subscribe

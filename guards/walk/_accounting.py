@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ..contracts._binding import AIResult
 from ..contracts._classify import classify
 from ..contracts._errors import ProviderError
+from ..streams._hold import BelowMinimumRate
 from ..streams._relay import Opened
 from ..waits._admission import never_admitted
 from ..waits._first_output import NoFirstOutput
@@ -49,6 +50,8 @@ def on_attempt(state: RequestState, outcome: Any, started: float) -> None:
         # cancelled call, any failure that is not a provider's error answer, JSON mode not met.
         provider_error = isinstance(outcome, ProviderError)
         billed = not provider_error or outcome.json_mode_failed or isinstance(outcome, NoFirstOutput)
+        if type(outcome) is BelowMinimumRate:
+            state._observe.slow_stream(state._route, leg)
         account(
             state,
             leg,

@@ -86,7 +86,10 @@ async def walk(
 
 @overload
 async def walk(
-    state: RequestState, inputs: Mapping[str, Any], call_for: Callable[[Leg], Call[R]]
+    state: RequestState,
+    inputs: Mapping[str, Any],
+    call_for: Callable[[Leg], Call[R]],
+    check: Check | None = None,
 ) -> tuple[Leg, R, float | None, bool]: ...
 
 
@@ -99,9 +102,10 @@ async def walk(
     """Walk the chain until a call succeeds: (its leg, its result, the leg's breaker probe
     ticket, whether its success must be recorded). `call_for(leg)` is what makes one attempt
     on a leg: `call(model, inputs)` (default: the leg's binding's `run`). `check` checks each
-    answer (of `run` calls) under the walk's deadline: a rejected one moves the walk on to the
-    leg and inputs it says, its call already reported. The caller records the outcome and
-    settles the spend; on failure this settles and raises `GuardTripped`."""
+    answer (of `run` calls, or a held stream's start: `_streaming.HoldCheck`) under the walk's
+    deadline: a rejected one moves the walk on to the leg and inputs it says, its call
+    already reported. The caller records the outcome and settles the spend; on failure this
+    settles and raises `GuardTripped`."""
     route = state._route
     start = _first_start(state)
     inflight: Leg | None = None  # the leg being called (its probe ticket: `probe`)
@@ -167,7 +171,7 @@ async def walk(
                             continue
                         answered(state, leg, result, started)
                     if route.slow_call_s is not None:
-                        record_success = _timed(state, started)
+                        record_success = _timed(state, started, result)
                     return leg, result, probe, record_success
             finally:
                 if state._watch is not None:
@@ -235,7 +239,9 @@ def _call(state: RequestState, leg: Leg, call_for: Callable[[Leg], Call[Any]] | 
     else:
         call = call_for(leg)
     if leg.first_output_s is not None:
-        call = first_output_limited(state, leg, call, signalled=call_for is None)
+        # A binding's `run` may say when its answer's first byte came; a stream's hold says when
+        # its first output came (`guards.streams._hold`): the limit is not the hold's.
+        call = first_output_limited(state, leg, call, signalled=True)
     if state._observe.trace is not None:
         call = traced(state, call, leg)
     return call
@@ -255,13 +261,15 @@ def _after_failure(
     return (index + 1 if limits.failed(legs[index], kind) else len(legs)), limits
 
 
-def _timed(state: RequestState, started: float) -> bool:
+def _timed(state: RequestState, started: float, result: Any) -> bool:
     """A breaker counting slow calls hears of every call: whether the leg's time from its
-    first attempt to its answer (a stream's first output) was slow is kept for its record
-    (`finish_leg`). Returns True: the success must be recorded."""
+    first attempt to its answer (a stream's first output, the start of its hold when it has
+    one) was slow is kept for its record (`finish_leg`). Returns True: the success must be
+    recorded."""
     slow_call_s = state._route.slow_call_s
     assert slow_call_s is not None
-    state._slow = perf_counter() - started > slow_call_s
+    answered = getattr(result, "first_output_at", None) or perf_counter()
+    state._slow = answered - started > slow_call_s
     return True
 
 

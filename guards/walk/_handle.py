@@ -8,7 +8,6 @@ request's state (`RequestState`) and nothing else.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
@@ -20,12 +19,12 @@ from ..contracts._tokens import with_max_tokens
 from ..contracts._vocabulary import Reason
 from ..stores._breaker import Outcome
 from ..streams._event_stream import EventStream
-from ..streams._relay import Opened, no_events, open_stream
+from ..streams._relay import Opened, no_events
 from ._chain_walk import by_effort, walk
 from ._checkpoints import resumed, task_of
 from ._state import RequestState
 from ._store_steps import finish_leg
-from ._streaming import recover, relayed, streaming
+from ._streaming import HoldCheck, opener, recover, relayed
 
 if TYPE_CHECKING:
     from ..contracts._tools import ToolCall
@@ -209,6 +208,13 @@ class AI(RequestState, Generic[T]):
         text is checked by the output guard once it completed: `done` carries the validated
         output (`object`), a rejected answer ends the stream with the guard's `error`
         (`schema_invalid`, `empty_response`).
+
+        With the route's `stream_hold`, the commit point is the hold's end: the answer's start
+        is read but not sent, the output guard checks it (an empty answer, the moderation hook,
+        a provider's content filter), and a rejected one moves on to the next model, unseen.
+        A model's `min_chars_per_s` (or the route's) moves a stream slower than it on to the
+        next model before the commit, measured over the hold, else over the first second after
+        its first output. See docs/streaming.md.
         """
         route = self._route
         if route.effort is not None:
@@ -218,9 +224,8 @@ class AI(RequestState, Generic[T]):
         if route.response_format is not None and "response_format" not in inputs:  # structured
             inputs = {**inputs, "response_format": route.response_format}
         inputs = with_max_tokens(inputs, route.max_tokens)
-        leg, opened, probe, record_success = await walk(
-            self, inputs, lambda leg: functools.partial(open_stream, streaming(self, leg))
-        )
+        check = HoldCheck(inputs) if route.stream_hold is not None else None
+        leg, opened, probe, record_success = await walk(self, inputs, opener(self, route), check)
         if opened.committed:
             self._served(leg, opened.model)
             return relayed(self, leg, opened, probe, record_success, inputs=inputs)

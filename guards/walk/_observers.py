@@ -12,6 +12,8 @@ method below is where that event's subscribers are listed, in the order they run
                       cost, answer seconds                                  span ends (a failed
                                                                             one's ended with it)
     skipped           guards_skips_total           skip (1/s)              skip span
+    hold rejected     stream hold rejections
+    slow stream       stream slow models
     retried           retry budget exhausted       retry                   skip span (refused)
     store failed      guards_store_unavailable     store_unavailable
     cooldown started                               cooldown
@@ -40,8 +42,10 @@ from ..observe._metrics import (
     BUDGET_HELD,
     BUDGET_NEAR,
     BUDGET_SETTLED,
+    HOLD_REJECTIONS,
     RETRY_BUDGET_EXHAUSTED,
     SKIPS,
+    SLOW_STREAMS,
     STORE_UNAVAILABLE,
     TASK_STEPS,
     counter,
@@ -62,7 +66,7 @@ from ._outcome import request_ended
 if TYPE_CHECKING:
     from ..contracts._binding import Binding
     from ..contracts._stream import StreamEnd
-    from ..spec._route_spec import Leg
+    from ..spec._route_spec import GuardedRoute, Leg
     from ..spec._shared import Shared
     from ..spec._tracing import RequestTrace
     from ..streams._relay import Opened
@@ -160,6 +164,14 @@ class Observers:
         """A committed stream ended (its attempt span ends; its record follows)."""
         if self.trace is not None:
             self.trace.stream_ended(opened, kind, end, delivered)
+
+    def hold_rejected(self, route: GuardedRoute, reason: str) -> None:
+        """The output guard rejected a stream inside its hold (`reason`: its output reason)."""
+        counter(HOLD_REJECTIONS, route.name, reason).add()
+
+    def slow_stream(self, route: GuardedRoute, leg: Leg) -> None:
+        """A stream was cancelled before its commit point, below its model's minimum rate."""
+        counter(SLOW_STREAMS, route.name, leg.ref.key).add()
 
     def streaming(self) -> None:
         """The request answers with a stream: its span ends when the stream does."""

@@ -1,7 +1,20 @@
-"""The streaming tail: once a streamed attempt is committed (its first output arrived), the
-response relaying it (`guards.streams._relay`), and what is recorded when it ends, however it ends:
-the attempt (ledger, metrics), the breaker outcome, the spend and the request's outcome. And
-the one non-streaming recovery call after a stream that completed empty."""
+"""The streaming tail: what makes a streamed attempt (`opener`: `open_stream`, with its window
+when the route holds its streams or the model has a minimum rate), the output guard on a held
+stream's start (`HoldCheck`), once a streamed attempt is committed the response relaying it
+(`guards.streams._relay`), and what is recorded when it ends, however it ends: the attempt
+(ledger, metrics), the breaker outcome, the spend and the request's outcome. And the one
+non-streaming recovery call after a stream that completed empty.
+
+`HoldCheck` is the walk's `check` of each attempt on a route with `stream_hold` (`walk(...,
+check)`), given what the attempt's hold read (`guards.streams._hold`): the answer's start (its
+whole, when it completed inside the hold). The route's output guard checks it
+(`OutputGuard.check_held`: an empty answer, the moderation hook on the held text), and a
+provider's content filter (`finish_reason: content_filter`) inside the hold is a rejection too.
+A rejected stream is closed unsent, accounted as a rejected whole answer is on a route that
+moves such answers on (`on_rejected="next_model"`: ledger outcome `rejected`, billed, its model
+reported up to its breaker), counted (`guards_stream_hold_rejections_total`), and the walk
+moves on to the next model; when none is left, the request ends with the last rejection. A
+failure inside the hold is `open_stream`'s: raised, as one before the first output."""
 
 from __future__ import annotations
 
@@ -14,29 +27,31 @@ import anyio
 
 from ..contracts._binding import AIResult, Usage
 from ..contracts._errors import ConfigurationError, GuardTripped
-from ..contracts._stream import StreamEnd, StreamingBinding
+from ..contracts._stream import StreamEnd, StreamingBinding, ToolCallDelta
 from ..contracts._tokens import CHARS_PER_TOKEN, binding_estimate
 from ..contracts._vocabulary import Reason
 from ..policies._call import CallFailed, call_model
 from ..policies._chain import DEFAULT_PROVIDER
 from ..stores._breaker import Outcome
 from ..streams._event_stream import EventStream, end_data
-from ..streams._relay import REJECTED, Opened, Relayed, relay
+from ..streams._hold import held_text, window
+from ..streams._relay import REJECTED, Opened, Relayed, aclose, chars, open_stream, relay
 from ..streams._structured import KeptText
 from ..waits._first_output import idle_limited
 from ._accounting import account, on_attempt
 from ._chain_walk import Call, binding, first_output_limited, traced
-from ._store_steps import finish_leg, gave_up
+from ._store_steps import finish_leg, gave_up, report
 from ._verdicts import timed_out
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from ..contracts._binding import Binding
-    from ..spec._route_spec import Leg
+    from ..spec._route_spec import GuardedRoute, Leg
+    from ..stores import Report
     from ._state import RequestState
 
-__all__ = ["recover", "relayed", "streaming"]
+__all__ = ["HoldCheck", "opener", "recover", "relayed", "streaming"]
 
 
 def streaming(state: RequestState, leg: Leg) -> StreamingBinding:
@@ -45,6 +60,106 @@ def streaming(state: RequestState, leg: Leg) -> StreamingBinding:
     if not isinstance(found, StreamingBinding):
         raise ConfigurationError(f"the binding for {leg.ref.key} cannot stream")
     return found
+
+
+_FILTERED = ("answer: moderation_blocked",)
+
+
+def opener(state: RequestState, route: GuardedRoute) -> Callable[[Leg], Call[Opened]]:
+    """What makes one streaming attempt on a leg of `route` (the request's chain): `open_stream`
+    on its binding, with the window of the route's hold and the leg's minimum rate, if any."""
+    hold, moves_on = route.stream_hold, len(route.legs) > 1
+
+    def call_for(leg: Leg) -> Call[Opened]:
+        opens = functools.partial(open_stream, streaming(state, leg))
+        held = window(hold, leg.min_chars_per_s, moves_on=moves_on, provider=leg.ref.provider or "provider")
+        return opens if held is None else functools.partial(opens, window=held)
+
+    return call_for
+
+
+class HoldCheck:
+    """One stream walk's check of its held attempts (`inputs`: the walk's, for the next model)."""
+
+    __slots__ = ("_inputs",)
+
+    def __init__(self, inputs: Mapping[str, Any]) -> None:
+        self._inputs = inputs
+
+    async def moved_on(
+        self,
+        state: RequestState,
+        leg: Leg,
+        index: int,
+        result: Any,
+        started: float,
+        probe: float | None,
+        record_success: bool,
+    ) -> tuple[Report | None, GuardTripped, int, Mapping[str, Any]] | None:
+        """After an attempt on `leg` (the chain's `index`th) held `result` (an `Opened`): None
+        when it is accepted; else, closed and accounted as rejected, (the report of the call,
+        the rejection, the leg to call next, its inputs)."""
+        assert isinstance(result, Opened)
+        if result.invalid:  # not valid Unicode: rejected whole, as today (`AI.stream`)
+            return None
+        try:
+            rejection = await _rejection(state, result)
+        except BaseException as stopped:  # the deadline, or the moderation hook's own failure
+            with anyio.CancelScope(shield=True):
+                await aclose(result.iter_events)
+            on_attempt(state, stopped, started)
+            raise
+        if rejection is None:
+            return None
+        with anyio.CancelScope(shield=True):
+            await aclose(result.iter_events)
+        end, problems = result.end, rejection.problems
+        usage = end.usage if end is not None else None
+        estimate = None
+        if usage is None and state._route.holds:  # cut unsent: charged as a stream ended early
+            held = sum(map(chars, result.first))
+            estimate = ended_early(binding(state, leg), leg.ref.model, self._inputs, held)
+        state.attempts += 1
+        if result.committed:  # its attempt span, open until its stream ends
+            state._observe.stream_ended(result, "rejected", end, 0)
+        account(
+            state,
+            leg,
+            "rejected",
+            usage,
+            (end.model if end is not None else None) or result.model or leg.ref.model,
+            time.perf_counter() - started,
+            billed=True,
+            delivered=0,
+            problems=problems,
+            estimate=estimate,
+        )
+        leg.last_success[0] = state._shared.success_clock()  # the model answered: it is up
+        made = (
+            report(state, leg, Outcome.success, probe, settle=False)
+            if record_success or probe is not None
+            else None
+        )
+        state._observe.hold_rejected(state._route, rejection.reason.value)
+        state._note(leg, f"rejected in the hold ({'; '.join(problems) or rejection.reason.value})", None)
+        last = GuardTripped(
+            rejection.reason, rejection.detail, attempts=state.attempts, model=leg.ref.key, problems=problems
+        )
+        return made, last, index + 1, self._inputs
+
+
+async def _rejection(state: RequestState, opened: Opened) -> GuardTripped | None:
+    """Why the output guard rejects what `opened` held (None: it does not)."""
+    end = opened.end
+    if end is not None and end.finish_reason == "content_filter":
+        return GuardTripped(Reason.moderation_blocked, "the provider filtered the stream", problems=_FILTERED)
+    first = opened.first
+    tool_calls = any(type(event) is ToolCallDelta for event in first)
+    try:
+        await state._route.output.check_held(held_text(first), end is not None, tool_calls=tool_calls)
+    except GuardTripped as tripped:
+        return tripped
+    return None
 
 
 async def recover(
