@@ -17,7 +17,16 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from fixtures import FakeOpenAI, FakeWorkersAI, Reply, Stream, Text
-from guards import AI, UI_MESSAGE_STREAM, Attempt, Breaker, ConfigurationError, EventStream, Guards
+from guards import (
+    AI,
+    UI_MESSAGE_STREAM,
+    Attempt,
+    Breaker,
+    ConfigurationError,
+    EventStream,
+    Guards,
+    StreamHold,
+)
 from guards.providers import OpenAICompatible, WorkersAI
 
 from ..app.test_ui_stream import check_ui_stream
@@ -304,3 +313,69 @@ def test_a_rejected_structured_answer_is_no_failure_for_the_breaker(
         name, data = parse_sse(response.text)[-1]
         assert (name, data["reason"]) == ("error", "schema_invalid")
     assert len(fake_workers_ai.calls) == 2
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param(("Sure! Here is ", "the triage: ", "{}"), id="not-json-from-its-start"),
+        pytest.param(BAD, id="complete-json-failing-its-schema"),
+    ],
+)
+@pytest.mark.parametrize("stream_format", FORMATS)
+def test_a_structured_answer_rejected_inside_the_hold_is_answered_by_the_next_model_unseen(
+    first: tuple[str, ...],
+    stream_format: str,
+    fake_workers_ai: FakeWorkersAI,
+    fake_openai: FakeOpenAI,
+    app_client: AppClient,
+    ledger: Recorder,
+) -> None:
+    """With a hold, a JSON route's held start that can no longer be JSON of its type, or a
+    whole answer inside the hold that fails its schema, moves on to the next model before the
+    commit: the client sees only the next model's answer."""
+    guards = Guards(
+        WorkersAI(
+            account_id=fake_workers_ai.account_id,
+            api_token=fake_workers_ai.api_token,
+            base_url=fake_workers_ai.base_url,
+        ),
+        providers={"openai": OpenAICompatible(api_key=fake_openai.api_key, base_url=fake_openai.base_url)},
+        sleep=no_sleep,
+        ledger=ledger,
+    )
+    app = FastAPI()
+    guards.install(app)
+    options: dict[str, Any] = {} if stream_format == "guards" else {"stream_format": UI_MESSAGE_STREAM}
+
+    @app.post("/triage")
+    @guards.route(
+        model=WORKERS,
+        fallbacks=[f"openai:{OPENAI}"],
+        timeout_s=5,
+        stream_hold=StreamHold(chars=MAX_CHARS),
+        stream_max_chars=MAX_CHARS,
+        **options,
+    )
+    async def triage(ai: AI[Triage]) -> EventStream:
+        return await ai.stream({"prompt": "Triage this message."})
+
+    fake_workers_ai.script(WORKERS, Stream(parts=tuple(map(Text, first))))
+    fake_openai.script(OPENAI, Stream(parts=tuple(map(Text, GOOD))))
+    response = app_client(app, socket=True).post("/triage")
+    assert response.status_code == 200
+    if stream_format == "guards":
+        events = parse_sse(response.text)
+        text = "".join(data["text"] for name, data in events if name == "delta")
+        last, data = events[-1]
+        assert (last, data["object"]) == ("done", OBJECT)
+    else:
+        chunks = check_ui_stream(response)
+        text = "".join(c["delta"] for c in chunks if c["type"] == "text-delta")
+        assert [c["data"] for c in chunks if c["type"] == "data-object"] == [OBJECT]
+    assert text == "".join(GOOD)  # none of the first model's text
+    assert "Sure" not in response.text
+    assert "secret-key-7" not in response.text
+    assert (len(fake_workers_ai.calls), len(fake_openai.calls)) == (1, 1)
+    rejected = ledger.attempts[0]
+    assert (rejected.outcome, rejected.model) == ("rejected", WORKERS)
