@@ -125,7 +125,9 @@ class OutputGuard:
                 self.check_shape(AIResult(response=text, model=""))
             elif self.impossible(text):
                 raise GuardTripped(
-                    Reason.schema_invalid, "answer does not match the schema (json_invalid)", problems=_NOT_JSON
+                    Reason.schema_invalid,
+                    "answer does not match the schema (json_invalid)",
+                    problems=_NOT_JSON,
                 )
         if self.moderation is not None and text:
             flagged = self.moderation(text)
