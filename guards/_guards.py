@@ -32,6 +32,7 @@ from .policies._retry_budget import RetryWindows
 from .policies._tasks import Task
 from .routes._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from .routes._invalid_input import invalid_input_handler
+from .routes._resume import ResumeRoutes
 from .routes._route import guard_route
 from .spec._levels import LevelMiddleware, Levels, ServiceLevel
 from .spec._route_checks import RouteSettings
@@ -39,6 +40,7 @@ from .spec._route_spec import NO_FALLBACK, GuardedRoute, KnownRefusal, route_of
 from .stores import MemoryStore, Store
 from .stores._breaker import Breaker
 from .streams._event_stream import GUARDS_EVENTS, StreamFormat
+from .streams._kept import Resumable, stop_kept_streams
 from .streams._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S, settled
 
 if TYPE_CHECKING:
@@ -264,6 +266,7 @@ class Guards:
         on_rejected: Literal["fallback", "next_model", "reask"] = "fallback",
         tools: Mapping[str, type[BaseModel]] | None = None,
         downgrade_to: str | Model | None = None,
+        resumable: Resumable | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -344,6 +347,11 @@ class Guards:
           the handler as `ai.tool_calls`; sent as the `tools` input unless a call sets it.
           The route declares `AI[str]`: an answer with tool calls returns its text ("" when
           none). Not for streaming routes.
+        - `resumable`: `Resumable(...)` keeps a streaming route's streams in the store, so
+          that a client that lost its connection resumes one (`GET <path>/<id>/stream`, with
+          `Last-Event-ID`; the AI SDK's `useChat({resume: true})`): every event then carries
+          an `id`, and a client leaving no longer cancels the stream (see
+          docs/streaming.md, "Resuming a stream"). Default None: not resumable.
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -373,6 +381,7 @@ class Guards:
             on_rejected=on_rejected,
             tools=tools,
             downgrade_to=downgrade_to,
+            resumable=resumable,
         )  # checked now, before the handler is seen
 
         def decorate(handler: F) -> F:
@@ -440,6 +449,7 @@ class Guards:
         app.add_middleware(BodyLimit)
         show_logs()
         app.add_middleware(LevelMiddleware, levels=self.levels)
+        app.add_middleware(ResumeRoutes, guards=self)
         # Input that never reached a guarded handler (unparseable or invalid) is answered
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):
@@ -493,7 +503,9 @@ class Guards:
     async def aclose(self) -> None:
         """Close the bindings and the store, and write this process's metrics and log lines,
         once the streams still relayed have ended and settled (for a second at most: see
-        `guards.streams._relay.settled`)."""
+        `guards.streams._relay.settled`); resumable streams still produced end first, with
+        their `error` event, kept."""
+        await stop_kept_streams(self)
         await settled()
         flush_metrics()
         await anyio.to_thread.run_sync(flush_logs)

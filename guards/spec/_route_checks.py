@@ -35,6 +35,7 @@ from ..policies._price_table import fill_prices
 from ..policies._tasks import Task
 from ..stores._breaker import Breaker
 from ..streams._event_stream import EventStream, StreamFormat
+from ..streams._kept import Resumable
 from ._route_spec import NO_FALLBACK
 
 if typing.TYPE_CHECKING:
@@ -82,6 +83,7 @@ class RouteSettings:
     on_rejected: Literal["fallback", "next_model", "reask"]
     tools: Mapping[str, type[BaseModel]] | None
     downgrade_to: str | Model | None
+    resumable: Resumable | None = None
 
     def __post_init__(self) -> None:
         _check_chain_entries(self.model, self.fallbacks, self.downgrade_to)
@@ -98,6 +100,10 @@ class RouteSettings:
             )
         choice("route: on_rejected", self.on_rejected, ("fallback", "next_model", "reask"))
         choice("route: shed_at", self.shed_at, (Level.degraded, Level.minimal), none="never shed")
+        if self.resumable is not None and not isinstance(self.resumable, Resumable):
+            raise ConfigurationError(
+                f"route: resumable must be a Resumable(...) or None; got {self.resumable!r}"
+            )
 
     @property
     def level(self) -> Level | None:
@@ -458,6 +464,8 @@ def _check_answer(where: str, settings: RouteSettings, shape: HandlerShape) -> N
             f"degrading route {where} must annotate its return type (the envelope's data)"
         )
     if not shape.streaming:
+        if settings.resumable is not None:
+            raise ConfigurationError(f"route {where} cannot be resumable: only a streaming route is")
         return
     if degrading:
         raise ConfigurationError(

@@ -35,6 +35,7 @@ from ..observe._metrics import (
 )
 from ..stores._breaker import CircuitState
 from ..streams._event_stream import GUARDS_EVENTS, StreamFormat
+from ..streams._kept import Resumable
 from ..streams._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 
 if typing.TYPE_CHECKING:
@@ -292,6 +293,8 @@ class GuardedRoute:
     stream_max_chars: int = DEFAULT_STREAM_MAX_CHARS
     #: How a streamed answer is written (guards' own events by default).
     stream_format: StreamFormat = GUARDS_EVENTS
+    #: Its streams are kept in the store for resuming (None: not resumable).
+    resumable: Resumable | None = None
     #: A route that routes by effort: its chain per tier (the route itself runs the standard
     #: tier's chain until a request's first call picks one). None: the chain is pinned.
     effort: EffortChoice | None = None

@@ -19,7 +19,9 @@ from ..contracts._vocabulary import Reason
 from ..policies._call import CallFailed, call_model
 from ..policies._chain import DEFAULT_PROVIDER
 from ..stores._breaker import Outcome
+from ..stores._kept import StreamKeeper
 from ..streams._event_stream import EventStream, end_data
+from ..streams._kept import caller, chat_name, keep, new_stream_id, stream_key
 from ..streams._relay import Opened, Relayed, relay
 from ..waits._first_output import idle_limited
 from ._accounting import account, on_attempt
@@ -34,7 +36,11 @@ if TYPE_CHECKING:
     from ..spec._route_spec import Leg
     from ._state import RequestState
 
-__all__ = ["recover", "relayed", "streaming"]
+__all__ = ["kept", "recover", "relayed", "streaming"]
+
+#: Where the endpoint of a resumable route puts the chat id of its `UIChatRequest` argument
+#: (the AI SDK's resume asks for a chat's stream by it).
+CHAT_ID = "guards.chat_id"
 
 
 def streaming(state: RequestState, leg: Leg) -> StreamingBinding:
@@ -135,6 +141,43 @@ def relayed(
         ),
         route.stream_format.headers,
     )
+
+
+async def kept(state: RequestState, stream: EventStream) -> EventStream:
+    """`stream` (a resumable route's) produced by a task of its own and kept in the store
+    (`guards.streams._kept`), under a new stream id (the `x-stream-id` header) and, when the
+    request is a chat's (`CHAT_ID`), as that chat's current stream; returned once its first
+    events are kept."""
+    route, request = state._route, state._request
+    spec = route.resumable
+    assert spec is not None
+    store = state._shared.store
+    if not isinstance(store, StreamKeeper):  # replaced since the route was declared
+        raise ConfigurationError(f"route {route.name}: the store cannot keep resumable streams")
+    stream_id = new_stream_id()
+    who = "" if request is None else caller([budget.key for budget in route.budgets], request)
+    live_ttl_s = route.stream_max_s + spec.ttl_s
+    chat = None if request is None else request.scope.get(CHAT_ID)
+
+    async def background() -> None:
+        if stream.background is not None:
+            await stream.background()
+
+    stream.kept = True  # its background task runs when the stream ends, not when its client leaves
+    stream._body = await keep(
+        state._shared,
+        store,
+        stream_key(route.name, who, stream_id),
+        stream_id,
+        stream._body,
+        spec,
+        live_ttl_s=live_ttl_s,
+        route=route.name,
+        after=background,
+        chat=chat_name(route.name, who, chat) if chat else None,
+    )
+    stream.raw_headers.append((b"x-stream-id", stream_id.encode()))
+    return stream
 
 
 def _stream_done(
