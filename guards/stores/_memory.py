@@ -49,10 +49,16 @@ __all__ = ["MemoryStore"]
 
 class MemoryStore:
     """A `Store` in process memory: exact for one process (one uvicorn worker). It keeps at most
-    `max_answers` last good answers (the oldest stored go first)."""
+    `max_answers` last good answers and `max_streams` resumable streams (the oldest stored go
+    first)."""
 
     def __init__(
-        self, *, clock: Clock | None = None, sweep_interval_s: float = 60.0, max_answers: int = 10_000
+        self,
+        *,
+        clock: Clock | None = None,
+        sweep_interval_s: float = 60.0,
+        max_answers: int = 10_000,
+        max_streams: int = 10_000,
     ) -> None:
         self._clock = clock or SystemClock()
         # The system clock's `time` is `time.time` itself: one Python call less per operation.
@@ -69,7 +75,7 @@ class MemoryStore:
         #: Each task owner's live tasks: owner -> {task key: expires at}, oldest first.
         self._owners: dict[str, dict[str, float]] = {}
         #: Resumable streams' events (`guards.stores._kept`).
-        self._kept = MemoryKept(self._time)
+        self._kept = MemoryKept(self._time, max_streams)
         self.kept_append = self._kept.kept_append
         self.kept_read = self._kept.kept_read
         self.kept_wait = self._kept.kept_wait

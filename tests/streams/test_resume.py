@@ -238,18 +238,34 @@ def test_a_bad_last_event_id_is_a_400_that_names_the_header(client: httpx.Client
     assert answer.json()["problems"] == [{"field": "header.last-event-id", "problem": "value_error"}]
 
 
+#: The bytes of the first 12 events of `PARTS`, as kept (a stream id has 22 characters).
+TWELVE_BYTES = sum(
+    len(f'id: {"x" * 22}:{n}\nevent: delta\ndata: {{"text":"word{n - 1} "}}\n\n') for n in range(1, 13)
+)
+
+
+@pytest.mark.parametrize(
+    ("caps", "detail"),
+    [
+        (Resumable(max_events=12), "12 events"),
+        (Resumable(max_bytes=TWELVE_BYTES), f"{TWELVE_BYTES} bytes"),
+    ],
+    ids=["events", "bytes"],
+)
 def test_past_its_caps_a_resume_ends_with_the_documented_error(
-    make_client: Callable[..., httpx.Client], fake_workers_ai: FakeWorkersAI
+    make_client: Callable[..., httpx.Client], fake_workers_ai: FakeWorkersAI, caps: Resumable, detail: str
 ) -> None:
-    client = make_client(resumable=Resumable(max_events=12))
+    client = make_client(resumable=caps)
     fake_workers_ai.script(MODEL, Stream(parts=PARTS, interval_s=0.005))
     stream_id, first = cut_after_ten(client, "/stream", ASK)
-    rest = events_of(client.get(f"/stream/{stream_id}/stream", headers={"last-event-id": first[-1].id}).text)
+    resumed = client.get(f"/stream/{stream_id}/stream", headers={"last-event-id": first[-1].id})
+    rest = events_of(resumed.text)
     assert [e.id for e in rest] == [f"{stream_id}:{n}" for n in (11, 12, 13)]
     assert [e.name for e in rest] == ["delta", "delta", "error"]
     error = json.loads(rest[-1].data)
     assert (error["guard"], error["reason"]) == ("call", "provider_error")
-    assert "12 events" in error["detail"]
+    assert detail in error["detail"]
+    assert error["trace_id"] == resumed.headers["x-trace-id"]
     assert len(fake_workers_ai.calls) == 1
 
 
