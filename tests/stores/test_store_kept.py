@@ -52,9 +52,9 @@ def test_a_stream_lives_for_the_ttl_of_its_last_write(
         if store_kind.startswith("redis"):  # on the server's clock: read it back
             admins = redis_admins(store_kind, request)
             try:
-                ttls = [
-                    admin.pttl(key) for admin in admins for key in admin.scan_iter(match="*kept", count=1000)
-                ]
+                keys = [(admin, key) for admin in admins for key in admin.scan_iter(match="*{s}:kept")]
+                keys += [(admin, key) for admin in admins for key in admin.scan_iter(match="*{chat}:kept")]
+                ttls = [admin.pttl(key) for admin, key in keys]
             finally:
                 for admin in admins:
                     admin.close()

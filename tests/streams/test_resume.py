@@ -10,9 +10,11 @@ each counting the calls it received."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -34,9 +36,9 @@ from guards import (
     render_metrics,
 )
 from guards.providers import OpenAICompatible, WorkersAI
-from guards.stores import MemoryStore, Store
+from guards.stores import MemoryStore, SQLiteStore, Store
 
-from ..conftest import AppClient, guards_samples, no_sleep
+from ..conftest import STORE_TIMEOUT_S, AppClient, LiveServer, guards_samples, no_sleep
 
 MODEL = "@cf/test/model"
 OPENAI = "gpt-4o-mini"
@@ -304,3 +306,38 @@ def test_events_that_come_together_are_kept_in_one_store_write(
 
     assert grown("events") == events
     assert 1 <= grown("writes") <= events / 4
+
+
+def test_a_stream_still_produced_when_the_app_stops_ends_with_its_error_kept(
+    fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, tmp_path: Path
+) -> None:
+    """The app's shutdown (`Guards.aclose`, in its lifespan) ends a resumable stream whose client
+    left with its `error` event, kept: another worker's resume gets it."""
+
+    def worker() -> FastAPI:
+        store = SQLiteStore(tmp_path / "guards.db", timeout_s=STORE_TIMEOUT_S)
+        app = app_of(fake_workers_ai, fake_openai, store=store)
+        guards = Guards.of(app)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            yield
+            await guards.aclose()
+
+        app.router.lifespan_context = lifespan
+        return app
+
+    fake_workers_ai.script(MODEL, Stream(parts=PARTS[:3], endless=True, interval_s=0.01))
+    with LiveServer(worker()) as one, httpx.Client(base_url=one.url, headers={"x-user-id": "ann"}) as first:
+        stream_id, seen = cut_after_ten(first, "/stream", ASK)
+    # The first worker has stopped, its stream ended by its shutdown.
+    with LiveServer(worker()) as two, httpx.Client(base_url=two.url, headers={"x-user-id": "ann"}) as second:
+        rest = events_of(
+            second.get(f"/stream/{stream_id}/stream", headers={"last-event-id": seen[-1].id}).text
+        )
+    assert rest[-1].name == "error"
+    assert json.loads(rest[-1].data)["detail"] == (
+        "the server is stopping: the stream was cut at the end of its graceful shutdown"
+    )
+    assert [e.id for e in seen + rest] == [f"{stream_id}:{n}" for n in range(1, len(rest) + 11)]
+    assert len(fake_workers_ai.calls) == 1
