@@ -333,7 +333,7 @@ async def _follow(
                 if out:
                     yield "".join(out).encode()
                 if item == OVER:
-                    yield over(sent + 1)
+                    yield over(sent + len(out) + 1)
                 return
             out.append(item)
         if out:

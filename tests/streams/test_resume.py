@@ -258,7 +258,8 @@ def test_past_its_caps_a_resume_ends_with_the_documented_error(
     make_client: Callable[..., httpx.Client], fake_workers_ai: FakeWorkersAI, caps: Resumable, detail: str
 ) -> None:
     client = make_client(resumable=caps)
-    fake_workers_ai.script(MODEL, Stream(parts=PARTS, interval_s=0.005))
+    # At once: the stream is over, its caps passed, before the client has read 10 events.
+    fake_workers_ai.script(MODEL, Stream(parts=PARTS))
     stream_id, first = cut_after_ten(client, "/stream", ASK)
     resumed = client.get(f"/stream/{stream_id}/stream", headers={"last-event-id": first[-1].id})
     rest = events_of(resumed.text)
