@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
+from ..contracts._errors import ConfigurationError
 from ..observe._families import STREAM_KEPT
 from ..observe._log import emit_warning
 from ..observe._tallies import counter
@@ -70,7 +71,8 @@ class Resumable:
     `ttl_s`: how long a stream's events are kept after its end (default 5 minutes);
     `max_events`, `max_bytes`: the most events and bytes of one stream kept (default 10,000
     and 1 MiB): past either, the rest goes to its client but is not kept, and a resume past
-    what was kept ends with an `error` event. Each is checked when the route is declared."""
+    what was kept ends with an `error` event. A value out of range raises
+    `ConfigurationError`."""
 
     ttl_s: float = 300.0
     max_events: int = 10_000
@@ -78,11 +80,13 @@ class Resumable:
 
     def __post_init__(self) -> None:
         if not 0 < self.ttl_s <= 86_400:
-            raise ValueError("Resumable.ttl_s is more than 0 and at most a day (86400)")
+            raise ConfigurationError(
+                f"Resumable.ttl_s is more than 0 and at most 86400 (a day); got {self.ttl_s!r}"
+            )
         if not 0 < self.max_events <= 1_000_000:
-            raise ValueError("Resumable.max_events is 1 to 1,000,000")
+            raise ConfigurationError(f"Resumable.max_events is 1 to 1,000,000; got {self.max_events!r}")
         if not 0 < self.max_bytes <= 64 << 20:
-            raise ValueError("Resumable.max_bytes is 1 to 64 MiB")
+            raise ConfigurationError(f"Resumable.max_bytes is 1 to 67108864 (64 MiB); got {self.max_bytes!r}")
 
 
 def caller(keys: Sequence[Callable[[Request], str]], request: Request) -> str:

@@ -22,12 +22,13 @@ import pytest
 from fastapi import FastAPI, Response
 from pydantic import BaseModel
 
-from fixtures import FakeOpenAI, FakeWorkersAI, ManualClock, Stream, Text
+from fixtures import FakeBinding, FakeOpenAI, FakeWorkersAI, ManualClock, Stream, Text
 from guards import (
     AI,
     UI_MESSAGE_STREAM,
     Breaker,
     Budget,
+    ConfigurationError,
     EventStream,
     Guards,
     Resumable,
@@ -342,3 +343,14 @@ def test_a_stream_still_produced_when_the_app_stops_ends_with_its_error_kept(
     )
     assert [e.id for e in seen + rest] == [f"{stream_id}:{n}" for n in range(1, len(rest) + 11)]
     assert len(fake_workers_ai.calls) == 1
+
+
+def test_a_resumable_route_is_declared_right() -> None:
+    guards = Guards(FakeBinding())
+    with pytest.raises(ConfigurationError, match="max_events"):
+        Resumable(max_events=0)
+    with pytest.raises(ConfigurationError, match="only a streaming route"):
+
+        @guards.route(model=MODEL, resumable=Resumable())
+        async def whole(body: Ask, ai: AI[str]) -> str:
+            return await ai.run({"prompt": body.message})
