@@ -354,3 +354,14 @@ def test_a_resumable_route_is_declared_right() -> None:
         @guards.route(model=MODEL, resumable=Resumable())
         async def whole(body: Ask, ai: AI[str]) -> str:
             return await ai.run({"prompt": body.message})
+
+
+def test_the_openapi_document_has_the_resume_route(
+    fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI
+) -> None:
+    document = app_of(fake_workers_ai, fake_openai).openapi()
+    resume = document["paths"]["/chat/{id}/stream"]["get"]
+    assert set(resume["responses"]) == {"200", "204", "400"}
+    assert "text/event-stream" in resume["responses"]["200"]["content"]
+    assert [p["name"] for p in resume["parameters"]] == ["id", "last-event-id"]
+    assert "x-stream-id" in document["paths"]["/chat"]["post"]["responses"]["200"]["headers"]
