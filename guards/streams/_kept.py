@@ -140,7 +140,7 @@ async def stop_kept_streams(owner: object, timeout_s: float = 1.0) -> None:
 
 class _Producer:
     """One resumable stream being produced: its events for its first client (`local`) and for
-    the store (`pending`, written by `_write`)."""
+    the store (`pending`, written by `write`)."""
 
     def __init__(
         self, store: StreamKeeper, key: str, stream_id: str, spec: Resumable, live_ttl_s: float, route: str
