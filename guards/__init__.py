@@ -58,6 +58,7 @@ if typing.TYPE_CHECKING:
     from .stores._breaker import Breaker, Outcome
     from .streams._event_stream import GUARDS_EVENTS, EventStream, StreamFormat, StreamWriter
     from .streams._hold import StreamHold
+    from .streams._kept import Resumable
     from .streams._ui_stream import UI_MESSAGE_STREAM, UIChatRequest, UIMessage, UIPart
     from .waits._first_output import first_output_arrived
     from .waits._throttle import Throttled
@@ -114,6 +115,7 @@ __all__ = [
     "PublicError",
     "Reason",
     "ReasoningDelta",
+    "Resumable",
     "Retry",
     "RetryBudget",
     "ServiceLevel",
@@ -213,6 +215,7 @@ _PUBLIC = {
     "Throttled": ".waits._throttle",
     "estimate_tokens": ".contracts._tokens",
     "ToolCall": ".contracts._tools",
+    "Resumable": ".streams._kept",
     "UIChatRequest": ".streams._ui_stream",
     "UIMessage": ".streams._ui_stream",
     "UIPart": ".streams._ui_stream",

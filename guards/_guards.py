@@ -32,6 +32,7 @@ from .policies._retry_budget import RetryWindows
 from .policies._tasks import Task
 from .routes._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from .routes._invalid_input import invalid_input_handler
+from .routes._resume import ResumeRoutes
 from .routes._route import guard_route
 from .spec._levels import LevelMiddleware, Levels, ServiceLevel
 from .spec._route_checks import RouteSettings
@@ -40,6 +41,7 @@ from .stores import MemoryStore, Store
 from .stores._breaker import Breaker
 from .streams._event_stream import GUARDS_EVENTS, StreamFormat
 from .streams._hold import StreamHold
+from .streams._kept import Resumable, stop_kept_streams
 from .streams._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S, settled
 
 if TYPE_CHECKING:
@@ -267,6 +269,7 @@ class Guards:
         downgrade_to: str | Model | None = None,
         stream_hold: StreamHold | None = None,
         min_chars_per_s: float | None = None,
+        resumable: Resumable | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -359,6 +362,11 @@ class Guards:
           the handler as `ai.tool_calls`; sent as the `tools` input unless a call sets it.
           The route declares `AI[str]`: an answer with tool calls returns its text ("" when
           none). Not for streaming routes.
+        - `resumable`: `Resumable(...)` keeps a streaming route's streams in the store, so
+          that a client that lost its connection resumes one (`GET <path>/<id>/stream`, with
+          `Last-Event-ID`; the AI SDK's `useChat({resume: true})`): every event then carries
+          an `id`, and a client leaving no longer cancels the stream (see
+          docs/streaming.md, "Resuming a stream"). Default None: not resumable.
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -390,6 +398,7 @@ class Guards:
             downgrade_to=downgrade_to,
             stream_hold=stream_hold,
             min_chars_per_s=min_chars_per_s,
+            resumable=resumable,
         )  # checked now, before the handler is seen
 
         def decorate(handler: F) -> F:
@@ -457,6 +466,7 @@ class Guards:
         app.add_middleware(BodyLimit)
         show_logs()
         app.add_middleware(LevelMiddleware, levels=self.levels)
+        app.add_middleware(ResumeRoutes, guards=self)
         # Input that never reached a guarded handler (unparseable or invalid) is answered
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):
@@ -510,7 +520,9 @@ class Guards:
     async def aclose(self) -> None:
         """Close the bindings and the store, and write this process's metrics and log lines,
         once the streams still relayed have ended and settled (for a second at most: see
-        `guards.streams._relay.settled`)."""
+        `guards.streams._relay.settled`); resumable streams still produced end first, with
+        their `error` event, kept."""
+        await stop_kept_streams(self)
         await settled()
         flush_metrics()
         await anyio.to_thread.run_sync(flush_logs)

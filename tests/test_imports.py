@@ -373,7 +373,7 @@ def test_the_engine_does_not_import_its_test_doubles() -> None:
 PUBLIC = {
     "AI", "AIResult", "Attempt", "Attribution", "Binding", "Breaker", "Budget", "Chain",
     "CircuitState", "Classification", "Clock", "ConfigurationError", "Cooldown", "Effort",
-    "Envelope", "ErrorBody", "GenAIPrices", "ErrorCode", "EventStream", "FallbackFunction", "FallbackInfo",
+    "Envelope", "ErrorBody", "GenAIPrices", "Resumable", "ErrorCode", "EventStream", "FallbackFunction", "FallbackInfo",
     "GUARDS_EVENTS", "GuardName", "GuardTripped", "Guards", "GuardsError", "Kind", "LastGood",
     "Ledger", "Level", "LogLedger", "Model", "ModelDown", "ModelRef", "Moderation", "Outcome", "Price",
     "Problem", "Profile", "ProviderError", "PublicError", "Reason", "ReasoningDelta", "Retry",

@@ -163,6 +163,7 @@ CHECKED = {
     ("streaming.md", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
     ("streaming.md", "python", 1): "test_use_chat_example_answers_the_ui_message_stream",
     ("streaming.md", "python", 2): "test_structured_stream_example_streams_and_checks_its_json",
+    ("streaming.md", "python", 3): "test_resumable_example_resumes_the_chats_stream",
     ("streaming.md", "sh", 0): "test_streaming_curl_streams",
     ("streaming.md", "", 0): "test_stream_sample_has_the_documented_events",
     ("operating/logs.md", "json", 0): "test_log_samples_have_the_fields_of_real_lines",
@@ -969,6 +970,37 @@ def test_structured_stream_example_streams_and_checks_its_json() -> None:
     # The page's sample of the detail is the real one.
     assert f'"detail": "{data["detail"]}"' in page_text("streaming.md")
     assert openai.calls == []  # committed: no other model
+
+
+def test_resumable_example_resumes_the_chats_stream() -> None:
+    example = page_example("fallback-chains.md")
+    for index in range(4):
+        run_block(example, "streaming.md", index)
+    guards = example["guards"]
+    guards.binding = FakeBinding()
+    guards.binding.script("*", Stream(parts=(Text("Hello"), Text(" there."))))
+    body = {"id": "c1", "messages": [{"id": "m", "role": "user", "parts": [{"type": "text", "text": "hi"}]}]}
+
+    async def scenario() -> list[httpx.Response]:
+        async with asgi_client(example["app"]) as client:
+            first = await client.post("/chat/resumable", json=body)
+            again = await client.get("/chat/resumable/c1/stream")
+            last = sse_ids(again.text)[-1]
+            done = await client.get("/chat/resumable/c1/stream", headers={"last-event-id": last})
+            return [first, again, done]
+
+    first, again, done = anyio.run(scenario)
+    stream_id = first.headers["x-stream-id"]
+    ids = sse_ids(first.text)
+    assert ids == [f"{stream_id}:{n}" for n in range(1, len(ids) + 1)]
+    assert again.status_code == 200
+    assert again.text == first.text  # the whole stream again, from its first event
+    assert done.status_code == 204
+    assert len(guards.binding.calls) == 1
+
+
+def sse_ids(body: str) -> list[str]:
+    return [line[4:] for line in body.splitlines() if line.startswith("id: ")]
 
 
 def test_metrics_snippet_serves_the_exposition() -> None:

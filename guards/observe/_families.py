@@ -37,6 +37,8 @@ __all__ = [
     "STATE_VALUE",
     "STORE_RESETS",
     "STORE_UNAVAILABLE",
+    "STREAM_KEPT",
+    "STREAM_RESUMES",
     "TASK_STEPS",
     "TOKENS",
 ]
@@ -231,4 +233,20 @@ LOG_LINES_DROPPED = Metric(
     "Log lines dropped because the writer of guards' lines (and, under guards.serve, of "
     "uvicorn's and asyncio's) was behind (a stderr, stdout or log handler that does not keep "
     "up): never waited for (see docs/operating/logs.md).",
+)
+STREAM_RESUMES = Metric(
+    "Counter",
+    "guards_stream_resumes",
+    "Resumes of resumable streams, by outcome: resumed (the kept events and the live rest sent), "
+    "none (204: no stream kept under that id for this caller, past its TTL, or nothing left to "
+    "send), invalid (400: a Last-Event-ID that names no event of the stream).",
+    ["route", "outcome"],
+)
+STREAM_KEPT = Metric(
+    "Counter",
+    "guards_stream_kept",
+    "Resumable streams' events kept in the store, and the store writes that kept them "
+    "(events written together in one write when they came together), by what: events, writes, "
+    "dropped (streams that stopped being kept: past their caps, or the store failed).",
+    ["route", "what"],
 )

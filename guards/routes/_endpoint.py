@@ -36,6 +36,7 @@ from ..waits._arrival import ARRIVED
 from ..walk import AI, TASK_SCOPE, Observers, walk_step
 from ..walk._checkpoints import resumed
 from ._attribution import add_attribution
+from ._chat import note_chat
 
 if TYPE_CHECKING:
     from ..spec._route_spec import GuardedRoute
@@ -170,6 +171,8 @@ class GuardedEndpoint:
             caller = budget_key(request)
             first = self._first_steps.get(caller) or self._first_step(caller)
         ai: AI[Any] = AI(shared, route, first, trace_id, request, started, observe)
+        if route.resumable is not None:  # a chat's stream is resumed by its chat id
+            note_chat(kwargs, scope)
         kwargs[ai_name := self._ai_name] = ai
         if route.task is not None and (run := request.scope.get(TASK_SCOPE)) is not None:
             run.called = ai  # what the request called decides what its task leaves (`TaskRun.release`)

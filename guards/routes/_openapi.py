@@ -310,6 +310,49 @@ def document_guarded_routes(app: FastAPI, schema: dict[str, Any], attribution: s
                 headers = response.setdefault("headers", {})
                 headers["x-trace-id"] = _TRACE_HEADER
                 headers["x-service-level"] = _LEVEL_HEADER
+            if route.resumable is not None and route.streaming:
+                responses["200"]["headers"]["x-stream-id"] = _STREAM_ID_HEADER
+                resume = _resume_operation(route, responses["200"])
+                schema["paths"].setdefault(f"{api_route.path_format}/{{id}}/stream", {})["get"] = resume
+
+
+_STREAM_ID_HEADER = {
+    "description": "The stream's id: resume it at `GET <path>/<id>/stream`.",
+    "schema": {"type": "string"},
+}
+
+
+def _resume_operation(route: GuardedRoute, stream: dict[str, Any]) -> dict[str, Any]:
+    """The resume route of a resumable route (`guards.routes._resume`): its stream again."""
+    trace = {"x-trace-id": _TRACE_HEADER}
+    return {
+        "summary": f"Resume a stream of {route.name}",
+        "operationId": f"resume_{route.name}",
+        "parameters": [
+            {
+                "name": "id",
+                "in": "path",
+                "required": True,
+                "description": "A stream's id (`x-stream-id`) or a chat's id.",
+                "schema": {"type": "string"},
+            },
+            {
+                "name": "last-event-id",
+                "in": "header",
+                "required": False,
+                "description": "The id of the last event the client has (`<stream id>:<n>`).",
+                "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}:[0-9]{1,9}$"},
+            },
+        ],
+        "responses": {
+            "200": {**stream, "headers": {**trace, "x-stream-id": _STREAM_ID_HEADER}},
+            "204": {
+                "description": "Nothing to resume: no such stream, past its TTL, or none left.",
+                "headers": trace,
+            },
+            "400": {**_error_response(400, [ErrorCode.invalid_request]), "headers": trace},
+        },
+    }
 
 
 def _answer_schema(route: GuardedRoute, schemas: dict[str, Any]) -> dict[str, Any] | None:

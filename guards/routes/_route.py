@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..contracts._envelope import Envelope, FallbackInfo
-from ..contracts._errors import GuardTripped
+from ..contracts._errors import ConfigurationError, GuardTripped
 from ..contracts._output import input_names
 from ..observe._log import emit_warning
 from ..observe._metrics import RouteMetrics
@@ -35,6 +35,7 @@ from ..policies._last_good import LastGood, LastGoodCache
 from ..policies._tasks import key_parameter
 from ..spec._route_checks import CheckedChain, CheckedRoute, RouteSettings, check_route
 from ..spec._route_spec import GuardedRoute, Leg, SuccessAges
+from ..stores._kept import StreamKeeper
 from ..walk import AI
 from ._endpoint import REQUEST_PARAMETER, RESPONSE_PARAMETER, GuardedEndpoint, request_trace_id
 
@@ -57,6 +58,11 @@ def guard_route(
     """The FastAPI endpoint for a guarded `handler` declared with `settings` (see
     `Guards.route`): the declaration checked whole (`check_route`), its spec built from that."""
     checked = check_route(guards, handler, settings, AI)
+    if settings.resumable is not None and not isinstance(guards.store, StreamKeeper):
+        raise ConfigurationError(
+            f"route {checked.name}: resumable streams are kept in the store, and {guards.store!r} "
+            "cannot keep them (MemoryStore, SQLiteStore and RedisStore can)"
+        )
     problems = dict.fromkeys(checked.chain.problems)  # each logged once, whichever chain has it
 
     def chain_of(first: str | Model) -> tuple[tuple[Leg, ...], int]:
@@ -130,6 +136,7 @@ def _spec(guards: Shared, checked: CheckedRoute, legs: tuple[Leg, ...]) -> Guard
         stream_max_chars=settings.stream_max_chars,
         stream_format=settings.stream_format,
         stream_hold=settings.stream_hold,
+        resumable=settings.resumable,
         shed_at=settings.level,
         task=settings.task,
         windowed=any(leg.window is not None for leg in legs),

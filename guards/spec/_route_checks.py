@@ -45,6 +45,7 @@ from ..policies._tasks import Task
 from ..stores._breaker import Breaker
 from ..streams._event_stream import EventStream, StreamFormat
 from ..streams._hold import StreamHold
+from ..streams._kept import Resumable
 from ._route_spec import NO_FALLBACK
 
 if typing.TYPE_CHECKING:
@@ -94,6 +95,7 @@ class RouteSettings:
     downgrade_to: str | Model | None
     stream_hold: StreamHold | None = None
     min_chars_per_s: float | None = None
+    resumable: Resumable | None = None
 
     def __post_init__(self) -> None:
         _check_chain_entries(self.model, self.fallbacks, self.downgrade_to)
@@ -111,6 +113,10 @@ class RouteSettings:
         choice("route: on_rejected", self.on_rejected, ("fallback", "next_model", "reask"))
         choice("route: shed_at", self.shed_at, (Level.degraded, Level.minimal), none="never shed")
         _check_hold(self)
+        if self.resumable is not None and not isinstance(self.resumable, Resumable):
+            raise ConfigurationError(
+                f"route: resumable must be a Resumable(...) or None; got {self.resumable!r}"
+            )
 
     @property
     def level(self) -> Level | None:
@@ -503,6 +509,8 @@ def _check_answer(where: str, settings: RouteSettings, shape: HandlerShape, outp
                 f"{where}: stream_hold and min_chars_per_s are for streaming routes "
                 "(`-> EventStream`, `return await ai.stream(...)`)"
             )
+        if settings.resumable is not None:
+            raise ConfigurationError(f"route {where} cannot be resumable: only a streaming route is")
         return
     if degrading:
         raise ConfigurationError(

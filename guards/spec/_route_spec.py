@@ -37,6 +37,7 @@ from ..observe._metrics import (
 )
 from ..stores._breaker import CircuitState
 from ..streams._event_stream import GUARDS_EVENTS, StreamFormat
+from ..streams._kept import Resumable
 from ..streams._relay import DEFAULT_STREAM_MAX_CHARS, DEFAULT_STREAM_MAX_S
 
 if typing.TYPE_CHECKING:
@@ -306,6 +307,8 @@ class GuardedRoute:
     stream_format: StreamFormat = GUARDS_EVENTS
     #: The hold before a streamed answer's commit point (`route(stream_hold=...)`; None: none).
     stream_hold: StreamHold | None = None
+    #: Its streams are kept in the store for resuming (None: not resumable).
+    resumable: Resumable | None = None
     #: A route that routes by effort: its chain per tier (the route itself runs the standard
     #: tier's chain until a request's first call picks one). None: the chain is pinned.
     effort: EffortChoice | None = None

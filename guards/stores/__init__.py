@@ -30,6 +30,7 @@ from ._base import (
     bounded_key,
     utc_day,
 )
+from ._kept import StreamKeeper
 from ._memory import MemoryStore
 from ._url import open_store
 
@@ -58,6 +59,7 @@ __all__ = [
     "Store",
     "StoreUnavailable",
     "StoredAnswer",
+    "StreamKeeper",
     "TaskClaim",
     "TaskStatus",
     "bounded_key",

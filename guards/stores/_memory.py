@@ -39,6 +39,7 @@ from ._base import (
 from ._breaker import CLOSED, Breaker, BreakerDecision, BreakerState, Outcome, keep_s
 from ._breaker import admit as breaker_admit
 from ._breaker import record as breaker_record
+from ._kept import MemoryKept
 from ._limits import charge_with_more, near_scopes
 from ._step import first_admitted, plainly_admitted, run_step
 from ._task import TaskRecord, new_lease, refusal
@@ -48,10 +49,16 @@ __all__ = ["MemoryStore"]
 
 class MemoryStore:
     """A `Store` in process memory: exact for one process (one uvicorn worker). It keeps at most
-    `max_answers` last good answers (the oldest stored go first)."""
+    `max_answers` last good answers and `max_streams` resumable streams (the oldest stored go
+    first)."""
 
     def __init__(
-        self, *, clock: Clock | None = None, sweep_interval_s: float = 60.0, max_answers: int = 10_000
+        self,
+        *,
+        clock: Clock | None = None,
+        sweep_interval_s: float = 60.0,
+        max_answers: int = 10_000,
+        max_streams: int = 10_000,
     ) -> None:
         self._clock = clock or SystemClock()
         # The system clock's `time` is `time.time` itself: one Python call less per operation.
@@ -67,6 +74,13 @@ class MemoryStore:
         self._max_answers = max_answers
         #: Each task owner's live tasks: owner -> {task key: expires at}, oldest first.
         self._owners: dict[str, dict[str, float]] = {}
+        #: Resumable streams' events (`guards.stores._kept`).
+        self._kept = MemoryKept(self._time, max_streams)
+        self.kept_append = self._kept.kept_append
+        self.kept_read = self._kept.kept_read
+        self.kept_wait = self._kept.kept_wait
+        self.kept_set = self._kept.kept_set
+        self.kept_get = self._kept.kept_get
 
     def __len__(self) -> int:
         """Live keys (expired ones may linger until the next sweep; they are not counted). A
@@ -266,6 +280,7 @@ class MemoryStore:
                 del self._owners[record.owner]
 
     async def aclose(self) -> None:
+        self._kept.clear()
         self._data.clear()
         self._budgets.clear()
         self._answers.clear()

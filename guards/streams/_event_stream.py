@@ -147,6 +147,9 @@ class EventStream(Response):
     """
 
     media_type = "text/event-stream"
+    #: A resumable stream's (`guards.streams._kept`): its background task runs when the
+    #: stream ends, which its client leaving does not do; not when the response ends.
+    kept = False
 
     def __init__(self, body: AsyncIterator[bytes], headers: Mapping[str, str] | None = None) -> None:
         self.status_code = 200
@@ -207,7 +210,7 @@ class EventStream(Response):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
-        if self.background is not None:  # the stream ended and its calls were counted
+        if self.background is not None and not self.kept:  # the stream ended, its calls counted
             await self.background()
 
 

@@ -24,7 +24,7 @@ from ._chain_walk import by_effort, walk
 from ._checkpoints import resumed, task_of
 from ._state import RequestState
 from ._store_steps import finish_leg
-from ._streaming import HoldCheck, opener, recover, relayed
+from ._streaming import HoldCheck, kept, opener, recover, relayed
 
 if TYPE_CHECKING:
     from ..contracts._tools import ToolCall
@@ -228,7 +228,8 @@ class AI(RequestState, Generic[T]):
         leg, opened, probe, record_success = await walk(self, inputs, opener(self, route), check)
         if opened.committed:
             self._served(leg, opened.model)
-            return relayed(self, leg, opened, probe, record_success, inputs=inputs)
+            stream = relayed(self, leg, opened, probe, record_success, inputs=inputs)
+            return stream if route.resumable is None else await kept(self, stream)
         if opened.invalid:  # its first output is not valid Unicode: rejected, as a whole answer
             await finish_leg(self, leg, Outcome.success, probe, record_success)
             self._served(leg, opened.model)
@@ -257,4 +258,5 @@ class AI(RequestState, Generic[T]):
             end=StreamEnd(finish_reason="stop", usage=result.usage, model=result.model),
             started=time.perf_counter(),
         )
-        return relayed(self, leg, recovered, None, False, recorded=True)
+        stream = relayed(self, leg, recovered, None, False, recorded=True)
+        return stream if route.resumable is None else await kept(self, stream)

@@ -33,8 +33,10 @@ from ..contracts._vocabulary import Reason
 from ..policies._call import CallFailed, call_model
 from ..policies._chain import DEFAULT_PROVIDER
 from ..stores._breaker import Outcome
+from ..stores._kept import StreamKeeper
 from ..streams._event_stream import EventStream, end_data
 from ..streams._hold import held_text, window
+from ..streams._kept import caller, chat_name, keep, new_stream_id, stream_key
 from ..streams._relay import REJECTED, Opened, Relayed, aclose, chars, open_stream, relay
 from ..streams._structured import KeptText
 from ..waits._first_output import idle_limited
@@ -51,7 +53,11 @@ if TYPE_CHECKING:
     from ..stores import Report
     from ._state import RequestState
 
-__all__ = ["HoldCheck", "opener", "recover", "relayed", "streaming"]
+__all__ = ["HoldCheck", "kept", "opener", "recover", "relayed", "streaming"]
+
+#: Where the endpoint of a resumable route puts the chat id of its `UIChatRequest` argument
+#: (the AI SDK's resume asks for a chat's stream by it).
+CHAT_ID = "guards.chat_id"
 
 
 def streaming(state: RequestState, leg: Leg) -> StreamingBinding:
@@ -273,6 +279,43 @@ def _structured_done(state: RequestState, leg: Leg, kept: KeptText, end: StreamE
             tripped.reason, tripped.detail, model=leg.ref.key, problems=tripped.problems
         ) from None
     return {**_done_data(state, end), "object": output.plain(value)}
+
+
+async def kept(state: RequestState, stream: EventStream) -> EventStream:
+    """`stream` (a resumable route's) produced by a task of its own and kept in the store
+    (`guards.streams._kept`), under a new stream id (the `x-stream-id` header) and, when the
+    request is a chat's (`CHAT_ID`), as that chat's current stream; returned once its first
+    events are kept."""
+    route, request = state._route, state._request
+    spec = route.resumable
+    assert spec is not None
+    store = state._shared.store
+    if not isinstance(store, StreamKeeper):  # replaced since the route was declared
+        raise ConfigurationError(f"route {route.name}: the store cannot keep resumable streams")
+    stream_id = new_stream_id()
+    who = "" if request is None else caller([budget.key for budget in route.budgets], request)
+    live_ttl_s = route.stream_max_s + spec.ttl_s
+    chat = None if request is None else request.scope.get(CHAT_ID)
+
+    async def background() -> None:
+        if stream.background is not None:
+            await stream.background()
+
+    stream.kept = True  # its background task runs when the stream ends, not when its client leaves
+    stream._body = await keep(
+        state._shared,
+        store,
+        stream_key(route.name, who, stream_id),
+        stream_id,
+        stream._body,
+        spec,
+        live_ttl_s=live_ttl_s,
+        route=route.name,
+        after=background,
+        chat=chat_name(route.name, who, chat) if chat else None,
+    )
+    stream.raw_headers.append((b"x-stream-id", stream_id.encode()))
+    return stream
 
 
 def _stream_done(

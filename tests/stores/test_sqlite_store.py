@@ -74,7 +74,7 @@ def row_counts(path: Path) -> dict[str, int]:
 async def leave_state_everywhere(store: PiecewiseStore, clock: ManualClock) -> Breaker:
     """Rows in every table: a rate window, a daily counter, a live hold, settled spend, an open
     breaker and a closed one that counts failures, a cooldown, a last good answer, a task with a
-    saved step. Returns the breakers' policy."""
+    saved step, a kept stream and a name pointing at it. Returns the breakers' policy."""
     policy = Breaker(failure_threshold=2, reset_timeout_s=30)
     assert (await store.charge_budget("user", per_minute=5, per_day=10)).allowed
     hold = await store.reserve_spend("team", amount=3, cap=10, hold_s=120)
@@ -91,6 +91,8 @@ async def leave_state_everywhere(store: PiecewiseStore, clock: ManualClock) -> B
     )
     assert task.lease is not None
     assert await store.task_save("guards:task:r:k", task.lease, "summarize", '"s"', lease_s=76)
+    assert await store.kept_append("guards:kept:s", ["id: s:1\ndata: x\n\n"], at=0, ttl_s=600)
+    await store.kept_set("guards:kept:c", "s", ttl_s=600)
     return policy
 
 
@@ -123,6 +125,9 @@ def test_every_table_has_expires_at_and_every_row_sets_it(
         "guards_task",
         "guards_task_step",
         "guards_task_owner",
+        "guards_kept_list",
+        "guards_kept_item",
+        "guards_kept_name",
     }
     assert all(counts.values()), counts  # the scenario left rows in every table
     with peek(path) as conn:

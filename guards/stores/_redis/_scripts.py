@@ -22,12 +22,14 @@ from typing import Any
 from ...contracts._clock import Clock
 from ._protocol import Wire, packed
 
-__all__ = ["LOAD_SCRIPT", "SCRIPT", "SHA", "now_arg", "num", "pack", "reloaded"]
+__all__ = ["KEPT_SCRIPT", "LOAD_SCRIPT", "SCRIPT", "SHA", "now_arg", "num", "pack", "reloaded"]
 
 #: The script's text (`lua/store.lua`), its SHA, and its `SCRIPT LOAD`, packed.
 SCRIPT = resources.files("guards.stores._redis").joinpath("lua", "store.lua").read_text(encoding="utf-8")
 SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
 LOAD_SCRIPT = packed("SCRIPT", "LOAD", SCRIPT)
+#: The kept streams' script (`lua/kept.lua`), sent whole with EVAL (it is short).
+KEPT_SCRIPT = resources.files("guards.stores._redis").joinpath("lua", "kept.lua").read_text(encoding="utf-8")
 
 
 def num(x: float | None) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from ...contracts._clock import Clock
 from .._base import (
@@ -31,6 +32,7 @@ from .._base import (
 from .._breaker import Breaker, BreakerDecision, BreakerState, Outcome
 from .._cluster import key_slot
 from .._epoch import Epoch
+from .._kept import POLL_S
 from .._step import plainly_admitted
 from .._task import new_lease
 from ._address import Address
@@ -38,10 +40,15 @@ from ._checks import Checks
 from ._connection import Connections
 from ._keys import Keys
 from ._planner import Planner, decision_of, passage, policy_args, state_of, task_claim_of
-from ._scripts import now_arg, num, pack
+from ._protocol import packed
+from ._scripts import KEPT_SCRIPT, now_arg, num, pack
 from ._slots import Slots
 
 __all__ = ["RedisStore"]
+
+
+def _ms(seconds: float) -> str:
+    return str(max(1, round(seconds * 1000)))
 
 
 class RedisStore:
@@ -237,6 +244,33 @@ class RedisStore:
         owner = await self._run("task_drop", [self._key(key) + ":task"], lease, "c")
         if owner:  # the owner's set of live tasks: in another slot
             await self._run("task_untrack", owner, self._key(key) + ":task")
+
+    # --- kept streams (`guards.stores._kept`): one EVAL of `lua/kept.lua` each ---------------
+
+    async def kept_append(self, key: str, items: Sequence[str], *, at: int, ttl_s: float) -> bool:
+        reply = await self._kept("append", key, str(at), _ms(ttl_s), *items)
+        return bool(reply[0] == 1)
+
+    async def kept_read(self, key: str, start: int, count: int) -> tuple[int, list[str]] | None:
+        reply = await self._kept("read", key, str(start), str(count))
+        return (int(reply[0]), reply[1:]) if reply else None
+
+    async def kept_wait(self, key: str, length: int, timeout_s: float) -> None:
+        await asyncio.sleep(min(timeout_s, POLL_S))  # a bounded poll: the reader reads again
+
+    async def kept_set(self, name: str, value: str, *, ttl_s: float) -> None:
+        await self._kept("set", name, value, _ms(ttl_s))
+
+    async def kept_get(self, name: str) -> str | None:
+        reply = await self._kept("get", name)
+        return reply[0] if reply else None
+
+    async def _kept(self, op: str, key: str, *args: str) -> list[Any]:
+        redis_key = f"{self._key(key)}:kept"
+        command = packed("EVAL", KEPT_SCRIPT, 1, redis_key, op, *args)
+        if self._cluster:
+            return await self._connections.call(command, key_slot(redis_key))
+        return await self._connections.call(command)
 
     async def aclose(self) -> None:
         """Close the connections: this loop's now, other running loops' in their own loop.

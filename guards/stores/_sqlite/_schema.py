@@ -26,6 +26,8 @@ time, `NOT NULL`):
   `guards_task_step (key, name, value, expires_at)`: its saved steps, and `guards_task_owner
   (key, owner, expires_at)`: whose live tasks it counts among (a route's caller); all kept to
   the task's expiry, `ttl_s` after its creation;
+- `guards_kept_list`, `guards_kept_item`, `guards_kept_name`: resumable streams' events (see
+  `guards.stores._sqlite._kept`), kept the route's `resumable.ttl_s` after their last write;
 - `guards_epoch (id)`: the store's epoch marker (see `guards.stores._epoch`), one row, never
   expiring.
 
@@ -64,6 +66,9 @@ TABLES = (
     "guards_task",
     "guards_task_step",
     "guards_task_owner",
+    "guards_kept_list",
+    "guards_kept_item",
+    "guards_kept_name",
 )
 
 SCHEMA = (
@@ -92,6 +97,14 @@ SCHEMA = (
     """CREATE TABLE IF NOT EXISTS guards_task_owner (
         key TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_at REAL NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS guards_task_owner_live ON guards_task_owner (owner, expires_at)",
+    # Kept streams (`guards.stores._sqlite._kept`).
+    """CREATE TABLE IF NOT EXISTS guards_kept_list (
+        key TEXT PRIMARY KEY, length INTEGER NOT NULL, expires_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS guards_kept_item (
+        key TEXT NOT NULL, n INTEGER NOT NULL, value TEXT NOT NULL, expires_at REAL NOT NULL,
+        PRIMARY KEY (key, n))""",
+    """CREATE TABLE IF NOT EXISTS guards_kept_name (
+        key TEXT PRIMARY KEY, value TEXT NOT NULL, expires_at REAL NOT NULL)""",
     # The store's epoch marker (see `guards.stores._epoch`): one row, never expiring (not swept).
     "CREATE TABLE IF NOT EXISTS guards_epoch (id TEXT NOT NULL)",
     *(f"CREATE INDEX IF NOT EXISTS {t}_expiry ON {t} (expires_at)" for t in TABLES),

@@ -8,6 +8,7 @@ rich for one SQL statement; holding the write lock makes the pair atomic).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
@@ -29,7 +30,9 @@ from .._breaker import Breaker, BreakerDecision, BreakerState, Outcome
 from .._breaker import admit as breaker_admit
 from .._breaker import record as breaker_record
 from .._epoch import Epoch
+from .._kept import POLL_S
 from ._jobs import Work
+from ._kept import kept_append, kept_get, kept_read, kept_set
 from ._runner import Runner
 from ._tx import Tx
 
@@ -185,6 +188,24 @@ class SQLiteStore:
 
     async def task_drop(self, key: str, lease: str) -> None:
         await self._run(lambda tx, now: tx.task_drop(key, lease, now))
+
+    # --- kept streams (`guards.stores._kept`): each one transaction ----------------------------
+
+    async def kept_append(self, key: str, items: Sequence[str], *, at: int, ttl_s: float) -> bool:
+        items = tuple(items)
+        return await self._run(lambda tx, now: kept_append(tx.conn, key, items, at, ttl_s, now))
+
+    async def kept_read(self, key: str, start: int, count: int) -> tuple[int, list[str]] | None:
+        return await self._run(lambda tx, now: kept_read(tx.conn, key, start, count, now))
+
+    async def kept_wait(self, key: str, length: int, timeout_s: float) -> None:
+        await asyncio.sleep(min(timeout_s, POLL_S))  # a bounded poll: the reader reads again
+
+    async def kept_set(self, name: str, value: str, *, ttl_s: float) -> None:
+        await self._run(lambda tx, now: kept_set(tx.conn, name, value, ttl_s, now))
+
+    async def kept_get(self, name: str) -> str | None:
+        return await self._run(lambda tx, now: kept_get(tx.conn, name, now))
 
     # --- lifecycle -------------------------------------------------------------------------------
 
