@@ -148,8 +148,10 @@ async def walk(
                         result = await call(leg.ref.model, inputs)  # retried by `retried`
                     except Exception as error:
                         on_attempt(state, error, started)
-                        try:
-                            result, _ = await retried(state, leg, index, call, inputs, error, made, probe)
+                        try:  # an answer on a retry is judged below, as a first call's
+                            result, started = await retried(
+                                state, leg, index, call, inputs, error, made, probe
+                            )
                         except CallFailed as failure:
                             inflight = None
                             report, last = await leg_down(state, leg, failure, probe)
@@ -158,18 +160,17 @@ async def walk(
                     except BaseException as cancelled:  # it may still be billed
                         on_attempt(state, cancelled, started)
                         raise
-                    else:
-                        moved = moved_by_filter(
-                            state, leg, index, result, started, probe, record_success, limits, inputs
+                    moved = moved_by_filter(
+                        state, leg, index, result, started, probe, record_success, limits, inputs
+                    )
+                    if moved is None and check is not None:
+                        moved = await check.moved_on(
+                            state, leg, index, result, started, probe, record_success
                         )
-                        if moved is None and check is not None:
-                            moved = await check.moved_on(
-                                state, leg, index, result, started, probe, record_success
-                            )
-                        if moved is not None:
-                            inflight, (report, last, start, inputs) = None, moved
-                            continue
-                        answered(state, leg, result, started)
+                    if moved is not None:
+                        inflight, (report, last, start, inputs) = None, moved
+                        continue
+                    answered(state, leg, result, started)
                     if route.slow_call_s is not None:
                         record_success = _timed(state, started, result)
                     return leg, result, probe, record_success

@@ -79,7 +79,7 @@ def before_retry(state: RequestState, attempt: int, verdict: Classification, del
     return admitted
 
 
-def retried(
+async def retried(
     state: RequestState,
     leg: Leg,
     index: int,
@@ -88,17 +88,29 @@ def retried(
     error: Exception,
     made: int,
     probe: float | None,
-) -> Awaitable[tuple[R, int]]:
-    """The retries of `leg`, at `index`, after its first call failed with `error`
-    (`call_model`, awaited by the walk: no coroutine of its own), the request having made
-    `made` calls before the leg. A half-open probe is one call: it tells whether the model is
-    back, and its failure moves on at once; a leg with later legs leaves them their calls
-    (`leg_limit`); a leg alone waits a short provider wait out (`cool_down`). Raises
-    `CallFailed`."""
+) -> tuple[R, float]:
+    """The retries of `leg`, at `index`, after its first call failed with `error`, the request
+    having made `made` calls before the leg: the answer, and when the call that gave it
+    started. A half-open probe is one call: it tells whether the model is back, and its failure
+    moves on at once; a leg with later legs leaves them their calls (`leg_limit`); a leg alone
+    waits a short provider wait out (`cool_down`). Raises `CallFailed`.
+
+    Each failed retry is accounted for here; the answer is not: the walk judges it as it
+    judges a first call's (its content filter, the route's check of the answer) and accounts
+    for it then."""
     probing = probe is not None
     last = index + 1 >= len(state._route.legs)
     assert state._scope is not None  # the walk's
-    return call_model(
+    began = 0.0
+
+    def seen(_: int, outcome: Any, at: float) -> None:
+        nonlocal began
+        if isinstance(outcome, BaseException):
+            on_attempt(state, outcome, at)
+        else:
+            began = at
+
+    result, _ = await call_model(
         call,
         leg.ref.model,
         inputs,
@@ -106,8 +118,9 @@ def retried(
         deadline=state._scope.when,
         limit=1 if probing else state.attempt_budget - made if last else leg_limit(state, index, made),
         sleep=state._shared.sleep,
-        on_attempt=lambda _, outcome, began: on_attempt(state, outcome, began),
+        on_attempt=seen,
         on_retry=functools.partial(before_retry, state),
         failed=error,
         wait_out=None if probing or not alone(state, index) else functools.partial(cool_down, state, leg),
     )
+    return result, began

@@ -140,6 +140,26 @@ def test_next_model_answers_a_schema_failing_first_model_from_the_second(
     assert line["rejected"] == [{"model": PRIMARY, "problems": ["answer.label: string_type"]}]
 
 
+def test_an_answer_that_came_on_a_retry_is_checked_in_the_walk_and_moves_on(
+    build: Build, fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, ledger: Recorder
+) -> None:
+    """The first call fails transiently, its retry answers a schema-failing answer: that answer
+    is judged in the walk like a first call's, and the next model answers."""
+    fake_workers_ai.script(PRIMARY, Fail(code=3040, status=429), BAD)
+    fake_openai.script(BACKUP, GOOD)
+    response = ask(build(on_rejected="next_model"))
+    assert response.status_code == 200
+    assert response.json() == {"label": "shipping"}
+    assert (len(fake_workers_ai.calls), len(fake_openai.calls)) == (2, 1)
+    assert response.headers["x-ai-rejected"] == PRIMARY
+    assert [(a.model, a.outcome) for a in ledger.attempts] == [
+        (PRIMARY, "model_temporarily_unavailable"),
+        (PRIMARY, "rejected"),
+        (SECOND, "ok"),
+    ]
+    assert [a.attempt for a in ledger.attempts] == [1, 2, 3]
+
+
 @pytest.mark.parametrize(("attribution", "header"), [("redacted", "2"), ("off", None)])
 def test_x_ai_rejected_follows_the_attribution_mode(
     build: Build,
