@@ -179,8 +179,8 @@ class RedisStore:
     async def step(self, step: Step) -> Passage:
         if self._slots is not None:
             return await self._slots.step(step)
-        command = self._planner.command(step, now_arg(self._clock), self._epoch.known)
-        replies = await self._connections.call(command)
+        keys, args = self._planner.command(step, self._epoch.known)
+        replies = await self._connections.step(keys, args, now_arg(self._clock))
         if len(replies) > 1:  # the store's epoch is not the one this worker knew
             self._epoch.found(replies[1])
         reply = replies[0]
