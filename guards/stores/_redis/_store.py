@@ -1,6 +1,7 @@
 """`RedisStore`: state in Redis, shared by every worker of every machine. One round trip per
 operation: each operation is one `EVALSHA` of the store's Lua script (`_scripts`), which does
-the whole check-and-charge atomically on the server; the one multi-key operation,
+the whole check-and-charge atomically on the server (the requests' steps of one loop turn share
+one EVALSHA, the script's `steps`: `Connections.step`); the one multi-key operation,
 `cooldowns(keys)`, is one `EVALSHA` per key (each touching its own key only: on Redis Cluster
 each key is in a slot of its own, and a multi-key script would be a cross-slot error), all sent
 in one pipeline: still one round trip for a whole fallback chain, though not one transaction
