@@ -206,7 +206,9 @@ def test_concurrent_steps_go_in_one_script_call_and_stay_exact(counted: RedisSer
     """The steps a worker's event loop starts in one turn travel in one EVALSHA (the script's
     `steps`), each run as it would be alone: a burst of 50 against a daily cap of 20 admits
     exactly 20, in one script call; 200 take four (at most `MAX_BATCH_STEPS`, 64, a call)."""
-    store = RedisStore(counted.url, clock=ManualClock(T0), prefix=f"t-{uuid.uuid4().hex[:12]}:")
+    store = RedisStore(
+        counted.url, clock=ManualClock(T0), prefix=f"t-{uuid.uuid4().hex[:12]}:", timeout_s=STORE_TIMEOUT_S
+    )
     with Commands(counted.url) as commands:
         reads = RedisReads(counted.url)
 
@@ -232,7 +234,9 @@ def test_concurrent_steps_go_in_one_script_call_and_stay_exact(counted: RedisSer
 def test_a_lone_step_is_not_kept_waiting_for_company(counted: RedisServer) -> None:
     """A step with no other in its loop turn is written at once, alone, as its own EVALSHA:
     one write, one round trip, answered with nothing else started."""
-    store = RedisStore(counted.url, clock=ManualClock(T0), prefix=f"t-{uuid.uuid4().hex[:12]}:")
+    store = RedisStore(
+        counted.url, clock=ManualClock(T0), prefix=f"t-{uuid.uuid4().hex[:12]}:", timeout_s=STORE_TIMEOUT_S
+    )
     with Commands(counted.url) as commands:
         reads = RedisReads(counted.url)
 

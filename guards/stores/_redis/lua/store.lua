@@ -401,6 +401,9 @@ end
 -- Writes `after` unless it equals `before` (an open breaker's refusal, a closed one's
 -- admission or success): a breaker is written only when its state changes.
 local function save_changed(key, before, after, ttl_s)
+  -- Both healthy and closed (a closed breaker's admission: most steps): equal, field for field,
+  -- without formatting a dozen numbers to find it out.
+  if is_closed(before) and is_closed(after) then return end
   if table.concat(state_fields(before), ' ') ~= table.concat(state_fields(after), ' ') then
     save_breaker(key, after, ttl_s)
   end
