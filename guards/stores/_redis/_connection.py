@@ -6,9 +6,9 @@ there and closed when that loop shuts down (or by `aclose`): a store used from t
 One connection carries every operation of its loop: the operations a loop starts in one turn
 are written together at the turn's end, in one write, and Redis answers a connection's
 commands in order, so a burst costs a few round trips, not one each, and nothing waits for a
-free connection (`Wire`); the requests' steps of one turn go in one script call (`step`). A new connection's first write also carries its handshake (AUTH,
-SELECT, ROLE behind Sentinel, and the SCRIPT LOAD if the script may be missing): no round trip
-of its own. Connecting and each reply are bounded by `timeout_s`, with no client-side retries; a
+free connection (`Wire`); the requests' steps of one turn go in one script call (`step`). A
+new connection's first write also carries its handshake (AUTH, SELECT, ROLE behind Sentinel,
+and the SCRIPT LOAD if the script may be missing): no round trip of its own. Connecting and each reply are bounded by `timeout_s`, with no client-side retries; a
 connection that failed fails the operations waiting on it, and the next operation dials again,
 so the store is back as soon as Redis is.
 """

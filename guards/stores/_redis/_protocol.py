@@ -1,8 +1,8 @@
 """The wire to one Redis server: `Wire`, one connection carrying every operation of one event
 loop (commands packed and replies parsed by hiredis, in C, as the bytes come; at most
-`MAX_IN_FLIGHT` commands unanswered; the steps of one loop turn coalesced into one script call,
-`Wire.send_step`), and the lag-aware limit that bounds connecting (`Bound`)
-and each reply (`Wire`). A reply overdue drops the connection and fails every
+`MAX_IN_FLIGHT` commands unanswered; the steps of one loop turn coalesced into one script
+call, `Wire.send_step`), and the lag-aware limit that bounds connecting (`Bound`) and each
+reply (`Wire`). A reply overdue drops the connection and fails every
 operation waiting on it (they were behind that reply); a socket error raises
 `StoreUnavailable`, whose message names the error class (or the Redis error's code, such as
 `WRONGPASS`) only, never the URL, host, port or password. hiredis is imported here alone: the
