@@ -146,6 +146,22 @@ def test_redis_daily_cap_is_exact_across_two_app_processes(
     assert_exact_daily_cap(responses, fake_workers_ai, 20)
 
 
+def test_a_burst_over_http_shares_script_calls_and_stays_exact(fake_workers_ai: FakeWorkersAI) -> None:
+    """Over real HTTP, one app process on a Redis of its own: a burst of 100 requests against a
+    daily cap of 20 makes exactly 20 calls, and the worker's steps share script calls: each
+    request takes a step and a last good answer's operation (put on a success, read on a
+    fallback; those are not coalesced), 202 EVALSHA measured when each step was its own call,
+    about 105 coalesced (the 100 steps in a handful of calls)."""
+    import redis as sync_redis
+
+    fake_workers_ai.default = SUMMARY
+    with RedisServer() as server, sync_redis.Redis.from_url(server.url) as admin:
+        responses = burst_across_processes(app_process_env(fake_workers_ai, server.url), 100, processes=1)
+        calls = int(admin.info("commandstats")["cmdstat_evalsha"]["calls"])
+    assert_exact_daily_cap(responses, fake_workers_ai, 20)
+    assert calls < 150, calls
+
+
 def burst_across_processes(env: dict[str, str], count: int, processes: int = 2) -> list[httpx.Response]:
     """`burst` of `count` requests spread over `processes` app processes started with `env`."""
     apps = [AppProcess(env) for _ in range(processes)]

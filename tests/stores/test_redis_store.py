@@ -35,7 +35,17 @@ from fixtures import FakeBinding, ManualClock, Reply
 from fixtures.redis_server import RedisServer, free_port
 from fixtures.stores import PiecewiseStore
 from guards import AI, Breaker, Budget, CircuitState, Guards, Outcome, header_key
-from guards.stores import DAILY_TTL_S, MemoryStore, RedisStore, Store, StoreUnavailable, utc_day
+from guards.stores import (
+    DAILY_TTL_S,
+    Charge,
+    MemoryStore,
+    Passage,
+    RedisStore,
+    Step,
+    Store,
+    StoreUnavailable,
+    utc_day,
+)
 
 from ..conftest import STORE_TIMEOUT_S, AppClient, RedisReads, wait_until
 
@@ -184,6 +194,87 @@ def test_a_burst_is_pipelined_one_evalsha_per_operation(counted: RedisServer) ->
         reads.close()
         assert commands.take() == ["EVALSHA"] * 200  # still one script call per operation
         assert round_trips <= 5  # in a few round trips, not 200
+    asyncio.run(store.aclose())
+
+
+def budget_step(key: str, per_day: int) -> Step:
+    """A request's step: one model with its breaker, a daily cap on `key`."""
+    return Step(legs=(("model", "model"),), breaker=POLICY, charge=Charge(key=key, per_day=per_day))
+
+
+def test_concurrent_steps_go_in_one_script_call_and_stay_exact(counted: RedisServer) -> None:
+    """The steps a worker's event loop starts in one turn travel in one EVALSHA (the script's
+    `steps`), each run as it would be alone: a burst of 50 against a daily cap of 20 admits
+    exactly 20, in one script call; 200 take four (at most `MAX_BATCH_STEPS`, 64, a call)."""
+    store = RedisStore(
+        counted.url, clock=ManualClock(T0), prefix=f"t-{uuid.uuid4().hex[:12]}:", timeout_s=STORE_TIMEOUT_S
+    )
+    with Commands(counted.url) as commands:
+        reads = RedisReads(counted.url)
+
+        async def burst(count: int, key: str) -> tuple[list[Passage], int]:
+            await store.spent("warm")  # connected, the script is loaded
+            commands.take()
+            reads.take()
+            passages = await asyncio.gather(*(store.step(budget_step(key, 20)) for _ in range(count)))
+            return passages, reads.take()
+
+        passages, round_trips = asyncio.run(burst(50, "fifty"))
+        assert commands.take() == ["EVALSHA"]
+        assert round_trips == 1
+        assert [p.refusal is None for p in passages] == [True] * 20 + [False] * 30
+        assert {p.refusal.refused_by for p in passages if p.refusal is not None} == {"per_day"}
+        passages, _ = asyncio.run(burst(200, "two-hundred"))
+        assert commands.take() == ["EVALSHA"] * 4
+        assert sum(p.refusal is None for p in passages) == 20
+        reads.close()
+    asyncio.run(store.aclose())
+
+
+def test_a_lone_step_is_not_kept_waiting_for_company(counted: RedisServer) -> None:
+    """A step with no other in its loop turn is written at once, alone, as its own EVALSHA:
+    one write, one round trip, answered with nothing else started."""
+    store = RedisStore(
+        counted.url, clock=ManualClock(T0), prefix=f"t-{uuid.uuid4().hex[:12]}:", timeout_s=STORE_TIMEOUT_S
+    )
+    with Commands(counted.url) as commands:
+        reads = RedisReads(counted.url)
+
+        async def alone() -> list[int]:
+            await store.spent("warm")
+            commands.take()
+            reads.take()
+            trips = []
+            for _ in range(3):
+                passage = await asyncio.wait_for(store.step(budget_step("alone", 20)), 5)
+                assert passage.admitted == 0
+                trips.append(reads.take())
+            return trips
+
+        assert asyncio.run(alone()) == [1, 1, 1]
+        assert commands.take() == ["EVALSHA"] * 3
+        reads.close()
+    asyncio.run(store.aclose())
+
+
+def test_a_step_that_fails_in_a_shared_script_call_fails_alone(
+    redis_url: str, admin: redis.Redis, prefix: str
+) -> None:
+    """A script error in one step of a coalesced call (WRONGTYPE: another program wrote its
+    key) is `StoreUnavailable` for that step alone; its neighbours are answered, exactly."""
+    admin.set(f"{prefix}{{spoiled}}:day:{utc_day(T0)}", "not a number", ex=600)
+    store = RedisStore(redis_url, clock=ManualClock(T0), prefix=prefix, timeout_s=STORE_TIMEOUT_S)
+
+    async def scenario() -> list[Passage | BaseException]:
+        return await asyncio.gather(
+            *(store.step(budget_step(key, 5)) for key in ["spoiled", "fine"] * 10),
+            return_exceptions=True,
+        )
+
+    answers = asyncio.run(scenario())
+    assert all(isinstance(a, StoreUnavailable) for a in answers[0::2])
+    fine = [a for a in answers[1::2] if isinstance(a, Passage)]
+    assert [a.refusal is None for a in fine] == [True] * 5 + [False] * 5
     asyncio.run(store.aclose())
 
 

@@ -6,9 +6,9 @@ there and closed when that loop shuts down (or by `aclose`): a store used from t
 One connection carries every operation of its loop: the operations a loop starts in one turn
 are written together at the turn's end, in one write, and Redis answers a connection's
 commands in order, so a burst costs a few round trips, not one each, and nothing waits for a
-free connection (`Wire`). A new connection's first write also carries its handshake (AUTH,
-SELECT, ROLE behind Sentinel, and the SCRIPT LOAD if the script may be missing): no round trip
-of its own. Connecting and each reply are bounded by `timeout_s`, with no client-side retries; a
+free connection (`Wire`); the requests' steps of one turn go in one script call (`step`). A
+new connection's first write also carries its handshake (AUTH, SELECT, ROLE behind Sentinel,
+and the SCRIPT LOAD if the script may be missing): no round trip of its own. Connecting and each reply are bounded by `timeout_s`, with no client-side retries; a
 connection that failed fails the operations waiting on it, and the next operation dials again,
 so the store is back as soon as Redis is.
 """
@@ -27,7 +27,7 @@ from .._cluster import Cluster, Node
 from ._address import Address
 from ._checks import Checks
 from ._protocol import Bound, ReplyError, Wire, unavailable
-from ._scripts import LOAD_SCRIPT, reloaded
+from ._scripts import LOAD_SCRIPT, pack, reloaded
 
 __all__ = ["Connections"]
 
@@ -95,6 +95,27 @@ class Connections:
             reply = await reloaded(wire, loads, command)  # behind a load, on the same connection
             if reply.__class__ is list:
                 return reply
+        raise self._checks.refused(wire, reply)
+
+    async def step(self, keys: list[str], args: tuple[str, ...], now: str) -> list[str]:
+        """One `step` of the script (not on a cluster), its KEYS and fields: the steps this loop
+        starts in one turn travel in one script call (`Wire.send_step`), a lone one as its own
+        EVALSHA; its reply, as `call`'s (reloaded the same way, alone)."""
+        loop = asyncio.get_running_loop()
+        link = self.links.get(loop)
+        if link is None:
+            link = await self._open(loop)
+        wire = link.wire
+        if wire.failure is not None:  # broken: the next operation dials again
+            wire = link.wire = self._dial(loop)
+        loads = wire.loads
+        reply = await wire.send_step(pack, keys, args, now)
+        if reply.__class__ is list:
+            return cast(list[str], reply)
+        if isinstance(reply, ReplyError) and str(reply).startswith("NOSCRIPT"):
+            reply = await reloaded(wire, loads, pack("step", keys, now, args))
+            if reply.__class__ is list:
+                return cast(list[str], reply)
         raise self._checks.refused(wire, reply)
 
     async def _cluster_call(self, command: bytes, slot: int | None) -> list[str]:

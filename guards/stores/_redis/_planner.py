@@ -19,7 +19,7 @@ from .._base import Admission, Charge, MoreLimits, Passage, Step, TaskClaim, Tas
 from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState
 from .._epoch import Epoch
 from ._keys import Keys
-from ._scripts import num, pack
+from ._scripts import num
 
 __all__ = [
     "MAX_FIXED",
@@ -49,9 +49,9 @@ class Planner:
         #: Per step without anything of its own (see `command`): its keys and fixed arguments.
         self._fixed: dict[int, tuple[Step, list[str], str]] = {}
 
-    def command(self, step: Step, now: str, known: str) -> bytes:
-        """`step` as one server's `step` script, packed: `now` its time argument, `known` the
-        store's epoch as the worker knows it."""
+    def command(self, step: Step, known: str) -> tuple[list[str], tuple[str, ...]]:
+        """`step` as one server's `step` script: its KEYS and its fields from ARGV[3] (after the
+        time argument), `known` (the store's epoch as the worker knows it) last."""
         report, charge = step.report, step.charge
         if report is None and (
             charge is None
@@ -65,7 +65,7 @@ class Planner:
         else:
             keys, args = self.arguments(step)
         keys, fields = self.completed(step, keys, args)
-        return pack("step", keys, now, (*fields, known))
+        return keys, (*fields, known)
 
     def completed(self, step: Step, keys: list[str], args: str) -> tuple[list[str], tuple[str, ...]]:
         """`step`'s keys and fields (`arguments`) with what the fixed arguments leave out: the

@@ -1,7 +1,8 @@
 """The wire to one Redis server: `Wire`, one connection carrying every operation of one event
 loop (commands packed and replies parsed by hiredis, in C, as the bytes come; at most
-`MAX_IN_FLIGHT` commands unanswered), and the lag-aware limit that bounds connecting (`Bound`)
-and each reply (`Wire`). A reply overdue drops the connection and fails every
+`MAX_IN_FLIGHT` commands unanswered; the steps of one loop turn coalesced into one script
+call, `Wire.send_step`), and the lag-aware limit that bounds connecting (`Bound`) and each
+reply (`Wire`). A reply overdue drops the connection and fails every
 operation waiting on it (they were behind that reply); a socket error raises
 `StoreUnavailable`, whose message names the error class (or the Redis error's code, such as
 `WRONGPASS`) only, never the URL, host, port or password. hiredis is imported here alone: the
@@ -54,6 +55,59 @@ def packed(*command: str | int) -> bytes:
 #: The most commands one connection may have unanswered: past it, operations fail at once
 #: (`StoreUnavailable`) rather than queue without end behind a server that does not answer.
 MAX_IN_FLIGHT = 10_000
+#: The most steps one script call carries (`Wire.send_step`), and the most bytes of their keys
+#: and fields: past either, the turn's next steps start another call.
+MAX_BATCH_STEPS = 64
+MAX_BATCH_BYTES = 64 * 1024
+
+
+class _Batch:
+    """The steps given in one loop turn (`Wire.send_step`), written as one EVALSHA of the
+    script's `steps` (or, alone, as the step's own `step`). Stands in the wire's queue where a
+    command's future would: its reply is shared out to each step's future."""
+
+    __slots__ = ("futures", "keys", "now", "pack", "sizes", "steps")
+
+    def __init__(self, pack: Any, now: str) -> None:
+        self.pack = pack  # (op, keys, now, args) -> bytes: `guards.stores._redis._scripts.pack`
+        self.now = now
+        self.keys: list[str] = []
+        self.steps: list[str] = []
+        self.sizes = 0
+        self.futures: list[asyncio.Future[Any]] = []
+
+    def add(self, keys: list[str], args: tuple[str, ...], future: asyncio.Future[Any]) -> None:
+        self.keys += keys
+        self.steps += [str(len(keys)), str(len(args)), *args]
+        self.sizes += sum(map(len, keys)) + sum(map(len, args))
+        self.futures.append(future)
+
+    def packed(self) -> bytes:
+        if len(self.futures) == 1:  # alone: the step's own call, as if never coalesced
+            return cast(bytes, self.pack("step", self.keys, self.now, self.steps[2:]))
+        return cast(bytes, self.pack("steps", self.keys, self.now, (str(len(self.futures)), *self.steps)))
+
+    def done(self) -> bool:
+        return all(future.done() for future in self.futures)
+
+    def set_result(self, reply: Any) -> None:
+        futures = self.futures
+        if len(futures) > 1 and reply.__class__ is list:
+            if len(reply) != len(futures):  # not the script's answer: nobody's
+                self.set_exception(StoreUnavailable("Redis store unavailable (ProtocolError)"))
+                return
+            for future, each in zip(futures, reply, strict=True):
+                if not future.done():
+                    future.set_result(each)
+            return
+        for future in futures:  # one step's reply, or an error for the whole call (NOSCRIPT)
+            if not future.done():
+                future.set_result(reply)
+
+    def set_exception(self, error: BaseException) -> None:
+        for future in self.futures:
+            if not future.done():
+                future.set_exception(error)
 
 
 class Wire(asyncio.Protocol):
@@ -83,16 +137,20 @@ class Wire(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._opening: asyncio.Task[None] | None = None  # the dial in progress (a strong reference)
         #: Commands not written yet (until the turn ends, or the connection is made), and their
-        #: callers' futures (None: a reply nobody waits for).
-        self._out: list[bytes] = []
-        self._queued: list[asyncio.Future[Any] | None] = []
+        #: callers' futures (None: a reply nobody waits for); a batch of steps stands for both.
+        self._out: list[bytes | _Batch] = []
+        self._queued: list[asyncio.Future[Any] | _Batch | None] = []
+        #: The batch the turn's next step joins (None: the next step starts one).
+        self._batch: _Batch | None = None
         #: Commands written and not answered yet, in order: (future, when it was written).
-        self._waiting: collections.deque[tuple[asyncio.Future[Any] | None, float]] = collections.deque()
+        self._waiting: collections.deque[tuple[asyncio.Future[Any] | _Batch | None, float]] = (
+            collections.deque()
+        )
         #: How many of the first replies answer the handshake (an error there fails the connection).
         self._handshake = 0
         self._flushing = False
         self._timer: asyncio.Handle | None = None
-        self._watched: tuple[asyncio.Future[Any] | None, float] | None = None
+        self._watched: tuple[asyncio.Future[Any] | _Batch | None, float] | None = None
         self._due = 0.0
         self._probing = False
         #: Why the connection is unusable (None while it is usable).
@@ -129,6 +187,29 @@ class Wire(asyncio.Protocol):
         future = self.loop.create_future()
         self._out.append(command)
         self._queued.append(future)
+        self._batch = None  # a step given after it goes after it
+        if not self._flushing and self._transport is not None:
+            self._flushing = True
+            self.loop.call_soon(self._flush)
+        return future
+
+    def send_step(self, pack: Any, keys: list[str], args: tuple[str, ...], now: str) -> asyncio.Future[Any]:
+        """A step of the script (its KEYS, its fields from ARGV[3], the time argument `now`),
+        written at the end of this loop turn with the turn's other steps in one script call
+        (`steps`; up to `MAX_BATCH_STEPS` steps and `MAX_BATCH_BYTES`), or alone as its own
+        `step` when no other came: nothing waits for company. The future of its reply, as
+        `send`'s. `pack`: the script's packer (`guards.stores._redis._scripts.pack`)."""
+        if self.failure is not None:
+            raise StoreUnavailable(self.failure)
+        if len(self._waiting) + len(self._queued) >= MAX_IN_FLIGHT:
+            raise StoreUnavailable("Redis store unavailable (too many operations in flight)")
+        future = self.loop.create_future()
+        batch = self._batch
+        if batch is None or len(batch.futures) >= MAX_BATCH_STEPS or batch.sizes >= MAX_BATCH_BYTES:
+            batch = self._batch = _Batch(pack, now)
+            self._out.append(batch)
+            self._queued.append(batch)
+        batch.add(keys, args, future)
         if not self._flushing and self._transport is not None:
             self._flushing = True
             self.loop.call_soon(self._flush)
@@ -139,6 +220,7 @@ class Wire(asyncio.Protocol):
         self.loads += 1
         self._out.append(command)
         self._queued.append(None)
+        self._batch = None
 
     async def close(self) -> None:
         """Close the connection; returns once its socket is closed."""
@@ -157,7 +239,7 @@ class Wire(asyncio.Protocol):
             self._transport.abort()
         futures = [future for future, _ in self._waiting] + self._queued
         self._waiting.clear()
-        self._out, self._queued = [], []
+        self._out, self._queued, self._batch = [], [], None
         for future in futures:
             if future is not None and not future.done():
                 future.set_exception(StoreUnavailable(self.failure))
@@ -167,8 +249,11 @@ class Wire(asyncio.Protocol):
         if self._transport is None or self.failure is not None or not self._out:
             return
         out, queued = self._out, self._queued
-        self._out, self._queued = [], []
-        self._transport.write(b"".join(out))
+        self._out, self._queued, self._batch = [], [], None
+        for index, item in enumerate(out):
+            if isinstance(item, _Batch):
+                out[index] = item.packed()
+        self._transport.write(b"".join(cast(list[bytes], out)))
         now = self.loop.time()
         self._waiting.extend([(future, now) for future in queued])
         if self._timer is None:

@@ -1,6 +1,7 @@
 """`RedisStore`: state in Redis, shared by every worker of every machine. One round trip per
 operation: each operation is one `EVALSHA` of the store's Lua script (`_scripts`), which does
-the whole check-and-charge atomically on the server; the one multi-key operation,
+the whole check-and-charge atomically on the server (the requests' steps of one loop turn share
+one EVALSHA, the script's `steps`: `Connections.step`); the one multi-key operation,
 `cooldowns(keys)`, is one `EVALSHA` per key (each touching its own key only: on Redis Cluster
 each key is in a slot of its own, and a multi-key script would be a cross-slot error), all sent
 in one pipeline: still one round trip for a whole fallback chain, though not one transaction
@@ -186,8 +187,8 @@ class RedisStore:
     async def step(self, step: Step) -> Passage:
         if self._slots is not None:
             return await self._slots.step(step)
-        command = self._planner.command(step, now_arg(self._clock), self._epoch.known)
-        replies = await self._connections.call(command)
+        keys, args = self._planner.command(step, self._epoch.known)
+        replies = await self._connections.step(keys, args, now_arg(self._clock))
         if len(replies) > 1:  # the store's epoch is not the one this worker knew
             self._epoch.found(replies[1])
         reply = replies[0]
