@@ -51,7 +51,16 @@ from guards.stores import MemoryStore
 
 from .app.test_app_providers import PROVIDER_VARIABLES
 from .app.test_ui_stream import check_ui_stream
-from .conftest import AppClient, LogLines, Serve, asgi_client, no_sleep, wait_until, workers_ai_settings
+from .conftest import (
+    UNUSED_PLUGINS,
+    AppClient,
+    LogLines,
+    Serve,
+    asgi_client,
+    no_sleep,
+    wait_until,
+    workers_ai_settings,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -1059,6 +1068,7 @@ def run_pytest(folder: Path, *arguments: str) -> subprocess.CompletedProcess[str
             "-m",
             "pytest",
             *plugin_options(),
+            *UNUSED_PLUGINS,
             "-q",
             "-p",
             "no:cacheprovider",
