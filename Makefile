@@ -49,7 +49,8 @@ run: $(BIN)/.app-installed ## install what the example app needs into .venv, the
 
 # Two passes: most tests spread over two processes (pytest-xdist, one file per process at a
 # time; the long ones, marked slow, among them), then, one at a time, the tests that load the
-# whole machine or must have it to themselves (marked stress or serial; see pyproject.toml).
+# whole machine or must have it to themselves (marked stress or serial; see pyproject.toml:
+# the schemathesis run is marked serial too).
 ALONE := stress or serial
 
 test: install ## run the test suite
