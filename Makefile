@@ -48,9 +48,10 @@ run: $(BIN)/.app-installed ## install what the example app needs into .venv, the
 		exec $(BIN)/python -m guards.serve app.main:app --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
 # Two passes: most tests spread over two processes (pytest-xdist, one file per process at a
-# time), then, one at a time, the tests that load the whole machine or must have it to
-# themselves (marked stress, slow or serial; see pyproject.toml).
-ALONE := stress or slow or serial
+# time; the long ones, marked slow, among them), then, one at a time, the tests that load the
+# whole machine or must have it to themselves (marked stress or serial; see pyproject.toml:
+# the schemathesis run is marked serial too).
+ALONE := stress or serial
 
 test: install ## run the test suite
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not ($(ALONE))"

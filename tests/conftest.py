@@ -74,6 +74,12 @@ class LiveServer:
         self._sock.close()
 
 
+#: Options of a pytest that a test runs in a subprocess: not the pytest plugins of the
+#: repository's own test tools (schemathesis, hypothesis), which no user's project has and no
+#: such run uses; loading them is about 2 s of CPU, more than half of an empty run's start.
+UNUSED_PLUGINS = ("-p", "no:schemathesis", "-p", "no:hypothesispytest")
+
+
 #: `serve(app)`: a client of `app` served for real.
 Serve = Callable[[FastAPI], httpx.Client]
 

@@ -52,6 +52,7 @@ from guards.stores import MemoryStore
 from .app.test_app_providers import PROVIDER_VARIABLES
 from .app.test_ui_stream import check_ui_stream
 from .conftest import (
+    UNUSED_PLUGINS,
     AppClient,
     ExampleClient,
     LogLines,
@@ -1162,6 +1163,7 @@ def run_pytest(folder: Path, *arguments: str) -> subprocess.CompletedProcess[str
             "-m",
             "pytest",
             *plugin_options(),
+            *UNUSED_PLUGINS,
             "-q",
             "-p",
             "no:cacheprovider",

@@ -16,6 +16,8 @@ import pytest
 from guards import ConfigurationError
 from guards.providers import OpenAICompatible, WorkersAI, http_library
 
+from ..conftest import UNUSED_PLUGINS
+
 ROOT = Path(__file__).resolve().parents[2]
 #: The adapters' tests over real HTTP against the fake servers: every adapter, runs and
 #: streams, cancellation, the connection pool's admission, redirects, bodies too large.
@@ -64,7 +66,18 @@ def test_a_client_of_the_other_library_is_refused_naming_the_fix() -> None:
 
 def test_the_adapters_tests_pass_on_the_other_library() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *ADAPTER_TESTS],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:randomly",
+            "-p",
+            "no:cacheprovider",
+            *UNUSED_PLUGINS,
+            *ADAPTER_TESTS,
+        ],
         cwd=ROOT,
         env={**os.environ, "GUARDS_HTTP_CLIENT": other_library()},
         capture_output=True,

@@ -4,8 +4,8 @@ One network read (up to 64 KiB) can hold ten thousand tiny events (`data:` and a
 7 bytes); parsing and decoding them all before the loop runs again took 50 to 130 ms of CPU
 per read. Over real HTTP: a guarded streaming route under uvicorn, its adapter reading a fake
 provider that sends a MiB of tiny events at once, while a task of the same worker's loop
-measures the longest stretch of the loop's thread CPU time between two of its turns (CPU
-time, so other tenants of the machine do not count) and a concurrent request is served.
+records each stretch of the loop's thread CPU time between two of its turns (CPU time, so
+other tenants of the machine do not count) and a concurrent request is served.
 """
 
 from __future__ import annotations
@@ -26,10 +26,15 @@ from ..conftest import Serve
 
 MIB = 1 << 20
 MODEL = "@cf/test/model"
-#: The longest stretch of CPU the loop may spend without another task's turn. The adapter
-#: yields every few dozen events (well under a millisecond of parsing); the rest is slack
-#: for the route's own work and a loaded machine's cache misses.
+#: A long stretch of CPU without another task's turn. The adapter yields every few dozen
+#: events (well under a millisecond of parsing; the longest stretch is usually 2 to 6 ms, the
+#: route's own work); a reader that parsed each network read whole holds the loop 80 to 300 ms
+#: at a time, 7 times over the MiB of empty events (measured with the slicing and the yield
+#: taken out of the adapter).
 STRETCH_BOUND_S = 0.02
+#: How many long stretches a stream may show: a loaded machine can stretch one of those few
+#: ms past the bound now and then (20.2 ms once on CI), never the stream's every read.
+LONG_STRETCHES = 2
 
 #: Events that say nothing (skipped), and events of one character of text, on each wire.
 EVENTS = {
@@ -41,27 +46,30 @@ EVENTS = {
 
 
 def lag_app(binding: WorkersAI | OpenAICompatible) -> FastAPI:
-    """A guarded streaming route, `/health`, and `/stretch`: the longest CPU stretch between
-    two turns of a monitor task (started by the first `/stretch`, reset by each)."""
+    """A guarded streaming route, `/health`, and `/stretches`: the CPU stretches between two
+    turns of a monitor task longer than a millisecond, longest first (the monitor starts with
+    the first `/stretches`, each of which starts a new record)."""
     guards = Guards(binding)
     app = FastAPI()
     guards.install(app)
-    longest = [0.0]
+    stretches: list[float] = []
     started: list[asyncio.Task[None]] = []
 
     async def monitor() -> None:
         while True:
             before = time.thread_time()
             await asyncio.sleep(0.001)
-            longest[0] = max(longest[0], time.thread_time() - before)
+            if (stretch := time.thread_time() - before) > 0.001:
+                stretches.append(stretch)
 
-    @app.get("/stretch")
-    async def stretch() -> float:
+    @app.get("/stretches")
+    async def record() -> list[float]:
         if not started:
             started.append(asyncio.create_task(monitor()))
             await asyncio.sleep(0.01)
-        value, longest[0] = longest[0], 0.0
-        return value
+        values = sorted(stretches, reverse=True)
+        stretches.clear()
+        return values
 
     @app.get("/health")
     async def health() -> dict[str, bool]:
@@ -95,7 +103,7 @@ def test_a_read_of_many_tiny_events_lets_the_loop_run(
     first = EVENTS[wire, "text"]
     server.default = Raw(200, first + event * count + b"data: [DONE]\n\n", "text/event-stream")
     client = serve(lag_app(binding))
-    client.get("/stretch")
+    client.get("/stretches")
     # The objects earlier tests left are frozen out of the collector's passes (a full pass over
     # a whole suite's heap is a stretch of its own, not the stream's).
     gc.collect()
@@ -108,7 +116,7 @@ def test_a_read_of_many_tiny_events_lets_the_loop_run(
             # A concurrent request, while the worker reads the rest: answered.
             assert client.get("/health", timeout=5).json() == {"ok": True}
             body += b"".join(chunks)
-        longest = client.get("/stretch").json()
+        stretches = client.get("/stretches").json()
     finally:
         gc.unfreeze()
     names = [line[7:] for line in body.decode().splitlines() if line.startswith("event: ")]
@@ -116,4 +124,5 @@ def test_a_read_of_many_tiny_events_lets_the_loop_run(
     if kind == "text":
         texts = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: ")]
         assert sum(len(t.get("text", "")) for t in texts if isinstance(t, dict)) == count + 1
-    assert longest < STRETCH_BOUND_S, f"the loop was held {longest * 1000:.1f} ms of CPU"
+    long = [round(s * 1000, 1) for s in stretches if s >= STRETCH_BOUND_S]
+    assert len(long) <= LONG_STRETCHES, f"the loop was held {long} ms of CPU at a time"

@@ -159,6 +159,7 @@ def test_no_sentinel_answering_is_an_unavailable_store_within_its_bound() -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a 0.1 s store timeout, and the failover's timing, measured
 def test_the_store_follows_a_failover_under_traffic(
     cluster: Cluster, app_client: AppClient, guards_log: LogLines
 ) -> None:

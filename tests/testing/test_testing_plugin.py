@@ -19,7 +19,7 @@ from guards import AI, ConfigurationError, Guards, Level
 from guards.stores import MemoryStore
 from guards.testing import Fail, FakeBinding, ManualClock
 
-from ..conftest import asgi_client
+from ..conftest import UNUSED_PLUGINS, asgi_client
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,7 +70,18 @@ HEADER = "from fastapi.testclient import TestClient\n\nfrom guards.testing impor
 def run_pytest(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-W", "error", *args],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *UNUSED_PLUGINS,
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-W",
+            "error",
+            *args,
+        ],
         cwd=folder,
         env={**environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])},
         capture_output=True,
