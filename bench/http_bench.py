@@ -399,14 +399,14 @@ def success_and_outage(
 
 
 class KeepAlive:
-    """One keep-alive connection to `server`, sending the bench's request (rotating
-    `x-user-id` over 1,000 users, as the wrk script does) and reading each answer whole
-    before the next: a closed loop, one request at a time."""
+    """A keep-alive connection to `server`, sending the bench's request (rotating `x-user-id`
+    over 1,000 users, as the wrk script does) and reading each answer whole before the next: a
+    closed loop, one request at a time. `connect` opens a new one (a connection idle longer
+    than the server's keep-alive timeout is closed by the server)."""
 
     def __init__(self, server: Server) -> None:
-        self.name = server.name
-        self.socket = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.name, self.port = server.name, server.port
+        self.socket: socket.socket | None = None
         self.requests = [
             f"POST /label HTTP/1.1\r\nhost: 127.0.0.1\r\nx-user-id: user-{user}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(BODY)}\r\n\r\n{BODY}".encode()
@@ -415,10 +415,19 @@ class KeepAlive:
         self.sent = 0
         self.left = b""
 
+    def connect(self) -> None:
+        """A new connection, and one request on it, not timed."""
+        self.close()
+        self.socket = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.left = b""
+        self.timed(1)
+
     def timed(self, count: int) -> list[float]:
         """`count` requests, one after the other: each one's time (us) from its first byte
         sent to its answer's last byte read."""
         times = []
+        assert self.socket is not None, "connect first"
         for _ in range(count):
             request = self.requests[self.sent % len(self.requests)]
             self.sent += 1
@@ -447,13 +456,16 @@ class KeepAlive:
         self.left = data[body_end:]
 
     def recv(self) -> bytes:
+        assert self.socket is not None
         chunk = self.socket.recv(65_536)
         if not chunk:
             raise RuntimeError(f"{self.name} closed the connection")
         return chunk
 
     def close(self) -> None:
-        self.socket.close()
+        if self.socket is not None:
+            self.socket.close()
+            self.socket = None
 
 
 def added_latency(stack: str, bare: Server, guarded: Server) -> None:
@@ -462,10 +474,12 @@ def added_latency(stack: str, bare: Server, guarded: Server) -> None:
     clients = [KeepAlive(bare), KeepAlive(guarded)]
     try:
         for client in clients:
+            client.connect()
             client.timed(LATENCY_WARM_UP)
         times: list[list[float]] = [[], []]
         for chunk in range(LATENCY_REQUESTS // LATENCY_CHUNK):
             for side in (0, 1) if chunk % 2 == 0 else (1, 0):
+                clients[side].connect()  # the other side's chunk outlasts a keep-alive timeout
                 times[side] += clients[side].timed(LATENCY_CHUNK)
     finally:
         for client in clients:

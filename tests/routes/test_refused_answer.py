@@ -35,17 +35,17 @@ SERIALIZED: list[str] = []
 FALLBACK = Label(label="unknown", confidence=0.0)
 
 
-def outage_app(**route: Any) -> tuple[FastAPI, list[str]]:
+def outage_app(declared: dict[str, Any] | None = None, **route: Any) -> tuple[FastAPI, list[str]]:
     """A degrading route on a model that always fails (its breaker opens at the first failure),
     its fallback the static `FALLBACK`; the handler adds a background task (what it ran: the
-    list returned) before its call.
+    list returned) before its call. `declared`: the FastAPI route's own options.
     `/bare` serves the refused envelope from FastAPI alone."""
     guards = Guards(FakeBinding(Fail(status=500)), **route)
     app = FastAPI()
     guards.install(app)
     ran: list[str] = []
 
-    @app.post("/label")
+    @app.post("/label", **(declared or {}))
     @guards.route(model=MODEL, breaker=BREAKER, retry=Retry(attempts=1), fallback=FALLBACK)
     async def label(ai: AI[Label], tasks: BackgroundTasks) -> Label:
         tasks.add_task(ran.append, "task")
@@ -94,3 +94,17 @@ def test_the_refused_answer_has_fastapis_headers_and_its_trace_id(serve: Serve) 
         ("x-trace-id", "trace-0123456789"),
         ("x-service-level", "minimal"),
     ]
+
+
+def test_a_route_declared_with_its_own_status_is_rendered_by_fastapi(serve: Serve) -> None:
+    """A route declared with a status code of its own (or its own response class, response
+    model, field filters) gets the envelope rendered by FastAPI, as the declaration says."""
+    app, _ = outage_app({"status_code": 202})
+    client = serve(app)
+    client.post("/label")
+    before = len(SERIALIZED)
+    refused = [client.post("/label") for _ in range(2)]
+    assert len(SERIALIZED) - before == 2  # FastAPI's, for each
+    for answer in refused:
+        assert answer.status_code == 202
+        assert answer.json()["fallback"]["reason"] == "circuit_open"
