@@ -11,7 +11,7 @@ from fastapi import BackgroundTasks, FastAPI
 from pydantic import BaseModel, field_serializer
 
 from fixtures import Fail, FakeBinding
-from guards import AI, Breaker, Envelope, FallbackInfo, Guards, Retry
+from guards import AI, Breaker, Envelope, FallbackInfo, GuardName, Guards, Reason, Retry
 
 from ..conftest import Serve, assert_fallback
 
@@ -53,9 +53,8 @@ def outage_app(declared: dict[str, Any] | None = None, **route: Any) -> tuple[Fa
 
     @app.post("/bare")
     async def bare() -> Envelope[Label]:
-        return Envelope[Label](
-            data=FALLBACK, fallback=FallbackInfo(guard="budget", reason="circuit_open", detail=SKIPPED)
-        )  # type: ignore[arg-type]
+        info = FallbackInfo(guard=GuardName.budget, reason=Reason.circuit_open, detail=SKIPPED)
+        return Envelope[Label](data=FALLBACK, fallback=info)
 
     return app, ran
 
