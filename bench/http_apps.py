@@ -15,6 +15,13 @@ same: `POST /label` with a pydantic body (`Ticket`), a model call, a pydantic an
   the 200 envelope;
 - `bare_fallback`: what `outage` answers, from a bare FastAPI route: the same envelope
   (`{ok, data, fallback}`), a pydantic answer of constant values;
+- `outage_peer`: the stack teams build by hand around the same failing model, serving what
+  `outage` serves: a FastAPI route whose call goes through tenacity (two attempts, a short
+  jittered wait, retrying provider errors only), aiolimiter (a rate limit that never binds) and
+  pybreaker (opened by 5 failures for an hour; checked before the call with its `calling()`
+  context manager, as its `call_async` needs tornado), the fallback in the same envelope when
+  the call fails or the breaker is open (`circuit_open`, the same detail as guards'). tenacity
+  and pybreaker are in the `dev` extra only;
 - `bare_slow`, `guarded_slow`: `bare` and `guarded` with a model that takes `SLOW_S` per call
   (the bare handler awaits it too; the guarded route's deadline is above it).
 
@@ -99,6 +106,46 @@ def bare_fallback_app() -> FastAPI:
     return app
 
 
+def outage_peer_app() -> FastAPI:
+    """The hand-built peer of `outage` (see the module's docstring)."""
+    import pybreaker
+    from aiolimiter import AsyncLimiter
+    from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+
+    binding = FailingBinding()
+    breaker = pybreaker.CircuitBreaker(fail_max=5, reset_timeout=3600)
+    limiter = AsyncLimiter(10**9, 60)  # never binds
+    app = FastAPI()
+    skipped = f"every model was skipped: {MODEL}: skipped (circuit_open)"
+
+    async def call_model() -> AIResult:
+        async for attempt in AsyncRetrying(
+            stop=stop_after_attempt(2),
+            wait=wait_exponential_jitter(initial=0.05, max=0.5),
+            retry=retry_if_exception_type(ProviderError),
+            reraise=True,
+        ):
+            with attempt:
+                async with limiter:
+                    with breaker.calling():  # raises CircuitBreakerError while open
+                        return await binding.run(MODEL, INPUTS)
+        raise AssertionError("tenacity reraises the last failure")
+
+    @app.post("/label")
+    async def label(ticket: Ticket) -> Envelope:
+        try:
+            result = await call_model()
+        except pybreaker.CircuitBreakerError:
+            fallback = Fallback(guard="budget", reason="circuit_open", detail=skipped)
+        except ProviderError:
+            fallback = Fallback(guard="call", reason="provider_error", detail="the model failed")
+        else:
+            return Envelope(ok=True, data=Label.model_validate(result.response), fallback=None)
+        return Envelope(ok=True, data=by_rules({"ticket": ticket}, None), fallback=fallback)  # type: ignore[arg-type]
+
+    return app
+
+
 def guarded_app(binding: ConstantBinding, store_url: str, **route: Any) -> FastAPI:
     if os.environ.get("BENCH_LOGS") == "off":
         logging.getLogger("guards").setLevel(logging.WARNING)
@@ -125,6 +172,8 @@ def __getattr__(name: str) -> Any:
     if name == "outage":
         breaker = Breaker(failure_threshold=5, reset_timeout_s=3600)
         return guarded_app(FailingBinding(), store, breaker=breaker, fallback=by_rules)
+    if name == "outage_peer":
+        return outage_peer_app()
     if name == "bare_slow":
         return bare_app(SlowBinding())
     if name == "guarded_slow":

@@ -17,14 +17,23 @@ Scenarios, per stack:
   Each against `bare`: the FastAPI route alone.
 - outage: the route made degrading, its model always failing; the warm-up opens its breaker,
   so every measured request is refused by the breaker and answered with the fallback
-  (`outage`), against `bare_fallback`, a FastAPI route returning the same envelope.
+  (`outage`), against `bare_fallback`, a FastAPI route returning the same envelope; beside it,
+  in the same rounds, the stack teams build by hand (`outage_peer`: tenacity, pybreaker and
+  aiolimiter around the same failing model, serving the same envelope) against the same
+  `bare_fallback`.
+- added latency: one keep-alive connection, closed loop (each request sent when the last
+  answer is read), `LATENCY_REQUESTS` requests to the guarded route on the memory store and as
+  many to `bare`, interleaved in chunks of `LATENCY_CHUNK` so that a slow moment of the machine
+  hits both; p50 and p99 of guarded minus bare (`added_latency_p50_us`, `_p99_us`). The client
+  is a raw socket in this process (`KeepAlive`): its own cost is the same on both sides.
 - capacity: the model (or, bare, the handler) takes 2 s per call; `CAPACITY_CONNECTIONS`
   keep-alive connections (`wrk -t2`, its `--timeout` above the latency) load the guarded route
   on the memory store (`capacity`) and the bare one (`bare_slow`). Besides requests per second,
   p50 and p99 latency (wrk's `--latency`) and the worker's peak memory (VmHWM in
   /proc/PID/status, read after each measured run) of both.
 
-Then serving, on the bare route: `guards.serve --workers 2` against `--workers 1` (what `make
+`--only` runs one part (`outage` and `latency`: those figures alone, from fewer servers), and
+`--stack` one stack. Then serving, on the bare route: `guards.serve --workers 2` against `--workers 1` (what `make
 run WORKERS=2` and `WORKERS=1` do), `uvicorn --workers 2` (a shared socket, no TCP_NODELAY on
 accepted connections) against the same `--workers 1`, and one worker of the default stack
 against one of asyncio and h11.
@@ -51,12 +60,13 @@ import os
 import re
 import resource
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -100,6 +110,13 @@ request = function()
 end
 """
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
+#: The added latency: requests to each side, one connection, closed loop, in interleaved chunks
+#: (after `LATENCY_WARM_UP` unmeasured requests to each).
+LATENCY_REQUESTS = 10_000
+LATENCY_CHUNK = 500
+LATENCY_WARM_UP = 500
+#: The largest answer head `KeepAlive` reads (the bench's answers are a few hundred bytes).
+_MAX_HEAD = 16_384
 
 
 class Server:
@@ -314,42 +331,165 @@ def raise_open_files() -> None:
         )
 
 
-def success_and_outage(stack: str, folder: Path, redis_url: str, script: Path, count: int) -> None:
+#: The servers of each part of `success_and_outage`, by name.
+PARTS = {
+    "success": (
+        "bare",
+        "memory",
+        "memory_logs_off",
+        "sqlite",
+        "redis",
+        "bare_fallback",
+        "outage",
+        "outage_peer",
+    ),
+    "outage": ("bare_fallback", "outage", "outage_peer"),
+    "latency": ("bare", "memory"),
+}
+
+
+def success_servers(stack: str, folder: Path, redis_url: str, names: Sequence[str]) -> list[Server]:
+    """One server of each of `names` (`PARTS`) on `stack`."""
     options = STACKS[stack]
     guarded = "bench.http_apps:guarded"
+    envs = {
+        "memory": {"BENCH_STORE": "memory://"},
+        "memory_logs_off": {"BENCH_STORE": "memory://", "BENCH_LOGS": "off"},
+        "sqlite": {"BENCH_STORE": f"sqlite:///{folder}/bench-{stack}.db"},
+        "redis": {"BENCH_STORE": redis_url},
+    }
+    return [
+        Server(
+            name,
+            guards_serve(guarded if name in envs else f"bench.http_apps:{name}", *options),
+            folder,
+            envs.get(name),
+        )
+        for name in names
+    ]
+
+
+def success_and_outage(
+    stack: str, folder: Path, redis_url: str, script: Path, count: int, part: str = "success"
+) -> None:
+    """The success and outage figures (`part`: `success` for all and the added latency; `outage`
+    or `latency` for those alone)."""
+    names = PARTS[part]
+    rounds_of = count if part != "latency" else 0
     servers = [
         server
-        for _ in range(min(count, PROCESSES))  # a process of each kind per round
-        for server in (
-            Server("bare", guards_serve("bench.http_apps:bare", *options), folder),
-            Server("memory", guards_serve(guarded, *options), folder, {"BENCH_STORE": "memory://"}),
-            Server(
-                "memory_logs_off",
-                guards_serve(guarded, *options),
-                folder,
-                {"BENCH_STORE": "memory://", "BENCH_LOGS": "off"},
-            ),
-            Server(
-                "sqlite",
-                guards_serve(guarded, *options),
-                folder,
-                {"BENCH_STORE": f"sqlite:///{folder}/bench-{stack}.db"},
-            ),
-            Server("redis", guards_serve(guarded, *options), folder, {"BENCH_STORE": redis_url}),
-            Server("bare_fallback", guards_serve("bench.http_apps:bare_fallback", *options), folder),
-            Server("outage", guards_serve("bench.http_apps:outage", *options), folder),
-        )
+        for _ in range(max(1, min(rounds_of, PROCESSES)))  # a process of each kind per round
+        for server in success_servers(stack, folder, redis_url, names)
     ]
     with serving(servers) as running:
-        loads = rounds(running, Run(script), count)
-    print(f"http_{stack}_bare_rps = {median(loads['bare'], 'rps'):.0f} req/s")
-    print(f"http_{stack}_bare_cpu_per_request_us = {median(loads['bare'], 'cpu_us'):.0f} us")
-    for name in ("memory", "sqlite", "redis", "memory_logs_off"):
-        print(f"http_{stack}_{name}_rps = {median(loads[name], 'rps'):.0f} req/s")
-        print_ratio(f"http_{stack}_{name}_vs_bare", loads, name, "bare")
-    print(f"http_{stack}_bare_fallback_rps = {median(loads['bare_fallback'], 'rps'):.0f} req/s")
-    print(f"http_{stack}_outage_rps = {median(loads['outage'], 'rps'):.0f} req/s")
-    print_ratio(f"http_{stack}_outage_vs_bare_fallback", loads, "outage", "bare_fallback")
+        loads = rounds(running, Run(script), rounds_of)
+        if "memory" in running:
+            added_latency(stack, running["bare"][0], running["memory"][0])
+    if "bare" in names and rounds_of:
+        print(f"http_{stack}_bare_rps = {median(loads['bare'], 'rps'):.0f} req/s")
+        print(f"http_{stack}_bare_cpu_per_request_us = {median(loads['bare'], 'cpu_us'):.0f} us")
+        for name in ("memory", "sqlite", "redis", "memory_logs_off"):
+            print(f"http_{stack}_{name}_rps = {median(loads[name], 'rps'):.0f} req/s")
+            print_ratio(f"http_{stack}_{name}_vs_bare", loads, name, "bare")
+    if "outage" in names:
+        for name in ("bare_fallback", "outage", "outage_peer"):
+            print(f"http_{stack}_{name}_rps = {median(loads[name], 'rps'):.0f} req/s")
+        print_ratio(f"http_{stack}_outage_vs_bare_fallback", loads, "outage", "bare_fallback")
+        print_ratio(f"http_{stack}_outage_peer_vs_bare_fallback", loads, "outage_peer", "bare_fallback")
+
+
+class KeepAlive:
+    """A keep-alive connection to `server`, sending the bench's request (rotating `x-user-id`
+    over 1,000 users, as the wrk script does) and reading each answer whole before the next: a
+    closed loop, one request at a time. `connect` opens a new one (a connection idle longer
+    than the server's keep-alive timeout is closed by the server)."""
+
+    def __init__(self, server: Server) -> None:
+        self.name, self.port = server.name, server.port
+        self.socket: socket.socket | None = None
+        self.requests = [
+            f"POST /label HTTP/1.1\r\nhost: 127.0.0.1\r\nx-user-id: user-{user}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(BODY)}\r\n\r\n{BODY}".encode()
+            for user in range(1000)
+        ]
+        self.sent = 0
+        self.left = b""
+
+    def connect(self) -> None:
+        """A new connection, and one request on it, not timed."""
+        self.close()
+        self.socket = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.left = b""
+        self.timed(1)
+
+    def timed(self, count: int) -> list[float]:
+        """`count` requests, one after the other: each one's time (us) from its first byte
+        sent to its answer's last byte read."""
+        times = []
+        assert self.socket is not None, "connect first"
+        for _ in range(count):
+            request = self.requests[self.sent % len(self.requests)]
+            self.sent += 1
+            started = time.perf_counter_ns()
+            self.socket.sendall(request)
+            self.read_answer()
+            times.append((time.perf_counter_ns() - started) / 1e3)
+        return times
+
+    def read_answer(self) -> None:
+        """One answer read whole (its head, then `content-length` bytes); a 200 or an error."""
+        data = self.left
+        while (end := data.find(b"\r\n\r\n")) < 0:
+            if len(data) > _MAX_HEAD:
+                raise RuntimeError(f"{self.name}: an answer head over {_MAX_HEAD} bytes")
+            data += self.recv()
+        head = data[:end]
+        if not head.startswith(b"HTTP/1.1 200 "):
+            raise RuntimeError(f"{self.name} answered: {head[:200]!r}")
+        found = re.search(rb"\r\ncontent-length: *(\d+)", head, re.IGNORECASE)
+        if found is None:
+            raise RuntimeError(f"{self.name}: an answer without content-length")
+        body_end = end + 4 + int(found.group(1))
+        while len(data) < body_end:
+            data += self.recv()
+        self.left = data[body_end:]
+
+    def recv(self) -> bytes:
+        assert self.socket is not None
+        chunk = self.socket.recv(65_536)
+        if not chunk:
+            raise RuntimeError(f"{self.name} closed the connection")
+        return chunk
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close()
+            self.socket = None
+
+
+def added_latency(stack: str, bare: Server, guarded: Server) -> None:
+    """p50 and p99 of the guarded route's latency minus bare's, one request at a time
+    (`LATENCY_REQUESTS` each, in interleaved chunks: the module's docstring says how)."""
+    clients = [KeepAlive(bare), KeepAlive(guarded)]
+    try:
+        for client in clients:
+            client.connect()
+            client.timed(LATENCY_WARM_UP)
+        times: list[list[float]] = [[], []]
+        for chunk in range(LATENCY_REQUESTS // LATENCY_CHUNK):
+            for side in (0, 1) if chunk % 2 == 0 else (1, 0):
+                clients[side].connect()  # the other side's chunk outlasts a keep-alive timeout
+                times[side] += clients[side].timed(LATENCY_CHUNK)
+    finally:
+        for client in clients:
+            client.close()
+    cuts = [statistics.quantiles(each, n=100, method="inclusive") for each in times]
+    for percentile in (50, 99):
+        bare_us, guarded_us = cuts[0][percentile - 1], cuts[1][percentile - 1]
+        print(f"http_{stack}_added_latency_p{percentile}_us = {guarded_us - bare_us:.0f} us  "
+              f"# guarded {guarded_us:.0f} us, bare {bare_us:.0f} us; {LATENCY_REQUESTS} requests each, "
+              "one connection, closed loop")  # fmt: skip
 
 
 def capacity(stack: str, folder: Path, script: Path, count: int) -> None:
@@ -414,7 +554,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS})")
     parser.add_argument(
-        "--only", choices=["success", "capacity", "serving"], default=None, help="one part of the figures"
+        "--only",
+        choices=["success", "outage", "latency", "capacity", "serving"],
+        default=None,
+        help="one part of the figures (success: the outage and the added latency too)",
+    )
+    parser.add_argument(
+        "--stack", choices=list(STACKS), default=None, help="one serving stack (default: both)"
     )
     args = parser.parse_args()
     if args.rounds < 1:
@@ -429,13 +575,18 @@ def main() -> None:
         folder = Path(name)
         script = folder / "users.lua"
         script.write_text(WRK_SCRIPT)
+        stacks = [args.stack] if args.stack else list(STACKS)
         if args.only in (None, "success"):
             with RedisServer() as redis:
-                for stack in STACKS:
+                for stack in stacks:
                     success_and_outage(stack, folder, redis.url, script, args.rounds)
                     sys.stdout.flush()
+        if args.only in ("outage", "latency"):
+            for stack in stacks:
+                success_and_outage(stack, folder, "", script, args.rounds, args.only)
+                sys.stdout.flush()
         if args.only in (None, "capacity"):
-            for stack in STACKS:
+            for stack in stacks:
                 capacity(stack, folder, script, args.rounds)
                 sys.stdout.flush()
         if args.only in (None, "serving"):

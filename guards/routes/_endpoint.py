@@ -37,6 +37,7 @@ from ..walk import AI, TASK_SCOPE, Observers, walk_step
 from ..walk._checkpoints import resumed
 from ._attribution import add_attribution
 from ._chat import note_chat
+from ._prepared import PreparedJSON, json_head, renders_as_json
 
 if TYPE_CHECKING:
     from ..spec._route_spec import GuardedRoute
@@ -62,6 +63,9 @@ _MAX_FIRST_STEPS = 1024
 _MAX_KEPT_CALLER = 128
 #: The most fallback envelopes an endpoint keeps (`_fallback_answer`).
 _MAX_FALLBACK_ANSWERS = 64
+#: A kept fallback answer: (its data, the envelope, the envelope's JSON and its headers when
+#: prepared: `guards.routes._prepared`).
+_Kept = tuple[Any, Any, bytes | None, list[tuple[bytes, bytes]]]
 
 
 class GuardedEndpoint:
@@ -88,6 +92,8 @@ class GuardedEndpoint:
         "_last_good",
         "_observers",
         "_plain",
+        "_prepared",
+        "_rendered_by",
         "_route",
         "_shared",
         "_unbudgeted",
@@ -138,7 +144,11 @@ class GuardedEndpoint:
         self._unbudgeted = walk_step(route, 0, None, None)
         self._first_steps: dict[str, Step] = {}
         #: The last fallback envelope per (reason, detail), kept (`_fallback_answer`).
-        self._fallback_answers: dict[tuple[Reason, str], Any] = {}
+        self._fallback_answers: dict[tuple[Reason, str], _Kept] = {}
+        #: The FastAPI route that last served a fallback, and whether it renders the envelope
+        #: as a `PreparedJSON` does (`renders_as_json`): checked once per route.
+        self._rendered_by: object = None
+        self._prepared = False
         # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
         self._enter_levels = route.shed_at is not None or shared.levels.max_in_flight is not None
         self._app: object = None  # the app it last served, guards installed there (`__call__`)
@@ -190,7 +200,7 @@ class GuardedEndpoint:
                 await last_good.remember(shared.store, arguments, value, trace_id)
         except GuardTripped as tripped:
             del kwargs[ai_name]  # the fallback sees the route's own arguments
-            return await self._tripped(ai, tripped, kwargs, response, observe)
+            return await self._tripped(ai, tripped, kwargs, request, response, observe)
         except HTTPException:
             raise  # the handler's own deliberate HTTP answer
         except Exception as exc:
@@ -213,12 +223,14 @@ class GuardedEndpoint:
         ai: AI[Any],
         tripped: GuardTripped,
         arguments: Mapping[str, Any],
+        request: Request,
         response: Response,
         observe: Observers,
     ) -> Any:
         """The answer of a request a guard ended (`tripped`): the public error on a strict
         route; on a degrading one the envelope of its fallback (computed from the route's own
-        `arguments`), with `response`'s headers."""
+        `arguments`), with `response`'s headers and status: prepared once where FastAPI would
+        render it as JSON (`guards.routes._prepared`), else the envelope for FastAPI."""
         shared, trace_id = self._shared, ai.trace_id
         outcome = "cancelled" if tripped.kind is Kind.cancelled else "error"
         if not self._route.degrading:
@@ -238,10 +250,15 @@ class GuardedEndpoint:
         # A model that answered is named even when its answer was rejected.
         add_attribution(response.raw_headers, ai, shared.attribution)
         response.raw_headers.append((b"x-trace-id", trace_id.encode()))
+        if (route := request.scope.get("route")) is not self._rendered_by:
+            self._rendered_by, self._prepared = route, renders_as_json(route, self._envelope_type)
+        prepared = self._prepared
         kept = self._fallback_answers.get((tripped.reason, detail))
-        if kept is None or kept.data is not data:
-            kept = self._fallback_answer(tripped.reason, detail, data)
-        return kept
+        if kept is None or kept[0] is not data or (prepared and kept[2] is None):
+            kept = self._fallback_answer(tripped.reason, detail, data, prepared)
+        if (body := kept[2]) is None or not prepared:
+            return kept[1]
+        return PreparedJSON(body, kept[3], response.raw_headers, response.status_code or 200)
 
     async def _fallback(
         self, arguments: Mapping[str, Any], tripped: GuardTripped, trace_id: str
@@ -259,18 +276,21 @@ class GuardedEndpoint:
             value = await value
         return self._data_adapter.validate_python(value), tripped.detail
 
-    def _fallback_answer(self, reason: Reason, detail: str, data: Any) -> Any:
-        """The envelope of `data` substituted for `reason` (`detail`), built and kept, never
+    def _fallback_answer(self, reason: Reason, detail: str, data: Any, prepared: bool) -> _Kept:
+        """The envelope of `data` substituted for `reason` (`detail`), and when `prepared` its
+        JSON as FastAPI serializes it (by alias) with their headers, built and kept, never
         written after: the requests refused alike (an outage's, served a plain fallback)
-        share one (emptied when full)."""
+        share them (emptied when full)."""
         assert self._envelope_type is not None
         info = FallbackInfo(guard=reason.guard, reason=reason, detail=detail)
         answer = self._envelope_type(ok=True, data=data, fallback=info)
+        body = answer.__pydantic_serializer__.to_json(answer, by_alias=True) if prepared else None
+        kept: _Kept = (data, answer, body, json_head(body) if body is not None else [])
         answers = self._fallback_answers
         if len(answers) >= _MAX_FALLBACK_ANSWERS:
             answers.clear()
-        answers[(reason, detail)] = answer
-        return answer
+        answers[(reason, detail)] = kept
+        return kept
 
     def _first_step(self, caller: Any) -> Step:
         """The walk's first store step for `caller` (a key, or a tuple of one key per budget),
