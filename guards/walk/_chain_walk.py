@@ -153,8 +153,7 @@ async def walk(
                                 state, leg, index, call, inputs, error, made, probe
                             )
                         except CallFailed as failure:
-                            inflight = None
-                            report, last = await leg_down(state, leg, failure, probe)
+                            inflight, (report, last) = None, await leg_down(state, leg, failure, probe)
                             start, limits = _after_failure(state, inputs, limits, index, failure)
                             continue
                     except BaseException as cancelled:  # it may still be billed
