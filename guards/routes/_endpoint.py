@@ -111,8 +111,13 @@ class GuardedEndpoint:
         envelope_type: Any,
         plain: Any,
         last_good: LastGoodCache | None,
+        request_name: str | None = None,
+        response_name: str | None = None,
     ) -> None:
         functools.update_wrapper(self, handler)
+        #: The handler's own `Request` and `Response` parameters (`_route.declared`), else None:
+        #: guards' own, added to the signature and taken out before the handler is called.
+        self.request_name, self.response_name = request_name, response_name
         self._shared = shared
         self._route = route
         self._handler = handler
@@ -154,8 +159,12 @@ class GuardedEndpoint:
         self._app: object = None  # the app it last served, guards installed there (`__call__`)
 
     async def __call__(self, **kwargs: Any) -> Any:
-        request: Request = kwargs.pop(REQUEST_PARAMETER)
-        response: Response = kwargs.pop(RESPONSE_PARAMETER)
+        request: Request = (
+            kwargs.pop(REQUEST_PARAMETER) if (name := self.request_name) is None else kwargs[name]
+        )
+        response: Response = (
+            kwargs.pop(RESPONSE_PARAMETER) if (name := self.response_name) is None else kwargs[name]
+        )
         scope = request.scope
         scope[_ENTERED] = True
         if (app := scope.get("app")) is not self._app:  # once per app: guards installed there

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Annotated, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -222,12 +222,18 @@ def _endpoint(
             if isinstance(fallback, LastGood)
             else None
         ),
+        request_name=declared(shape.params, Request),
+        response_name=declared(shape.params, Response),
     )
-    params = [
-        *shape.params,
-        inspect.Parameter(REQUEST_PARAMETER, inspect.Parameter.KEYWORD_ONLY, annotation=Request),
-        inspect.Parameter(RESPONSE_PARAMETER, inspect.Parameter.KEYWORD_ONLY, annotation=Response),
-    ]
+    params = [*shape.params]
+    if endpoint.request_name is None:
+        params.append(
+            inspect.Parameter(REQUEST_PARAMETER, inspect.Parameter.KEYWORD_ONLY, annotation=Request)
+        )
+    if endpoint.response_name is None:
+        params.append(
+            inspect.Parameter(RESPONSE_PARAMETER, inspect.Parameter.KEYWORD_ONLY, annotation=Response)
+        )
     guarded: Callable[..., Awaitable[Any]] = endpoint
     if settings.task is not None:  # the Idempotency-Key header: validated and documented by FastAPI
         from ._task_endpoint import task_endpoint  # only for a route that runs tasks, at start-up
@@ -239,11 +245,25 @@ def _endpoint(
             endpoint,
             response_type=envelope_type or shape.data_type,
             trace_id_of=request_trace_id,
-            request_param=REQUEST_PARAMETER,
-            response_param=RESPONSE_PARAMETER,
+            request_param=endpoint.request_name or REQUEST_PARAMETER,
+            response_param=endpoint.response_name or RESPONSE_PARAMETER,
         )
     guarded.__signature__ = shape.signature.replace(  # type: ignore[attr-defined]
         parameters=params, return_annotation=envelope_type if checked.degrading else shape.data_type
     )
     guarded.__guards_route__ = route  # type: ignore[attr-defined]
     return guarded
+
+
+def declared(params: Iterable[inspect.Parameter], kind: type) -> str | None:
+    """The name of the handler's parameter FastAPI fills with `kind` (`Request`, `Response`),
+    if it declares one (the last, as FastAPI fills the last): FastAPI fills one parameter of
+    each kind per endpoint, so a second one, guards' own, would leave the handler's unfilled."""
+    found = None
+    for param in params:
+        annotation = param.annotation
+        if typing.get_origin(annotation) is Annotated:
+            annotation = typing.get_args(annotation)[0]
+        if isinstance(annotation, type) and issubclass(annotation, kind):
+            found = param.name
+    return found

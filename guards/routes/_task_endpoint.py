@@ -24,6 +24,7 @@ from ..policies._tasks import KEY_PARAMETER, lease_s
 from ..stores import StoreUnavailable, TaskClaim, TaskStatus
 from ..walk import TASK_SCOPE, Observers, TaskRun
 from ..walk._events import RequestEnded, StoreFailed
+from ._prepared import PreparedJSON
 
 if TYPE_CHECKING:
     from ..spec._route_spec import GuardedRoute
@@ -152,6 +153,8 @@ def _stored(
     """What a task keeps of a successful answer (status, the headers the route set, body), as
     JSON text, and the answer's trace id; None when the request did not succeed, or its answer
     cannot be kept."""
+    if isinstance(result, PreparedJSON):
+        return None  # a fallback envelope (`GuardedEndpoint`): the task resumes next time
     if isinstance(result, Response):
         body = getattr(result, "body", None)
         if isinstance(result, StreamingResponse) or not isinstance(body, bytes):
