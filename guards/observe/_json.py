@@ -6,7 +6,8 @@ library's, `json.dumps(value, separators=(",", ":"), default=str)`, for every va
 writes: where the two would differ (a character outside ASCII, which the standard library
 escapes as `\\uXXXX`; a lone surrogate or an integer past 64 bits, which orjson refuses; a value
 that is neither str, number, bool, None, list nor dict, which `default=str` names, e.g. a date),
-the standard library writes the line. (An enum is written as its value: guards passes `.value`.)
+the standard library writes the line. (An enum is written as its value: guards passes `.value`;
+a float below 1e-4 or past 1e16 without an exponent where repr has one: the same number.)
 """
 
 from __future__ import annotations
