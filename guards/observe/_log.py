@@ -9,11 +9,12 @@ Lines show up without any logging set-up: `Guards.install` puts a console handle
 the line, i.e. until the app configures logging of its own (a handler on `guards` or on an
 ancestor it propagates to, such as the root logger: then each line is written once, there).
 
-No line is formatted or written on the request's thread. `emit` checks the level, then hands
-the event's fields to this process's `LineWriter`, a queue read by one writer thread, which
-builds each line and writes it: straight to stderr (in batches) when the console handler is the
-only receiver, else as a `LogRecord` through the `guards` logger, so the app's handlers run
-there too, never on the event loop. The queue is bounded (`GUARDS_LOG_BUFFER_LINES`, 10,000 by
+No line is written on the request's thread. `emit` checks the level, makes the line's text
+(`guards.observe._json`, in C: a few microseconds, less than handing the fields to another
+thread to format would cost in all), then hands it to this process's `LineWriter`, a queue read
+by one writer thread, which writes it: straight to stderr (in batches) when the console handler
+is the only receiver, else as a `LogRecord` through the `guards` logger, so the app's handlers
+run there too, never on the event loop. The queue is bounded (`GUARDS_LOG_BUFFER_LINES`, 10,000 by
 default): when the writer falls behind (a full pipe to a log shipper, a paused container
 runtime), new lines are dropped and counted, never waited for (`guards_log_lines_dropped_total`,
 and a `log_lines_dropped` warning line once the writer catches up). `skip` lines are summarized
@@ -33,7 +34,6 @@ own lock, which `flush()` at exit would wait for).
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import sys
@@ -45,6 +45,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from ..contracts._errors import ConfigurationError
+from ._json import dumps
 
 __all__ = ["flush_logs", "logger", "show_logs", "write_behind"]
 
@@ -69,39 +70,40 @@ FLUSH_TIMEOUT_S = 1.0
 #: most `BUFFER_LINES` times this.
 MAX_LINE_CHARS = 16_384
 
-#: One encoder for every line (`json.dumps` with options builds a new one per call).
-_encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
-
-#: What the queue carries: (level, event, fields, time.time() when emitted, summary key): the
-#: key is None for a line written as it is, else the (route, reason) its second's `skip` line
-#: summarizes. An empty event: a line already made (`fields["text"]`, another module's record),
-#: for the `guards` logger, or, with `fields["handler"]`, for that handler's stream (its
-#: terminator included).
-_Item = tuple[int, str, Mapping[str, Any], float, "tuple[str, str] | None"]
-#: A line to write: (level, text, created, the stream handler it is for: None for guards' own).
+#: A line to write: (level, text, created, the stream handler it is for: None for guards' own,
+#: whose text has no end; a handler's line ends with its terminator).
 _Line = tuple[int, str, float, "logging.StreamHandler[TextIO] | None"]
+#: What the queue carries: a line made (`summary` None), or a `skip` to count into its second's
+#: summary line: (INFO, "", time.time() when emitted, None, (route, reason), its fields).
+_Item = tuple[int, str, float, "logging.StreamHandler[TextIO] | None", "tuple[str, str] | None", Any]
 
 
 def emit(event: str, /, **fields: Any) -> None:
     if logger.isEnabledFor(logging.INFO):
-        _writer.put((logging.INFO, event, fields, time.time(), None))
+        _writer.put((logging.INFO, _line(event, fields), time.time(), None, None, None))
 
 
 def emit_warning(event: str, /, **fields: Any) -> None:
     if logger.isEnabledFor(logging.WARNING):
-        _writer.put((logging.WARNING, event, fields, time.time(), None))
+        _writer.put((logging.WARNING, _line(event, fields), time.time(), None, None, None))
 
 
 def emit_error(event: str, /, **fields: Any) -> None:
     if logger.isEnabledFor(logging.ERROR):
-        _writer.put((logging.ERROR, event, fields, time.time(), None))
+        _writer.put((logging.ERROR, _line(event, fields), time.time(), None, None, None))
+
+
+def emit_line(line: dict[str, Any], /) -> None:
+    """An INFO line made by its caller: `{"event": ..., fields...}`, its fields in order, none
+    of them None (the request line: `guards.walk._outcome`)."""
+    _writer.put((logging.INFO, dumps(line), time.time(), None, None, None))
 
 
 def emit_skip(route: str, reason: str, /, **fields: Any) -> None:
     """A `skip` line, summarized with the other skips of `route` for `reason` in its second."""
     if logger.isEnabledFor(logging.INFO):
         fields["route"], fields["reason"] = route, reason
-        _writer.put((logging.INFO, "skip", fields, time.time(), (route, reason)))
+        _writer.put((logging.INFO, "", time.time(), None, (route, reason), fields))
 
 
 def flush_logs(timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
@@ -204,12 +206,11 @@ class LineWriter:
                 lines = []
                 item.set()
                 continue
-            level, event, fields, created, summary = item
+            level, text, created, handler, summary, fields = item
             if summary is not None:
                 lines += self._summarize(summary, fields, created)
             else:
-                text = _line(event, fields) if event else fields["text"]
-                lines.append((level, text, created, fields.get("handler")))
+                lines.append((level, text, created, handler))
         lines += self._close_skips(time.time())
         self._write(lines)
 
@@ -287,7 +288,7 @@ def _line(event: str, fields: Mapping[str, Any]) -> str:
     for name, value in fields.items():
         if value is not None:
             line[name] = value
-    return _encode(line)
+    return dumps(line)
 
 
 def _skip_line(entry: list[Any]) -> _Line:
@@ -343,7 +344,7 @@ class _ConsoleFallback(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if threading.current_thread() is _writer._thread or _handled_elsewhere(self):
             return
-        _writer.put((record.levelno, "", {"text": record.getMessage()}, record.created, None))
+        _writer.put((record.levelno, record.getMessage(), record.created, None, None, None))
 
 
 def _handled_elsewhere(console: logging.Handler | None) -> bool:
@@ -395,8 +396,9 @@ class _BehindWriter(logging.Handler):
         if len(text) > MAX_LINE_CHARS:
             half = MAX_LINE_CHARS // 2
             text = f"{text[:half]} [... {len(text) - 2 * half} characters cut ...] {text[-half:]}"
-        line = {"text": text + self.handler.terminator, "handler": self.handler}
-        _writer.put((record.levelno, "", line, record.created, None))
+        _writer.put(
+            (record.levelno, text + self.handler.terminator, record.created, self.handler, None, None)
+        )
 
 
 def write_behind(*names: str) -> None:

@@ -8,7 +8,7 @@ from random import random
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..observe._log import emit, logger
+from ..observe._log import emit_line, logger
 from ..observe._metrics import flush_soon
 from ._events import RequestEnded
 
@@ -87,33 +87,49 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         return
     if outcome == "ok" and observers.log_sample < 1.0 and random() >= observers.log_sample:
         return  # sampled out: a success (every other outcome keeps its line)
-    extra = _extra(extra, held, tripped)
-    emit(
-        "request",
-        route=route.name,
-        trace_id=trace_id,
-        outcome=outcome,
-        status=status,
-        error=error.value if error is not None else None,
-        guard=tripped.guard.value if tripped is not None else None,
-        reason=tripped.reason.value if tripped is not None else None,
-        kind=tripped.kind.value if tripped is not None and tripped.kind is not None else None,
-        attempts=attempts,
-        attempt_budget=attempt_budget,
-        model=(tripped.model if tripped is not None else None) or model,
-        fallback_model=fallback_model,
-        legs=legs,
-        resumed_steps=resumed_steps,
-        latency_ms=round(elapsed * 1000, 2),
-        **(extra or {}),
-    )
+    # The line built here, in its fields' order, without its None fields (an `emit` would
+    # build them all as keywords, then leave out the None ones).
+    line: dict[str, Any] = {"event": "request", "route": route.name, "trace_id": trace_id, "outcome": outcome}
+    if status is not None:
+        line["status"] = status
+    if error is not None:
+        line["error"] = error.value
+    if tripped is not None:
+        line["guard"], line["reason"] = tripped.guard.value, tripped.reason.value
+        if tripped.kind is not None:
+            line["kind"] = tripped.kind.value
+        model = tripped.model or model
+    for name, value in (
+        ("attempts", attempts),
+        ("attempt_budget", attempt_budget),
+        ("model", model),
+        ("fallback_model", fallback_model),
+        ("legs", legs),
+        ("resumed_steps", resumed_steps),
+    ):
+        if value is not None:
+            line[name] = value
+    line["latency_ms"] = _ms(elapsed)
+    if held is not None or extra is not None or (tripped is not None and tripped.scope is not None):
+        _extra(line, extra, held, tripped)
+    emit_line(line)
+
+
+def _ms(seconds: float) -> float:
+    """`seconds` in milliseconds to 2 decimals: `round(seconds * 1000, 2)` but for its ties,
+    at a tenth of its cost (no decimal string made and parsed)."""
+    return round(seconds * 100_000) / 100
 
 
 def _extra(
-    extra: dict[str, Any] | None, held: AttemptEnded | None, tripped: GuardTripped | None
-) -> dict[str, Any] | None:
-    """The request line's `extra` fields, with those of the request's only attempt (`held`:
-    no `attempt` line was written for it) and the budget scope that refused it."""
+    line: dict[str, Any],
+    extra: dict[str, Any] | None,
+    held: AttemptEnded | None,
+    tripped: GuardTripped | None,
+) -> None:
+    """The request line's `extra` fields added to `line`, after those of the request's only
+    attempt (`held`: no `attempt` line was written for it), then the budget scope that refused
+    it."""
     if held is not None:
         usage, elapsed_s, delivered, provider_status, provider_code = (
             held[5],
@@ -122,15 +138,24 @@ def _extra(
             held[10],
             held[11],
         )
-        attempt = {
-            "prompt_tokens": usage.prompt_tokens if usage is not None else None,
-            "completion_tokens": usage.completion_tokens if usage is not None else None,
-            "call_ms": round(elapsed_s * 1000, 2),
-            "delivered_chars": delivered,
-            "provider_status": provider_status,
-            "provider_code": provider_code,
-        }
-        extra = attempt if extra is None else {**attempt, **extra}
+        if usage is not None:
+            if usage.prompt_tokens is not None:
+                line["prompt_tokens"] = usage.prompt_tokens
+            if usage.completion_tokens is not None:
+                line["completion_tokens"] = usage.completion_tokens
+        line["call_ms"] = _ms(elapsed_s)
+        for name, value in (
+            ("delivered_chars", delivered),
+            ("provider_status", provider_status),
+            ("provider_code", provider_code),
+        ):
+            if value is not None:
+                line[name] = value
+    if extra is not None:
+        for name, value in extra.items():
+            if value is not None:
+                line[name] = value
+            else:  # (a None of `extra` leaves out the attempt's field of that name, as before)
+                line.pop(name, None)
     if tripped is not None and tripped.scope is not None:  # the budget scope that refused
-        extra = {**(extra or {}), "scope": tripped.scope}
-    return extra
+        line["scope"] = tripped.scope

@@ -57,6 +57,29 @@ def test_a_plain_success_writes_one_line_that_carries_its_call(
     assert 0 <= line["call_ms"] <= line["latency_ms"]
 
 
+def test_a_line_is_the_standard_librarys_json_text_whatever_its_characters(
+    app_client: AppClient, guards_log: LogLines
+) -> None:
+    # Lines are made with orjson (guards/observe/_json.py); a character outside ASCII is
+    # escaped as `json.dumps` escapes it, so a line's bytes do not depend on the encoder.
+    model = "@cf/test/modèle-✓"
+    guards = Guards(FakeBinding(Reply("Hi.")))
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/hello")
+    @guards.route(model=model)
+    async def hello(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "hello"})
+
+    assert app_client(app).post("/hello").status_code == 200
+    [text] = guards_log.lines
+    line = json.loads(text)
+    assert line["model"] == model
+    assert text == json.dumps(line, separators=(",", ":"))
+    assert text.isascii()
+
+
 def test_a_request_that_made_two_calls_writes_both_then_its_line(
     app_client: AppClient, guards_log: LogLines
 ) -> None:
