@@ -1,14 +1,12 @@
 """`Tx`: the write transaction a batch of the store's operations runs in, and each operation's
 reads and writes within it.
 
-Atomicity: operations run inside `BEGIN IMMEDIATE` transactions (the write lock is taken before
-anything is read, so no other worker can write until COMMIT), and each check and charge is one
-conditional statement: `INSERT ... SELECT ... WHERE <the limit allows>` (with `ON CONFLICT DO
-UPDATE ... WHERE` for counters), whose row count or `RETURNING` says whether it was admitted.
-The breaker's state machine and a task's claim are the exceptions: the row is read and the
-result of the pure decision (`admit` / `record`, `_task.refusal`) written back within the
-transaction, which is atomic because the write lock is held from its start. Python never
-decides a write from a value read outside the write lock.
+Atomicity: operations run inside `BEGIN IMMEDIATE` transactions: the write lock is taken before
+anything is read, so no other worker can write until COMMIT. Within one, a check reads what it
+needs (the window's last admissions, the day's count, the spend settled and held, the breaker's
+row, a task's record), the pure decision is made in Python (`_limits`, `admit` / `record`,
+`_task.refusal`) and its writes follow in the same transaction. That is atomic because the
+write lock is held from the start: Python never decides a write from a value read outside it.
 """
 
 from __future__ import annotations
