@@ -85,13 +85,10 @@ def ledger() -> Recorder:
     return Recorder()
 
 
-@pytest.fixture
-def post(
-    fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, app_client: AppClient, ledger: Recorder
-) -> Post:
-    """`post(wire, format)`: one request to a structured streaming route whose model is on
-    `wire`, answered in `format`, read to its end."""
-    guards = Guards(
+def both_wires(fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, ledger: Recorder) -> Guards:
+    """Guards whose main binding is the Workers AI fake and whose `openai` provider the
+    OpenAI-compatible one, recording every attempt in `ledger`."""
+    return Guards(
         WorkersAI(
             account_id=fake_workers_ai.account_id,
             api_token=fake_workers_ai.api_token,
@@ -101,6 +98,15 @@ def post(
         sleep=no_sleep,
         ledger=ledger,
     )
+
+
+@pytest.fixture
+def post(
+    fake_workers_ai: FakeWorkersAI, fake_openai: FakeOpenAI, app_client: AppClient, ledger: Recorder
+) -> Post:
+    """`post(wire, format)`: one request to a structured streaming route whose model is on
+    `wire`, answered in `format`, read to its end."""
+    guards = both_wires(fake_workers_ai, fake_openai, ledger)
     app = FastAPI()
     guards.install(app)
     for wire, model in WIRES.items():
@@ -334,16 +340,7 @@ def test_a_structured_answer_rejected_inside_the_hold_is_answered_by_the_next_mo
     """With a hold, a JSON route's held start that can no longer be JSON of its type, or a
     whole answer inside the hold that fails its schema, moves on to the next model before the
     commit: the client sees only the next model's answer."""
-    guards = Guards(
-        WorkersAI(
-            account_id=fake_workers_ai.account_id,
-            api_token=fake_workers_ai.api_token,
-            base_url=fake_workers_ai.base_url,
-        ),
-        providers={"openai": OpenAICompatible(api_key=fake_openai.api_key, base_url=fake_openai.base_url)},
-        sleep=no_sleep,
-        ledger=ledger,
-    )
+    guards = both_wires(fake_workers_ai, fake_openai, ledger)
     app = FastAPI()
     guards.install(app)
     options: dict[str, Any] = {} if stream_format == "guards" else {"stream_format": UI_MESSAGE_STREAM}
