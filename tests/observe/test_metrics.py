@@ -25,6 +25,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 import guards.observe._metrics
+import guards.observe._prometheus
 from app.service import create_app
 from fixtures import Fail, FakeWorkersAI, ManualClock, Reply
 from guards import AI, CircuitState, GuardName, Guards, Kind, Price, Reason, Retry, render_metrics
@@ -61,6 +62,30 @@ def parse(text: str) -> dict[Series, float]:
     }
 
 
+#: The label names guards' metrics may carry: each takes its values from a closed set.
+LABELS = frozenset(
+    {
+        "route",
+        "outcome",
+        "guard",
+        "reason",
+        "model",
+        "kind",
+        "action",
+        "le",
+        "position",
+        "type",
+        "to",
+        "tier",
+        "hint",
+        "scope",  # a budget's scope: a name the app configured, never a budget key
+        "unit",  # tokens, spend
+        "store",  # the store's kind (redis, sqlite): never its URL
+        "what",  # a resumable stream's events, writes, dropped
+    }
+)
+
+
 def scrape(client: httpx.Client) -> str:
     response = client.get("/metrics")
     assert response.status_code == 200
@@ -86,26 +111,8 @@ def assert_no_user_data(text: str, *secrets: str) -> None:
     """No label carries a user's text, a budget key or a free-text detail."""
     for secret in secrets:
         assert secret not in text
-    allowed = {
-        "route",
-        "outcome",
-        "guard",
-        "reason",
-        "model",
-        "kind",
-        "action",
-        "le",
-        "position",
-        "type",
-        "to",
-        "tier",
-        "hint",
-        "scope",  # a budget's scope: a name the app configured, never a budget key
-        "unit",  # tokens, spend
-        "store",  # the store's kind (redis, sqlite): never its URL
-    }
     for (name, labels), _ in parse(text).items():
-        assert {label for label, _ in labels} <= allowed, name
+        assert {label for label, _ in labels} <= LABELS, name
         for label, value in labels:
             assert len(value) <= 80, (name, label)
             assert "attempt(s)" not in value
@@ -665,3 +672,11 @@ def test_guards_metrics_are_made_when_first_needed() -> None:
     assert made._labelnames == ("route",)
     assert tuple(made._upper_bounds) == metric.upper_bounds()
     assert REGISTRY._names_to_collectors["guards_request_duration_seconds_bucket"] is made
+
+
+def test_every_metric_guards_declares_has_only_closed_set_labels() -> None:
+    """Every metric, not only those a test happened to touch first in this process."""
+    declared = guards.observe._prometheus.METRICS
+    assert len(declared) >= 25
+    for metric in declared:
+        assert set(metric._labelnames) <= LABELS, metric._name
