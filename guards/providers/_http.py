@@ -117,7 +117,7 @@ class _AdmittedTransport(httpx.AsyncBaseTransport):
         except BaseException:
             admission.release()
             raise
-        response.stream = _Released(response.stream, admission)
+        response.stream = (_ReleasedLate if waited else _Released)(response.stream, admission)
         return response
 
     async def aclose(self) -> None:
@@ -142,6 +142,30 @@ class _Released(httpx.AsyncByteStream):
             admission, self._admission = self._admission, None
             if admission is not None:
                 admission.release()
+
+
+class _ReleasedLate(_Released):
+    """The body of a request that waited for admission: cancelled before it is read and closed
+    (the answer began, but its deadline, mostly spent in the queue, passed before it ended), it
+    says so as a cancellation before the head does (`ADMITTED_LATE`). Only a request that waited
+    pays for the wrapper."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._late(self._stream)
+
+    @staticmethod
+    async def _late(stream: httpx.AsyncByteStream) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in stream:
+                yield chunk
+        except asyncio.CancelledError:
+            raise asyncio.CancelledError(ADMITTED_LATE) from None
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        except asyncio.CancelledError:
+            raise asyncio.CancelledError(ADMITTED_LATE) from None
 
 
 def refuse_encoded(response: httpx.Response, provider: str) -> None:

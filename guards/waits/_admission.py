@@ -18,9 +18,9 @@ the cancelled call did is told to the walk in the `CancelledError`'s argument, s
 request that outlasted its deadline in our own queue is not blamed on the provider:
 
 - `NOT_ADMITTED`: cancelled while waiting; the call never left (no attempt, no verdict);
-- `ADMITTED_LATE`: it waited, got a connection, and was cancelled before the answer began; it
-  ran on what was left of its deadline, so its timeout says nothing of the provider (an
-  attempt, but no breaker verdict).
+- `ADMITTED_LATE`: it waited, got a connection, and was cancelled before its answer was read
+  to the end (before the head came, or while its body came); it ran on what was left of its
+  deadline, so its timeout says nothing of the provider (an attempt, but no breaker verdict).
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def never_admitted(exc: BaseException | None) -> bool:
 
 
 def waited_for_admission(exc: BaseException | None) -> bool:
-    """Whether `exc` ended a call that waited for admission, before its answer began (whether
-    or not it got a connection): its deadline was spent in our queue, not on the provider."""
+    """Whether `exc` ended a call that waited for admission, before its answer was read
+    (whether or not it got a connection): its deadline was spent in our queue, not on the
+    provider."""
     return _cancelled_as(exc) in (NOT_ADMITTED, ADMITTED_LATE)

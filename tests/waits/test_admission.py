@@ -128,6 +128,32 @@ def test_a_request_that_waited_then_ran_out_of_deadline_is_no_verdict_on_the_mod
     assert httpx.post(f"{base}/short", timeout=10).json() == "Hello!"
 
 
+def test_a_request_that_waited_then_ran_out_of_deadline_reading_its_answer_is_no_verdict(
+    fake_workers_ai: FakeWorkersAI, serve: Serve, guards_log: LogLines
+) -> None:
+    """The answer began (its head came) but its body did not come before the deadline, which
+    the request had spent most of in the queue: still no verdict on the model."""
+    fake = fake_workers_ai
+    fake.script(MODEL, Hang(), Reply("Hello!", body_delay_s=5))
+    base = str(serve(small_pool_app(fake)).base_url)
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+            holder = asyncio.ensure_future(client.post("/short"))  # holds the connection for 0.3 s
+            await wait_for_calls(fake, 1)
+            late = asyncio.ensure_future(client.post("/long"))  # gets it then: head, no body
+            return await holder, await late
+
+    holder, late = asyncio.run(scenario())
+    assert_error(holder, 503, "model_temporarily_unavailable", True)
+    assert_error(late, 503, "model_temporarily_unavailable", True)
+    assert len(fake.calls) == 2
+    assert request_line(guards_log, late.headers["x-trace-id"])["attempts"] == 1
+    # One failure (the holder's), not two: the breaker (threshold 2) is closed.
+    fake.default = Reply("Hello!")
+    assert httpx.post(f"{base}/short", timeout=10).json() == "Hello!"
+
+
 def test_waiters_are_admitted_newest_first_and_a_cancelled_one_holds_nothing(
     fake_workers_ai: FakeWorkersAI,
 ) -> None:
