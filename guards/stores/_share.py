@@ -139,21 +139,17 @@ def share_apply(
         state.hash_put(f"{minute}:h", reservation, f"{name} {amount!r}", _TTL_S, now)
 
 
-def _adjust(state: ShareState, minute: str, name: str, requests: float, tokens: float, now: float) -> None:
-    entry = state.hash_all(minute, now).get(name)
-    if entry is None:
-        return
-    weight, had, held = (float(part) for part in entry.split(" "))
-    state.hash_put(
-        minute, name, _entry(weight, max(had + requests, 0.0), max(held + tokens, 0.0)), _TTL_S, now
-    )
-
-
 def share_settle(state: ShareState, key: str, reservation: str, tokens: float, now: float) -> None:
     """Settle the tenant's token hold `reservation` to `tokens`, if made this minute (a hold of
     a minute gone is gone with it)."""
     minute = _minute_key(key, now)
     hold = state.hash_pop(f"{minute}:h", reservation, now)
-    if hold is not None:
-        name, amount = hold.split(" ")
-        _adjust(state, minute, name, 0.0, tokens - float(amount), now)
+    if hold is None:
+        return
+    name, amount = hold.split(" ")
+    entry = state.hash_all(minute, now).get(name)
+    if entry is not None:
+        weight, requests, held = (float(part) for part in entry.split(" "))
+        state.hash_put(
+            minute, name, _entry(weight, requests, max(held + tokens - float(amount), 0.0)), _TTL_S, now
+        )

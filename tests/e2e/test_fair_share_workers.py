@@ -1,7 +1,10 @@
 """Fair shares of a shared upstream limit across two workers on Redis, over real HTTP: two apps,
 each served by uvicorn with its own `RedisStore` on one Redis (the store's clock a manual one,
-so the burst lands in one minute), tenant A sending 200 requests and tenant B 20 at once: each
-gets at least its share of 20 a minute, and together never more than 20. (The store's own test,
+so the burst lands in one minute), tenants A and B active (one request each), then A sending
+200 requests and B 20 at once: each gets at least its share of 20 a minute, and together never
+more than 20. (A share is kept for a tenant from its first request of the minute on: what
+another took before that is not given back, so the tenants' first requests come first here,
+where the order of a burst's arrivals is the network's.) (The store's own test,
 tests/stores/test_store_share.py, sends 600 and 60 against 60 on every store.)"""
 
 from __future__ import annotations
@@ -65,7 +68,10 @@ def test_two_tenants_at_10x_and_1x_demand_each_get_their_share_across_two_worker
         LiveServer(worker(make_store(clock), fake)) as one,
         LiveServer(worker(make_store(clock), fake)) as two,
     ):
-        answers = asyncio.run(burst([one.url, two.url], tenants))
+        # Both active first (one request each, one per worker), then the burst.
+        first = [asyncio.run(burst([url], [tenant]))[0] for url, tenant in ((one.url, "a"), (two.url, "b"))]
+        answers = [*first, *asyncio.run(burst([one.url, two.url], tenants))]
+    tenants = ["a", "b", *tenants]
     admitted = Counter(t for t, a in zip(tenants, answers, strict=True) if a.status_code == 200)
     assert admitted["a"] >= 10
     assert admitted["b"] >= 10

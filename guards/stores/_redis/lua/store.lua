@@ -212,12 +212,14 @@ end
 local function share_settle(c, reservation, tokens, requests)
   local key = share_key(c)
   local hold = redis.call('HGET', key .. ':h', 'h:' .. reservation)
-  local name, amount = c.tenant, 0
+  local name, amount
   if hold then
     name, amount = string.match(hold, '^(%S+) (%S+)$')
     redis.call('HDEL', key .. ':h', 'h:' .. reservation)
   elseif requests == 0 then
     return
+  else
+    name, amount = share_name(c, share_tenants(key)), 0
   end
   local value = redis.call('HGET', key, name)
   if not value then return end
