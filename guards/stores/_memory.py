@@ -498,8 +498,9 @@ class _State:
     # The primitives of `_share` (a shared limit's minute): a hash is a dict, with its expiry.
 
     def hash_all(self, key: str, now: float) -> dict[str, str]:
+        # (Never changed in place: `hash_put` and `hash_pop` replace the dict.)
         fields: dict[str, str] = self._store._get(key, now, ({}, 0.0))[0]
-        return dict(fields)
+        return fields
 
     def hash_put(self, key: str, name: str, value: str, ttl_s: float, now: float) -> None:
         fields, expires = self._store._get(key, now, ({}, now + ttl_s))

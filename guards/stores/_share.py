@@ -11,6 +11,7 @@ minute's tenants (bounded), decides with `decide` (pure), and the charge writes 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -52,12 +53,15 @@ def _minute_key(key: str, now: float) -> str:
     return f"{bounded_key(key)}:share:{int(now // MINUTE_S)}"
 
 
+@functools.lru_cache(maxsize=4096)
+def _parsed(value: str) -> tuple[float, float, float]:
+    # Most of a minute's entries are read unchanged by each request: parsed once (bounded).
+    weight, requests, tokens = value.split(" ")
+    return float(weight), float(requests), float(tokens)
+
+
 def _tenants(state: ShareState, key: str, now: float) -> dict[str, tuple[float, float, float]]:
-    tenants = {}
-    for name, value in state.hash_all(key, now).items():
-        weight, requests, tokens = value.split(" ")
-        tenants[name] = (float(weight), float(requests), float(tokens))
-    return tenants
+    return {name: _parsed(value) for name, value in state.hash_all(key, now).items()}
 
 
 def _entry(weight: float, requests: float, tokens: float) -> str:
@@ -149,7 +153,7 @@ def share_settle(state: ShareState, key: str, reservation: str, tokens: float, n
     name, amount = hold.split(" ")
     entry = state.hash_all(minute, now).get(name)
     if entry is not None:
-        weight, requests, held = (float(part) for part in entry.split(" "))
+        weight, requests, held = _parsed(entry)
         state.hash_put(
             minute, name, _entry(weight, requests, max(held + tokens - float(amount), 0.0)), _TTL_S, now
         )
