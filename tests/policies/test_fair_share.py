@@ -117,3 +117,9 @@ def test_what_a_shared_limit_cannot_be_fails_at_start_up(make: Callable[[], obje
 def test_a_token_share_needs_max_tokens() -> None:
     with pytest.raises(ConfigurationError, match="declare max_tokens"):
         app_of(MemoryStore(), FakeBinding(Reply("ok")), tenants(SharedLimit(tokens_per_minute=100)))
+
+
+def test_a_strict_routes_openapi_says_a_shared_limit_may_answer_429() -> None:
+    app = app_of(MemoryStore(), FakeBinding(Reply("ok")), tenants(SharedLimit(per_minute=5)))
+    responses = app.openapi()["paths"]["/label"]["post"]["responses"]
+    assert "429" in responses
