@@ -172,6 +172,7 @@ class SharedLimit:
             )
         for tenant, weight in self.weights.items():
             number(f"SharedLimit.weights[{tenant!r}]", weight, above=0)
+        object.__setattr__(self, "weights", dict(self.weights))  # the caller's dict may change
 
     def share(self, tenant: str) -> Share:
         """The store's `Share` of `tenant`'s request."""
@@ -281,7 +282,7 @@ class Budget:
     def _check_shared(self) -> None:
         if not isinstance(self.shared, SharedLimit):
             raise ConfigurationError(f"Budget.shared must be a SharedLimit; got {self.shared!r}")
-        own = [name for name in (*_COUNTED, "spend_per_day", "spend_per_month", "soft_limit")]
+        own = (*_COUNTED, "spend_per_day", "spend_per_month", "soft_limit")
         if any(getattr(self, name) is not None for name in own):
             raise ConfigurationError(
                 "a Budget with shared=SharedLimit(...) holds only the shared limit: give the "

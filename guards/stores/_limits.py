@@ -8,7 +8,10 @@ of tokens is a held counter whose holds last 60 s and are never moved to a total
 replaces its amount in place, so the window is exact to the usage reported.
 
 Every scope's charge is checked with nothing written, then every one is written: the caller
-(`run_step`'s store) makes the whole atomic, so a refusal by any scope charges none.
+(`run_step`'s store) makes the whole atomic, so a refusal by any scope charges none. (A
+shared limit's fair share, `_share`, is checked and charged likewise; the one write a refusal
+makes is the tenant of a share that refused it counted active in the minute: it charges
+nothing.)
 """
 
 from __future__ import annotations
