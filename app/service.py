@@ -37,6 +37,7 @@ from guards import (
     Guards,
     GuardTripped,
     LastGood,
+    SharedLimit,
     Task,
     UIChatRequest,
     header_key,
@@ -424,6 +425,17 @@ def create_app(
                 per_day=settings.tenant_daily_call_limit,
                 key=header_key("x-tenant-id"),
                 scope="tenant",
+                on_store_failure=failure or "closed",
+            )
+        )
+
+    if settings.fair_share_per_minute is not None:
+        # The model's upstream limit, shared by the tenants: each active one keeps its share.
+        summary_budgets.append(
+            Budget(
+                key=header_key("x-tenant-id"),
+                scope="upstream",
+                shared=SharedLimit(per_minute=settings.fair_share_per_minute),
                 on_store_failure=failure or "closed",
             )
         )

@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     tokens_per_day: int | None = Field(default=None, ge=1)
     #: Calls per tenant (`x-tenant-id`) per UTC day on /summary, admitted with the user's budget.
     tenant_daily_call_limit: int | None = Field(default=None, ge=1)
+    #: Requests per UTC minute on /summary shared fairly by the tenants (`x-tenant-id`): the
+    #: model's upstream limit (unset: none).
+    fair_share_per_minute: int | None = Field(default=None, ge=1)
     #: Calls per user per UTC calendar month, on /summary and /report together.
     monthly_call_limit: int | None = Field(default=None, ge=1)
     breaker_failure_threshold: int = Field(default=5, ge=1)

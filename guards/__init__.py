@@ -43,7 +43,7 @@ if typing.TYPE_CHECKING:
     from .observe._ledger import Attempt, Ledger, LogLedger
     from .observe._log import flush_logs
     from .observe._metrics import render_metrics
-    from .policies._budget import Budget, Price, StoreFailureMode, client_key, header_key
+    from .policies._budget import Budget, Price, SharedLimit, StoreFailureMode, client_key, header_key
     from .policies._call import Retry
     from .policies._chain import Chain, Model, ModelRef, Profile, flatten_chain
     from .policies._cooldown import Cooldown
@@ -119,6 +119,7 @@ __all__ = [
     "Retry",
     "RetryBudget",
     "ServiceLevel",
+    "SharedLimit",
     "StoreFailureMode",
     "StatusReport",
     "StreamEnd",
@@ -203,6 +204,7 @@ _PUBLIC = {
     "PublicError": ".contracts._responses",
     "public_error": ".contracts._responses",
     "RetryBudget": ".policies._retry_budget",
+    "SharedLimit": ".policies._budget",
     "FallbackFunction": ".routes._route",
     "ReasoningDelta": ".contracts._stream",
     "StreamEnd": ".contracts._stream",

@@ -377,7 +377,7 @@ PUBLIC = {
     "GUARDS_EVENTS", "GuardName", "GuardTripped", "Guards", "GuardsError", "Kind", "LastGood",
     "Ledger", "Level", "LogLedger", "Model", "ModelDown", "ModelRef", "Moderation", "Outcome", "Price",
     "Problem", "Profile", "ProviderError", "PublicError", "Reason", "ReasoningDelta", "Retry",
-    "RetryBudget", "ServiceLevel", "StatusReport", "StoreFailureMode", "StreamEnd", "StreamEvent",
+    "RetryBudget", "ServiceLevel", "SharedLimit", "StatusReport", "StoreFailureMode", "StreamEnd", "StreamEvent",
     "StreamFormat", "StreamHold", "StreamWriter", "StreamingBinding", "SystemClock", "Task", "TextDelta",
     "Throttled", "Tier", "ToolCall", "ToolCallDelta", "UIChatRequest", "UIMessage", "UIPart",
     "UI_MESSAGE_STREAM", "Usage", "bearer_token", "classify", "client_key", "estimate_effort",

@@ -175,6 +175,7 @@ CHECKED = {
     ("guards/budget.md", "python", 3): "test_soft_limit_example_warns_then_downgrades",
     ("guards/budget.md", "python", 4): "test_prices_example_bills_as_its_comments_say",
     ("guards/budget.md", "python", 5): "test_price_table_example_prices_what_the_app_did_not",
+    ("guards/budget.md", "python", 6): "test_fair_share_example_splits_the_limit_by_weight",
     ("effort-routing.md", "python", 0): "test_effort_example_routes_by_effort",
     ("effort-routing.md", "python", 1): "test_effort_override_example_escalates_premium_users",
     ("last-good.md", "python", 0): "test_last_good_example_serves_the_last_answer",
@@ -627,6 +628,40 @@ def test_soft_limit_example_warns_then_downgrades(use_fake_ai: Any) -> None:
     big, small = "@cf/meta/llama-3.3-70b-instruct-fp8-fast", "@cf/meta/llama-3.1-8b-instruct"
     assert [call.model for call in fake.calls] == [big] * 81 + [small] * 19
     assert answers[100].json()["fallback"]["reason"] == "budget_exceeded"
+
+
+def test_fair_share_example_splits_the_limit_by_weight(use_fake_ai: Any) -> None:
+    # The section's block, on top of "Guard a route of your own" (its app, guards and types).
+    example = readme_example()
+    run_block(example, "guards/budget.md", 6)
+    fake = use_fake_ai(example["app"])
+    fake.default = Reply({"label": "billing", "urgent": False})
+
+    async def scenario(tenants: list[str]) -> list[str]:
+        async with asgi_client(example["app"]) as client:
+            body, admitted = {"text": "I was charged twice"}, []
+            for tenant in tenants:
+                answer = await client.post("/triage/shared", json=body, headers={"x-tenant-id": tenant})
+                if answer.json()["fallback"] is None:
+                    admitted.append(tenant)
+                else:
+                    assert answer.json()["fallback"]["reason"] == "rate_limited"
+            return admitted
+
+    def in_one_minute(tenants: list[str]) -> list[str]:
+        """`scenario` on a fresh store, within one UTC minute (the shared limit's window): run
+        again, once, if a minute began meanwhile (it takes well under a second)."""
+        for _ in range(2):
+            example["guards"].replace_store(MemoryStore())
+            minute = time.time() // 60
+            admitted = anyio.run(scenario, tenants)
+            if time.time() // 60 == minute:
+                return admitted
+        raise AssertionError("two minutes began during two runs of under a second each")
+
+    admitted = in_one_minute(["acme", "globex"] * 30)  # both want more than 40
+    assert (admitted.count("acme"), admitted.count("globex")) == (30, 10)
+    assert in_one_minute(["globex"] * 41) == ["globex"] * 40  # alone: the whole limit
 
 
 def test_budget_keys_example_keys_by_the_principal(use_fake_ai: Any) -> None:
@@ -1542,6 +1577,13 @@ def test_azure_openai_example_answers_through_the_fake(monkeypatch: pytest.Monke
         assert answer["fallback"]["reason"] == "moderation_blocked"
         assert answer["data"] == "Sorry, try again later."
         assert [c.model for c in server.calls] == ["gpt-4o-mini-prod"]
+
+
+def test_example_app_settings_table_names_every_setting() -> None:
+    """docs/example-app.md's table of settings names each variable the app reads."""
+    table = page_path("example-app.md").read_text()
+    missing = [name.upper() for name in Settings.model_fields if f"{name.upper()}`" not in table]
+    assert missing == []
 
 
 def test_example_app_provider_lines_start_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

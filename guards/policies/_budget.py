@@ -19,7 +19,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from starlette.requests import Request
@@ -27,9 +27,9 @@ from starlette.requests import Request
 from ..contracts._errors import ConfigurationError, GuardTripped
 from ..contracts._settings import choice, number, settings, whole
 from ..contracts._vocabulary import Reason
-from ..stores import Admission, Charge, MoreLimits
+from ..stores import Admission, Charge, MoreLimits, Share
 
-__all__ = ["Budget", "Price", "StoreFailureMode", "client_key", "header_key"]
+__all__ = ["Budget", "Price", "SharedLimit", "StoreFailureMode", "client_key", "header_key"]
 
 
 def client_key(request: Request) -> str:
@@ -143,6 +143,42 @@ def price_of(prices: Mapping[str, Price], key: str) -> Price | None:
     return found if found is not None else prices.get("*")
 
 
+@settings
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SharedLimit:
+    """An upstream limit shared fairly by the tenants of a budget (its `key`), per UTC minute
+    (see docs/guards/budget.md, "Fair shares of a shared limit").
+
+    `per_minute`: requests, `tokens_per_minute`: tokens (the route must declare `max_tokens`),
+    in each UTC minute, for every tenant together (at least one of the two). While the minute
+    is under a limit every request is admitted; once contended, each tenant active in the
+    minute (admitted or refused) is guaranteed its share, `limit x weight / (the weights of the
+    minute's active tenants)`, and a tenant past its share is refused first (`rate_limited`).
+    `weights`: a tenant's weight by its key (a number above 0; others weigh 1).
+    """
+
+    per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    weights: Mapping[str, float] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        whole("SharedLimit.per_minute", self.per_minute, none="no limit")
+        whole("SharedLimit.tokens_per_minute", self.tokens_per_minute, none="no limit")
+        if self.per_minute is None and self.tokens_per_minute is None:
+            raise ConfigurationError("SharedLimit needs per_minute, tokens_per_minute or both")
+        if not isinstance(self.weights, Mapping) or not all(isinstance(k, str) for k in self.weights):
+            raise ConfigurationError(
+                f"SharedLimit.weights must map tenant keys to weights; got {self.weights!r}"
+            )
+        for tenant, weight in self.weights.items():
+            number(f"SharedLimit.weights[{tenant!r}]", weight, above=0)
+        object.__setattr__(self, "weights", dict(self.weights))  # the caller's dict may change
+
+    def share(self, tenant: str) -> Share:
+        """The store's `Share` of `tenant`'s request."""
+        return Share(tenant, float(self.weights.get(tenant, 1)), self.per_minute, self.tokens_per_minute)
+
+
 #: A budget's limits in whole units (requests, tokens).
 _COUNTED = ("per_minute", "per_day", "per_month", "tokens_per_minute", "tokens_per_day", "tokens_per_month")
 
@@ -177,6 +213,9 @@ class Budget:
     budget's limits is past that fraction of itself, this request's charge included, is near
     the cap: its answer says so (`x-ai-budget`), and it is logged (`budget_near`) and counted
     (`guards_budget_near_total`). None (the default): no soft limit.
+    `shared`: an upstream limit that the budget's keys (its tenants) share fairly
+    (`SharedLimit`), counted under the budget's `scope`; a budget with `shared` has no other
+    limit (give the tenants' own limits another budget of the route) and no `"local"` mode.
     """
 
     per_minute: int | None = None
@@ -192,8 +231,11 @@ class Budget:
     tokens_per_month: int | None = None
     workers: int | None = None
     soft_limit: float | None = None
+    shared: SharedLimit | None = None
 
     def __post_init__(self) -> None:
+        if self.shared is not None:
+            self._check_shared()
         soft = self.soft_limit
         if soft is not None and not (
             not isinstance(soft, bool) and isinstance(soft, int | float) and 0 < soft < 1
@@ -237,6 +279,21 @@ class Budget:
                         f"{name} of at least {self.workers}"
                     )
 
+    def _check_shared(self) -> None:
+        if not isinstance(self.shared, SharedLimit):
+            raise ConfigurationError(f"Budget.shared must be a SharedLimit; got {self.shared!r}")
+        own = (*_COUNTED, "spend_per_day", "spend_per_month", "soft_limit")
+        if any(getattr(self, name) is not None for name in own):
+            raise ConfigurationError(
+                "a Budget with shared=SharedLimit(...) holds only the shared limit: give the "
+                "tenants' own limits another Budget of the route (with its own scope)"
+            )
+        if self.on_store_failure == "local":
+            raise ConfigurationError(
+                'Budget(shared=...) has no on_store_failure="local": a share needs every '
+                'tenant\'s count ("closed" or "open")'
+            )
+
     @property
     def spend_capped(self) -> bool:
         """Whether the budget caps spend (daily or monthly)."""
@@ -249,6 +306,7 @@ class Budget:
             self.tokens_per_minute is not None
             or self.tokens_per_day is not None
             or self.tokens_per_month is not None
+            or (self.shared is not None and self.shared.tokens_per_minute is not None)
         )
 
     @property
@@ -260,6 +318,7 @@ class Budget:
             and self.spend_per_month is None
             and not self.token_capped
             and self.soft_limit is None
+            and self.shared is None
         )
 
 
@@ -280,6 +339,10 @@ def scoped_charge(
     the others in its `MoreLimits.also`, each under `guards:{scope}:{caller}`."""
     charges = []
     for budget, scope, caller in zip(budgets, scopes, callers, strict=True):
+        if budget.shared is not None:  # one key for every tenant: the limit's
+            share = budget.shared.share(caller)
+            charges.append(Charge(f"guards:{scope}", None, None, None, 0.0, hold_s, MoreLimits(share=share)))
+            continue
         key = f"guards:{scope}:{caller}"
         more = MoreLimits(
             per_month=budget.per_month,
@@ -356,6 +419,14 @@ _REFUSALS: dict[str, tuple[Reason, str]] = {
     "tokens_per_minute": (Reason.rate_limited, "at most {} tokens per minute"),
     "tokens_per_day": (Reason.budget_exceeded, "daily cap of {} tokens reached"),
     "tokens_per_month": (Reason.budget_exceeded, "monthly cap of {} tokens reached"),
+    "shared_per_minute": (
+        Reason.rate_limited,
+        "shared limit of {} requests per minute reached for this tenant",
+    ),
+    "shared_tokens_per_minute": (
+        Reason.rate_limited,
+        "shared limit of {} tokens per minute reached for this tenant",
+    ),
 }
 
 
@@ -366,7 +437,9 @@ def budget_refusal(budget: Budget, admission: Admission, scope: str) -> GuardTri
     limit = admission.refused_by or "per_day"
     reason, text = _REFUSALS.get(limit, _REFUSALS["per_day"])
     value = getattr(budget, limit, None)
+    if limit.startswith("shared_") and budget.shared is not None:
+        value = getattr(budget.shared, limit.removeprefix("shared_"))
     detail = text.format(value)
-    if admission.retry_after_s is None and limit.startswith("tokens_"):
+    if admission.retry_after_s is None and "tokens_" in limit:
         detail = f"the request holds more tokens than {limit}={value} allows"
     return GuardTripped(reason, f"{scope}: {detail}", retry_after_s=admission.retry_after_s, scope=scope)

@@ -251,8 +251,12 @@ def error_statuses(route: GuardedRoute) -> dict[int, list[ErrorCode]]:
 
 def _possible(route: GuardedRoute, code: ErrorCode) -> bool:
     budget = route.budget
-    if code is ErrorCode.rate_limited:  # a per-minute limit, or too many live tasks
-        return (budget is not None and budget.per_minute is not None) or route.task is not None
+    if code is ErrorCode.rate_limited:  # a per-minute limit, a shared limit, or too many live tasks
+        return (
+            (budget is not None and budget.per_minute is not None)
+            or route.task is not None
+            or any(each.shared is not None for each in route.budgets)
+        )
     if code is ErrorCode.budget_exceeded:
         return budget is not None and budget.per_day is not None
     if code is ErrorCode.circuit_open:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ._base import (
     DAILY_TTL_S,
     MAX_KEY_CHARS,
+    SHARE_TENANTS_CAP,
     TOKEN_WINDOW_CAP,
     Admission,
     BreakerDecision,
@@ -20,6 +21,7 @@ from ._base import (
     Outcome,
     Passage,
     Report,
+    Share,
     SpendReservation,
     Step,
     Store,
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DAILY_TTL_S",
     "MAX_KEY_CHARS",
+    "SHARE_TENANTS_CAP",
     "TOKEN_WINDOW_CAP",
     "Admission",
     "BreakerDecision",
@@ -54,6 +57,7 @@ __all__ = [
     "RedisStore",
     "Report",
     "SQLiteStore",
+    "Share",
     "SpendReservation",
     "Step",
     "Store",

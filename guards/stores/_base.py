@@ -38,6 +38,7 @@ __all__ = [
     "MAX_KEY_CHARS",
     "MINUTE_S",
     "MONTHLY_TTL_S",
+    "SHARE_TENANTS_CAP",
     "TOKEN_WINDOW_CAP",
     "Admission",
     "BreakerDecision",
@@ -48,6 +49,7 @@ __all__ = [
     "Outcome",
     "Passage",
     "Report",
+    "Share",
     "SpendReservation",
     "Step",
     "Store",
@@ -72,6 +74,12 @@ MONTHLY_TTL_S = 32 * DAY_S + 3_600.0
 #: The most token holds a key's `tokens_per_minute` window keeps: a charge that would add one
 #: more is refused (`tokens_per_minute`) until the oldest leaves the window.
 TOKEN_WINDOW_CAP = 10_000
+#: The most tenants a shared limit's minute tracks (`Share`): past it, a tenant the minute has
+#: not seen yet is counted in one overflow bucket (`SHARE_OVERFLOW`, weight 1) with every other
+#: such tenant.
+SHARE_TENANTS_CAP = 256
+#: The overflow bucket's name in a shared limit's minute (no tenant's hex name can be it).
+SHARE_OVERFLOW = "*"
 
 
 #: The longest key a store keeps as it is given; a longer one is hashed (see `bounded_key`).
@@ -212,6 +220,29 @@ class MoreLimits:
     also: tuple[Charge, ...] = ()
     soft: Charge | None = None
     watched: bool = False
+    share: Share | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """A shared upstream limit's fair share (issue 43), charged under its charge's key (the
+    shared limit's, not the tenant's), in the same all-or-nothing step as the rest: the UTC
+    minute of the store's clock (a fixed window) counts each active tenant's requests and
+    tokens (`MoreLimits.tokens`, held, then settled to the usage); a tenant is active once it
+    was admitted or refused by the share in the minute, and its share of a limit `L` is
+    `L x weight / (the weights of the minute's active tenants)`.
+
+    A request that fits in its tenant's share is admitted while the minute's total stays within
+    `L`; any other only from what no other active tenant's unused share needs (admitted when
+    `total + amount <= L - sum(max(0, share_j - used_j))` over the other active tenants). A
+    refusal (`shared_per_minute`, `shared_tokens_per_minute`) waits for the minute's end.
+    `tenant` is the tenant's key (bounded as any key is: `bounded_key`), `weight` its weight
+    (above 0). At most `SHARE_TENANTS_CAP` tenants a minute, then one overflow bucket."""
+
+    tenant: str
+    weight: float = 1.0
+    per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
 
 @dataclass(slots=True, kw_only=True)

@@ -8,7 +8,10 @@ of tokens is a held counter whose holds last 60 s and are never moved to a total
 replaces its amount in place, so the window is exact to the usage reported.
 
 Every scope's charge is checked with nothing written, then every one is written: the caller
-(`run_step`'s store) makes the whole atomic, so a refusal by any scope charges none.
+(`run_step`'s store) makes the whole atomic, so a refusal by any scope charges none. (A
+shared limit's fair share, `_share`, is checked and charged likewise; the one write a refusal
+makes is the tenant of a share that refused it counted active in the minute: it charges
+nothing.)
 """
 
 from __future__ import annotations
@@ -26,16 +29,18 @@ from ._base import (
     Admission,
     Charge,
     MoreLimits,
+    Share,
     bounded_key,
     next_month_s,
     utc_day,
     utc_month,
 )
+from ._share import ShareState, share_apply, share_check, share_settle, share_touch
 
 __all__ = ["LimitState", "charge_with_more", "later", "near_scopes", "settle_charge"]
 
 
-class LimitState(Protocol):
+class LimitState(ShareState, Protocol):
     """The primitives a store gives `charge_with_more` and `settle_charge`, inside its atomic
     operation; each key is one `bounded_key` plus a suffix."""
 
@@ -146,6 +151,8 @@ def _check_more(state: LimitState, charge: Charge, more: MoreLimits, now: float)
 
 def _apply_more(state: LimitState, charge: Charge, more: MoreLimits, reservation: str, now: float) -> None:
     key = bounded_key(charge.key)
+    if more.share is not None:
+        share_apply(state, charge.key, more.share, more.tokens, reservation, now)
     if more.per_month is not None:
         state.add_count(f"{key}:month:{utc_month(now)}", MONTHLY_TTL_S, now)
     for counter, limit, amount, _ in _held_limits(key, more, now):
@@ -171,13 +178,21 @@ def charge_with_more(state: LimitState, charge: Charge, now: float) -> tuple[Adm
     assert charge.more is not None
     charges: Sequence[Charge] = (charge, *charge.more.also)
     refusal: Admission | None = None
+    unfair: list[tuple[str, Share]] = []  # the shares that refused (see `share_touch`)
     for index, scoped in enumerate(charges):
         found, _ = state.charge(scoped, now, dry=True, alone=True)
         if scoped.more is not None:
             found = later(found, _check_more(state, scoped, scoped.more, now))
+            if scoped.more.share is not None:
+                shared = share_check(state, scoped.key, scoped.more.share, scoped.more.tokens, now)
+                if shared is not None:
+                    unfair.append((scoped.key, scoped.more.share))
+                    found = later(found, shared)
         if found is not None and later(refusal, found) is found:
             refusal = Admission(False, found.refused_by, found.retry_after_s, index)
     if refusal is not None:
+        for key, share in unfair:  # refused by its share: still active in the minute
+            share_touch(state, key, share, now)
         return refusal, None
     reservation = os.urandom(8).hex() if any(_holds(scoped) for scoped in charges) else None
     for index, scoped in enumerate(charges):
@@ -200,6 +215,8 @@ def settle_charge(
         more = scoped.more
         if more is None:
             continue
+        if more.share is not None and more.share.tokens_per_minute is not None:
+            share_settle(state, scoped.key, sub, float(tokens), now)
         key = bounded_key(scoped.key)
         for counter, limit, _, _ in _held_limits(key, more, now):
             if limit == "tokens_per_minute":

@@ -494,3 +494,23 @@ class _State:
         held = item[0][1].get(reservation)
         if held is not None and held[1] > now:
             item[0][1][reservation] = (actual, held[1])
+
+    # The primitives of `_share` (a shared limit's minute): a hash is a dict, with its expiry.
+
+    def hash_all(self, key: str, now: float) -> dict[str, str]:
+        # (Never changed in place: `hash_put` and `hash_pop` replace the dict.)
+        fields: dict[str, str] = self._store._get(key, now, ({}, 0.0))[0]
+        return fields
+
+    def hash_put(self, key: str, name: str, value: str, ttl_s: float, now: float) -> None:
+        fields, expires = self._store._get(key, now, ({}, now + ttl_s))
+        self._store._data[key] = ({**fields, name: value}, expires)
+
+    def hash_pop(self, key: str, name: str, now: float) -> str | None:
+        fields, expires = self._store._get(key, now, ({}, 0.0))
+        if name not in fields:
+            return None
+        fields = dict(fields)
+        value: str = fields.pop(name)
+        self._store._data[key] = (fields, expires)
+        return value

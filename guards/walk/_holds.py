@@ -54,7 +54,12 @@ def holding(state: RequestState, charge: Charge, inputs: Mapping[str, Any]) -> C
         for each in (charge, *charge.more.also):
             more = each.more
             assert more is not None
-            limited = more.tokens_per_minute or more.tokens_per_day or more.tokens_per_month
+            limited = (
+                more.tokens_per_minute
+                or more.tokens_per_day
+                or more.tokens_per_month
+                or (more.share is not None and more.share.tokens_per_minute)
+            )
             more = dataclasses.replace(
                 more,
                 spend=spend if more.spend_per_month is not None else None,

@@ -97,3 +97,26 @@ def test_token_limits_hold_max_tokens_and_refuse_as_rate_limited(
     assert refused["reason"] == "rate_limited"
     assert refused["detail"] == "summary: at most 700 tokens per minute"
     assert len(fake_workers_ai.calls) == answered
+
+
+def test_a_fair_share_keeps_a_tenants_share_of_the_upstream_limit(
+    make_client: ExampleClient, fake_workers_ai: FakeWorkersAI, manual_clock: ManualClock
+) -> None:
+    """FAIR_SHARE_PER_MINUTE=4: acme alone may take all 4; in the next minute, with globex
+    active too, acme past its share (2) waits while globex's share is unused."""
+    fake_workers_ai.default = Reply(ANSWER)
+    manual_clock.set(float(calendar.timegm((2026, 12, 31, 23, 0, 0))))
+    client = make_client(daily_call_limit=100, fair_share_per_minute=4)
+    assert [summarize(client, f"u{n}", "acme").json()["fallback"] for n in range(4)] == [None] * 4
+    refused = summarize(client, "u5", "acme").json()["fallback"]
+    assert refused["reason"] == "rate_limited"
+    assert refused["detail"] == "upstream: shared limit of 4 requests per minute reached for this tenant"
+    manual_clock.advance(60)
+    assert summarize(client, "ann", "globex").json()["fallback"] is None
+    assert [summarize(client, "bob", "acme").json()["fallback"] is None for _ in range(3)] == [
+        True,
+        True,
+        False,
+    ]
+    assert summarize(client, "ann", "globex").json()["fallback"] is None
+    assert len(fake_workers_ai.calls) == 4 + 4

@@ -26,7 +26,17 @@ from fastapi import FastAPI
 from fixtures import FakeBinding, ManualClock, Reply
 from fixtures.stores import PiecewiseStore
 from guards import AI, Breaker, Budget, CircuitState, Guards, Outcome, header_key
-from guards.stores import DAILY_TTL_S, Admission, SQLiteStore, Store, StoreUnavailable
+from guards.stores import (
+    DAILY_TTL_S,
+    Admission,
+    Charge,
+    MoreLimits,
+    Share,
+    SQLiteStore,
+    Step,
+    Store,
+    StoreUnavailable,
+)
 
 from ..conftest import STORE_TIMEOUT_S, Serve
 
@@ -74,7 +84,8 @@ def row_counts(path: Path) -> dict[str, int]:
 async def leave_state_everywhere(store: PiecewiseStore, clock: ManualClock) -> Breaker:
     """Rows in every table: a rate window, a daily counter, a live hold, settled spend, an open
     breaker and a closed one that counts failures, a cooldown, a last good answer, a task with a
-    saved step, a kept stream and a name pointing at it. Returns the breakers' policy."""
+    saved step, a kept stream and a name pointing at it, a shared limit's minute and its token
+    hold. Returns the breakers' policy."""
     policy = Breaker(failure_threshold=2, reset_timeout_s=30)
     assert (await store.charge_budget("user", per_minute=5, per_day=10)).allowed
     hold = await store.reserve_spend("team", amount=3, cap=10, hold_s=120)
@@ -93,6 +104,11 @@ async def leave_state_everywhere(store: PiecewiseStore, clock: ManualClock) -> B
     assert await store.task_save("guards:task:r:k", task.lease, "summarize", '"s"', lease_s=76)
     assert await store.kept_append("guards:kept:s", ["id: s:1\ndata: x\n\n"], at=0, ttl_s=600)
     await store.kept_set("guards:kept:c", "s", ttl_s=600)
+    share = Share("acme", 1.0, 10, 1_000)  # a shared limit's minute, with a token hold
+    charge = Charge("guards:upstream", None, None, None, 0.0, 120.0, MoreLimits(tokens=40, share=share))
+    assert (
+        await store.step(Step(legs=[("guards:cooldown:m", "guards:breaker:m")], charge=charge))
+    ).admitted == 0
     return policy
 
 
@@ -128,6 +144,7 @@ def test_every_table_has_expires_at_and_every_row_sets_it(
         "guards_kept_list",
         "guards_kept_item",
         "guards_kept_name",
+        "guards_share",
     }
     assert all(counts.values()), counts  # the scenario left rows in every table
     with peek(path) as conn:

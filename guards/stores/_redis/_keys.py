@@ -9,6 +9,9 @@ one budget, or of one model, lives in one slot:
 - `<prefix>{<key>}:spend:YYYY-MM-DD`: hash of the day's spend: field `settled` (the settled
   total) and one field `h:<reservation>` = `"<amount> <expires_at>"` per hold, kept
   `DAILY_TTL_S` from the last hold;
+- `<prefix>{<key>}:share:<minute>`: a shared limit's UTC minute (`guards.stores._share`), a
+  hash of its active tenants, and `...:h`, its token holds awaiting settlement; both kept two
+  minutes (the minute is `floor(now / 60)` of the store's clock);
 - `<prefix>{<key>}:breaker`: the breaker state (one string), kept `Breaker.ttl_s` after its
   last write; a closed breaker without failures (and no calls counted: `Breaker.slow_call_s`)
   has no key;

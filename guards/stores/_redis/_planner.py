@@ -15,7 +15,7 @@ import functools
 import os
 from collections.abc import Sequence
 
-from .._base import Admission, Charge, MoreLimits, Passage, Step, TaskClaim, TaskStatus
+from .._base import Admission, Charge, MoreLimits, Passage, Step, TaskClaim, TaskStatus, bounded_key
 from .._breaker import Breaker, BreakerDecision, BreakerState, CircuitState
 from .._epoch import Epoch
 from ._keys import Keys
@@ -227,8 +227,10 @@ def holds(charge: Charge) -> bool:
 
 
 def more_fields(charge: Charge) -> list[str]:
-    """A charge's 11 fields in the script's ARGV[4] (see `more_charges` in the script)."""
+    """A charge's 15 fields in the script's ARGV[4] (see `more_charges` in the script); a
+    shared limit's tenant travels in hex (a key may hold a '|')."""
     more = charge.more or MoreLimits()
+    share = more.share
     return [
         num(charge.per_minute),
         num(charge.per_day),
@@ -241,6 +243,10 @@ def more_fields(charge: Charge) -> list[str]:
         num(more.tokens_per_minute),
         num(more.tokens_per_day),
         num(more.tokens_per_month),
+        num(None if share is None else share.per_minute),
+        num(None if share is None else share.tokens_per_minute),
+        num(None if share is None else share.weight),
+        "" if share is None else bounded_key(share.tenant).encode("utf-8", "surrogatepass").hex(),
     ]
 
 

@@ -28,6 +28,8 @@ time, `NOT NULL`):
   the task's expiry, `ttl_s` after its creation;
 - `guards_kept_list`, `guards_kept_item`, `guards_kept_name`: resumable streams' events (see
   `guards.stores._sqlite._kept`), kept the route's `resumable.ttl_s` after their last write;
+- `guards_share (key, name, value, expires_at)`: a shared limit's minute (see
+  `guards.stores._share`), one row per field of its hashes, kept two minutes;
 - `guards_epoch (id)`: the store's epoch marker (see `guards.stores._epoch`), one row, never
   expiring.
 
@@ -69,6 +71,7 @@ TABLES = (
     "guards_kept_list",
     "guards_kept_item",
     "guards_kept_name",
+    "guards_share",
 )
 
 SCHEMA = (
@@ -105,6 +108,9 @@ SCHEMA = (
         PRIMARY KEY (key, n))""",
     """CREATE TABLE IF NOT EXISTS guards_kept_name (
         key TEXT PRIMARY KEY, value TEXT NOT NULL, expires_at REAL NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS guards_share (
+        key TEXT NOT NULL, name TEXT NOT NULL, value TEXT NOT NULL, expires_at REAL NOT NULL,
+        PRIMARY KEY (key, name))""",
     # The store's epoch marker (see `guards.stores._epoch`): one row, never expiring (not swept).
     "CREATE TABLE IF NOT EXISTS guards_epoch (id TEXT NOT NULL)",
     *(f"CREATE INDEX IF NOT EXISTS {t}_expiry ON {t} (expires_at)" for t in TABLES),

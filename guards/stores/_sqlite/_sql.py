@@ -28,6 +28,9 @@ __all__ = [
     "SAVE_STEP",
     "SETTLE",
     "SETTLED",
+    "SHARE_ALL",
+    "SHARE_DROP",
+    "SHARE_PUT",
     "START_COOLDOWN",
     "START_DAY",
     "TAKE_TASK",
@@ -123,3 +126,12 @@ def cooldown_read(n: int) -> str:
     """The rows of `n` keys, expired or not (a transaction keeps them: `Tx.cooldowns`)."""
     marks = ", ".join("?" * n)
     return f"SELECT key, expires_at FROM guards_cooldown WHERE key IN ({marks})"
+
+
+# --- shared limits (`guards.stores._share`): a minute's hashes, a row per field ---------------
+SHARE_ALL = "SELECT name, value FROM guards_share WHERE key = ? AND expires_at > ?"
+#: A new field of a live hash keeps the hash's expiry (its first row's), as Redis does.
+SHARE_PUT = """INSERT INTO guards_share (key, name, value, expires_at) VALUES (:key, :name, :value,
+    coalesce((SELECT max(expires_at) FROM guards_share WHERE key = :key AND expires_at > :now), :expires))
+    ON CONFLICT (key, name) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at"""
+SHARE_DROP = "DELETE FROM guards_share WHERE key = ? AND name = ? RETURNING value, expires_at"

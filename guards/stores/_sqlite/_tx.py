@@ -61,6 +61,9 @@ from ._sql import (
     SAVE_STEP,
     SETTLE,
     SETTLED,
+    SHARE_ALL,
+    SHARE_DROP,
+    SHARE_PUT,
     START_COOLDOWN,
     START_DAY,
     TAKE_TASK,
@@ -250,6 +253,18 @@ class Tx:
 
     def replace_hold(self, key: str, reservation: str, actual: float, now: float) -> None:
         self.conn.execute(REPLACE_HOLD, (actual, f"{reservation} {key}", key, now))
+
+    def hash_all(self, key: str, now: float) -> dict[str, str]:
+        return dict(self.conn.execute(SHARE_ALL, (key, now)).fetchall())
+
+    def hash_put(self, key: str, name: str, value: str, ttl_s: float, now: float) -> None:
+        self.conn.execute(
+            SHARE_PUT, {"key": key, "name": name, "value": value, "now": now, "expires": now + ttl_s}
+        )
+
+    def hash_pop(self, key: str, name: str, now: float) -> str | None:
+        row = self.conn.execute(SHARE_DROP, (key, name)).fetchone()
+        return None if row is None or row[1] <= now else str(row[0])
 
     def spent(self, key: str, now: float) -> float:
         row = self.conn.execute(SETTLED, (f"{bounded_key(key)}:spend:{utc_day(now)}", now)).fetchone()

@@ -129,6 +129,105 @@ local function held_limits(c)
   return held
 end
 
+-- A shared limit's fair shares (guards.stores._share): the UTC minute's hash of active tenants
+-- (field: the tenant's hex name, or '*' the overflow bucket; value '<weight> <requests>
+-- <tokens>') at `<tag>:share:<minute>`, and its token holds at `...:h` ('<tenant> <tokens>'),
+-- both kept two minutes.
+local SHARE_TENANTS_CAP = 256
+local SHARE_TTL_MS = 120000
+
+local function share_key(c)
+  local rem = math.fmod(now, MINUTE)
+  return c.tag .. ':share:' .. int((now - rem) / MINUTE)
+end
+
+local function share_tenants(key)
+  local flat = redis.call('HGETALL', key)
+  local tenants, count = {}, 0
+  for i = 1, #flat, 2 do
+    local w, r, k = string.match(flat[i + 1], '^(%S+) (%S+) (%S+)$')
+    tenants[flat[i]] = {tonumber(w), tonumber(r), tonumber(k)}
+    count = count + 1
+  end
+  return tenants, count
+end
+
+-- The tenant's field and weight: the overflow bucket once the minute has the cap of others.
+local function share_name(c, tenants, count)
+  if tenants[c.tenant] or count < SHARE_TENANTS_CAP then return c.tenant, c.weight end
+  return '*', 1
+end
+
+-- guards.stores._share.decide: the refusal {refused_by, retry} or nil; writes nothing.
+local function share_check(c)
+  local tenants, count = share_tenants(share_key(c))
+  local name, weight = share_name(c, tenants, count)
+  local mine = tenants[name]
+  if mine then mine = {weight, mine[2], mine[3]} else mine = {weight, 0, 0} end
+  tenants[name] = mine
+  local total_weight = 0
+  for _, e in pairs(tenants) do total_weight = total_weight + e[1] end
+  local limits = {{'shared_per_minute', c.spm, 1, 2}, {'shared_tokens_per_minute', c.stpm, c.tokens, 3}}
+  for _, l in ipairs(limits) do
+    local refused_by, limit, amount, at = l[1], l[2], l[3], l[4]
+    if limit and amount then
+      if amount > limit then return {refused_by, nil} end
+      local total = 0
+      for _, e in pairs(tenants) do total = total + e[at] end
+      local room = limit
+      if mine[at] + amount > limit * weight / total_weight then
+        for other, e in pairs(tenants) do
+          if other ~= name then room = room - math.max(0, limit * e[1] / total_weight - e[at]) end
+        end
+      end
+      if total + amount > room then return {refused_by, MINUTE - math.fmod(now, MINUTE)} end
+    end
+  end
+  return nil
+end
+
+-- Write the tenant's entry with `requests` and `tokens` added (a refused one: none, still active).
+local function share_add(c, requests, tokens)
+  local key = share_key(c)
+  local tenants, count = share_tenants(key)
+  local name, weight = share_name(c, tenants, count)
+  local e = tenants[name] or {weight, 0, 0}
+  redis.call('HSET', key, name, fmt(weight) .. ' ' .. fmt(math.max(e[2] + requests, 0)) .. ' '
+    .. fmt(math.max(e[3] + tokens, 0)))
+  ensure_ttl(key, SHARE_TTL_MS)
+  return key, name
+end
+
+local function share_apply(c, reservation)
+  local amount = 0
+  if c.stpm and c.tokens then amount = c.tokens end
+  local key, name = share_add(c, 1, amount)
+  if amount > 0 then
+    redis.call('HSET', key .. ':h', 'h:' .. reservation, name .. ' ' .. fmt(amount))
+    ensure_ttl(key .. ':h', SHARE_TTL_MS)
+  end
+end
+
+-- The tenant's token hold of this minute settled to `tokens`, or (`unpay`) its request too.
+local function share_settle(c, reservation, tokens, requests)
+  local key = share_key(c)
+  local hold = redis.call('HGET', key .. ':h', 'h:' .. reservation)
+  local name, amount
+  if hold then
+    name, amount = string.match(hold, '^(%S+) (%S+)$')
+    redis.call('HDEL', key .. ':h', 'h:' .. reservation)
+  elseif requests == 0 then
+    return
+  else
+    name, amount = share_name(c, share_tenants(key)), 0
+  end
+  local value = redis.call('HGET', key, name)
+  if not value then return end
+  local w, r, k = string.match(value, '^(%S+) (%S+) (%S+)$')
+  redis.call('HSET', key, name, w .. ' ' .. fmt(math.max(tonumber(r) + requests, 0)) .. ' '
+    .. fmt(math.max(tonumber(k) + tokens - tonumber(amount), 0)))
+end
+
 -- A charge's MoreLimits, checked (guards.stores._limits._check_more): the refusal or nil.
 local function more_check(c)
   local refusal = nil
@@ -165,6 +264,7 @@ end
 
 -- A charge's MoreLimits, written (guards.stores._limits._apply_more).
 local function more_apply(c, reservation)
+  if c.tenant then share_apply(c, reservation) end
   if c.per_month then
     local key = c.tag .. ':month:' .. day_name(now):sub(1, 7)
     if redis.call('INCR', key) == 1 then redis.call('PEXPIRE', key, MONTHLY_TTL_MS) end
@@ -268,6 +368,7 @@ local function unpay(c, reservation, seq)
   end
   if c.spend then redis.call('HDEL', c.spend_stem .. day_name(now), 'h:' .. reservation) end
   for _, h in ipairs(held_limits(c)) do redis.call('HDEL', h[1], 'h:' .. reservation) end
+  if c.tenant then share_settle(c, reservation, 0, -1) end
 end
 
 local function settle(stem, reservation, actual)
@@ -281,6 +382,7 @@ end
 -- Settle the holds a charge with MoreLimits made (guards.stores._limits.settle_charge).
 local function settle_more(c, reservation, actual, tokens)
   if c.spend then settle(c.tag .. ':spend:', reservation, actual) end
+  if c.tenant and c.stpm then share_settle(c, reservation, tokens, 0) end
   for _, h in ipairs(held_limits(c)) do
     local key, limit = h[1], h[2]
     if limit == 'tokens_per_minute' then
@@ -302,17 +404,20 @@ local function settle_more(c, reservation, actual, tokens)
   end
 end
 
--- The charges of ARGV[4] from field `at` of `e` (11 fields each), their tags from KEYS[k0 + 1].
+-- The charges of ARGV[4] from field `at` of `e` (MORE fields each), their tags from KEYS[k0 + 1].
+local MORE = 15
 local function more_charges(e, at, count, k0, hold_s)
   local charges = {}
   for j = 1, count do
-    local f = at + 11 * (j - 1)
+    local f = at + MORE * (j - 1)
     local tag = KEYS[k0 + j]
     charges[j] = {tag = tag, window = tag .. ':window', day_stem = tag .. ':day:', spend_stem = tag .. ':spend:',
       per_minute = tonumber(e[f]), per_day = tonumber(e[f + 1]), spend = tonumber(e[f + 2]),
       cap = tonumber(e[f + 3]), per_month = tonumber(e[f + 4]), mspend = tonumber(e[f + 5]),
       spend_per_month = tonumber(e[f + 6]), tokens = tonumber(e[f + 7]), tpm = tonumber(e[f + 8]),
-      tpd = tonumber(e[f + 9]), tpmo = tonumber(e[f + 10]), hold_s = hold_s}
+      tpd = tonumber(e[f + 9]), tpmo = tonumber(e[f + 10]), hold_s = hold_s,
+      spm = tonumber(e[f + 11]), stpm = tonumber(e[f + 12]), weight = tonumber(e[f + 13])}
+    if e[f + 14] ~= '' then charges[j].tenant = e[f + 14] end
   end
   return charges
 end
@@ -600,9 +705,9 @@ local function step(mode)
   if cool_s and cool_s > 0 then start_cooldown(KEYS[base + 5], cool_s) end
   if a[26] ~= '' then settle(KEYS[base + 6], a[26], tonumber(a[27])) end
   -- ARGV[4], when given: the charges with MoreLimits (a[10] '2') and the charges to settle
-  -- (see `RedisStore._more_arguments`): C, C x 11 fields, S, reservation, actual, tokens,
-  -- S x 11 fields; their tags are KEYS[base + 7...], the C charges' then the S settled. Then,
-  -- when some scope has a soft limit: W, W x (the scope's index, its soft charge's 11 fields).
+  -- (see `RedisStore._more_arguments`): C, C x MORE fields, S, reservation, actual, tokens,
+  -- S x MORE fields; their tags are KEYS[base + 7...], the C charges' then the S settled. Then,
+  -- when some scope has a soft limit: W, W x (the scope's index, its soft charge's MORE fields).
   local e, more, settles, softs, near = {}, {}, {}, {}, {}
   if #ARGV > 4 then -- (the last is the epoch the worker knows: `check_epoch`)
     local j = 1
@@ -612,15 +717,15 @@ local function step(mode)
     end
     local count = tonumber(e[1])
     more = more_charges(e, 2, count, base + 6, tonumber(a[15]))
-    local s0 = 2 + 11 * count
+    local s0 = 2 + MORE * count
     local settled = tonumber(e[s0])
     settles = more_charges(e, s0 + 4, settled, base + 6 + count, 0)
     for _, c in ipairs(settles) do
       settle_more(c, e[s0 + 1], tonumber(e[s0 + 2]), tonumber(e[s0 + 3]))
     end
-    local w0 = s0 + 4 + 11 * settled
+    local w0 = s0 + 4 + MORE * settled
     for j = 1, tonumber(e[w0]) or 0 do
-      local f = w0 + 1 + 12 * (j - 1)
+      local f = w0 + 1 + (MORE + 1) * (j - 1)
       local index = tonumber(e[f])
       softs[j] = {index, more_charges(e, f + 1, 1, base + 6 + index, 0)[1]}
     end
@@ -685,9 +790,19 @@ local function step(mode)
       local found = charge(c, true)
       if found then found = {found[1], tonumber(found[2])} end
       found = later(found, more_check(c))
+      if c.tenant then
+        local shared = share_check(c)
+        if shared then
+          c.unfair = true
+          found = later(found, shared)
+        end
+      end
       if found and later(refusal, found) == found then refusal, index = found, j - 1 end
     end
     if refusal then
+      for _, c in ipairs(more) do
+        if c.unfair then share_add(c, 0, 0) end -- refused by its share: still active
+      end
       refused_by = refusal[1]
       if refusal[2] then retry = fmt(refusal[2]) else retry = 'none' end
       retry = retry .. ' ' .. string.format('%d', index)
