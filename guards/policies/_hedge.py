@@ -81,26 +81,23 @@ class Hedge:
 
 
 class _Window:
-    """One model's first-output counts over about the last window: copies taken as delays
-    are asked for, at most one per `window_s / _MARKS`; the p95 is over what grew since the
-    oldest, refreshed with each copy."""
+    """One model's first-output counts over about the last window: copies of its cumulative
+    bucket counts, at most one per `window_s / _MARKS`; the p95 is over what grew since the
+    oldest copy at or before the window's start (about 20 buckets: read at each delay)."""
 
-    __slots__ = ("_marks", "_p95")
+    __slots__ = ("_marks",)
 
     def __init__(self) -> None:
         #: (monotonic time, cumulative counts by bucket bound), oldest first.
         self._marks: deque[tuple[float, list[tuple[float, float]]]] = deque()
-        self._p95: float | None = None
 
     def p95(self, tally: HistogramTally, hedge: Hedge, now: float) -> float | None:
         marks = self._marks
-        if marks and now - marks[-1][0] < hedge.window_s / _MARKS:
-            return self._p95
         counts = [(float(key[-1]), count) for key, count in tally.cumulative()]  # ("+Inf": inf)
         while len(marks) > 1 and marks[1][0] <= now - hedge.window_s:
             marks.popleft()  # the oldest kept is the last one at or before the window's start
-        base = marks[0][1] if marks else [(bound, 0.0) for bound, _ in counts]
-        marks.append((now, counts))
+        base = marks[0][1] if marks else counts  # (the first delay asked for: no call yet)
+        if not marks or now - marks[-1][0] >= hedge.window_s / _MARKS:
+            marks.append((now, counts))
         grown = [(bound, count - before) for (bound, count), (_, before) in zip(counts, base, strict=True)]
-        self._p95 = quantile(grown, 0.95) if grown and grown[-1][1] >= hedge.min_calls else None
-        return self._p95
+        return quantile(grown, 0.95) if grown and grown[-1][1] >= hedge.min_calls else None
