@@ -280,12 +280,18 @@ async def _attempt(call: Call, model: str, inputs: Mapping[str, Any]) -> Any:
 
 
 def _account(state: RequestState, leg: Leg, outcome: Any, started: float) -> None:
-    """`on_attempt` for an attempt on `leg`, which need not be the leg being called."""
+    """`on_attempt` for an attempt on `leg`, which need not be the leg being called. (Its span
+    ended with it: the answered call's span waiting for its verdict is not this one's.)"""
     called, state._leg = state._leg, leg
+    trace = state._observe.trace
+    if trace is not None:
+        waiting, trace._pending = trace._pending, None
     try:
         on_attempt(state, outcome, started)
     finally:
         state._leg = called
+        if trace is not None:
+            trace._pending = waiting
 
 
 def _outcome(task: asyncio.Task[Any]) -> Any:

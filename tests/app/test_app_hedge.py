@@ -1,15 +1,20 @@
 """The example app's `AI_HEDGE_AFTER_S`: read and checked; set, a call to the chain's first model
 with no answer after it asks the next model too, served over real HTTP (uvicorn, the fake
-Workers AI server), and the first call is closed; unset, no hedge."""
+Workers AI server), and the first call is closed; unset, no hedge; the hedge's attempt span
+says it is one."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from app.settings import SettingsError, load_settings
-from fixtures import FakeWorkersAI, Reply
+from fixtures import FakeWorkersAI, Hang, Reply
 
 from ..conftest import ExampleClient
 
@@ -53,3 +58,30 @@ def test_ai_hedge_after_s_hedges_a_slow_first_model(
         assert response.headers["x-ai-fallback"] == BACKUP
         assert hedge_after_s <= elapsed < 1.5
         assert fake_workers_ai.wait_for(lambda calls: calls[0].disconnected, 1.0)
+
+
+def test_the_hedges_attempt_span_says_it_is_one(
+    example_client: ExampleClient, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """With tracing on: one attempt span per call, the hedge's with `guards.attempt.hedge`, the
+    first call's ended as cancelled."""
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    client = example_client(
+        ai_fallback_models=BACKUP, ai_timeout_s=8.0, ai_hedge_after_s=0.1, tracer_provider=provider
+    )
+    fake_workers_ai.script(MODEL, Hang())
+    fake_workers_ai.script(BACKUP, Reply("From the backup."))
+    response = client.post("/draft-reply", json={"message": "Where is my parcel?"})
+    assert response.status_code == 200, response.text
+    provider.shutdown()  # every span ended and exported
+    found = {
+        span.attributes["guards.model"]: dict(span.attributes)
+        for span in exported.get_finished_spans()
+        if span.kind is SpanKind.CLIENT and span.attributes is not None
+    }
+    assert found[BACKUP]["guards.attempt.hedge"] is True
+    assert found[BACKUP]["guards.attempt.outcome"] == "ok"
+    assert "guards.attempt.hedge" not in found[MODEL]
+    assert found[MODEL]["guards.attempt.outcome"] == "cancelled"
