@@ -244,22 +244,13 @@ class Hedged:
             _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if _answered(first):  # (the first wins a tie)
                 state._observe.hedged(route, leg, "lost")
-                outcome = _outcome(second) if second.done() else asyncio.CancelledError()
-                await _cancelled(second)
-                if isinstance(outcome, Opened) and outcome.committed:  # answered too late
-                    await aclose(outcome.iter_events)
-                    outcome = asyncio.CancelledError()
-                _account(state, other, outcome, at)
+                await _lost(state, other, second, at)
                 state._hedge = None
                 return first.result()
             if _answered(second):
                 state._observe.hedged(route, leg, "won")
-                if first.done():  # it failed: the hedge made up for it
-                    _account(state, leg, _outcome(first), began)
-                else:
-                    await _cancelled(first)
-                    _account(state, leg, asyncio.CancelledError(), began)
                 state._leg, self.won = other, (other, target, at)
+                await _lost(state, leg, first, began)  # (or failed: the hedge made up for it)
                 return second.result()
         _account(state, other, _outcome(second), at)  # both failed: the first's failure goes on
         state._hedge = None
@@ -292,6 +283,18 @@ def _account(state: RequestState, leg: Leg, outcome: Any, started: float) -> Non
         state._leg = called
         if trace is not None:
             trace._pending = waiting
+
+
+async def _lost(state: RequestState, leg: Leg, task: asyncio.Task[Any], started: float) -> None:
+    """The attempt of `task` on `leg` (since `started`) lost the race: cancelled when it still
+    runs (its connection closed), a stream that reached its commit point too late closed, and
+    accounted for as it ended (cancelled, failed, or answered too late)."""
+    await _cancelled(task)
+    outcome = _outcome(task)
+    if isinstance(outcome, Opened) and outcome.committed:
+        await aclose(outcome.iter_events)
+        outcome = asyncio.CancelledError()
+    _account(state, leg, outcome, started)
 
 
 def _outcome(task: asyncio.Task[Any]) -> Any:

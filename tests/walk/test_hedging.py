@@ -33,7 +33,9 @@ class Lookup(BaseModel):
     order: str
 
 
-def hedged_app(server: FakeWorkersAI, hedge: Hedge | None, *, retry: Retry | None = None) -> FastAPI:
+def hedged_app(
+    server: FakeWorkersAI, hedge: Hedge | None, *, retry: Retry | None = None, timeout_s: float = TIMEOUT_S
+) -> FastAPI:
     """Routes on the chain SLOW, FAST: `/reply` (plain), `/tools` (with a tool), `/stream`."""
     guards = Guards(
         WorkersAI(account_id=server.account_id, api_token=server.api_token, base_url=server.base_url),
@@ -44,7 +46,7 @@ def hedged_app(server: FakeWorkersAI, hedge: Hedge | None, *, retry: Retry | Non
     chain: dict[str, Any] = {
         "model": SLOW,
         "fallbacks": [FAST],
-        "timeout_s": TIMEOUT_S,
+        "timeout_s": timeout_s,
         "breaker": None,
         "hedge": hedge,
         "retry": retry or Retry(),
@@ -218,6 +220,23 @@ def test_the_first_attempt_answering_first_cancels_the_hedge(
     attempts = {line["model"]: line for line in guards_log.events("attempt")}
     assert (attempts[SLOW]["outcome"], attempts[FAST]["outcome"]) == ("ok", "cancelled")
     assert attempts[FAST]["hedge"] is True
+
+
+def test_the_deadline_bounds_both_attempts(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
+    """Neither model answers: at the route's deadline both calls are closed, and the request
+    ends then (the call guard's `timeout`)."""
+    fake_workers_ai.script(SLOW, Hang())
+    fake_workers_ai.script(FAST, Hang())
+    client = serve(hedged_app(fake_workers_ai, Hedge(after_s=0.1), timeout_s=0.6))
+    before = hedges(client)
+    started = time.perf_counter()
+    answer = client.post("/reply", json={})
+    assert answer.status_code == 503
+    assert answer.json()["error"] == "model_temporarily_unavailable"
+    assert time.perf_counter() - started < 0.6 + SLACK_S
+    assert disconnected(fake_workers_ai, SLOW)
+    assert disconnected(fake_workers_ai, FAST)
+    assert hedges(client, "reply", before) == {"started": 1}
 
 
 def test_a_call_with_tools_is_never_hedged(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
