@@ -17,7 +17,7 @@ from fastapi import FastAPI, Response
 from pydantic import BaseModel
 
 from fixtures import FakeWorkersAI, Hang, Reply, Stream, Text
-from guards import AI, EventStream, Guards, Hedge, Retry, RetryBudget, render_metrics
+from guards import AI, Budget, EventStream, Guards, Hedge, Price, Retry, RetryBudget, render_metrics
 from guards.providers import WorkersAI
 
 from ..conftest import LogLines, Serve, guards_samples, no_sleep
@@ -202,6 +202,54 @@ def test_the_first_answer_wins_and_the_loser_is_cancelled_and_billed(
     assert attempts[FAST]["outcome"] == "ok"
     assert attempts[FAST]["hedge"] is True
     assert guards_log.events("request")[-1]["attempts"] == 2
+
+
+#: Cost units per token (input, output), and per call; the most a call of the priced route outputs.
+PRICE, MAX_TOKENS = Price(input_token=0.01, output_token=0.1, call=1.0), 50
+
+
+def test_under_a_spend_cap_the_loser_costs_its_worst_case(
+    fake_workers_ai: FakeWorkersAI, serve: Serve
+) -> None:
+    """Billed as a cancelled call is: the hedge's reported usage at its price, plus the first
+    call's worst case (its usage unknown), in what the request cost (`ai.cost`)."""
+    guards = Guards(
+        WorkersAI(
+            account_id=fake_workers_ai.account_id,
+            api_token=fake_workers_ai.api_token,
+            base_url=fake_workers_ai.base_url,
+        ),
+        prices={SLOW: PRICE, FAST: PRICE},
+        sleep=no_sleep,
+    )
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/priced")
+    @guards.route(
+        model=SLOW,
+        fallbacks=[FAST],
+        timeout_s=TIMEOUT_S,
+        breaker=None,
+        hedge=Hedge(after_s=0.1),
+        budget=Budget(spend_per_day=1_000.0),
+        max_tokens=MAX_TOKENS,
+    )
+    async def priced(ai: AI[str]) -> dict[str, Any]:
+        answer = await ai.run({"prompt": "Where is my parcel?"})
+        return {"answer": answer, "attempts": ai.attempts, "cost": ai.cost}
+
+    fake_workers_ai.script(SLOW, Hang())
+    fake_workers_ai.script(FAST, Reply("fast", usage={"prompt_tokens": 100, "completion_tokens": 20}))
+    client = serve(app)
+    answer = client.post("/priced", json={})
+    assert answer.status_code == 200, answer.text
+    assert disconnected(fake_workers_ai, SLOW)
+    assert answer.json()["attempts"] == 2
+    # The loser's worst case, as the spend cap holds it: one token per byte of the (short)
+    # input, at most MAX_TOKENS out.
+    loser = answer.json()["cost"] - PRICE.cost(100, 20)
+    assert PRICE.most(1, MAX_TOKENS) <= loser <= PRICE.most(1_000, MAX_TOKENS)
 
 
 def test_the_first_attempt_answering_first_cancels_the_hedge(
