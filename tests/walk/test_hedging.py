@@ -1,8 +1,9 @@
 """Hedged requests (`route(hedge=Hedge(...))`), over real HTTP against the fake Workers AI server:
 a slow model's tail is cut by a second attempt on the next model, the first answer wins and the
-other attempt's connection is closed; hedges stay within the retry budget; a call with tools
-and a stream past its first output are never hedged; a stream hedged before its first output
-serves the stream that produced output first. Every wait is bounded by the route's deadline
+other attempt's connection is closed and billed as a cancelled call; hedges stay within the
+retry budget and the deadline; a call with tools and a stream past its first output are never
+hedged; a stream hedged before its first output serves the stream that produced output first;
+`after="p95"` follows the model's recent calls. Every wait is bounded by the route's deadline
 or a stated limit; none is a sleep."""
 
 from __future__ import annotations
