@@ -36,6 +36,7 @@ from guards import (
     EventStream,
     Guards,
     GuardTripped,
+    Hedge,
     LastGood,
     SharedLimit,
     Task,
@@ -312,6 +313,9 @@ def create_app(
     first_output: dict[str, Any] = (
         {} if settings.ai_first_output_s is None else {"first_output_s": settings.ai_first_output_s}
     )
+    # AI_HEDGE_AFTER_S: a call with no answer after it asks the chain's next model too, on every
+    # route but /report (a task's steps run once); unset: never.
+    hedge = None if settings.ai_hedge_after_s is None else Hedge(after_s=settings.ai_hedge_after_s)
     if settings.breaker_probe_interval_s is not None:  # (unset: the default, 5 s at most BREAKER_RESET_S)
         breaker = dataclasses.replace(breaker, probe_interval_s=settings.breaker_probe_interval_s)
 
@@ -342,6 +346,7 @@ def create_app(
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
         **first_output,
+        hedge=hedge,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
         on_rejected=settings.ai_on_rejected,
@@ -360,6 +365,7 @@ def create_app(
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
         **first_output,
+        hedge=hedge,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
         name="draft_reply_stream",
@@ -379,6 +385,7 @@ def create_app(
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
         **first_output,
+        hedge=hedge,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
         budget=Budget(
@@ -446,6 +453,7 @@ def create_app(
         fallbacks=fallbacks,
         timeout_s=settings.ai_timeout_s,
         **first_output,
+        hedge=hedge,
         breaker=breaker,
         content_filter_fallback=content_filter_fallback,
         budget=summary_budgets,

@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     #: How long each model of the chains gets to start answering (its first streamed word, or
     #: a whole answer's first byte) before the next model is tried; unset: the deadline alone.
     ai_first_output_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    #: A call (a stream before its first output) with no answer after this long asks the
+    #: chain's next model too, the first answer winning; unset: never (see docs/hedging.md).
+    ai_hedge_after_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     #: What an answer the output guard rejects does on /draft-reply, /summary and /report:
     #: `fallback` ends the request, `next_model` moves on along the chain, `reask` asks the
     #: same model once more with the problems, then moves on.

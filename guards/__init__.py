@@ -47,6 +47,7 @@ if typing.TYPE_CHECKING:
     from .policies._call import Retry
     from .policies._chain import Chain, Model, ModelRef, Profile, flatten_chain
     from .policies._cooldown import Cooldown
+    from .policies._hedge import Hedge
     from .policies._last_good import LastGood
     from .policies._price_table import GenAIPrices
     from .policies._retry_budget import RetryBudget
@@ -99,6 +100,7 @@ __all__ = [
     "UIMessage",
     "UIPart",
     "UI_MESSAGE_STREAM",
+    "Hedge",
     "LastGood",
     "Ledger",
     "Level",
@@ -205,6 +207,7 @@ _PUBLIC = {
     "public_error": ".contracts._responses",
     "RetryBudget": ".policies._retry_budget",
     "SharedLimit": ".policies._budget",
+    "Hedge": ".policies._hedge",
     "FallbackFunction": ".routes._route",
     "ReasoningDelta": ".contracts._stream",
     "StreamEnd": ".contracts._stream",

@@ -27,6 +27,7 @@ from .policies._call import Retry
 from .policies._chain import DEFAULT_PROVIDER, HINT_PREFIX, Model, Profile, check_hints
 from .policies._cooldown import Cooldown
 from .policies._credentials import CredentialWarnings
+from .policies._hedge import Hedge
 from .policies._price_table import PriceTable, check_table
 from .policies._retry_budget import RetryWindows
 from .policies._tasks import Task
@@ -270,6 +271,7 @@ class Guards:
         stream_hold: StreamHold | None = None,
         min_chars_per_s: float | None = None,
         resumable: Resumable | None = None,
+        hedge: Hedge | None = None,
     ) -> Callable[[F], F]:
         """Guard a FastAPI path operation. Put it under `@app.get/post(...)`.
 
@@ -367,6 +369,9 @@ class Guards:
           `Last-Event-ID`; the AI SDK's `useChat({resume: true})`): every event then carries
           an `id`, and a client leaving no longer cancels the stream (see
           docs/streaming.md, "Resuming a stream"). Default None: not resumable.
+        - `hedge`: `Hedge(after_s=...)` or `Hedge(after="p95")` starts a second attempt on the next
+          model when a call (a stream before its commit point) has not answered after the delay;
+          the first answer wins (see `Hedge`, docs/fallback-chains.md). Default None: never.
 
         Raises `ConfigurationError` at decoration time for a route declared wrong.
         """
@@ -399,6 +404,7 @@ class Guards:
             stream_hold=stream_hold,
             min_chars_per_s=min_chars_per_s,
             resumable=resumable,
+            hedge=hedge,
         )  # checked now, before the handler is seen
 
         def decorate(handler: F) -> F:

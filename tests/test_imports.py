@@ -374,7 +374,7 @@ PUBLIC = {
     "AI", "AIResult", "Attempt", "Attribution", "Binding", "Breaker", "Budget", "Chain",
     "CircuitState", "Classification", "Clock", "ConfigurationError", "Cooldown", "Effort",
     "Envelope", "ErrorBody", "GenAIPrices", "Resumable", "ErrorCode", "EventStream", "FallbackFunction", "FallbackInfo",
-    "GUARDS_EVENTS", "GuardName", "GuardTripped", "Guards", "GuardsError", "Kind", "LastGood",
+    "GUARDS_EVENTS", "GuardName", "GuardTripped", "Guards", "GuardsError", "Hedge", "Kind", "LastGood",
     "Ledger", "Level", "LogLedger", "Model", "ModelDown", "ModelRef", "Moderation", "Outcome", "Price",
     "Problem", "Profile", "ProviderError", "PublicError", "Reason", "ReasoningDelta", "Retry",
     "RetryBudget", "ServiceLevel", "SharedLimit", "StatusReport", "StoreFailureMode", "StreamEnd", "StreamEvent",

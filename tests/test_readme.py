@@ -159,6 +159,7 @@ CHECKED = {
     ("fallback-chains.md", "python", 1): "test_chat_route_example_moves_past_a_silent_model",
     ("fallback-chains.md", "python", 2): "test_limits_example_skips_and_moves_on_as_documented",
     ("fallback-chains.md", "python", 3): "test_cross_provider_example_walks_as_documented",
+    ("hedging.md", "python", 0): "test_hedge_example_answers_from_the_hedge_after_its_delay",
     ("guards/output.md", "python", 0): "test_output_example_moves_rejected_answers_on",
     ("guards/output.md", "text", 0): "test_output_reask_sample_is_the_turn_sent",
     ("streaming.md", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
@@ -835,6 +836,36 @@ def test_chat_route_example_moves_past_a_silent_model() -> None:
     assert 4.0 <= elapsed < 6.0
     assert [call.model for call in main.calls] == ["@cf/meta/llama-3.3-70b-instruct-fp8-fast"]
     assert main.calls[0].disconnected
+    assert len(openai.calls) == 1
+
+
+def test_hedge_example_answers_from_the_hedge_after_its_delay() -> None:
+    """The 70b model is slow: gpt-4o-mini answers about 0.5 s after the request and the 70b
+    call is closed; the 70b model answering within 0.5 s, gpt-4o-mini is never called."""
+    example = page_example("hedging.md")
+    guards = example["guards"]
+    main, openai = FakeBinding(), FakeBinding()
+    guards.binding, guards.providers["openai"] = main, openai
+    main.script("*", Hang(), Reply("From the 70b model.", delay_s=0.1))
+    openai.script("*", Reply("From gpt-4o-mini."))
+
+    async def scenario() -> list[tuple[httpx.Response, float]]:
+        async with asgi_client(example["app"]) as client:
+            timed = []
+            for _ in range(2):
+                started = time.monotonic()
+                response = await client.post("/reply", json={"message": "hi"})
+                timed.append((response, time.monotonic() - started))
+            return timed
+
+    (hedged, hedged_s), (first, first_s) = anyio.run(scenario)
+    assert hedged.json() == "From gpt-4o-mini."
+    assert hedged.headers["x-ai-fallback"] == "openai:gpt-4o-mini"
+    assert 0.5 <= hedged_s < 2.0
+    assert main.calls[0].disconnected
+    assert first.json() == "From the 70b model."
+    assert "x-ai-fallback" not in first.headers
+    assert first_s < 0.5
     assert len(openai.calls) == 1
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "EFFORT_DECISIONS",
     "FALLBACKS",
     "FIRST_OUTPUT_SECONDS",
+    "HEDGES",
     "LATENCY_BUCKETS",
     "HOLD_REJECTIONS",
     "LOG_LINES_DROPPED",
@@ -157,6 +158,15 @@ EFFORT_DECISIONS = Metric(
     "Effort routing decisions, by route, the tier the request was given (simple, standard, "
     "complex) and the routing hint it was sent to.",
     ["route", "tier", "hint"],
+)
+HEDGES = Metric(
+    "Counter",
+    "guards_hedges",
+    "Hedged calls (route(hedge=...)), by route, the model hedged (as configured in the chain) "
+    "and outcome: started (a second attempt began on the next model), won (its answer came "
+    "first), lost (the first attempt's answer came first; the hedge was cancelled or failed), "
+    "skipped (the model's retry budget was spent: no hedge).",
+    ["route", "model", "outcome"],
 )
 RETRY_BUDGET_EXHAUSTED = Metric(
     "Counter",

@@ -39,7 +39,9 @@ class Attempt:
     `outcome` `"rejected"` and its `problems` (field paths and problem tokens, such as
     `answer.score: missing`; never the answer's text). `downgraded` is True for a call of a
     route's downgrade chain (`route(downgrade_to=...)`: its caller was near a budget's cap);
-    `requested_model` is then the downgrade chain's first model.
+    `requested_model` is then the downgrade chain's first model. `hedge` is True for a hedge: the
+    second attempt a hedged call started on the next model while its first still ran
+    (`route(hedge=...)`; the `attempt` line's `"hedge": true`).
     """
 
     trace_id: str
@@ -58,6 +60,7 @@ class Attempt:
     resumed_steps: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
     downgraded: bool = False
+    hedge: bool = False
 
 
 @runtime_checkable
@@ -90,4 +93,5 @@ class LogLedger:
             code=attempt.code,
             resumed_steps=list(attempt.resumed_steps) if attempt.resumed_steps else None,
             problems=list(attempt.problems) if attempt.problems else None,
+            hedge=True if attempt.hedge else None,
         )

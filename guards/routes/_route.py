@@ -149,6 +149,7 @@ def _spec(guards: Shared, checked: CheckedRoute, legs: tuple[Leg, ...]) -> Guard
         holds=checked.spend_capped or checked.token_capped,
         token_capped=checked.token_capped,
         soft_limited=any(checked.soft),
+        hedge=settings.hedge,
     )
 
 

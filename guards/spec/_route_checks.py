@@ -39,6 +39,7 @@ from ..policies._chain import (
     entry_parts,
     flatten_chain,
 )
+from ..policies._hedge import Hedge
 from ..policies._last_good import LastGood
 from ..policies._price_table import fill_prices
 from ..policies._tasks import Task
@@ -96,6 +97,7 @@ class RouteSettings:
     stream_hold: StreamHold | None = None
     min_chars_per_s: float | None = None
     resumable: Resumable | None = None
+    hedge: Hedge | None = None
 
     def __post_init__(self) -> None:
         _check_chain_entries(self.model, self.fallbacks, self.downgrade_to)
@@ -117,6 +119,8 @@ class RouteSettings:
             raise ConfigurationError(
                 f"route: resumable must be a Resumable(...) or None; got {self.resumable!r}"
             )
+        if self.hedge is not None and not isinstance(self.hedge, Hedge):
+            raise ConfigurationError(f"route: hedge must be a Hedge(...) or None; got {self.hedge!r}")
 
     @property
     def level(self) -> Level | None:

@@ -48,6 +48,7 @@ if typing.TYPE_CHECKING:
     from ..policies._budget import Budget, Price
     from ..policies._call import Retry
     from ..policies._chain import ModelRef
+    from ..policies._hedge import Hedge
     from ..policies._local_budget import LocalShare
     from ..policies._tasks import Task
     from ..stores import Charge
@@ -343,6 +344,8 @@ class GuardedRoute:
     #: The route's downgrade chain near a cap (`route(downgrade_to=...)`), on the route and on
     #: its downgraded copy alike; None: none.
     downgrade: DowngradeChoice | None = None
+    #: When a call starts a second attempt on the next model (`route(hedge=...)`; None: never).
+    hedge: Hedge | None = None
     #: What a location of the route's invalid input may name (`guards.contracts._output.input_names`):
     #: any other string in it is a key the client wrote, never told (`<key>`).
     input_names: frozenset[str] = frozenset()

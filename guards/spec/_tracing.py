@@ -53,6 +53,8 @@ _UNNAMED_PROVIDER = "guards.{}"
 _SCOPE = "guards"
 #: Each attempt's outcome: `ok`, a failure kind, `rejected`, a stream's ending, `skipped`.
 _OUTCOME = "guards.attempt.outcome"
+#: What a hedge's attempt span carries besides the rest (`route(hedge=...)`).
+_HEDGE = {"guards.attempt.hedge": True}
 
 
 def provider_name(binding: Any, chain_provider: str | None) -> str:
@@ -177,10 +179,12 @@ class RequestTrace:
         fallback: bool,
         attempts: Callable[[], int],
         retry: bool = False,
+        hedge: bool = False,
     ) -> Callable[[str, Mapping[str, Any]], Awaitable[R]]:
         """`call` (the attempts on one leg), each call a CLIENT span: the first is a retry
         when `retry`, every later one is. `fallback`: the leg is not the chain's first;
-        `attempts()`: the request's calls so far."""
+        `attempts()`: the request's calls so far; `hedge`: the call is a hedge
+        (`guards.attempt.hedge`)."""
         if not self.recording:
             return call
         tracing = self._tracing
@@ -201,6 +205,7 @@ class RequestTrace:
                     "guards.attempt.number": attempts() + 1,
                     "guards.attempt.retry": calls[0],
                     "guards.attempt.fallback": fallback,
+                    **(_HEDGE if hedge else {}),
                 },
             )
             calls[0] = True

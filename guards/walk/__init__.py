@@ -7,7 +7,7 @@
     _store_steps.py  one store operation between calls; the store-down policy
     _holds.py        a request's spend and token holds, and what they settle to
     _known.py        the refusals a worker knows of (open breakers, cooldowns): skipped locally
-    _retries.py      a leg's share of the attempt budget; the retry budget's admission
+    _retries.py      a leg's share of the attempt budget; the retry budget's admission; hedges
     _accounting.py   attempts, tokens, cost (the spend settles to it)
     _verdicts.py     every ending without an answer, as a `GuardTripped` (pure)
     _streaming.py    a streamed attempt, its hold's check, the committed stream's relay and its

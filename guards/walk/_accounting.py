@@ -92,6 +92,7 @@ def answered(state: RequestState, leg: Leg, result: Any, started: float) -> None
             None,
             resumed(state._request) if route.task is not None else (),
             None,
+            leg is state._hedge,
         ),
         state._held,
     )
@@ -153,6 +154,7 @@ def account(
             code,
             resumed(state._request) if route.task is not None else (),
             problems,
+            leg is state._hedge,
         ),
         state._held,
     )

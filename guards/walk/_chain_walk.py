@@ -40,7 +40,7 @@ from ..waits._deadline import Deadline
 from ..waits._first_output import limited
 from ._accounting import answered, on_attempt
 from ._known import known_refused
-from ._retries import retried
+from ._retries import Hedged, hedge_won, retried
 from ._store_steps import admitted, leg_down, next_step, record, send, settle
 from ._store_steps import report as report_call
 from ._store_steps import report_end as settled
@@ -55,8 +55,9 @@ if TYPE_CHECKING:
 __all__ = ["Call", "Check", "binding", "by_effort", "client_gone", "first_output_limited", "traced", "walk"]
 
 R = TypeVar("R")
-#: One attempt on a leg: `call(model, inputs)`.
+#: One attempt on a leg: `call(model, inputs)`; what makes it for a leg: `CallFor`.
 Call = Callable[[str, Mapping[str, Any]], Awaitable[R]]
+CallFor = Callable[["Leg"], Call[Any]]
 
 
 class Check(Protocol):
@@ -142,16 +143,14 @@ async def walk(
                         start, report = index, _unfit(state, leg, probe)
                         continue
                     inflight = state._leg = leg
-                    call = _call(state, leg, call_for)
+                    call = _call(state, leg, call_for, index if probe is None else None)
                     made, started = state.attempts, perf_counter()  # the calls before this leg's
                     try:
                         result = await call(leg.ref.model, inputs)  # retried by `retried`
-                    except Exception as error:
-                        on_attempt(state, error, started)
+                    except Exception as exc:
+                        on_attempt(state, exc, started)
                         try:  # an answer on a retry is judged below, as a first call's
-                            result, started = await retried(
-                                state, leg, index, call, inputs, error, made, probe
-                            )
+                            result, started = await retried(state, leg, index, call, inputs, exc, made, probe)
                         except CallFailed as failure:
                             inflight, (report, last) = None, await leg_down(state, leg, failure, probe)
                             start, limits = _after_failure(state, inputs, limits, index, failure)
@@ -159,6 +158,8 @@ async def walk(
                     except BaseException as cancelled:  # it may still be billed
                         on_attempt(state, cancelled, started)
                         raise
+                    if state._leg is not leg:  # a hedge answered first (`_retries`)
+                        inflight, probe, (leg, index, started) = state._leg, None, hedge_won(call)
                     moved = moved_by_filter(
                         state, leg, index, result, started, probe, record_success, limits, inputs
                     )
@@ -189,6 +190,7 @@ def _first_start(state: RequestState) -> int:
     settle, and no deadline to keep."""
     if state._notes:
         state._notes = []  # the notes of this walk only
+    state._hedge = None
     state._waits = None
     legs = state._route.legs
     if not legs[0].known.until or state.attempts:
@@ -227,10 +229,11 @@ def _unfit(state: RequestState, leg: Leg, probe: float | None) -> Report | None:
     return report_call(state, leg, Outcome.released, probe, settle=False)
 
 
-def _call(state: RequestState, leg: Leg, call_for: Callable[[Leg], Call[Any]] | None) -> Call[Any]:
+def _call(state: RequestState, leg: Leg, call_for: CallFor | None, hedge_at: int | None = None) -> Call[Any]:
     """What makes one attempt on `leg`: `call_for(leg)`, by default its binding's `run`
     (`binding`, inline), each attempt limited to the leg's first-output time and traced when
-    the leg and the request ask for it."""
+    the leg and the request ask for it; its first hedged when the route hedges (`_retries`;
+    `hedge_at`: the leg's index, None for a probe or a hedge: never hedged)."""
     call: Call[Any]
     if call_for is None:
         provider = leg.ref.provider
@@ -244,7 +247,9 @@ def _call(state: RequestState, leg: Leg, call_for: Callable[[Leg], Call[Any]] | 
         call = first_output_limited(state, leg, call, signalled=True)
     if state._observe.trace is not None:
         call = traced(state, call, leg)
-    return call
+    if hedge_at is None or state._route.hedge is None or state._route.task is not None:
+        return call
+    return Hedged(state, hedge_at, call, lambda other: _call(state, other, call_for))
 
 
 def _after_failure(
@@ -346,7 +351,7 @@ def binding(state: RequestState, leg: Leg) -> Binding:
 
 
 def traced(state: RequestState, call: Call[R], leg: Leg, *, retry: bool = False) -> Call[R]:
-    """`call`, each attempt in a span of its own (the request is traced)."""
+    """`call`, each attempt in a span of its own (the request is traced; a hedge's is marked)."""
     return state._observe.traced(
         call,
         leg,
@@ -354,6 +359,7 @@ def traced(state: RequestState, call: Call[R], leg: Leg, *, retry: bool = False)
         fallback=state._route.legs[0] is not leg,
         attempts=lambda: state.attempts,
         retry=retry,
+        hedge=state._hedge is leg,
     )
 
 

@@ -36,15 +36,16 @@ __all__ = [
 
 #: One provider call ended (a committed stream: when its stream ended):
 #: `(route, trace_id, leg, attempt, outcome, usage, served, elapsed_s, cost, delivered_chars,
-#: status, code, resumed_steps, problems)`. `attempt`: the request's calls so far, this one
+#: status, code, resumed_steps, problems, hedge)`. `attempt`: the request's calls so far, this one
 #: included; `outcome`: `ok`, `rejected` (an answer the output guard rejected, on a route that
 #: moves rejected answers on), a failure kind (`Kind`) or how a stream ended; `served`: the
 #: model the provider says served (None for a failure); `cost`: what the reported usage cost,
 #: in the price's units (None: no price or no usage); `status`, `code`: a provider error's;
-#: `problems`: a rejected answer's (`GuardTripped.problems`), else None.
+#: `problems`: a rejected answer's (`GuardTripped.problems`), else None; `hedge`: the call was a
+#: hedge (`_retries`).
 AttemptEnded: TypeAlias = """tuple[
     GuardedRoute, str, Leg, int, str, Usage | None, str | None, float, float | None, int | None,
-    int | None, int | None, tuple[str, ...], tuple[str, ...] | None
+    int | None, int | None, tuple[str, ...], tuple[str, ...] | None, bool
 ]"""
 
 

@@ -13,6 +13,7 @@ method below is where that event's subscribers are listed, in the order they run
                                                                             one's ended with it)
     skipped           guards_skips_total           skip (1/s)              skip span
     hold rejected     stream hold rejections
+    hedged            guards_hedges_total
     slow stream       stream slow models
     retried           retry budget exhausted       retry                   skip span (refused)
     store failed      guards_store_unavailable     store_unavailable
@@ -42,6 +43,7 @@ from ..observe._metrics import (
     BUDGET_HELD,
     BUDGET_NEAR,
     BUDGET_SETTLED,
+    HEDGES,
     HOLD_REJECTIONS,
     RETRY_BUDGET_EXHAUSTED,
     SKIPS,
@@ -97,12 +99,15 @@ class Observers:
         fallback: bool,
         attempts: Callable[[], int],
         retry: bool = False,
+        hedge: bool = False,
     ) -> Callable[[str, Mapping[str, Any]], Awaitable[R]]:
         """`call`, each attempt of it in a span of its own when the request is traced."""
         trace = self.trace
         if trace is None:
             return call
-        return trace.traced(call, leg, binding, fallback=fallback, attempts=attempts, retry=retry)
+        return trace.traced(
+            call, leg, binding, fallback=fallback, attempts=attempts, retry=retry, hedge=hedge
+        )
 
     def attempt_ended(self, event: AttemptEnded, held: AttemptEnded | None) -> AttemptEnded | None:
         """An attempt ended: its metrics, and its ledger record. `held`: the request's record
@@ -121,6 +126,7 @@ class Observers:
             elapsed_s,
             cost,
             delivered,
+            _,
             _,
             _,
             _,
@@ -154,6 +160,10 @@ class Observers:
             ledger.record(_attempt(held))
         ledger.record(_attempt(event))
         return None
+
+    def hedged(self, route: GuardedRoute, leg: Leg, outcome: str) -> None:
+        """A call to `leg` was hedged: `outcome` is `started`, `won`, `lost` or `skipped`."""
+        counter(HEDGES, route.name, leg.ref.key, outcome).add()
 
     def first_output(self, leg: Leg, elapsed_s: float) -> None:
         """A streamed call produced its first output part `elapsed_s` after it started (its
@@ -276,6 +286,7 @@ def _attempt(event: AttemptEnded) -> Attempt:
         code,
         steps,
         problems,
+        hedge,
     ) = event
     return Attempt(
         trace_id=trace_id,
@@ -295,4 +306,5 @@ def _attempt(event: AttemptEnded) -> Attempt:
         problems=problems or (),
         # The downgraded copy of a route is its downgrade's own (`guards.routes._downgrade`).
         downgraded=route.downgrade is not None and route is route.downgrade.route,
+        hedge=hedge,
     )

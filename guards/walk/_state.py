@@ -65,9 +65,11 @@ class RequestState:
         "model",
         "fallback_model",
         "attempt_budget",
-        # The chain walk (`_chain_walk`): the leg being called, what happened to each leg,
-        # the walk's deadline, the client watcher.
+        # The chain walk (`_chain_walk`): the leg being called, the leg a hedge of the walk
+        # runs or answered on (`_retries`), what happened to each leg, the walk's deadline,
+        # the client watcher.
         "_leg",
+        "_hedge",
         "_notes",
         "_scope",
         "_watch",
@@ -142,6 +144,7 @@ class RequestState:
         self.fallback_model: str | None = None
         self.attempt_budget = route.attempt_budget
         self._leg: Leg = route.legs[0]
+        self._hedge: Leg | None = None
         #: Made at the first note (a walk that skips or loses no leg makes none).
         self._notes: list[Note] = _NO_NOTES
         self._scope: Deadline | None = None
