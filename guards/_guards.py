@@ -27,6 +27,7 @@ from .policies._call import Retry
 from .policies._chain import DEFAULT_PROVIDER, HINT_PREFIX, Model, Profile, check_hints
 from .policies._cooldown import Cooldown
 from .policies._credentials import CredentialWarnings
+from .policies._deployments import Balance
 from .policies._price_table import PriceTable, check_table
 from .policies._retry_budget import RetryWindows
 from .policies._tasks import Task
@@ -96,6 +97,9 @@ class Guards:
     False (default) imports nothing of OpenTelemetry and costs nothing.
     `max_in_flight` (default None: no limit) is how many requests of guarded routes one worker
     serves at once before it sheds the routes declared with `shed_at` (see `route`).
+    `seed` seeds the random choices of groups of deployments (`Deployments`, strategy
+    `"weighted"`) of this instance: the same seed, the same sequence of choices (default None:
+    seeded from the system).
 
     Use it as an async context manager (or call `aclose`) to close the binding's connections and
     the store on shutdown.
@@ -123,6 +127,7 @@ class Guards:
         log_attempts: Literal["retries", "all"] = "retries",
         log_sample: float = 1.0,
         context_windows: Mapping[str, int] | None = None,
+        seed: int | None = None,
     ) -> None:
         if attribution not in ("off", "redacted", "detailed"):
             raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
@@ -154,8 +159,7 @@ class Guards:
         self.log_attempts: Literal["retries", "all"] = log_attempts
         self.log_sample = log_sample
         self.store: Store = store if store is not None else MemoryStore()
-        self.sleep = sleep
-        self.retry_after_s = retry_after_s
+        self.sleep, self.retry_after_s = sleep, retry_after_s
         self.prices: dict[str, Price] = dict(prices or {})
         check_table(price_table)
         self.price_table: PriceTable | None = price_table
@@ -180,6 +184,7 @@ class Guards:
         self.levels = Levels(self, max_in_flight)
         #: Every route guarded by this instance, in the order they were declared.
         self.routes: list[GuardedRoute] = []
+        self.balance = Balance(seed)  # what groups of deployments balance by (`Deployments`)
 
     __init__ = keywords_checked(__init__, "Guards")  # a misspelled keyword names the closest one
 

@@ -177,7 +177,7 @@ class RequestState:
         """The request was given `leg`'s answer (`model`: as the provider named it)."""
         self._served_leg = leg
         self.model = model or leg.ref.model
-        if leg is not self._route.legs[0]:
+        if not leg.leads:
             self.fallback_model = leg.ref.entry
 
     def _summary(self, detailed: bool) -> str:
