@@ -207,6 +207,8 @@ class RequestState:
             extra = {**extra, **rejected} if extra is not None else rejected
         if route.downgrade is not None and (downgraded := getattr(self, "_downgraded", None)) is not None:
             extra = {**(extra or {}), "downgraded": downgraded}
+        if route.deployments is not None and (leg := self._served_leg) is not None and leg.ref.deployment:
+            extra = {**(extra or {}), "deployment": leg.ref.key}  # the deployment that served
         return (
             route,
             self.trace_id,

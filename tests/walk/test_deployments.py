@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from fixtures import Fail, FakeWorkersAI, Reply
-from guards import AI, Breaker, Deployment, Deployments, Guards
+from guards import AI, Attempt, Breaker, Deployment, Deployments, Guards, Ledger
 from guards.providers import WorkersAI
 from guards.stores import MemoryStore, RedisStore, Store
 
@@ -59,6 +59,8 @@ def app_of(
     fallbacks: tuple[str, ...] = (),
     breaker: Breaker | None = Breaker(failure_threshold=1000),
     seed: int | None = 7,
+    log_sample: float = 0.0,
+    ledger: Ledger | None = None,
     **route: Any,
 ) -> tuple[FastAPI, Guards]:
     """An app whose `POST /label` calls `group` (deployment `east` at provider `east`, `west` at
@@ -71,10 +73,12 @@ def app_of(
         store=store if store is not None else MemoryStore(),
         sleep=no_sleep,
         seed=seed,
-        log_sample=0.0,
+        log_sample=log_sample,
+        ledger=ledger,
     )
     app = FastAPI()
     guards.install(app)
+    app.include_router(guards.status_router())
 
     @app.post("/label")
     @guards.route(model=group, fallbacks=fallbacks, breaker=breaker, timeout_s=5.0, **route)
@@ -260,3 +264,55 @@ async def test_lowest_latency_tries_each_deployment_then_keeps_the_fastest(
         order = [r.headers["x-ai-deployment"] for r in await post_all(app, 12, at_once=1)]
     assert sorted(order[:2]) == ["fastest/east", "fastest/west"]
     assert order[2:] == ["fastest/west"] * 10
+
+
+class Recorder:
+    """A ledger that keeps every record."""
+
+    def __init__(self) -> None:
+        self.attempts: list[Attempt] = []
+
+    def record(self, attempt: Attempt) -> None:
+        self.attempts.append(attempt)
+
+
+@pytest.mark.anyio
+async def test_the_answer_says_which_deployment_served_and_the_status_page_shows_each(
+    fake_workers_ai: FakeWorkersAI, west_server: FakeWorkersAI, guards_log: LogLines
+) -> None:
+    """East fails once, west answers: the header, the request line, the ledger and the metrics
+    (read through the status page) name the deployment (`group/name`); `/status` shows each
+    deployment as a model, with its calls, failures and latency."""
+    fake_workers_ai.script(EAST, Fail(code=5035, status=403))
+    west_server.default = ANSWER
+    ledger = Recorder()
+    shown = Deployments(
+        "shown",
+        [
+            Deployment("east", provider="east", model=EAST, weight=1_000),
+            Deployment("west", provider="west", model=WEST),
+        ],
+    )
+    app, guards = app_of(fake_workers_ai, west_server, shown, log_sample=1.0, ledger=ledger)
+    async with (
+        guards,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client,
+    ):
+        assert (await client.get("/status")).status_code == 200  # its counts start here
+        (response,) = await post_all(app, 1)
+        report = (await client.get("/status")).json()
+    assert response.status_code == 200
+    assert response.headers["x-ai-deployment"] == "shown/west"
+    assert response.headers["x-ai-model"] == WEST
+    assert "x-ai-fallback" not in response.headers  # the first entry's group served
+    (line,) = guards_log.events("request")
+    assert line["deployment"] == "shown/west"
+    assert [(a.model, a.outcome) for a in ledger.attempts] == [
+        ("shown/east", "model_incompatible"),
+        ("shown/west", "ok"),
+    ]
+    # The page's calls are `guards_model_attempts_total` by its `model` label.
+    models = {entry["model"]: entry for entry in report["models"]}
+    assert models["shown/east"]["calls"] == models["shown/west"]["calls"] == 1
+    assert models["shown/east"]["failures"] == 1
+    assert models["shown/west"]["latency"]["first_outputs"] == 1
