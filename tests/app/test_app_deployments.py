@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.settings import Settings, SettingsError, load_settings
-from fixtures import FakeWorkersAI, Reply
+from fixtures import Fail, FakeWorkersAI, Reply, Stream, Text
 
 from ..conftest import ExampleClient
 
@@ -81,3 +81,19 @@ def test_every_setting_is_in_the_example_app_pages_table() -> None:
     cells = re.findall(r"^\| ([^|]*`[A-Z][A-Z0-9_]+`[^|]*) \|", page, re.M)
     names = {name for cell in cells for name in re.findall(r"`([A-Z][A-Z0-9_]+)`", cell)}
     assert {field.upper() for field in Settings.model_fields} - names == set()
+
+
+def test_a_stream_that_fails_on_one_deployment_streams_from_the_other(
+    example_client: ExampleClient, fake_workers_ai: FakeWorkersAI
+) -> None:
+    """The first deployment tried fails before any output; the other streams the answer, and
+    the stream's headers name it."""
+    fake_workers_ai.script(MODEL, Fail(code=5035, status=403))
+    fake_workers_ai.default = Stream(parts=(Text("Thank you."),))
+    client = example_client(ai_deployments="east=1,west=1")
+    response = client.post("/draft-reply/stream", json=ASK)
+    assert response.status_code == 200
+    assert "event: done" in response.text
+    assert response.headers["x-ai-deployment"] in {"draft/east", "draft/west"}
+    assert "x-ai-fallback" not in response.headers
+    assert len(fake_workers_ai.calls) == 2
