@@ -40,7 +40,7 @@ from ..waits._admission import never_admitted, waited_for_admission
 from ..waits._deadline import Deadline
 from ..waits._first_output import limited
 from ._accounting import answered, on_attempt
-from ._known import deployment_refused, known_refused
+from ._known import deployment_refused, known_refused, tokens_settled
 from ._retries import retried
 from ._store_steps import admitted, leg_down, next_step, record, send, settle
 from ._store_steps import report as report_call
@@ -239,8 +239,11 @@ def _call(state: RequestState, leg: Leg, call_for: Callable[[Leg], Call[Any]] | 
         call = (shared.binding if provider is None else shared.providers[provider]).run
     else:
         call = call_for(leg)
-    if leg.ref.group is not None and leg.ref.group.strategy == "least_busy":
-        call = counted(state._shared.balance, leg.ref.key, call)
+    if (group := leg.ref.group) is not None:  # a deployment: counted in flight, its tokens settled
+        if group.strategy == "least_busy":
+            call = counted(state._shared.balance, leg.ref.key, call)
+        if leg.limited and leg.ref.deployment is not None and leg.ref.deployment.tpm is not None:
+            call = tokens_settled(state, call)
     if leg.first_output_s is not None:
         # A binding's `run` may say when its answer's first byte came; a stream's hold says when
         # its first output came (`guards.streams._hold`): the limit is not the hold's.

@@ -22,12 +22,12 @@ until the sliding minute frees room, which cannot come sooner for any worker eit
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..contracts._tokens import binding_estimate, max_tokens_of
 from ..policies._deployments import limit_charge
-from ..stores import Step, StoreUnavailable
+from ..stores import Report, Step, StoreUnavailable
 from ..stores._breaker import CircuitState
 from ._events import StoreFailed
 
@@ -36,7 +36,18 @@ if TYPE_CHECKING:
     from ..stores import Passage
     from ._state import RequestState
 
-__all__ = ["deployment_refused", "forget", "known_refused", "passed_over", "remember", "skip"]
+__all__ = [
+    "deployment_refused",
+    "forget",
+    "known_refused",
+    "passed_over",
+    "remember",
+    "skip",
+    "tokens_settled",
+]
+
+R = TypeVar("R")
+Call = Callable[[str, Mapping[str, Any]], Awaitable[R]]
 
 #: A skip's note, by reason (the text built once).
 _SKIPPED = {why: f"skipped ({why})" for why in ("cooldown", "circuit_open", "rate_limited")}
@@ -133,15 +144,16 @@ async def deployment_refused(state: RequestState, leg: Leg, inputs: Mapping[str,
             max_tokens_of(inputs.get("max_tokens"), route.max_tokens) or 0
         )
     # The deployment alone, its breaker not asked again: a charge is paid with an admission.
-    step = Step(
-        None, ((leg.cooldown_key, leg.breaker_key),), None, limit_charge(leg.ref.key, deployment, tokens)
-    )
+    charge = limit_charge(leg.ref.key, deployment, tokens)
+    step = Step(None, ((leg.cooldown_key, leg.breaker_key),), None, charge)
     try:
         passage = await state._shared.store.step(step)
     except StoreUnavailable:
         state._observe.store_failed(StoreFailed(state._route, state.trace_id, "budget", mode="open"))
         return False
     if passage.admitted is not None:
+        if passage.reservation is not None:  # (the tokens it holds: `tokens_settled`)
+            state._deployment_hold = (charge, passage.reservation)
         return False
     refusal = passage.refusal
     why, wait = (
@@ -150,3 +162,30 @@ async def deployment_refused(state: RequestState, leg: Leg, inputs: Mapping[str,
     skip(state, leg, why, wait)
     remember(state, leg, why, wait)
     return True
+
+
+def tokens_settled(state: RequestState, call: Call[R]) -> Call[R]:
+    """`call` (an attempt on a deployment with `tpm`), whose whole answer settles the tokens
+    its admission held to the usage it reported (`Report.charge`: in the minute window, the
+    hold takes the reported tokens in its place). A failed call, a stream (its usage comes at
+    its end) and an answer that reports no usage leave the hold as it is: the estimate."""
+
+    async def settling(model: str, inputs: Mapping[str, Any]) -> R:
+        result = await call(model, inputs)
+        hold = getattr(state, "_deployment_hold", None)
+        usage = getattr(result, "usage", None)
+        if hold is not None:
+            state._deployment_hold = None
+            used = None if usage is None else usage.total_tokens
+            if used is not None:
+                charge, reservation = hold
+                report = Report(charge=charge, reservation=reservation, tokens=used)
+                try:
+                    await state._shared.store.step(Step(report=report))
+                except StoreUnavailable:
+                    state._observe.store_failed(
+                        StoreFailed(state._route, state.trace_id, "budget", op="settle_spend")
+                    )
+        return result
+
+    return settling

@@ -106,11 +106,16 @@ class RequestState:
         # Only on a route with `downgrade_to` (`guards.routes._downgrade`): the scopes whose soft
         # limits sent the request to the downgrade chain. Set there, read only there.
         "_downgraded",
+        # Only on a route with a deployment limiting tokens (`guards.Deployment(tpm=...)`): its
+        # token hold in the minute window, set at its admission and settled by its answer
+        # (`_known.tokens_settled`). Read with `getattr(state, "_deployment_hold", None)`.
+        "_deployment_hold",
     )
     _answered: Answered
     _slow: bool  # (not set in `__init__`: see above)
     _near: bytes | None
     _downgraded: str
+    _deployment_hold: tuple[Charge, str] | None
 
     # Set only on a route that holds (see `_hold` below), before they are read.
     _charge: Charge

@@ -316,3 +316,25 @@ async def test_the_answer_says_which_deployment_served_and_the_status_page_shows
     assert models["shown/east"]["calls"] == models["shown/west"]["calls"] == 1
     assert models["shown/east"]["failures"] == 1
     assert models["shown/west"]["latency"]["first_outputs"] == 1
+
+
+@pytest.mark.anyio
+async def test_a_deployments_tpm_holds_the_estimate_and_settles_to_the_usage(
+    fake_workers_ai: FakeWorkersAI, west_server: FakeWorkersAI
+) -> None:
+    """East takes 150 tokens a minute; each call holds its estimate (99: the prompt and the
+    JSON schema it asks for, plus its 60 `max_tokens`) and settles to the 15 the answer
+    reports: four calls fit (15 x 3 + 99 = 144), the fifth would not (159) and goes to west, as
+    every later one does. Unsettled, the second would not have fitted (198)."""
+    fake_workers_ai.default = west_server.default = ANSWER
+    tokens = Deployments(
+        "tokens",
+        [
+            Deployment("east", provider="east", model=EAST, weight=1_000, tpm=150),
+            Deployment("west", provider="west", model=WEST),
+        ],
+    )
+    app, guards = app_of(fake_workers_ai, west_server, tokens, max_tokens=60)
+    async with guards:
+        order = [r.headers["x-ai-deployment"] for r in await post_all(app, 10, at_once=1)]
+    assert order == ["tokens/east"] * 4 + ["tokens/west"] * 6
