@@ -127,7 +127,7 @@ class Leg:
     #: The model's declared context window in tokens (`Guards(context_windows=...)`), if any.
     window: int | None = None
     #: The model is a deployment with `rpm` or `tpm`: each call to it takes a store step of
-    #: its own first (`guards.walk._store_steps.deployment_refused`).
+    #: its own first (`guards.walk._known.deployment_refused`).
     limited: bool = False
     #: The model is the chain's first entry (or a deployment of its first entry's group): its
     #: answer is no fallback.

@@ -157,7 +157,9 @@ async def deployment_refused(state: RequestState, leg: Leg, inputs: Mapping[str,
         return False
     refusal = passage.refusal
     why, wait = (
-        ("rate_limited", refusal.retry_after_s) if refusal is not None else ("cooldown", passage.waits[0])
+        ("rate_limited", refusal.retry_after_s)
+        if refusal is not None
+        else ("cooldown", passage.waits[0] if passage.waits else None)
     )
     skip(state, leg, why, wait)
     remember(state, leg, why, wait)

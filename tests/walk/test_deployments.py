@@ -15,7 +15,18 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from fixtures import Fail, FakeWorkersAI, Reply
-from guards import AI, Attempt, Breaker, Deployment, Deployments, Guards, Ledger
+from guards import (
+    AI,
+    Attempt,
+    Breaker,
+    ConfigurationError,
+    Deployment,
+    Deployments,
+    Guards,
+    Ledger,
+    Profile,
+    flatten_chain,
+)
 from guards.providers import WorkersAI
 from guards.stores import MemoryStore, RedisStore, Store
 
@@ -338,3 +349,49 @@ async def test_a_deployments_tpm_holds_the_estimate_and_settles_to_the_usage(
     async with guards:
         order = [r.headers["x-ai-deployment"] for r in await post_all(app, 10, at_once=1)]
     assert order == ["tokens/east"] * 4 + ["tokens/west"] * 6
+
+
+def test_a_group_flattens_to_its_deployments_wherever_a_chain_entry_goes() -> None:
+    chat = group("flat")
+    keys = [ref.key for ref in flatten_chain([chat, "@cf/x"], providers=("east", "west")).models]
+    assert keys == ["flat/east", "flat/west", "@cf/x"]
+    profiles = {"main": Profile(model=chat, fallbacks=("small",)), "small": Profile(model="@cf/small")}
+    chain = flatten_chain(["main"], profiles=profiles, providers=("east", "west"))
+    assert [(ref.key, ref.provider, ref.model) for ref in chain.models] == [
+        ("flat/east", "east", EAST),
+        ("flat/west", "west", WEST),
+        ("@cf/small", None, "@cf/small"),
+    ]
+    # Twice in one chain: the second is removed, as a duplicate model is.
+    assert [ref.key for ref in flatten_chain([chat, chat], providers=("east", "west")).models] == [
+        "flat/east",
+        "flat/west",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Deployments("chat", []), "at least one"),
+        (lambda: Deployments("chat/x", [Deployment("a", provider="p", model="m")]), "a letter"),
+        (lambda: Deployment("a b", provider="p", model="m"), "a letter"),
+        (lambda: Deployment("a", provider="p", model="m", weight=0), "weight must be a positive number"),
+        (lambda: Deployment("a", provider="p", model="m", rpm=0), "rpm must be a whole number"),
+        (lambda: Deployment("a", provider="p", model="m", tpm=1.5), "tpm must be a whole number"),
+        (
+            lambda: Deployments("c", [Deployment("a", provider="p", model="m")] * 2),
+            "each deployment's name once",
+        ),
+        (
+            lambda: Deployments("c", [Deployment("a", provider="p", model="m")], strategy="random"),
+            "strategy must be one of weighted, least_busy, lowest_latency",
+        ),
+        (
+            lambda: flatten_chain([Deployments("c", [Deployment("a", provider="nowhere", model="m")])]),
+            "names provider 'nowhere', which is not configured",
+        ),
+    ],
+)
+def test_a_bad_group_fails_at_start_up(make: Any, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        make()
