@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +29,7 @@ from guards import (
     flatten_chain,
 )
 from guards.providers import WorkersAI
-from guards.stores import MemoryStore, RedisStore, Store
+from guards.stores import MemoryStore, RedisStore, SQLiteStore, Store
 
 from ..conftest import STORE_TIMEOUT_S, LogLines, no_sleep
 
@@ -235,10 +236,24 @@ async def test_a_deployment_at_its_rpm_is_skipped_exactly_across_two_workers(
 
 
 @pytest.mark.anyio
-async def test_a_deployment_at_its_rpm_is_skipped_exactly_across_two_workers_on_redis(
-    fake_workers_ai: FakeWorkersAI, west_server: FakeWorkersAI, redis_url: str, prefix: str
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "redis-cluster"])
+async def test_a_deployment_at_its_rpm_is_skipped_exactly_across_two_workers_on_a_shared_store(
+    fake_workers_ai: FakeWorkersAI,
+    west_server: FakeWorkersAI,
+    kind: str,
+    tmp_path: Path,
+    prefix: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    stores = [RedisStore(redis_url, prefix=prefix, timeout_s=STORE_TIMEOUT_S) for _ in range(2)]
+    """Two stores on one state: two SQLite stores on one file, two Redis stores on one server
+    (or one Redis Cluster) under one prefix."""
+    stores: list[Store]
+    if kind == "sqlite":
+        stores = [SQLiteStore(tmp_path / "guards.db", timeout_s=STORE_TIMEOUT_S) for _ in range(2)]
+    else:
+        url = request.getfixturevalue("redis_cluster" if kind == "redis-cluster" else "redis_url")
+        url = url if isinstance(url, str) else url.url
+        stores = [RedisStore(url, prefix=prefix, timeout_s=STORE_TIMEOUT_S) for _ in range(2)]
     try:
         await rpm_across_two_apps(stores[0], stores[1], fake_workers_ai, west_server)
     finally:
@@ -330,8 +345,9 @@ async def test_the_answer_says_which_deployment_served_and_the_status_page_shows
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["memory", "redis"])
 async def test_a_deployments_tpm_holds_the_estimate_and_settles_to_the_usage(
-    fake_workers_ai: FakeWorkersAI, west_server: FakeWorkersAI
+    fake_workers_ai: FakeWorkersAI, west_server: FakeWorkersAI, kind: str, request: pytest.FixtureRequest
 ) -> None:
     """East takes 150 tokens a minute; each call holds its estimate (99: the prompt and the
     JSON schema it asks for, plus its 60 `max_tokens`) and settles to the 15 the answer
@@ -345,8 +361,12 @@ async def test_a_deployments_tpm_holds_the_estimate_and_settles_to_the_usage(
             Deployment("west", provider="west", model=WEST),
         ],
     )
-    app, guards = app_of(fake_workers_ai, west_server, tokens, max_tokens=60)
-    async with guards:
+    store: Store = MemoryStore()
+    if kind == "redis":
+        url, prefix = request.getfixturevalue("redis_url"), request.getfixturevalue("prefix")
+        store = RedisStore(url, prefix=prefix, timeout_s=STORE_TIMEOUT_S)
+    app, guards = app_of(fake_workers_ai, west_server, tokens, store=store, max_tokens=60)
+    async with guards:  # (closes the store)
         order = [r.headers["x-ai-deployment"] for r in await post_all(app, 10, at_once=1)]
     assert order == ["tokens/east"] * 4 + ["tokens/west"] * 6
 
