@@ -16,6 +16,10 @@ The string is:
 - the name of a `Profile`: the profile's model, then its fallbacks, depth-first;
 - anything else: a model id of the main binding (`"@cf/meta/llama-3.1-8b-instruct"`).
 
+A `Deployments` (a `Model` too) is a group of deployments of one model: one model of the chain
+per deployment, in the order declared, keyed `group/name` (the walk orders them per request:
+`guards.policies._deployments`).
+
 Chains are flattened once, at start-up. Dangling references, cycles, excessive depth, empty model
 ids and duplicates are reported and removed; a provider prefix that names no configured provider
 fails start-up instead (`ConfigurationError`): its credentials are missing, and quietly calling
