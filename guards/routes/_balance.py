@@ -63,6 +63,7 @@ class Balancer:
             ordered = tuple(legs[index] for index in placed)
             chosen = dataclasses.replace(
                 route,
+                model=ordered[0].ref.key,  # what the walk asks for first (`requested_model`)
                 legs=ordered,
                 step_legs=tuple(route.step_legs[index] for index in placed),
                 success_ages=route.success_ages.over(ordered),

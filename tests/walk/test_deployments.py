@@ -333,9 +333,9 @@ async def test_the_answer_says_which_deployment_served_and_the_status_page_shows
     assert "x-ai-fallback" not in response.headers  # the first entry's group served
     (line,) = guards_log.events("request")
     assert line["deployment"] == "shown/west"
-    assert [(a.model, a.outcome) for a in ledger.attempts] == [
-        ("shown/east", "model_incompatible"),
-        ("shown/west", "ok"),
+    assert [(a.requested_model, a.model, a.outcome) for a in ledger.attempts] == [
+        ("shown/east", "shown/east", "model_incompatible"),
+        ("shown/east", "shown/west", "ok"),
     ]
     # The page's calls are `guards_model_attempts_total` by its `model` label.
     models = {entry["model"]: entry for entry in report["models"]}
