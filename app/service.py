@@ -32,6 +32,8 @@ from guards import (
     Breaker,
     Budget,
     Clock,
+    Deployment,
+    Deployments,
     Effort,
     EventStream,
     Guards,
@@ -244,6 +246,12 @@ def create_app(
         for name in sorted(settings.providers_used())
     }
     main = providers[settings.ai_provider]
+    # AI_DEPLOYMENTS: each deployment of AI_MODEL a binding of AI_PROVIDER of its own.
+    deployments = settings.deployments if settings.ai_effort != "auto" else {}
+    for name in deployments:
+        providers[f"deployment-{name}"] = (
+            binding if binding is not None else make_binding(settings, settings.ai_provider)
+        )
     guards = Guards(
         main,
         providers=providers,
@@ -268,7 +276,22 @@ def create_app(
         if settings.ai_effort == "auto"
         else None
     )
-    draft_model = None if effort is not None else settings.ai_model
+    draft_model: str | Deployments | None = None if effort is not None else settings.ai_model
+    if deployments:  # the draft routes balance AI_MODEL's deployments (docs/deployments.md)
+        draft_model = Deployments(
+            "draft",
+            [
+                Deployment(
+                    name,
+                    provider=f"deployment-{name}",
+                    model=settings.ai_model,
+                    weight=weight,
+                    rpm=settings.ai_deployment_rpm,
+                )
+                for name, weight in deployments.items()
+            ],
+            strategy=settings.ai_deployment_strategy,
+        )
     # GUARDS_STORE_FAILURE, when set, decides for both guards; else each keeps its default
     # (budget fails closed, breaker fails open: see guards.Budget and guards.Breaker).
     failure = settings.guards_store_failure

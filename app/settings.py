@@ -27,6 +27,11 @@ DEFAULT_LOCAL_MODEL = "@cf/meta/llama-3.1-8b-instruct"
 DEFAULT_CLOUD_MODEL = "@cf/meta/llama-3.3-70b-instruct-fp8-fast"
 
 
+#: A deployment's name in AI_DEPLOYMENTS, and its weight.
+_DEPLOYMENT = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,31}")
+_WEIGHT = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6})?")
+
+
 class SettingsError(RuntimeError):
     """The environment does not describe a service that can start."""
 
@@ -127,6 +132,14 @@ class Settings(BaseSettings):
     #: `on`: a provider's content filter moves on to the chain's next model of another provider;
     #: `off`: the request ends with `moderation_blocked`.
     ai_content_filter_fallback: Literal["off", "on"] = "off"
+    #: Deployments of AI_MODEL that /draft-reply and /draft-reply/stream balance, comma-separated
+    #: `name=weight` (`east=3,west=1`): each a binding of AI_PROVIDER of its own (its own
+    #: connections, breaker and cooldown); empty: AI_MODEL alone. Not with AI_EFFORT=auto.
+    ai_deployments: str = ""
+    #: How a deployment is chosen: `weighted` (random, by weight), `least_busy`, `lowest_latency`.
+    ai_deployment_strategy: Literal["weighted", "least_busy", "lowest_latency"] = "weighted"
+    #: Requests per minute each deployment takes, across workers (unset: no limit).
+    ai_deployment_rpm: int | None = Field(default=None, ge=1)
     #: The operator token of `GET /status` (`Authorization: Bearer <token>`); empty: the page is open.
     status_token: SecretStr = SecretStr("")
     #: How often the status page reloads itself in a browser (seconds).
@@ -186,6 +199,36 @@ class Settings(BaseSettings):
             (name, tokens) for name, tokens in given.items() if name.partition(":")[0] in PROVIDERS
         )
         return windows
+
+    @field_validator("ai_deployments")
+    @classmethod
+    def _deployments(cls, value: str) -> str:
+        names = []
+        for entry in (e.strip() for e in value.split(",")):
+            name, _, weight = entry.partition("=")
+            if not entry:
+                continue
+            if (
+                not _DEPLOYMENT.fullmatch(name.strip())
+                or not _WEIGHT.fullmatch(weight.strip())
+                or not float(weight)
+            ):
+                raise ValueError(
+                    "must be comma-separated name=weight, each name a short token, e.g. east=3,west=1"
+                )
+            names.append(name.strip())
+        if len(set(names)) != len(names):
+            raise ValueError("must name each deployment once")
+        return value
+
+    @property
+    def deployments(self) -> dict[str, float]:
+        """AI_DEPLOYMENTS: each deployment's name and weight, in order."""
+        return {
+            name.strip(): float(weight)
+            for name, _, weight in (e.strip().partition("=") for e in self.ai_deployments.split(","))
+            if name.strip()
+        }
 
     @field_validator("status_token")
     @classmethod

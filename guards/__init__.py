@@ -45,7 +45,7 @@ if typing.TYPE_CHECKING:
     from .observe._metrics import render_metrics
     from .policies._budget import Budget, Price, SharedLimit, StoreFailureMode, client_key, header_key
     from .policies._call import Retry
-    from .policies._chain import Chain, Model, ModelRef, Profile, flatten_chain
+    from .policies._chain import Chain, Deployment, Deployments, Model, ModelRef, Profile, flatten_chain
     from .policies._cooldown import Cooldown
     from .policies._hedge import Hedge
     from .policies._last_good import LastGood
@@ -101,6 +101,8 @@ __all__ = [
     "UIPart",
     "UI_MESSAGE_STREAM",
     "Hedge",
+    "Deployment",
+    "Deployments",
     "LastGood",
     "Ledger",
     "Level",
@@ -166,6 +168,8 @@ _PUBLIC = {
     "Retry": ".policies._call",
     "Chain": ".policies._chain",
     "Model": ".policies._chain",
+    "Deployment": ".policies._chain",
+    "Deployments": ".policies._chain",
     "ModelRef": ".policies._chain",
     "Profile": ".policies._chain",
     "flatten_chain": ".policies._chain",

@@ -25,8 +25,9 @@ from .observe._metrics import flush_metrics
 from .policies._budget import Budget, Price
 from .policies._call import Retry
 from .policies._chain import DEFAULT_PROVIDER, HINT_PREFIX, Model, Profile, check_hints
-from .policies._cooldown import Cooldown
+from .policies._cooldown import Cooldown, checked_cooldowns
 from .policies._credentials import CredentialWarnings
+from .policies._deployments import Balance
 from .policies._hedge import Hedge
 from .policies._price_table import PriceTable, check_table
 from .policies._retry_budget import RetryWindows
@@ -97,6 +98,9 @@ class Guards:
     False (default) imports nothing of OpenTelemetry and costs nothing.
     `max_in_flight` (default None: no limit) is how many requests of guarded routes one worker
     serves at once before it sheds the routes declared with `shed_at` (see `route`).
+    `seed` seeds the random choices of groups of deployments (`Deployments`, strategy
+    `"weighted"`) of this instance: the same seed, the same sequence of choices (default None:
+    seeded from the system).
 
     Use it as an async context manager (or call `aclose`) to close the binding's connections and
     the store on shutdown.
@@ -124,6 +128,7 @@ class Guards:
         log_attempts: Literal["retries", "all"] = "retries",
         log_sample: float = 1.0,
         context_windows: Mapping[str, int] | None = None,
+        seed: int | None = None,
     ) -> None:
         if attribution not in ("off", "redacted", "detailed"):
             raise ConfigurationError('attribution must be "off", "redacted" or "detailed"')
@@ -148,15 +153,14 @@ class Guards:
         #: The retry budget's counts in this worker (see `RetryBudget`).
         self.retry_windows = RetryWindows()
         self.cooldown = cooldown
-        self.cooldowns: Mapping[str, Cooldown] = _checked_cooldowns(cooldown, cooldowns or {})
+        self.cooldowns: Mapping[str, Cooldown] = checked_cooldowns(cooldown, cooldowns or {})
         self.context_windows: Mapping[str, int] = _checked_windows(context_windows or {})
         self.attribution: Attribution = attribution
         self.ledger: Ledger = ledger if ledger is not None else LogLedger()
         self.log_attempts: Literal["retries", "all"] = log_attempts
         self.log_sample = log_sample
         self.store: Store = store if store is not None else MemoryStore()
-        self.sleep = sleep
-        self.retry_after_s = retry_after_s
+        self.sleep, self.retry_after_s = sleep, retry_after_s
         self.prices: dict[str, Price] = dict(prices or {})
         check_table(price_table)
         self.price_table: PriceTable | None = price_table
@@ -181,6 +185,7 @@ class Guards:
         self.levels = Levels(self, max_in_flight)
         #: Every route guarded by this instance, in the order they were declared.
         self.routes: list[GuardedRoute] = []
+        self.balance = Balance(seed)  # what groups of deployments balance by (`Deployments`)
 
     __init__ = keywords_checked(__init__, "Guards")  # a misspelled keyword names the closest one
 
@@ -559,21 +564,6 @@ def _success_clock(store: Store) -> Callable[[], float]:
     so the worker's clock need not agree with the store's)."""
     clock = getattr(store, "clock", None)
     return time.monotonic if clock is None or type(clock) is SystemClock else clock.time
-
-
-def _checked_cooldowns(default: Cooldown, cooldowns: Mapping[str, Cooldown]) -> dict[str, Cooldown]:
-    """`Guards(cooldowns=...)` as kept; raises `ConfigurationError` for a policy that is not a
-    `Cooldown` (the default's too) or a key that is not a model key."""
-    if not isinstance(default, Cooldown):
-        raise ConfigurationError(f"cooldown must be a Cooldown, not {type(default).__name__}")
-    for model, policy in cooldowns.items():
-        if not isinstance(model, str) or not model.strip():
-            raise ConfigurationError(f"cooldowns: {model!r} is not a model key (`model` or `provider:model`)")
-        if not isinstance(policy, Cooldown):
-            raise ConfigurationError(
-                f"cooldowns[{model!r}] must be a Cooldown(...), not {type(policy).__name__}"
-            )
-    return dict(cooldowns)
 
 
 def _checked_windows(windows: Mapping[str, int]) -> dict[str, int]:

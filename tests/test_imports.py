@@ -372,7 +372,8 @@ def test_the_engine_does_not_import_its_test_doubles() -> None:
 #: removed here is a change of the public API, and of the docs' reference).
 PUBLIC = {
     "AI", "AIResult", "Attempt", "Attribution", "Binding", "Breaker", "Budget", "Chain",
-    "CircuitState", "Classification", "Clock", "ConfigurationError", "Cooldown", "Effort",
+    "CircuitState", "Classification", "Clock", "ConfigurationError", "Cooldown", "Deployment",
+    "Deployments", "Effort",
     "Envelope", "ErrorBody", "GenAIPrices", "Resumable", "ErrorCode", "EventStream", "FallbackFunction", "FallbackInfo",
     "GUARDS_EVENTS", "GuardName", "GuardTripped", "Guards", "GuardsError", "Hedge", "Kind", "LastGood",
     "Ledger", "Level", "LogLedger", "Model", "ModelDown", "ModelRef", "Moderation", "Outcome", "Price",

@@ -36,6 +36,7 @@ from app.settings import Settings, load_settings
 from fixtures import (
     Fail,
     FakeAnthropic,
+    FakeAzureOpenAI,
     FakeBinding,
     FakeGemini,
     FakeOpenAI,
@@ -160,6 +161,7 @@ CHECKED = {
     ("fallback-chains.md", "python", 2): "test_limits_example_skips_and_moves_on_as_documented",
     ("fallback-chains.md", "python", 3): "test_cross_provider_example_walks_as_documented",
     ("hedging.md", "python", 0): "test_hedge_example_answers_from_the_hedge_after_its_delay",
+    ("deployments.md", "python", 0): "test_deployments_example_spreads_then_falls_back",
     ("guards/output.md", "python", 0): "test_output_example_moves_rejected_answers_on",
     ("guards/output.md", "text", 0): "test_output_reask_sample_is_the_turn_sent",
     ("streaming.md", "python", 0): "test_readme_streaming_example_streams_through_the_chain",
@@ -1645,6 +1647,32 @@ def test_example_app_provider_lines_start_the_app(monkeypatch: pytest.MonkeyPatc
             assert settings.fallback_models == [
                 entry for entry in given.get("AI_FALLBACK_MODELS", "").split(",") if entry
             ]
+
+
+def test_deployments_example_spreads_then_falls_back(
+    use_fake_servers: Callable[[FastAPI], None],
+    fake_azure_openai: FakeAzureOpenAI,
+    fake_workers_ai: FakeWorkersAI,
+    app_client: AppClient,
+) -> None:
+    """Over real HTTP (both Azure deployments on the fake Azure OpenAI server): answers come
+    from both deployments, `east` more often; when both fail, the Workers AI model answers."""
+    example = run_block({}, "deployments.md", 0)
+    use_fake_servers(example["app"])
+    client = app_client(example["app"])
+    fake_azure_openai.default = Reply("From Azure.")
+    served = [client.post("/reply", json={"message": "hi"}) for _ in range(40)]
+    assert {response.json() for response in served} == {"From Azure."}
+    deployments = [response.headers["x-ai-deployment"] for response in served]
+    assert deployments.count("chat/east") > deployments.count("chat/west") > 0
+    assert not any("x-ai-fallback" in response.headers for response in served)
+    fake_azure_openai.reset()
+    fake_azure_openai.default = Fail(status=400)
+    fake_workers_ai.script("@cf/meta/llama-3.1-8b-instruct", Reply("From Workers AI."))
+    response = client.post("/reply", json={"message": "hi"})
+    assert response.json() == "From Workers AI."
+    assert response.headers["x-ai-fallback"] == "@cf/meta/llama-3.1-8b-instruct"
+    assert len(fake_azure_openai.calls) == 2  # each deployment once
 
 
 def test_cross_provider_example_walks_as_documented(

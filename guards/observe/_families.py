@@ -135,7 +135,8 @@ BREAKER_TRANSITIONS = Metric(
 SKIPS = Metric(
     "Counter",
     "guards_model_skips",
-    "Chain models skipped without a call, by reason: cooldown, circuit_open, context_window or content_filter.",
+    "Chain models skipped without a call, by reason: cooldown, circuit_open, context_window, content_filter "
+    "or rate_limited (a deployment at its rpm or tpm).",
     ["model", "reason"],
 )
 HOLD_REJECTIONS = Metric(

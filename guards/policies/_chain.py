@@ -16,6 +16,10 @@ The string is:
 - the name of a `Profile`: the profile's model, then its fallbacks, depth-first;
 - anything else: a model id of the main binding (`"@cf/meta/llama-3.1-8b-instruct"`).
 
+A `Deployments` (a `Model` too) is a group of deployments of one model: one model of the chain
+per deployment, in the order declared, keyed `group/name` (the walk orders them per request:
+`guards.policies._deployments`).
+
 Chains are flattened once, at start-up. Dangling references, cycles, excessive depth, empty model
 ids and duplicates are reported and removed; a provider prefix that names no configured provider
 fails start-up instead (`ConfigurationError`): its credentials are missing, and quietly calling
@@ -24,9 +28,11 @@ another provider would change the route.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
+from typing import Literal, get_args
 
 from ..contracts._errors import ConfigurationError
 from ..contracts._settings import number, settings
@@ -35,16 +41,21 @@ __all__ = [
     "DEFAULT_PROVIDER",
     "HINT_PREFIX",
     "MAX_PROFILE_DEPTH",
+    "MAX_DEPLOYMENTS",
     "Chain",
+    "Deployment",
+    "Deployments",
     "Limits",
     "Model",
     "ModelRef",
     "Profile",
+    "Strategy",
     "check_hints",
     "check_limit",
     "check_rate",
     "entry_parts",
     "flatten_chain",
+    "group_models",
 ]
 
 #: The provider name of the binding given to `Guards(binding)`.
@@ -54,6 +65,12 @@ MAX_PROFILE_DEPTH = 8
 #: A chain entry starting with this names a routing hint (`hint:fast`).
 HINT_PREFIX = "hint:"
 _PROVIDER = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+Strategy = Literal["weighted", "least_busy", "lowest_latency"]
+_STRATEGIES: tuple[str, ...] = get_args(Strategy)
+#: The most deployments a group may have.
+MAX_DEPLOYMENTS = 16
+#: A deployment's and a group's name: a metric label value's part (short, printable, no `/`).
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
 #: What a hint's name may be (it is a metric label value: short, printable, no spaces).
 _HINT_NAME = _PROVIDER
 
@@ -71,12 +88,18 @@ class ModelRef:
     first_output_s: float | None = field(default=None, compare=False, kw_only=True)
     stream_idle_s: float | None = field(default=None, compare=False, kw_only=True)
     min_chars_per_s: float | None = field(default=None, compare=False, kw_only=True)
-    #: How the model is named in keys, logs and headers: `model` or `provider:model` (made
-    #: once: read on every request's path).
+    #: The deployment this model is, and its group (`Deployments`), when it came from one.
+    deployment: Deployment | None = field(default=None, kw_only=True)
+    group: Deployments | None = field(default=None, compare=False, kw_only=True)
+    #: How the model is named in keys, logs and headers: `model` or `provider:model`, a
+    #: deployment's `group/name` (made once: read on every request's path).
     key: str = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        key = self.model if self.provider is None else f"{self.provider}:{self.model}"
+        if self.deployment is not None and self.group is not None:
+            key = self.group.key(self.deployment)
+        else:
+            key = self.model if self.provider is None else f"{self.provider}:{self.model}"
         object.__setattr__(self, "key", key)
 
     @property
@@ -169,6 +192,102 @@ def _inner(limits: Limits, outer: Limits) -> Limits:
     )
 
 
+def _positive_int(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(
+            f"{name} must be a whole number of at least 1, or None (no limit); got {value!r}"
+        )
+    return value
+
+
+@settings
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """One deployment of a model: `model` (its id at that provider) served by `provider` (a
+    provider name of `Guards(providers=...)`, or `"default"`: so its own credentials, region or
+    endpoint). `weight`: its share under the `"weighted"` strategy (a positive number). `rpm`,
+    `tpm`: its own limits, requests and tokens per sliding minute, enforced exactly through the
+    store across workers; a deployment at one is skipped (as an open breaker is), not failed.
+    None: no limit. Raises `ConfigurationError` for a name that is not a short token, or a
+    weight or limit out of range."""
+
+    name: str
+    _: KW_ONLY
+    provider: str
+    model: str
+    weight: float = 1.0
+    rpm: int | None = None
+    tpm: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigurationError(
+                f"Deployment name {self.name!r}: a letter, then up to 63 letters, digits, '_', '.' or '-'"
+            )
+        if not isinstance(self.provider, str) or not self.provider.strip():
+            raise ConfigurationError(
+                f"Deployment {self.name!r}: provider names a binding of Guards(providers=...)"
+            )
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ConfigurationError(f"Deployment {self.name!r}: model is the model's id at its provider")
+        weight = self.weight
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+            raise ConfigurationError(
+                f"Deployment {self.name!r}: weight must be a positive number; got {weight!r}"
+            )
+        object.__setattr__(self, "weight", float(weight))
+        object.__setattr__(self, "rpm", _positive_int(f"Deployment {self.name!r}: rpm", self.rpm))
+        object.__setattr__(self, "tpm", _positive_int(f"Deployment {self.name!r}: tpm", self.tpm))
+
+    @property
+    def limited(self) -> bool:
+        """Whether a call to it takes a store step of its own (`rpm` or `tpm` set)."""
+        return self.rpm is not None or self.tpm is not None
+
+
+@settings
+@dataclass(frozen=True, slots=True)
+class Deployments(Model):
+    """A chain entry that is a group of deployments of one model, named `spec` (the group's
+    name: a short token), accepted wherever a chain entry is (`route(model=...)`,
+    `route(fallbacks=[...])`, `Profile(model=...)`), with a `Model`'s call limits for each of
+    its deployments. `strategy` chooses the deployment a call goes to first (see the module's
+    docstring: `"weighted"`, `"least_busy"`, `"lowest_latency"`). Each deployment is a model of
+    the chain keyed `spec/name`; a call that fails moves to another deployment of the group, and
+    the chain moves on to its next entry when each was skipped or failed. Raises
+    `ConfigurationError` for no deployment, more than `MAX_DEPLOYMENTS`, a name given twice, or
+    an unknown strategy."""
+
+    deployments: Sequence[Deployment]
+    strategy: Strategy = field(default="weighted", kw_only=True)
+
+    def __post_init__(self) -> None:
+        Model.__post_init__(self)
+        if not _NAME.match(self.spec):
+            raise ConfigurationError(
+                f"Deployments name {self.spec!r}: a letter, then up to 63 letters, digits, '_', '.' or '-'"
+            )
+        deployments = tuple(self.deployments) if isinstance(self.deployments, Sequence) else ()
+        if not deployments or not all(isinstance(each, Deployment) for each in deployments):
+            raise ConfigurationError(f"Deployments {self.spec!r}: a list of guards.Deployment, at least one")
+        if len(deployments) > MAX_DEPLOYMENTS:
+            raise ConfigurationError(f"Deployments {self.spec!r}: at most {MAX_DEPLOYMENTS} deployments")
+        names = [each.name for each in deployments]
+        if len(set(names)) != len(names):
+            raise ConfigurationError(f"Deployments {self.spec!r}: each deployment's name once")
+        if self.strategy not in _STRATEGIES:
+            raise ConfigurationError(
+                f"Deployments {self.spec!r}: strategy must be one of {', '.join(_STRATEGIES)}; got {self.strategy!r}"
+            )
+        object.__setattr__(self, "deployments", deployments)
+
+    def key(self, deployment: Deployment) -> str:
+        """The model key of `deployment` in this group: `group/name`."""
+        return f"{self.spec}/{deployment.name}"
+
+
 @settings
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Profile:
@@ -234,6 +353,14 @@ def flatten_chain(
     seen: set[str] = set()
 
     def add(entry: str | Model, where: str, hint: str | None, outer: Limits) -> None:
+        if isinstance(entry, Deployments):
+            for member in group_models(entry, known, _inner(entry.limits, outer)):
+                if member.key in seen:
+                    problems.append(f"{where}: duplicate model {member.key!r} removed")
+                else:
+                    seen.add(member.key)
+                    models.append(replace(member, hint=hint))
+            return
         spec, own = entry_parts(entry)
         ref = parse_model(spec, known)
         if ref is None:
@@ -271,6 +398,9 @@ def flatten_chain(
                 expand(reference, (*path, name), hint, outer)
 
     for item in entries:
+        if isinstance(item, Deployments):
+            add(item, f"entry {item.spec!r}", None, _NO_LIMITS)
+            continue
         entry, limits = entry_parts(item)
         entry = entry.strip()
         hint = None
@@ -288,6 +418,32 @@ def flatten_chain(
         else:
             add(entry, f"entry {entry!r}", hint, limits)
     return Chain(tuple(models), tuple(problems))
+
+
+def group_models(group: Deployments, providers: Collection[str], limits: Limits) -> list[ModelRef]:
+    """The models of a group of deployments, in its order, each with `limits`; raises
+    `ConfigurationError` for a deployment whose provider is not configured."""
+    models = []
+    for deployment in group.deployments:
+        provider = deployment.provider.strip()
+        if provider not in providers:
+            raise ConfigurationError(
+                f"deployment {group.key(deployment)!r} names provider {provider!r}, which is not "
+                f"configured: give its credentials (Guards(providers={{{provider!r}: ...}}))"
+            )
+        first_output_s, stream_idle_s, min_chars_per_s = limits
+        models.append(
+            ModelRef(
+                None if provider == DEFAULT_PROVIDER else provider,
+                deployment.model.strip(),
+                first_output_s=first_output_s,
+                stream_idle_s=stream_idle_s,
+                min_chars_per_s=min_chars_per_s,
+                deployment=deployment,
+                group=group,
+            )
+        )
+    return models
 
 
 def check_hints(hints: Mapping[str, str]) -> dict[str, str]:

@@ -14,6 +14,7 @@ clock is behind does not stretch it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..contracts._classify import classify
@@ -21,7 +22,7 @@ from ..contracts._errors import ConfigurationError
 from ..contracts._settings import number, settings
 from ..contracts._vocabulary import Kind
 
-__all__ = ["MAX_COOLDOWN_S", "Cooldown"]
+__all__ = ["MAX_COOLDOWN_S", "Cooldown", "checked_cooldowns"]
 
 #: The longest cooldown by default, and the longest provider wait a client is told.
 MAX_COOLDOWN_S = 600.0
@@ -72,3 +73,18 @@ class Cooldown:
     def wait(self, hint: float | None) -> float | None:
         """A provider's wait as a client may be told it: at most `max_s` (None: none known)."""
         return None if hint is None else min(self.max_s, hint)
+
+
+def checked_cooldowns(default: Cooldown, cooldowns: Mapping[str, Cooldown]) -> dict[str, Cooldown]:
+    """`Guards(cooldowns=...)` as kept; raises `ConfigurationError` for a policy that is not a
+    `Cooldown` (the default's too) or a key that is not a model key."""
+    if not isinstance(default, Cooldown):
+        raise ConfigurationError(f"cooldown must be a Cooldown, not {type(default).__name__}")
+    for model, policy in cooldowns.items():
+        if not isinstance(model, str) or not model.strip():
+            raise ConfigurationError(f"cooldowns: {model!r} is not a model key (`model` or `provider:model`)")
+        if not isinstance(policy, Cooldown):
+            raise ConfigurationError(
+                f"cooldowns[{model!r}] must be a Cooldown(...), not {type(policy).__name__}"
+            )
+    return dict(cooldowns)

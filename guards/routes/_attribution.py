@@ -1,5 +1,5 @@
 """Which model answered, in a guarded route's response headers (`Guards(attribution=...)`):
-`x-ai-model` and `x-ai-fallback`, `x-ai-rejected` on a route that moves rejected answers on,
+`x-ai-model`, `x-ai-deployment` and `x-ai-fallback`, `x-ai-rejected` on a route that moves rejected answers on,
 and, whatever the mode, `x-ai-budget` and `x-ai-downgraded` near a budget's cap.
 """
 
@@ -18,8 +18,9 @@ _UNSAFE_HEADER = re.compile(r"[^\x21-\x7e]")
 
 def add_attribution(headers: list[tuple[bytes, bytes]], ai: AI[Any], mode: str) -> None:
     """Add which model answered to response `headers`: `x-ai-model` (the model the provider
-    says served) and `x-ai-fallback` (the chain entry that served, when not the first) in
-    `detailed` mode; only `x-ai-fallback: true` in `redacted` mode; nothing when `off`, or
+    says served), `x-ai-deployment` (the deployment that served, `group/name`, when it was one
+    of a `Deployments` group) and `x-ai-fallback` (the chain entry that served, when not the
+    first) in `detailed` mode; only `x-ai-fallback: true` in `redacted` mode; nothing when `off`, or
     when no model answered. A model whose answer the output guard rejected answered too. On a
     route that moves rejected answers on, `x-ai-rejected` names the chain entries whose answers
     were rejected, one per answer, in order (`detailed`), or says how many were (`redacted`).
@@ -42,6 +43,9 @@ def add_attribution(headers: list[tuple[bytes, bytes]], ai: AI[Any], mode: str) 
             headers.append((b"x-ai-fallback", b"true"))
         return
     headers.append((b"x-ai-model", _header_values.get(model) or _header_value(model)))
+    served = ai._served_leg
+    if served is not None and served.ref.deployment is not None:
+        headers.append((b"x-ai-deployment", _header_value(served.ref.key)))
     if ai.fallback_model is not None:
         headers.append((b"x-ai-fallback", _header_value(ai.fallback_model)))
 

@@ -355,9 +355,9 @@ def request_trace_id(request: Request) -> str:
 
 def _succeeded(route: GuardedRoute, ai: AI[Any], request: Request) -> RequestEnded:
     """The record of a request its handler answered (`ai._ended("ok", 200)`, built inline on
-    a route without a downgrade: every request's path)."""
-    if route.downgrade is not None:
-        return ai._ended("ok", 200)  # (its line says `downgraded`)
+    a route without a downgrade or deployments: every request's path)."""
+    if route.downgrade is not None or route.deployments is not None:
+        return ai._ended("ok", 200)  # (its line says `downgraded`, `deployment`)
     return (
         route,
         ai.trace_id,

@@ -37,6 +37,7 @@ from ..spec._route_checks import CheckedChain, CheckedRoute, RouteSettings, chec
 from ..spec._route_spec import GuardedRoute, Leg, SuccessAges
 from ..stores._kept import StreamKeeper
 from ..walk import AI
+from ._balance import balanced
 from ._endpoint import REQUEST_PARAMETER, RESPONSE_PARAMETER, GuardedEndpoint, request_trace_id
 
 if typing.TYPE_CHECKING:
@@ -80,6 +81,7 @@ def guard_route(
 
         effort = typing.cast("Effort", settings.effort)
         route = EffortRoutes.attach(route, effort, lambda hint: chain_of(HINT_PREFIX + hint))
+    route = balanced(route)
     for problem in problems:
         emit_warning("chain_invalid", route=checked.name, problem=problem)
     return _endpoint(guards, handler, checked, route)
@@ -93,7 +95,7 @@ def _legs(guards: Shared, route_name: str, chain: CheckedChain) -> tuple[Leg, ..
             ref,
             price_of(prices, ref.key),
             route_name,
-            index == 0,
+            index == 0 or (ref.group is not None and ref.group is chain.models[0].group),
             guards.last_success,
             guards.known_refusals,
             guards.context_windows.get(ref.key),
@@ -183,14 +185,16 @@ def _with_downgrade(
     downgrade = Downgrade(soft)
     legs, attempt_budget = cheap
     route = dataclasses.replace(route, downgrade=downgrade)
-    downgrade.route = dataclasses.replace(
-        route,
-        model=legs[0].ref.key,
-        legs=legs,
-        step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
-        attempt_budget=attempt_budget,
-        success_ages=route.success_ages.over(legs),
-        windowed=any(leg.window is not None for leg in legs),
+    downgrade.route = balanced(
+        dataclasses.replace(
+            route,
+            model=legs[0].ref.key,
+            legs=legs,
+            step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
+            attempt_budget=attempt_budget,
+            success_ages=route.success_ages.over(legs),
+            windowed=any(leg.window is not None for leg in legs),
+        )
     )
     return route
 

@@ -58,6 +58,7 @@ if typing.TYPE_CHECKING:
 __all__ = [
     "NO_FALLBACK",
     "AnswerPolicy",
+    "DeploymentChoice",
     "EffortChoice",
     "GuardedRoute",
     "KnownRefusal",
@@ -126,6 +127,12 @@ class Leg:
     min_chars_per_s: float | None = None
     #: The model's declared context window in tokens (`Guards(context_windows=...)`), if any.
     window: int | None = None
+    #: The model is a deployment with `rpm` or `tpm`: each call to it takes a store step of
+    #: its own first (`guards.walk._known.deployment_refused`).
+    limited: bool = False
+    #: The model is the chain's first entry (or a deployment of its first entry's group): its
+    #: answer is no fallback.
+    leads: bool = False
 
     @classmethod
     def of(
@@ -166,6 +173,8 @@ class Leg:
             stream_idle_s=ref.stream_idle_s,
             min_chars_per_s=ref.min_chars_per_s,
             window=window,
+            leads=first,
+            limited=ref.deployment is not None and ref.deployment.limited,
         )
 
     def saw(self, state: CircuitState) -> None:
@@ -227,6 +236,15 @@ class DowngradeChoice(Protocol):
 
     def saw(self, charge: Charge, scopes: Sequence[str], near: Sequence[int]) -> None:
         """A request's charge was admitted, past the soft limits of its budgets `near`."""
+        ...
+
+
+class DeploymentChoice(Protocol):
+    """A route's groups of deployments (`guards.routes._balance.Balancer`, attached at start-up)."""
+
+    def choose(self, state: Any) -> GuardedRoute:
+        """The route whose chain a walk of a request (its `RequestState`) runs: the same legs,
+        each group's deployments in the order its strategy chose for this walk."""
         ...
 
 
@@ -346,6 +364,8 @@ class GuardedRoute:
     downgrade: DowngradeChoice | None = None
     #: When a call starts a second attempt on the next model (`route(hedge=...)`; None: never).
     hedge: Hedge | None = None
+    #: The route's groups of deployments (`guards.Deployments`), ordered per walk; None: none.
+    deployments: DeploymentChoice | None = None
     #: What a location of the route's invalid input may name (`guards.contracts._output.input_names`):
     #: any other string in it is a key the client wrote, never told (`<key>`).
     input_names: frozenset[str] = frozenset()

@@ -18,6 +18,7 @@ from ..policies._budget import Price
 from ..policies._chain import Profile
 from ..policies._cooldown import Cooldown
 from ..policies._credentials import CredentialWarnings
+from ..policies._deployments import Balance
 from ..policies._price_table import PriceTable
 from ..policies._retry_budget import RetryWindows
 from ..stores import Store
@@ -65,6 +66,8 @@ class Shared(Protocol):
     levels: Levels
     #: Every guarded route, in the order declared.
     routes: list[GuardedRoute]
+    #: What the strategies of groups of deployments read (`guards.Deployments`).
+    balance: Balance
 
     def cooldown_for(self, model: str) -> Cooldown: ...
 

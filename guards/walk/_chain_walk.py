@@ -33,13 +33,14 @@ from ..contracts._binding import AIResult, Binding
 from ..contracts._errors import GuardTripped
 from ..policies._call import CallFailed
 from ..policies._chain import DEFAULT_PROVIDER
+from ..policies._deployments import counted
 from ..stores import Passage, StoreUnavailable
 from ..stores._breaker import Outcome
 from ..waits._admission import never_admitted, waited_for_admission
 from ..waits._deadline import Deadline
 from ..waits._first_output import limited
 from ._accounting import answered, on_attempt
-from ._known import known_refused
+from ._known import deployment_refused, known_refused, tokens_settled
 from ._retries import Hedged, hedge_won, retried
 from ._store_steps import admitted, leg_down, next_step, record, send, settle
 from ._store_steps import report as report_call
@@ -107,8 +108,7 @@ async def walk(
     deadline: a rejected one moves the walk on to the leg and inputs it says, its call
     already reported. The caller records the outcome and settles the spend; on failure this
     settles and raises `GuardTripped`."""
-    route = state._route
-    start = _first_start(state)
+    route, start = state._route, _first_start(state)
     inflight: Leg | None = None  # the leg being called (its probe ticket: `probe`)
     probe: float | None = None
     last: GuardTripped | None = None
@@ -139,8 +139,9 @@ async def walk(
                         break
                     index, probe, record_success = let_in
                     leg = legs[index]
-                    if limits is not None and index > start and limits.unfit(leg) is not None:
-                        start, report = index, _unfit(state, leg, probe)
+                    unfit = limits is not None and index > start and limits.unfit(leg) is not None
+                    if unfit or (leg.limited and await deployment_refused(state, leg, inputs)):  # (`_known`)
+                        start, report = index + leg.limited, _unfit(state, leg, probe)
                         continue
                     inflight = state._leg = leg
                     call = _call(state, leg, call_for, index if probe is None else None)
@@ -241,6 +242,10 @@ def _call(state: RequestState, leg: Leg, call_for: CallFor | None, hedge_at: int
         call = (shared.binding if provider is None else shared.providers[provider]).run
     else:
         call = call_for(leg)
+    if (group := leg.ref.group) is not None and group.strategy == "least_busy":  # a deployment's
+        call = counted(state._shared.balance, leg.ref.key, call)  # calls in flight counted
+    if leg.limited and leg.ref.deployment is not None and leg.ref.deployment.tpm is not None:
+        call = tokens_settled(state, call)  # a deployment's tokens per minute settled to usage
     if leg.first_output_s is not None:
         # A binding's `run` may say when its answer's first byte came; a stream's hold says when
         # its first output came (`guards.streams._hold`): the limit is not the hold's.

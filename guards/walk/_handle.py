@@ -113,6 +113,8 @@ class AI(RequestState, Generic[T]):
             route = by_effort(self, inputs)
         elif route.downgrade is not None and not self._charged:
             route = route.downgrade.choose(self)
+        if route.deployments is not None:  # each group's deployments, in this walk's order
+            route = route.deployments.choose(self)
         if route.response_format is not None and "response_format" not in inputs:
             inputs = {**inputs, "response_format": route.response_format}
         inputs = with_max_tokens(inputs, route.max_tokens)
@@ -127,7 +129,7 @@ class AI(RequestState, Generic[T]):
         # `served`, inline: every request's path.
         self._served_leg = leg
         self.model = result.model or leg.ref.model
-        if leg is not route.legs[0]:
+        if not leg.leads:  # (a deployment of the first entry's group leads too)
             self.fallback_model = leg.ref.entry
         output = route.output
         value: T = output.check_shape(result) if output.moderation is None else await output.check(result)
@@ -171,6 +173,8 @@ class AI(RequestState, Generic[T]):
         """`run`, its answer validated by `output` (and JSON mode requested for its type).
         `run` keeps its own copy of these lines: it is every request's path, one frame less."""
         route = self._route
+        if route.deployments is not None:
+            route = route.deployments.choose(self)
         if output.response_format is not None and "response_format" not in inputs:
             inputs = {**inputs, "response_format": output.response_format}
         inputs = with_max_tokens(inputs, route.max_tokens)
@@ -221,6 +225,8 @@ class AI(RequestState, Generic[T]):
             route = by_effort(self, inputs)
         elif route.downgrade is not None and not self._charged:
             route = route.downgrade.choose(self)
+        if route.deployments is not None:  # each group's deployments, in this walk's order
+            route = route.deployments.choose(self)
         if route.response_format is not None and "response_format" not in inputs:  # structured
             inputs = {**inputs, "response_format": route.response_format}
         inputs = with_max_tokens(inputs, route.max_tokens)

@@ -14,23 +14,43 @@ left); when every leg left is known refused, the walk ends as when the store ref
 with no store operation: no charge, nothing written. After that time the store is asked again,
 and it alone decides the half-open probe (one across every worker). An answer admitting the
 model replaces what was known; so does a breaker this worker's report opened or closed.
+
+A deployment with its own `rpm` or `tpm` (`guards.Deployment`) is asked once more, after its
+admission (`deployment_refused`): at a limit, it is skipped and known refused (`rate_limited`)
+until the sliding minute frees room, which cannot come sooner for any worker either.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..contracts._tokens import binding_estimate, max_tokens_of
+from ..policies._deployments import limit_charge
+from ..stores import Report, Step, StoreUnavailable
 from ..stores._breaker import CircuitState
+from ._events import StoreFailed
 
 if TYPE_CHECKING:
     from ..spec._route_spec import Leg
     from ..stores import Passage
     from ._state import RequestState
 
-__all__ = ["forget", "known_refused", "passed_over", "remember", "skip"]
+__all__ = [
+    "deployment_refused",
+    "forget",
+    "known_refused",
+    "passed_over",
+    "remember",
+    "skip",
+    "tokens_settled",
+]
+
+R = TypeVar("R")
+Call = Callable[[str, Mapping[str, Any]], Awaitable[R]]
 
 #: A skip's note, by reason (the text built once).
-_SKIPPED = {why: f"skipped ({why})" for why in ("cooldown", "circuit_open")}
+_SKIPPED = {why: f"skipped ({why})" for why in ("cooldown", "circuit_open", "rate_limited")}
 
 
 def known_refused(state: RequestState, start: int) -> int:
@@ -102,3 +122,72 @@ def passed_over(state: RequestState, start: int, passage: Passage) -> None:
         if leg.known.until:
             forget(leg)  # admitted (or its charge refused): the store let it through
         break  # the leg admitted, or the one whose charge was refused
+
+
+async def deployment_refused(state: RequestState, leg: Leg, inputs: Mapping[str, Any]) -> bool:
+    """Whether `leg`, a deployment with `rpm` or `tpm` the store just admitted, is at one of
+    them: its own store step charges one request of its `rpm` and the call's estimated tokens
+    (its input's estimate plus its `max_tokens`) of its `tpm`, in sliding minutes, exactly
+    across workers. At a limit, the deployment is skipped (`rate_limited`, the wait until the
+    minute frees room) and remembered refused for that wait (`_known`), as an open breaker
+    is; the request's charge is not refunded. A store that does not answer admits the call
+    (its limits fail open) and says so."""
+    deployment = leg.ref.deployment
+    assert deployment is not None
+    tokens = 0
+    if deployment.tpm is not None:
+        route, shared = state._route, state._shared
+        estimate = binding_estimate(
+            shared.binding if (p := leg.ref.provider) is None else shared.providers[p]
+        )
+        tokens = estimate(leg.ref.model, inputs) + (
+            max_tokens_of(inputs.get("max_tokens"), route.max_tokens) or 0
+        )
+    # The deployment alone, its breaker not asked again: a charge is paid with an admission.
+    charge = limit_charge(leg.ref.key, deployment, tokens)
+    step = Step(None, ((leg.cooldown_key, leg.breaker_key),), None, charge)
+    try:
+        passage = await state._shared.store.step(step)
+    except StoreUnavailable:
+        state._observe.store_failed(StoreFailed(state._route, state.trace_id, "budget", mode="open"))
+        return False
+    if passage.admitted is not None:
+        if passage.reservation is not None:  # (the tokens it holds: `tokens_settled`)
+            state._deployment_hold = (charge, passage.reservation)
+        return False
+    refusal = passage.refusal
+    why, wait = (
+        ("rate_limited", refusal.retry_after_s)
+        if refusal is not None
+        else ("cooldown", passage.waits[0] if passage.waits else None)
+    )
+    skip(state, leg, why, wait)
+    remember(state, leg, why, wait)
+    return True
+
+
+def tokens_settled(state: RequestState, call: Call[R]) -> Call[R]:
+    """`call` (an attempt on a deployment with `tpm`), whose whole answer settles the tokens
+    its admission held to the usage it reported (`Report.charge`: in the minute window, the
+    hold takes the reported tokens in its place). A failed call, a stream (its usage comes at
+    its end) and an answer that reports no usage leave the hold as it is: the estimate."""
+
+    async def settling(model: str, inputs: Mapping[str, Any]) -> R:
+        result = await call(model, inputs)
+        hold = getattr(state, "_deployment_hold", None)
+        usage = getattr(result, "usage", None)
+        if hold is not None:
+            state._deployment_hold = None
+            used = None if usage is None else usage.total_tokens
+            if used is not None:
+                charge, reservation = hold
+                report = Report(charge=charge, reservation=reservation, tokens=used)
+                try:
+                    await state._shared.store.step(Step(report=report))
+                except StoreUnavailable:
+                    state._observe.store_failed(
+                        StoreFailed(state._route, state.trace_id, "budget", op="settle_spend")
+                    )
+        return result
+
+    return settling

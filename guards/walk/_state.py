@@ -108,11 +108,16 @@ class RequestState:
         # Only on a route with `downgrade_to` (`guards.routes._downgrade`): the scopes whose soft
         # limits sent the request to the downgrade chain. Set there, read only there.
         "_downgraded",
+        # Only on a route with a deployment limiting tokens (`guards.Deployment(tpm=...)`): its
+        # token hold in the minute window, set at its admission and settled by its answer
+        # (`_known.tokens_settled`). Read with `getattr(state, "_deployment_hold", None)`.
+        "_deployment_hold",
     )
     _answered: Answered
     _slow: bool  # (not set in `__init__`: see above)
     _near: bytes | None
     _downgraded: str
+    _deployment_hold: tuple[Charge, str] | None
 
     # Set only on a route that holds (see `_hold` below), before they are read.
     _charge: Charge
@@ -180,7 +185,7 @@ class RequestState:
         """The request was given `leg`'s answer (`model`: as the provider named it)."""
         self._served_leg = leg
         self.model = model or leg.ref.model
-        if leg is not self._route.legs[0]:
+        if not leg.leads:
             self.fallback_model = leg.ref.entry
 
     def _summary(self, detailed: bool) -> str:
@@ -210,6 +215,8 @@ class RequestState:
             extra = {**extra, **rejected} if extra is not None else rejected
         if route.downgrade is not None and (downgraded := getattr(self, "_downgraded", None)) is not None:
             extra = {**(extra or {}), "downgraded": downgraded}
+        if route.deployments is not None and (leg := self._served_leg) is not None and leg.ref.deployment:
+            extra = {**(extra or {}), "deployment": leg.ref.key}  # the deployment that served
         return (
             route,
             self.trace_id,
