@@ -18,7 +18,19 @@ from fastapi import FastAPI, Response
 from pydantic import BaseModel
 
 from fixtures import FakeWorkersAI, Hang, Reply, Stream, Text
-from guards import AI, Budget, EventStream, Guards, Hedge, Price, Retry, RetryBudget, render_metrics
+from guards import (
+    AI,
+    Budget,
+    Deployment,
+    Deployments,
+    EventStream,
+    Guards,
+    Hedge,
+    Price,
+    Retry,
+    RetryBudget,
+    render_metrics,
+)
 from guards.providers import WorkersAI
 
 from ..conftest import LogLines, Serve, guards_samples, no_sleep
@@ -359,3 +371,39 @@ def test_the_p95_delay_follows_the_models_recent_calls(fake_workers_ai: FakeWork
 def test_a_hedge_is_declared_with_one_delay(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="Hedge"):
         Hedge(**kwargs)
+
+
+def test_a_slow_deployment_is_hedged_on_another_deployment_of_its_group(
+    fake_workers_ai: FakeWorkersAI, serve: Serve
+) -> None:
+    """In a group of deployments, the next leg of the walk is the group's next deployment: the
+    hedge goes there, and the answer names the deployment that served."""
+    binding = WorkersAI(
+        account_id=fake_workers_ai.account_id,
+        api_token=fake_workers_ai.api_token,
+        base_url=fake_workers_ai.base_url,
+    )
+    guards = Guards(binding, providers={"east": binding, "west": binding}, sleep=no_sleep, seed=1)
+    app = FastAPI()
+    guards.install(app)
+    # East first on nearly every walk (weight 1,000 to 1), so the hedge is what reaches west.
+    chat = Deployments(
+        "chat",
+        [
+            Deployment("east", provider="east", model=SLOW, weight=1000),
+            Deployment("west", provider="west", model=FAST),
+        ],
+    )
+
+    @app.post("/reply")
+    @guards.route(model=chat, timeout_s=TIMEOUT_S, breaker=None, hedge=Hedge(after_s=0.1))
+    async def reply(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "Where is my parcel?"})
+
+    fake_workers_ai.script(SLOW, Hang())
+    fake_workers_ai.script(FAST, Reply("west"))
+    answer = serve(app).post("/reply", json={})
+    assert answer.status_code == 200
+    assert answer.json() == "west"
+    assert answer.headers["x-ai-deployment"] == "chat/west"
+    assert disconnected(fake_workers_ai, SLOW)
