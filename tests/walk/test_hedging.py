@@ -141,7 +141,25 @@ def p99(latencies: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-#: The tail test: SLOW answers in FAST_S, but every 20th call in TAIL_S; FAST in 10 ms. (A hedged
+def group_app(server: FakeWorkersAI, hedge: Hedge | None, *, retry: Retry | None = None) -> FastAPI:
+    """`/reply` on a group of two deployments: `chat/east` (model SLOW), first on every walk
+    (weight 10^9 to 1), and `chat/west` (model FAST): a hedge of east goes to west."""
+    binding = WorkersAI(account_id=server.account_id, api_token=server.api_token, base_url=server.base_url)
+    guards = Guards(binding, providers={"east": binding, "west": binding}, sleep=no_sleep, seed=1)
+    app = FastAPI()
+    guards.install(app)
+    east = Deployment("east", provider="east", model=SLOW, weight=10**9)
+    chat = Deployments("chat", [east, Deployment("west", provider="west", model=FAST)])
+
+    @app.post("/reply")
+    @guards.route(model=chat, timeout_s=TIMEOUT_S, breaker=None, hedge=hedge, retry=retry or Retry())
+    async def reply(ai: AI[str]) -> str:
+        return await ai.run({"prompt": "Where is my parcel?"})
+
+    return app
+
+
+#: The tail test: deployment east answers in FAST_S, but every 20th call in TAIL_S; west in 10 ms. (A hedged
 #: call takes HEDGE_AFTER_S plus FAST's 10 ms: below twice FAST_S, the fast calls' least p99,
 #: with room for a loaded machine's added latency, which inflates both sides.)
 REQUESTS, CONCURRENCY, FAST_S, TAIL_S, HEDGE_AFTER_S = 200, 20, 0.2, 1.5, 0.3
@@ -152,17 +170,17 @@ TAIL_BUDGET = RetryBudget(share=0.5)
 
 
 @pytest.mark.serial  # latencies compared to each other: the machine to itself
-def test_a_slow_models_tail_is_hedged(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
-    """1 call in 20 to the first model is slow. Unhedged, the p99 is that slow call; hedged
-    after HEDGE_AFTER_S on the next model (which answers in 10 ms), the p99 is below twice the
-    p99 of the fast calls (the unhedged run's requests the first model answered fast)."""
+def test_a_slow_deployments_tail_is_hedged(fake_workers_ai: FakeWorkersAI, serve: Serve) -> None:
+    """1 call in 20 to a deployment is slow. Unhedged, the p99 is that slow call; hedged after
+    HEDGE_AFTER_S on the group's other deployment (which answers in 10 ms), the p99 is below
+    twice the p99 of the fast calls (the unhedged run's requests the first answered fast)."""
 
     def run(hedge: Hedge | None) -> list[tuple[float, str]]:
         fake_workers_ai.reset()
         tail, fast = Reply("tail", delay_s=TAIL_S), Reply("first", delay_s=FAST_S)
         fake_workers_ai.script(SLOW, *[tail if n % 20 == 19 else fast for n in range(REQUESTS)])
         fake_workers_ai.script(FAST, *[Reply("hedge", delay_s=0.01)] * REQUESTS)
-        client = serve(hedged_app(fake_workers_ai, hedge, retry=Retry(budget=TAIL_BUDGET)))
+        client = serve(group_app(fake_workers_ai, hedge, retry=Retry(budget=TAIL_BUDGET)))
         return asyncio.run(burst(str(client.base_url), REQUESTS, CONCURRENCY))
 
     unhedged = run(None)
@@ -378,31 +396,9 @@ def test_a_slow_deployment_is_hedged_on_another_deployment_of_its_group(
 ) -> None:
     """In a group of deployments, the next leg of the walk is the group's next deployment: the
     hedge goes there, and the answer names the deployment that served."""
-    binding = WorkersAI(
-        account_id=fake_workers_ai.account_id,
-        api_token=fake_workers_ai.api_token,
-        base_url=fake_workers_ai.base_url,
-    )
-    guards = Guards(binding, providers={"east": binding, "west": binding}, sleep=no_sleep, seed=1)
-    app = FastAPI()
-    guards.install(app)
-    # East first on nearly every walk (weight 1,000 to 1), so the hedge is what reaches west.
-    chat = Deployments(
-        "chat",
-        [
-            Deployment("east", provider="east", model=SLOW, weight=1000),
-            Deployment("west", provider="west", model=FAST),
-        ],
-    )
-
-    @app.post("/reply")
-    @guards.route(model=chat, timeout_s=TIMEOUT_S, breaker=None, hedge=Hedge(after_s=0.1))
-    async def reply(ai: AI[str]) -> str:
-        return await ai.run({"prompt": "Where is my parcel?"})
-
     fake_workers_ai.script(SLOW, Hang())
     fake_workers_ai.script(FAST, Reply("west"))
-    answer = serve(app).post("/reply", json={})
+    answer = serve(group_app(fake_workers_ai, Hedge(after_s=0.1))).post("/reply", json={})
     assert answer.status_code == 200
     assert answer.json() == "west"
     assert answer.headers["x-ai-deployment"] == "chat/west"
