@@ -191,6 +191,7 @@ class RequestTrace:
         trace = tracing._trace
         calls = [retry]
         provider = provider_name(binding, leg.ref.provider)
+        deployment = {} if leg.ref.group is None else {"guards.deployment": leg.ref.key}
 
         async def attempt(model: str, inputs: Mapping[str, Any]) -> R:
             operation = "chat" if "messages" in inputs else "text_completion"
@@ -206,6 +207,7 @@ class RequestTrace:
                     "guards.attempt.retry": calls[0],
                     "guards.attempt.fallback": fallback,
                     **(_HEDGE if hedge else {}),
+                    **deployment,
                 },
             )
             calls[0] = True

@@ -719,3 +719,25 @@ def test_a_retry_and_a_fallback_exported_over_otlp(
         "model_temporarily_unavailable",
         "ok",
     ]
+
+
+def test_each_attempt_span_names_its_deployment(
+    example_client: ExampleClient,
+    fake_workers_ai: FakeWorkersAI,
+    provider: TracerProvider,
+    spans: InMemorySpanExporter,
+) -> None:
+    """A deployment that fails, then the group's other one that answers: two attempt spans,
+    each naming its deployment."""
+    client = example_client(ai_deployments="east=1,west=1", tracer_provider=provider)
+    fake_workers_ai.script(MODEL, Fail(code=5035, status=403), Reply("Sure."))
+    response = client.post("/draft-reply", json={"message": "Where is my parcel?"})
+    assert response.status_code == 200, response.text
+    calls = attempts(finished(spans, 3))
+    named = [span.attributes["guards.deployment"] for span in calls if span.attributes]
+    assert sorted(named) == ["draft/east", "draft/west"]
+    assert named[-1] == response.headers["x-ai-deployment"]
+    assert [span.attributes["guards.attempt.outcome"] for span in calls if span.attributes] == [
+        "model_incompatible",
+        "ok",
+    ]
