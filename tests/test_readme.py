@@ -1612,13 +1612,6 @@ def test_azure_openai_example_answers_through_the_fake(monkeypatch: pytest.Monke
         assert [c.model for c in server.calls] == ["gpt-4o-mini-prod"]
 
 
-def test_example_app_settings_table_names_every_setting() -> None:
-    """docs/example-app.md's table of settings names each variable the app reads."""
-    table = page_path("example-app.md").read_text()
-    missing = [name.upper() for name in Settings.model_fields if f"{name.upper()}`" not in table]
-    assert missing == []
-
-
 def test_example_app_provider_lines_start_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Each line of docs/example-app.md's providers block is `make run` with settings the app
     starts on (Bedrock's `AWS_PROFILE` read from a shared credentials file, as the AWS chain
