@@ -20,10 +20,10 @@ from ..policies._deployments import order
 
 if TYPE_CHECKING:
     from ..policies._chain import Deployments
-    from ..spec._route_spec import GuardedRoute
+    from ..spec._route_spec import GuardedRoute, Leg
     from ..walk._state import RequestState
 
-__all__ = ["MAX_ORDERS", "Balancer", "balanced"]
+__all__ = ["MAX_ORDERS", "Balancer", "balanced", "on_chain"]
 
 #: The most reordered copies of a route kept.
 MAX_ORDERS = 256
@@ -83,3 +83,19 @@ def balanced(route: GuardedRoute) -> GuardedRoute:
     balancer = Balancer(route)
     route = balancer.route = dataclasses.replace(route, deployments=balancer)
     return route
+
+
+def on_chain(route: GuardedRoute, legs: tuple[Leg, ...], attempt_budget: int) -> GuardedRoute:
+    """`route` calling the chain `legs` (an effort tier's, a downgrade's) within `attempt_budget`,
+    with what follows from its legs (store step keys, success ages, windows) and balanced."""
+    return balanced(
+        dataclasses.replace(
+            route,
+            model=legs[0].ref.key,
+            legs=legs,
+            step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
+            attempt_budget=attempt_budget,
+            success_ages=route.success_ages.over(legs),
+            windowed=any(leg.window is not None for leg in legs),
+        )
+    )

@@ -41,7 +41,7 @@ from typing import Any, Final, Literal
 from ..contracts._errors import ConfigurationError
 from ..observe._log import emit
 from ..observe._metrics import EFFORT_DECISIONS, Tally, counter
-from ._balance import balanced
+from ._balance import on_chain
 
 if typing.TYPE_CHECKING:
     from starlette.requests import Request
@@ -162,17 +162,7 @@ class EffortRoutes:
         chains: dict[str, GuardedRoute] = {}
         for hint in dict.fromkeys((effort.simple, effort.standard, effort.complex)):
             legs, budget = (route.legs, route.attempt_budget) if hint == effort.standard else chain_of(hint)
-            chains[hint] = balanced(
-                dataclasses.replace(
-                    route,
-                    model=legs[0].ref.key,
-                    legs=legs,
-                    step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
-                    attempt_budget=budget,
-                    success_ages=route.success_ages.over(legs),
-                    windowed=any(leg.window is not None for leg in legs),
-                )
-            )
+            chains[hint] = on_chain(route, legs, budget)
         tiers: dict[Tier, tuple[GuardedRoute, str, bool, Tally]] = {}
         for tier in TIERS:
             hint, escalated = effort.hint_for(tier)

@@ -37,7 +37,7 @@ from ..spec._route_checks import CheckedChain, CheckedRoute, RouteSettings, chec
 from ..spec._route_spec import GuardedRoute, Leg, SuccessAges
 from ..stores._kept import StreamKeeper
 from ..walk import AI
-from ._balance import balanced
+from ._balance import balanced, on_chain
 from ._endpoint import REQUEST_PARAMETER, RESPONSE_PARAMETER, GuardedEndpoint, request_trace_id
 
 if typing.TYPE_CHECKING:
@@ -185,17 +185,7 @@ def _with_downgrade(
     downgrade = Downgrade(soft)
     legs, attempt_budget = cheap
     route = dataclasses.replace(route, downgrade=downgrade)
-    downgrade.route = balanced(
-        dataclasses.replace(
-            route,
-            model=legs[0].ref.key,
-            legs=legs,
-            step_legs=tuple((leg.cooldown_key, leg.breaker_key) for leg in legs),
-            attempt_budget=attempt_budget,
-            success_ages=route.success_ages.over(legs),
-            windowed=any(leg.window is not None for leg in legs),
-        )
-    )
+    downgrade.route = on_chain(route, legs, attempt_budget)
     return route
 
 

@@ -81,6 +81,11 @@ def test_a_content_filter_moves_on_only_when_the_app_says_so(
         ("AI_CONTEXT_WINDOWS", '{"@cf/x": 0}', "AI_CONTEXT_WINDOWS: Value error, must be a JSON object"),
         ("AI_CONTEXT_WINDOWS", '{"@cf/x": "8k"}', "AI_CONTEXT_WINDOWS: Value error, must be a JSON object"),
         ("AI_CONTENT_FILTER_FALLBACK", "yes", "AI_CONTENT_FILTER_FALLBACK: Input should be 'off' or 'on'"),
+        ("AI_DEPLOYMENTS", "north", "AI_DEPLOYMENTS: Value error, must be comma-separated name=weight"),
+        ("AI_DEPLOYMENTS", "north=0", "AI_DEPLOYMENTS: Value error, must be comma-separated name=weight"),
+        ("AI_DEPLOYMENTS", "n/rth=1", "AI_DEPLOYMENTS: Value error, must be comma-separated name=weight"),
+        ("AI_DEPLOYMENTS", "north=1,north=2", "AI_DEPLOYMENTS: Value error, must name each deployment once"),
+        ("AI_DEPLOYMENT_STRATEGY", "fastest", "AI_DEPLOYMENT_STRATEGY: Input should be"),
     ],
 )
 def test_a_bad_setting_fails_start_up_naming_it(
