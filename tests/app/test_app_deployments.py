@@ -1,7 +1,8 @@
 """The example app's deployments (`AI_DEPLOYMENTS`, `AI_DEPLOYMENT_STRATEGY`,
 `AI_DEPLOYMENT_RPM`): two deployments of the provider, each a binding of its own, over real HTTP
 against the fake Workers AI server; off by default (a bad value failing start-up: with the
-app's other settings, tests/app/test_app_limits.py); and every setting of the app is in docs/example-app.md's table."""
+app's other settings, tests/app/test_app_limits.py); and every setting of the app is in
+docs/example-app.md's table."""
 
 from __future__ import annotations
 
