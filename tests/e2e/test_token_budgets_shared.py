@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
+from app.service import create_app
 from fixtures import FakeWorkersAI, Reply
 
-from ..conftest import estimated_tokens
-from .test_shared_state import AppProcess, _flush, app_process_env, burst
+from ..conftest import Serve, estimated_tokens, no_sleep, workers_ai_settings
+from .test_shared_state import MODEL, AppProcess, _flush, app_process_env, burst
 
 pytestmark = pytest.mark.serial
 
@@ -33,6 +34,8 @@ def exact_token_window(fake: FakeWorkersAI, urls: list[str]) -> None:
     bodies = [r.json() for r in responses]
     assert all(r.status_code == 200 for r in responses)
     assert len(fake.calls) == 1 + ADMITTED, hold
+    # The app processes sent what the warm-up in this process did: each call held `hold`.
+    assert {estimated_tokens(call.inputs) + MAX_TOKENS for call in fake.calls} == {hold}
     assert sum(b["fallback"] is None for b in bodies) == ADMITTED
     # Refused by the window; on a machine other tests load, a store operation may also outlast
     # its bound, and the budget, failing closed, answers `circuit_open` (charging nothing):
@@ -48,14 +51,15 @@ def token_env(fake: FakeWorkersAI, store_url: str, tokens_per_minute: int) -> di
     )
 
 
-def hold_of(fake: FakeWorkersAI, url: str) -> int:
-    """The warm-up call: what one /summary request of the burst will hold."""
-    import httpx
-
+def summary_hold(fake: FakeWorkersAI, serve: Serve) -> int:
+    """The warm-up call: what one /summary request of the burst will hold. What the app sends
+    is its own code's (the prompt, the schema), so the warm-up runs in this process, through
+    the same adapter to the same fake, before the test's app processes start with the limit
+    found (one process start fewer per test)."""
     fake.default = Reply({"label": "billing", "confidence": 0.9})
-    answer = httpx.post(
-        f"{url}/summary", json={"text": "refund"}, headers={"x-user-id": "warm-up"}, timeout=30
-    )
+    settings = workers_ai_settings(fake, ai_model=MODEL, tokens_per_minute=10**9, daily_call_limit=100_000)
+    client = serve(create_app(settings, sleep=no_sleep))
+    answer = client.post("/summary", json={"text": "refund"}, headers={"x-user-id": "warm-up"})
     assert answer.json()["fallback"] is None
     hold = estimated_tokens(fake.calls[0].inputs) + MAX_TOKENS
     usage = {"prompt_tokens": hold - MAX_TOKENS, "completion_tokens": MAX_TOKENS}
@@ -63,21 +67,10 @@ def hold_of(fake: FakeWorkersAI, url: str) -> int:
     return hold
 
 
-#: What the app's /summary holds for {"text": "refund"}: found once (the prompt and schema are
-#: the app's), then the limit of each test is set from it before its app starts.
-def summary_hold(fake: FakeWorkersAI, store_url: str) -> int:
-    app = AppProcess(token_env(fake, store_url, 10**9))
-    try:
-        app.wait_ready()
-        return hold_of(fake, app.url)
-    finally:
-        app.stop()
-
-
 def test_sqlite_token_window_is_exact_across_four_uvicorn_workers(
-    tmp_path: Any, fake_workers_ai: FakeWorkersAI
+    tmp_path: Any, fake_workers_ai: FakeWorkersAI, serve: Serve
 ) -> None:
-    hold = summary_hold(fake_workers_ai, f"sqlite:///{tmp_path}/probe.db")
+    hold = summary_hold(fake_workers_ai, serve)
     limit = ADMITTED * hold + hold // 2
     app = AppProcess(token_env(fake_workers_ai, f"sqlite:///{tmp_path}/guards.db", limit), workers=4)
     try:
@@ -88,12 +81,11 @@ def test_sqlite_token_window_is_exact_across_four_uvicorn_workers(
 
 
 def test_redis_token_window_is_exact_across_two_app_processes(
-    redis_url: str, fake_workers_ai: FakeWorkersAI
+    redis_url: str, fake_workers_ai: FakeWorkersAI, serve: Serve
 ) -> None:
     url = redis_url.rsplit("/", 1)[0] + "/4"  # a database of its own
     asyncio.run(_flush(url))
-    hold = summary_hold(fake_workers_ai, url)
-    asyncio.run(_flush(url))
+    hold = summary_hold(fake_workers_ai, serve)
     limit = ADMITTED * hold + hold // 2
     apps = [AppProcess(token_env(fake_workers_ai, url, limit)) for _ in range(2)]
     try:
