@@ -19,6 +19,8 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable
+from itertools import compress
+from operator import sub
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ._families import LOG_LINES_DROPPED
@@ -131,6 +133,22 @@ class HistogramTally:
         self._counts[bisect_left(self._bounds, value)] += 1
         self._sum += value
 
+    def observe_answer(
+        self, answered: HistogramTally, first_output: HistogramTally | None, value: float
+    ) -> None:
+        """An answered call's `value` (seconds) in this, its attempt histogram, in `answered`
+        and, a whole answer's (its first output is its arrival), in `first_output`, in one
+        call: the two latency histograms share their bounds (`LATENCY_BUCKETS`), so one
+        search finds the bucket of both. Every successful request's path."""
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+        index = bisect_left(answered._bounds, value)
+        answered._counts[index] += 1
+        answered._sum += value
+        if first_output is not None:
+            first_output._counts[index] += 1
+            first_output._sum += value
+
     def cumulative(self) -> list[tuple[tuple[str, ...], float]]:
         """Each bucket's count as `/metrics` shows it: by the series' labels and its bound
         (`le`, `bucket_label`), the observations at or below it. (The label tuples are made
@@ -157,10 +175,13 @@ class HistogramTally:
                     "this prometheus-client's Histogram has no _upper_bounds/_buckets/_sum, or "
                     "other bounds: guards needs a release that keeps them (0.26 does)"
                 )
-        for index, count in enumerate(self._counts):
-            if count != (flushed := self._flushed[index]):
-                self._flushed[index] = count
-                child._buckets[index].inc(count - flushed)
+        counts = self._counts
+        if counts != self._flushed:  # a histogram's many buckets: only the grown ones
+            now = counts.copy()  # first: what grows while this runs is the next flush's
+            grown = list(map(sub, now, self._flushed))
+            self._flushed = now
+            for index in compress(range(len(grown)), grown):
+                child._buckets[index].inc(grown[index])
         total, flushed_sum = self._sum, self._flushed_sum
         if total != flushed_sum:
             self._flushed_sum = total  # first, as `Tally._flush`
