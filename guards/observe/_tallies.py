@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     Source: TypeAlias = "Metric | Counter | Gauge | Histogram"
 
 __all__ = [
+    "FLUSH_DUE",
     "FLUSH_INTERVAL_S",
     "GaugeTally",
     "HistogramTally",
@@ -233,8 +234,9 @@ _tallies: dict[tuple[Source, tuple[str, ...]], AnyTally] = {}
 _flush_lock = threading.Lock()
 #: The metrics whose flush failed, each said once (`flush_metrics`): at most one per metric.
 _failed_metrics: set[str] = set()
-#: When the scheduled flush is overdue (`time.perf_counter()`); 0.0: none scheduled.
-_flush_due = 0.0
+#: When the scheduled flush is overdue (`time.perf_counter()`); 0.0: none scheduled. A cell, so
+#: that a request's end reads it without a call (`flush_soon` only when it is due).
+FLUSH_DUE = [0.0]
 
 
 def _child(metric: Source, labels: tuple[str, ...]) -> Any:
@@ -363,15 +365,13 @@ def flush_soon(now: float) -> None:
     `now` is `time.perf_counter()`). While one is scheduled, this reads no event loop: only
     when the scheduled flush is overdue (its loop stopped before it ran, or lags) is another
     scheduled, on the running loop."""
-    global _flush_due
-    if now >= _flush_due:
-        _flush_due = now + 2 * FLUSH_INTERVAL_S
+    if now >= FLUSH_DUE[0]:
+        FLUSH_DUE[0] = now + 2 * FLUSH_INTERVAL_S
         asyncio.get_running_loop().call_later(FLUSH_INTERVAL_S, _timed_flush)
 
 
 def _timed_flush() -> None:
-    global _flush_due
-    _flush_due = 0.0
+    FLUSH_DUE[0] = 0.0
     flush_metrics()
 
 

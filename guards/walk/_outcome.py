@@ -9,7 +9,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..observe._log import emit_line, logger
-from ..observe._metrics import flush_soon
+from ..observe._metrics import FLUSH_DUE, flush_soon
 from ._events import RequestEnded
 
 if TYPE_CHECKING:
@@ -68,7 +68,8 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         metrics.error.add()
     if tripped is not None and outcome != "cancelled":
         metrics.tripped(tripped.reason)
-    flush_soon(now)
+    if now >= FLUSH_DUE[0]:  # `flush_soon`'s check, without its call on every request
+        flush_soon(now)
     trace = observers.trace
     if trace is not None:
         # The one place the request span learns its outcome, and the level it was served at.
