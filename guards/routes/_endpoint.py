@@ -91,7 +91,6 @@ class GuardedEndpoint:
         "_handler",
         "_last_good",
         "_observers",
-        "_own_parameters",
         "_plain",
         "_prepared",
         "_rendered_by",
@@ -119,7 +118,6 @@ class GuardedEndpoint:
         #: The handler's own `Request` and `Response` parameters (`_route.declared`), else None:
         #: guards' own, added to the signature and taken out before the handler is called.
         self.request_name, self.response_name = request_name, response_name
-        self._own_parameters = request_name is None and response_name is None
         self._shared = shared
         self._route = route
         self._handler = handler
@@ -161,11 +159,12 @@ class GuardedEndpoint:
         self._app: object = None  # the app it last served, guards installed there (`__call__`)
 
     async def __call__(self, **kwargs: Any) -> Any:
-        if self._own_parameters:  # the usual handler: declares neither, guards' own are taken out
-            request: Request = kwargs.pop(REQUEST_PARAMETER)
-            response: Response = kwargs.pop(RESPONSE_PARAMETER)
-        else:
-            request, response = self._parameters(kwargs)
+        request: Request = (
+            kwargs.pop(REQUEST_PARAMETER) if (name := self.request_name) is None else kwargs[name]
+        )
+        response: Response = (
+            kwargs.pop(RESPONSE_PARAMETER) if (name := self.response_name) is None else kwargs[name]
+        )
         scope = request.scope
         scope[_ENTERED] = True
         if (app := scope.get("app")) is not self._app:  # once per app: guards installed there
@@ -227,13 +226,6 @@ class GuardedEndpoint:
         if self._envelope_type is not None and not isinstance(value, Response):
             return self._envelope_type(ok=True, data=value, fallback=None)
         return value
-
-    def _parameters(self, kwargs: dict[str, Any]) -> tuple[Request, Response]:
-        """The request and response of a handler that declares either (the other guards' own,
-        taken out)."""
-        request = kwargs.pop(REQUEST_PARAMETER) if (name := self.request_name) is None else kwargs[name]
-        response = kwargs.pop(RESPONSE_PARAMETER) if (name := self.response_name) is None else kwargs[name]
-        return request, response
 
     async def _tripped(
         self,

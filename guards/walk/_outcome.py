@@ -88,8 +88,7 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
         return
     if outcome == "ok" and observers.log_sample < 1.0 and random() >= observers.log_sample:
         return  # sampled out: a success (every other outcome keeps its line)
-    # The line built here, in its fields' order, without its None fields (an `emit` would
-    # build them all as keywords, then leave out the None ones).
+    # Built here in its fields' order, without its None fields (`emit` would build them all, then drop them).
     line: dict[str, Any] = {"event": "request", "route": route.name, "trace_id": trace_id, "outcome": outcome}
     if status is not None:
         line["status"] = status
