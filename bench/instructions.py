@@ -34,6 +34,19 @@ from guards import AI
 SHORT = 1_000
 LONG = 3_000
 
+#: The counts this bench is compared against (`make bench-instructions` prints each figure's
+#: change from its reference): the walk's counts as re-based by issue 41 (the latency
+#: histograms, attempt spans and the refused path's prepared envelope paid back), measured at
+#: REFERENCE_AT. Counts differ between installs and machines: a change means something only
+#: against a reference measured with the same install (re-measure it there, at that commit).
+REFERENCE_AT = "issue 41's re-base, 2026-12-04, Python 3.11.7, a loaded machine"
+REFERENCE = {
+    "guard_overhead": 86_742,
+    "const_guard_overhead": 82_881,
+    "success_request": 114_389,
+    "refused_request": 94_548,
+}
+
 
 def run_requests(side: str, binding_kind: str, count: int) -> None:
     """In the process valgrind watches: start up, then make `count` requests on one side."""
@@ -153,6 +166,12 @@ def per_request(side: str, binding_kind: str, pool: ThreadPoolExecutor) -> float
     return (long - short) / (LONG - SHORT)
 
 
+def _against(name: str, count: float) -> str:
+    """`count`'s change from its reference (`REFERENCE`), as printed beside it."""
+    reference = REFERENCE[name]
+    return f"  # {(count - reference) / reference:+.1%} against {reference:,} ({REFERENCE_AT})"
+
+
 def main() -> None:
     if shutil.which("valgrind") is None:
         sys.exit("bench/instructions.py needs valgrind on the PATH (Debian: apt-get install valgrind)")
@@ -160,13 +179,17 @@ def main() -> None:
         for binding_kind, name in (("fake", "guard_overhead"), ("const", "const_guard_overhead")):
             bare = per_request("bare", binding_kind, pool)
             guarded = per_request("guarded", binding_kind, pool)
-            print(f"{name}_instructions = {guarded - bare:.0f} instructions")
+            print(f"{name}_instructions = {guarded - bare:.0f} instructions{_against(name, guarded - bare)}")
         # The whole request (nothing subtracted): the const binding's success, and the outage's
         # refusal served its fallback.
         success = guarded
         refused = per_request("guarded", "refused", pool)
-        print(f"success_request_instructions = {success:.0f} instructions")
-        print(f"refused_request_instructions = {refused:.0f} instructions")
+        print(
+            f"success_request_instructions = {success:.0f} instructions{_against('success_request', success)}"
+        )
+        print(
+            f"refused_request_instructions = {refused:.0f} instructions{_against('refused_request', refused)}"
+        )
         print(f"refused_over_success = {refused / success:.3f} x")
 
 

@@ -55,6 +55,7 @@ from ._families import (
 )
 from ._prometheus import METRICS, Metric, multiprocess, worker_files
 from ._tallies import (
+    FLUSH_DUE,
     FLUSH_INTERVAL_S,
     GaugeTally,
     HistogramTally,
@@ -94,6 +95,7 @@ __all__ = [
     "SKIPS",
     "SLOW_STREAMS",
     "TOKENS",
+    "FLUSH_DUE",
     "FLUSH_INTERVAL_S",
     "STORE_RESETS",
     "STATE_VALUE",

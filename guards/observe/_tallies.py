@@ -19,6 +19,8 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable
+from itertools import compress
+from operator import sub
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ._families import LOG_LINES_DROPPED
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     Source: TypeAlias = "Metric | Counter | Gauge | Histogram"
 
 __all__ = [
+    "FLUSH_DUE",
     "FLUSH_INTERVAL_S",
     "GaugeTally",
     "HistogramTally",
@@ -131,6 +134,22 @@ class HistogramTally:
         self._counts[bisect_left(self._bounds, value)] += 1
         self._sum += value
 
+    def observe_answer(
+        self, answered: HistogramTally, first_output: HistogramTally | None, value: float
+    ) -> None:
+        """An answered call's `value` (seconds) in this, its attempt histogram, in `answered`
+        and, a whole answer's (its first output is its arrival), in `first_output`, in one
+        call: the two latency histograms share their bounds (`LATENCY_BUCKETS`), so one
+        search finds the bucket of both. Every successful request's path."""
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+        index = bisect_left(answered._bounds, value)
+        answered._counts[index] += 1
+        answered._sum += value
+        if first_output is not None:
+            first_output._counts[index] += 1
+            first_output._sum += value
+
     def cumulative(self) -> list[tuple[tuple[str, ...], float]]:
         """Each bucket's count as `/metrics` shows it: by the series' labels and its bound
         (`le`, `bucket_label`), the observations at or below it. (The label tuples are made
@@ -157,10 +176,13 @@ class HistogramTally:
                     "this prometheus-client's Histogram has no _upper_bounds/_buckets/_sum, or "
                     "other bounds: guards needs a release that keeps them (0.26 does)"
                 )
-        for index, count in enumerate(self._counts):
-            if count != (flushed := self._flushed[index]):
-                self._flushed[index] = count
-                child._buckets[index].inc(count - flushed)
+        counts = self._counts
+        if counts != self._flushed:  # a histogram's many buckets: only the grown ones
+            now = counts.copy()  # first: what grows while this runs is the next flush's
+            grown = list(map(sub, now, self._flushed))
+            self._flushed = now
+            for index in compress(range(len(grown)), grown):
+                child._buckets[index].inc(grown[index])
         total, flushed_sum = self._sum, self._flushed_sum
         if total != flushed_sum:
             self._flushed_sum = total  # first, as `Tally._flush`
@@ -212,8 +234,9 @@ _tallies: dict[tuple[Source, tuple[str, ...]], AnyTally] = {}
 _flush_lock = threading.Lock()
 #: The metrics whose flush failed, each said once (`flush_metrics`): at most one per metric.
 _failed_metrics: set[str] = set()
-#: When the scheduled flush is overdue (`time.perf_counter()`); 0.0: none scheduled.
-_flush_due = 0.0
+#: When the scheduled flush is overdue (`time.perf_counter()`); 0.0: none scheduled. A cell, so
+#: that a request's end reads it without a call (`flush_soon` only when it is due).
+FLUSH_DUE = [0.0]
 
 
 def _child(metric: Source, labels: tuple[str, ...]) -> Any:
@@ -342,15 +365,13 @@ def flush_soon(now: float) -> None:
     `now` is `time.perf_counter()`). While one is scheduled, this reads no event loop: only
     when the scheduled flush is overdue (its loop stopped before it ran, or lags) is another
     scheduled, on the running loop."""
-    global _flush_due
-    if now >= _flush_due:
-        _flush_due = now + 2 * FLUSH_INTERVAL_S
+    if now >= FLUSH_DUE[0]:
+        FLUSH_DUE[0] = now + 2 * FLUSH_INTERVAL_S
         asyncio.get_running_loop().call_later(FLUSH_INTERVAL_S, _timed_flush)
 
 
 def _timed_flush() -> None:
-    global _flush_due
-    _flush_due = 0.0
+    FLUSH_DUE[0] = 0.0
     flush_metrics()
 
 

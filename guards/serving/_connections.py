@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+from collections.abc import Callable, MutableMapping
 from typing import Any, Literal
 
 import h11
@@ -50,6 +51,8 @@ import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
+
+from ..waits._client import CLIENT_WATCH
 
 logger = logging.getLogger("uvicorn.error")
 
@@ -212,6 +215,7 @@ class _ConnectionBounds:
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_since = 0.0  # the loop's time the body bound counts from
         self._body_bytes = 0  # received since then
+        self._client = _ClientWatch(self)
 
     def _awaits_head(self) -> bool:
         """No request in progress: no head complete since the start or the last response."""
@@ -227,6 +231,8 @@ class _ConnectionBounds:
 
     def _received(self, size: int) -> None:
         """After the protocol parsed what arrived (`size` bytes)."""
+        if (cycle := self.cycle) is not None:  # its task runs later: the app sees its watch
+            cycle.scope[CLIENT_WATCH] = self._client
         if self.transport.is_closing():
             self._stop_waiting()
             self._stop_receiving()
@@ -248,6 +254,8 @@ class _ConnectionBounds:
         runs), evictable, not timed; or receiving a body (the request's own, when the app
         answered before reading it all, or a pipelined request's, parsed from what was
         buffered)."""
+        if self._client.watching:  # a response's end, as its `receive` says it
+            self._client.left()
         if self.transport.is_closing():
             return
         if self._awaits_head():
@@ -259,6 +267,7 @@ class _ConnectionBounds:
         """Before the protocol forgets the connection."""
         self._stop_waiting()
         self._stop_receiving()
+        self._client.left()
 
     def close_waiting(self, *, timed_out: bool) -> None:
         """Close this connection, which is waiting for a head (408 if part of one came)."""
@@ -281,6 +290,7 @@ class _ConnectionBounds:
             # left, and nothing the app sends from now on is written.
             cycle.disconnected = True
             cycle.message_event.set()
+            self._client.left()
             # Its request is over for the server (its task ends at that `receive`, a turn or
             # two of the loop later): a request read before then must not count it against
             # `limit_concurrency` either.
@@ -346,6 +356,53 @@ class _ConnectionBounds:
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
+
+
+class _ClientWatch:
+    """A connection's `ClientWatch` (`guards.waits._client`), in each of its requests' scopes:
+    the walks watching its client, called back when it leaves (the connection lost, or closed
+    behind its body's rate) or when the response ends: what makes uvicorn's `receive` say
+    `http.disconnect`. A request whose body still arrives, or that is not the connection's
+    current one (pipelined behind it), is watched by its `receive`, as on any server."""
+
+    __slots__ = ("_connection", "watching")
+
+    def __init__(self, connection: _ConnectionBounds) -> None:
+        self._connection = connection
+        self.watching: dict[_Watching, None] = {}
+
+    def watch(
+        self, scope: MutableMapping[str, Any], left: Callable[[Any], None], arg: Any
+    ) -> _Watching | bool:
+        connection = self._connection
+        cycle = connection.cycle
+        if cycle is None or cycle.scope is not scope or connection._receives_body():
+            return False
+        if cycle.disconnected or cycle.response_complete:
+            return True
+        watching = _Watching(self, left, arg)
+        self.watching[watching] = None
+        return watching
+
+    def left(self) -> None:
+        """Call every watch back, once."""
+        watching = self.watching
+        if watching:
+            self.watching = {}
+            for each in watching:
+                each.left(each.arg)
+
+
+class _Watching:
+    """One walk watching its client (`_ClientWatch.watch`)."""
+
+    __slots__ = ("arg", "client", "left")
+
+    def __init__(self, client: _ClientWatch, left: Callable[[Any], None], arg: Any) -> None:
+        self.client, self.left, self.arg = client, left, arg
+
+    def cancel(self) -> None:
+        self.client.watching.pop(self, None)
 
 
 class BoundedH11Protocol(_ConnectionBounds, H11Protocol):

@@ -44,6 +44,10 @@ MARK_AFTER_S = 0.1
 MARK_TICK_S = 0.025
 
 _RUNNING, _EXPIRED, _DONE = 0, 1, 2
+#: A deadline this close gets its own timer at once (its mark would not come before it).
+_OWN_TIMER_S = MARK_AFTER_S + MARK_TICK_S
+#: `asyncio.get_running_loop`, one attribute lookup less on every walk.
+_running_loop = asyncio.get_running_loop
 
 
 class Deadline:
@@ -82,7 +86,7 @@ class Deadline:
         self._queue: _MarkQueue | None = None
 
     def __enter__(self) -> Deadline:
-        loop = asyncio.get_running_loop()
+        loop = _running_loop()
         queue = _last
         if queue is None or queue.loop() is not loop:
             queue = _queue(loop)
@@ -90,12 +94,13 @@ class Deadline:
         if task is None:
             raise RuntimeError("a Deadline must be used inside a task")
         now = queue.time()
-        when = self.when = now + self.timeout_s
-        if self.timeout_s <= 0:
+        timeout_s = self.timeout_s
+        when = self.when = now + timeout_s
+        if timeout_s <= 0:
             self._state = _DONE
             raise TimeoutError
         self._task = task
-        if self.timeout_s <= MARK_AFTER_S + MARK_TICK_S:
+        if timeout_s <= _OWN_TIMER_S:
             self._timer = loop.call_at(when, self.expire)
             return self
         queue.running[self] = now + MARK_AFTER_S

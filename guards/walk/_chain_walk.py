@@ -22,7 +22,6 @@ the walk goes on; legs without one are called as they are.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
@@ -37,6 +36,7 @@ from ..policies._deployments import counted
 from ..stores import Passage, StoreUnavailable
 from ..stores._breaker import Outcome
 from ..waits._admission import never_admitted, waited_for_admission
+from ..waits._client import watch_client
 from ..waits._deadline import Deadline
 from ..waits._first_output import limited
 from ._accounting import answered, on_attempt
@@ -378,19 +378,17 @@ def by_effort(state: RequestState, inputs: Mapping[str, Any]) -> GuardedRoute:
 
 
 def _start_watch(state: RequestState) -> None:
-    """`MARK_AFTER_S` into a walk: watch the client."""
-    assert state._scope is not None
-    state._watch = asyncio.get_running_loop().create_task(_watch_client(state, state._scope))
-
-
-async def _watch_client(state: RequestState, scope: Deadline) -> None:
-    """Wait for the client to disconnect, then end the walk now."""
+    """`MARK_AFTER_S` into a walk: watch the client (`guards.waits._client`)."""
     assert state._request is not None
-    receive = state._request.receive
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    state._watch = watch_client(state._request, _client_left, state)
+
+
+def _client_left(state: RequestState) -> None:
+    """The client left: end the walk now."""
+    assert state._scope is not None
+    state._watch = None
     state._gone = True
-    scope.expire()
+    state._scope.expire()
 
 
 async def client_gone(state: RequestState) -> bool:

@@ -132,15 +132,15 @@ class Observers:
             _,
             _,
         ) = event
-        leg.seconds.observe(elapsed_s)
         if self.trace is not None:  # an answered call's span ends with its verdict
             self.trace.attempt_ended(outcome)
-        if outcome == "ok":
-            leg.answered.observe(elapsed_s)
-            if delivered is None:  # a whole answer: its first output is its arrival
-                leg.first_output.observe(elapsed_s)
+        if outcome == "ok":  # a whole answer's first output is its arrival
+            leg.seconds.observe_answer(
+                leg.answered, leg.first_output if delivered is None else None, elapsed_s
+            )
             leg.attempts["ok"].count += 1  # `Tally.add`, in place: every request's path
         else:
+            leg.seconds.observe(elapsed_s)
             leg.attempts[outcome].add()  # a failure kind's tally also stamps its time
         if usage is not None:
             leg.input_tokens.count += usage.prompt_tokens

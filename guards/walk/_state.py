@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 from ._checkpoints import resumed
 
 if TYPE_CHECKING:
-    import asyncio
-
     from starlette.requests import Request
 
     from ..contracts._binding import Usage
@@ -24,6 +22,7 @@ if TYPE_CHECKING:
     from ..spec._route_spec import GuardedRoute, Leg
     from ..spec._shared import Shared
     from ..stores import Charge, Step
+    from ..waits._client import Watching
     from ..waits._deadline import Deadline
     from ._events import AttemptEnded, RequestEnded
     from ._observers import Observers
@@ -153,7 +152,8 @@ class RequestState:
         #: Made at the first note (a walk that skips or loses no leg makes none).
         self._notes: list[Note] = _NO_NOTES
         self._scope: Deadline | None = None
-        self._watch: asyncio.Task[None] | None = None
+        #: The client watched, from the deadline's mark (`guards.waits._client`).
+        self._watch: Watching | None = None
         self._gone = False
         #: The walk's first store step, prepared by the route (`walk_step`), with what the
         #: request's budget charges (None outside a route); the charge's spend, when the route

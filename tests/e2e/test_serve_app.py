@@ -22,10 +22,11 @@ import anyio
 import httpx
 import pytest
 
-from fixtures import FakeWorkersAI, Stream, Text
+from fixtures import FakeWorkersAI, Hang, Reply, Stream, Text
 from guards.stores import open_store
 
 from ..app.test_ui_stream import check_ui_stream
+from ..conftest import wait_until
 from .served import STACKS, ServedApp
 
 #: Streams in flight when the server is told to stop.
@@ -34,6 +35,8 @@ STREAMS = 20
 CALL_PRICE = 1.0
 ADA = "guards:stream:ada"
 MESSAGE = {"message": "Where is my order?"}
+#: The model `app_env` configures.
+MODEL_OF_APP = "@cf/meta/llama-3.1-8b-instruct"
 #: A control character in a log line (the newline and the tab aside).
 CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
@@ -44,7 +47,7 @@ def app_env(fake: FakeWorkersAI, **extra: str) -> dict[str, str]:
         "CLOUDFLARE_ACCOUNT_ID": fake.account_id,
         "CLOUDFLARE_API_TOKEN": fake.api_token,
         "CLOUDFLARE_API_BASE": fake.base_url,
-        "AI_MODEL": "@cf/meta/llama-3.1-8b-instruct",
+        "AI_MODEL": MODEL_OF_APP,
         "GUARDS_STORE": "memory://",
         **extra,
     }
@@ -320,3 +323,50 @@ def test_the_redis_store_answers_on_each_stack(
         log = served.log
     assert "store_unavailable" not in log
     assert len([line for line in json_lines(log) if line.get("event") == "request"]) == 3
+
+
+def post_then_leave(port: int, path: str, body: dict[str, Any], after_s: float) -> bytes:
+    """A POST over a socket of its own, closed `after_s` after it was sent unless the answer's
+    first bytes came first (returned)."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+        f"x-user-id: ada\r\ncontent-length: {len(payload)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=after_s) as sock:
+        sock.sendall(head.encode() + payload)
+        with contextlib.suppress(TimeoutError):
+            return sock.recv(65536)
+    return b""
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_a_client_that_leaves_a_long_call_cancels_it_at_once(
+    fake_workers_ai: FakeWorkersAI, tmp_path: Path, stack: tuple[str, ...]
+) -> None:
+    """guards.serve tells a walk that its client left by a callback from the connection (no
+    task per call watching `receive`): a client that leaves a call its model hangs on, past
+    the deadline's mark, ends it at once (the provider's connection closed, the request line
+    `cancelled`), long before its 30 s deadline; on a kept-alive connection, a slow call's
+    answer and the next request's are served whole."""
+    fake_workers_ai.script(MODEL_OF_APP, Hang())
+    env = app_env(fake_workers_ai, AI_TIMEOUT_S="30")
+    with ServedApp(tmp_path / "log", "app.main:app", *stack, env=env) as served:
+        served.wait_started(1)
+        assert post_then_leave(served.port, "/draft-reply", MESSAGE, after_s=0.5) == b""
+        assert fake_workers_ai.wait_for(lambda calls: calls[0].disconnected, timeout=5)
+        wait_until(lambda: "request" in [line.get("event") for line in json_lines(served.log)], 5)
+        fake_workers_ai.reset()
+        fake_workers_ai.default = Reply("A slow answer.", delay_s=0.3)  # past the mark
+        with httpx.Client(base_url=served.url, timeout=20) as client:
+            for _ in range(2):
+                answer = client.post("/draft-reply", json=MESSAGE, headers={"x-user-id": "ada"})
+                assert answer.status_code == 200, answer.text
+                assert answer.headers["x-ai-model"] == MODEL_OF_APP
+        assert served.stop() == 0
+        log = served.log
+    left, *served_lines = [line for line in json_lines(log) if line.get("event") == "request"]
+    assert (left["outcome"], left["kind"]) == ("cancelled", "cancelled")
+    assert left["latency_ms"] < 5_000
+    assert [line["outcome"] for line in served_lines] == ["ok", "ok"]
+    assert "Traceback" not in log

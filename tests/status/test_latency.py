@@ -113,7 +113,9 @@ def test_the_html_page_draws_the_trend_inline(fake_ai: FakeBinding, app_client: 
     points = latency(status(client), A)["trend"]
     assert len(points) <= 60
     for point in points:
-        assert 0.19 <= point["seconds"] <= 1.0, point
+        # At least a step (0.2 s); more when the copying timer ran late (a loaded machine's
+        # loop can be seconds late: no upper bound here).
+        assert point["seconds"] >= 0.19, point
         assert 0.03 <= point["answer_p50_s"] <= 0.15, point
     assert [p["at"] for p in points] == sorted(p["at"] for p in points)
     page = client.get("/status", headers=HTML)
