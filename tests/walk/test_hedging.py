@@ -193,7 +193,7 @@ def test_a_slow_deployments_tail_is_hedged(fake_workers_ai: FakeWorkersAI, serve
         f"hedged after {HEDGE_AFTER_S * 1000:.0f} ms {p99([t for t, _ in hedged]) * 1000:.0f} ms "
         f"({answers.count('hedge')} hedges won)"
     )
-    assert p99([latency for latency, _ in unhedged]) >= 2 * p99(fast)
+    assert p99([latency for latency, _ in unhedged]) >= TAIL_S  # unhedged, the tail is the slow call
     assert p99([latency for latency, _ in hedged]) < 2 * p99(fast)
     # The slow calls, and a few fast ones a loaded machine made slower than the delay.
     assert REQUESTS // 20 - 1 <= answers.count("hedge") <= REQUESTS // 2 + 3  # the retry budget
