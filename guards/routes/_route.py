@@ -185,7 +185,7 @@ def _with_downgrade(
     downgrade = Downgrade(soft)
     legs, attempt_budget = cheap
     route = dataclasses.replace(route, downgrade=downgrade)
-    downgrade.route = on_chain(route, legs, attempt_budget)
+    downgrade.route = on_chain(dataclasses.replace(route, downgraded=True), legs, attempt_budget)
     return route
 
 

@@ -362,6 +362,9 @@ class GuardedRoute:
     #: The route's downgrade chain near a cap (`route(downgrade_to=...)`), on the route and on
     #: its downgraded copy alike; None: none.
     downgrade: DowngradeChoice | None = None
+    #: The route is its downgrade's chain (`downgrade.route`, or a copy of it with its
+    #: deployments reordered): its calls' ledger records say `downgraded`.
+    downgraded: bool = False
     #: When a call starts a second attempt on the next model (`route(hedge=...)`; None: never).
     hedge: Hedge | None = None
     #: The route's groups of deployments (`guards.Deployments`), ordered per walk; None: none.

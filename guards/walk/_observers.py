@@ -304,13 +304,6 @@ def _attempt(event: AttemptEnded) -> Attempt:
         code=code,
         resumed_steps=steps,
         problems=problems or (),
-        # The downgraded copy of a route is its downgrade's own (`guards.routes._downgrade`), or
-        # one of its deployments' orders (`guards.routes._balance`: its balancer's).
-        downgraded=(downgrade := route.downgrade) is not None
-        and (downgraded := downgrade.route) is not None
-        and (
-            route is downgraded
-            or (route.deployments is not None and route.deployments is downgraded.deployments)
-        ),
+        downgraded=route.downgraded,
         hedge=hedge,
     )

@@ -106,15 +106,22 @@ def test_the_app_on_openai_alone(fake_openai: FakeOpenAI, app_client: AppClient)
     assert response.headers["x-ai-model"] == FALLBACK
 
 
-def test_ai_first_output_s_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "name",
+    [
+        "AI_FIRST_OUTPUT_S",  # unset: the deadline alone
+        "AI_HEDGE_AFTER_S",  # unset: never hedged
+    ],
+)
+def test_an_optional_seconds_setting_is_read_and_checked(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     monkeypatch.setenv("AI_PROVIDER", "fake")
-    monkeypatch.delenv("AI_FIRST_OUTPUT_S", raising=False)
-    assert load_settings().ai_first_output_s is None  # unset: the deadline alone
-    monkeypatch.setenv("AI_FIRST_OUTPUT_S", "2.5")
-    assert load_settings().ai_first_output_s == 2.5
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(load_settings(), name.lower()) is None
+    monkeypatch.setenv(name, "2.5")
+    assert getattr(load_settings(), name.lower()) == 2.5
     for bad in ("0", "-1", "nan", "inf", "soon"):
-        monkeypatch.setenv("AI_FIRST_OUTPUT_S", bad)
-        with pytest.raises(SettingsError, match="AI_FIRST_OUTPUT_S"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(SettingsError, match=name):
             load_settings()
 
 

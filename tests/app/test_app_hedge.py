@@ -1,7 +1,7 @@
-"""The example app's `AI_HEDGE_AFTER_S`: read and checked; set, a call to the chain's first model
-with no answer after it asks the next model too, served over real HTTP (uvicorn, the fake
-Workers AI server), and the first call is closed; unset, no hedge; the hedge's attempt span
-says it is one."""
+"""The example app's `AI_HEDGE_AFTER_S` (read and checked with `AI_FIRST_OUTPUT_S`, in
+tests/app/test_app_chains.py): set, a call to the chain's first model with no answer after it
+asks the next model too, served over real HTTP (uvicorn, the fake Workers AI server), and the
+first call is closed; unset, no hedge; the hedge's attempt span says it is one."""
 
 from __future__ import annotations
 
@@ -13,24 +13,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from app.settings import SettingsError, load_settings
 from fixtures import FakeWorkersAI, Hang, Reply
 
 from ..conftest import ExampleClient
 
 MODEL, BACKUP = "@cf/test/model", "@cf/test/backup"
-
-
-def test_ai_hedge_after_s_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AI_PROVIDER", "fake")
-    monkeypatch.delenv("AI_HEDGE_AFTER_S", raising=False)
-    assert load_settings().ai_hedge_after_s is None  # unset: never hedged
-    monkeypatch.setenv("AI_HEDGE_AFTER_S", "0.4")
-    assert load_settings().ai_hedge_after_s == 0.4
-    for bad in ("0", "-1", "nan", "inf", "soon"):
-        monkeypatch.setenv("AI_HEDGE_AFTER_S", bad)
-        with pytest.raises(SettingsError, match="AI_HEDGE_AFTER_S"):
-            load_settings()
 
 
 @pytest.mark.parametrize("hedge_after_s", [None, 0.2])
