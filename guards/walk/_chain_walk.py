@@ -361,7 +361,7 @@ def traced(state: RequestState, call: Call[R], leg: Leg, *, retry: bool = False)
         call,
         leg,
         binding(state, leg),
-        fallback=state._route.legs[0] is not leg,
+        fallback=not leg.leads,
         attempts=lambda: state.attempts,
         retry=retry,
         hedge=state._hedge is leg,

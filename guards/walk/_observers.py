@@ -196,7 +196,7 @@ class Observers:
             tally = leg.skips[reason] = counter(SKIPS, key, reason)
         tally.count += 1  # `Tally.add`, in place: every refused request's path
         if self.trace is not None:
-            self.trace.skipped(leg, reason, wait_s, fallback=leg is not route.legs[0])
+            self.trace.skipped(leg, reason, wait_s, fallback=not leg.leads)
         if logger.isEnabledFor(INFO):
             emit_skip(
                 route.name,
@@ -212,7 +212,7 @@ class Observers:
             counter(RETRY_BUDGET_EXHAUSTED, model).add()
             if self.trace is not None:  # the retry not made: a skipped attempt
                 leg = event.leg
-                self.trace.skipped(leg, event.skipped, None, fallback=leg is not event.route.legs[0])
+                self.trace.skipped(leg, event.skipped, None, fallback=not leg.leads)
         emit(
             "retry",
             route=event.route.name,

@@ -728,7 +728,7 @@ def test_each_attempt_span_names_its_deployment(
     spans: InMemorySpanExporter,
 ) -> None:
     """A deployment that fails, then the group's other one that answers: two attempt spans,
-    each naming its deployment."""
+    each naming its deployment, neither a fallback."""
     client = example_client(ai_deployments="east=1,west=1", tracer_provider=provider)
     fake_workers_ai.script(MODEL, Fail(code=5035, status=403), Reply("Sure."))
     response = client.post("/draft-reply", json={"message": "Where is my parcel?"})
@@ -737,6 +737,9 @@ def test_each_attempt_span_names_its_deployment(
     named = [span.attributes["guards.deployment"] for span in calls if span.attributes]
     assert sorted(named) == ["draft/east", "draft/west"]
     assert named[-1] == response.headers["x-ai-deployment"]
+    # Both deployments are of the chain's first entry: neither call is a fallback.
+    assert [span.attributes["guards.attempt.fallback"] for span in calls if span.attributes] == [False, False]
+    assert "x-ai-fallback" not in response.headers
     assert [span.attributes["guards.attempt.outcome"] for span in calls if span.attributes] == [
         "model_incompatible",
         "ok",
