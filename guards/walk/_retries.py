@@ -199,7 +199,14 @@ class Hedged:
                 second, target, at = started
                 return await self._race(leg, first, began, second, target, at)
             return await first
-        finally:  # stopped (the deadline, the client gone): neither attempt outlives it
+        except asyncio.CancelledError:  # stopped (the deadline, the client gone)
+            await _cancelled(first)
+            # What the first attempt said of its time (spent in the connection queue:
+            # `guards.waits._admission`) goes up with the stop, as an unhedged call's does.
+            if (queued := _queued(first)) is None:
+                raise
+            raise queued from None
+        finally:  # neither attempt outlives the call
             await _cancelled(first)
             if second is not None and not second.done():
                 assert started is not None
@@ -302,6 +309,18 @@ def _outcome(task: asyncio.Task[Any]) -> Any:
     if task.cancelled():
         return asyncio.CancelledError()
     return task.exception() or task.result()
+
+
+def _queued(task: asyncio.Task[Any]) -> asyncio.CancelledError | None:
+    """The cancellation that ended `task`'s attempt, when it says where the attempt's time
+    went (its argument: `guards.waits._admission`); else None."""
+    if not task.cancelled():
+        return None
+    try:
+        task.result()  # (raises the attempt's own cancellation, this once)
+    except asyncio.CancelledError as cancelled:
+        return cancelled if cancelled.args else None
+    return None
 
 
 def _answered(task: asyncio.Task[Any]) -> bool:

@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI
 
 from fixtures import FakeWorkersAI, Hang, Reply
-from guards import AI, Breaker, EventStream, Guards
+from guards import AI, Breaker, EventStream, Guards, Hedge
 from guards.providers import WorkersAI, http_client, http_library
 
 from ..conftest import LogLines, Serve, assert_error, no_sleep
@@ -63,6 +63,11 @@ def small_pool_app(fake: FakeWorkersAI) -> FastAPI:
     @app.post("/long")
     @guards.route(model=MODEL, timeout_s=LONG_S, breaker=breaker)
     async def long(ai: AI[str]) -> str:
+        return await ai.run(INPUTS)
+
+    @app.post("/long/hedged")  # a hedge too late to start: its race runs the call all the same
+    @guards.route(model=MODEL, timeout_s=LONG_S, breaker=breaker, name="long_hedged", hedge=Hedge(after_s=5))
+    async def long_hedged(ai: AI[str]) -> str:
         return await ai.run(INPUTS)
 
     return app
@@ -128,8 +133,9 @@ def test_a_request_that_waited_then_ran_out_of_deadline_is_no_verdict_on_the_mod
     assert httpx.post(f"{base}/short", timeout=10).json() == "Hello!"
 
 
+@pytest.mark.parametrize("path", ["/long", "/long/hedged"])
 def test_a_request_that_waited_then_ran_out_of_deadline_reading_its_answer_is_no_verdict(
-    fake_workers_ai: FakeWorkersAI, serve: Serve, guards_log: LogLines
+    path: str, fake_workers_ai: FakeWorkersAI, serve: Serve, guards_log: LogLines
 ) -> None:
     """The answer began (its head came) but its body did not come before the deadline, which
     the request had spent most of in the queue: still no verdict on the model."""
@@ -141,7 +147,7 @@ def test_a_request_that_waited_then_ran_out_of_deadline_reading_its_answer_is_no
         async with httpx.AsyncClient(base_url=base, timeout=10) as client:
             holder = asyncio.ensure_future(client.post("/short"))  # holds the connection for 0.3 s
             await wait_for_calls(fake, 1)
-            late = asyncio.ensure_future(client.post("/long"))  # gets it then: head, no body
+            late = asyncio.ensure_future(client.post(path))  # gets it then: head, no body
             return await holder, await late
 
     holder, late = asyncio.run(scenario())
