@@ -14,6 +14,14 @@ then, beside the success path's whole count (`success_request_instructions`: the
 answering with the ready result), `refused_request_instructions`: the same request on a
 degrading route in an outage (its model failed, its breaker is open for the whole run), served
 its fallback without a call, and `refused_over_success` (their ratio).
+
+Then the whole request as the server hands it to the app (`asgi_<app>_request_instructions`):
+the apps `make bench-http` serves (`bench/http_apps.py`: `bare`, `guarded` on the memory store
+with its request line on, `bare_fallback`, `outage`), each called through its ASGI interface
+(FastAPI's routing, dependencies, validation and serialization, guards' middlewares) with the
+bench's request, no socket. `asgi_guarded_over_bare` and `asgi_outage_over_bare_fallback` are
+the HTTP ratios' deterministic counterparts: what the app costs, without the server's and the
+kernel's share, which both sides pay alike (the HTTP ratio is higher).
 """
 
 from __future__ import annotations
@@ -26,13 +34,22 @@ import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from bench import Label
 from guards import AI
 
+#: The repository (the whole-ASGI runs import `bench.http_apps` from there).
+ROOT = Path(__file__).resolve().parent.parent
 SHORT = 1_000
 LONG = 3_000
+#: The whole-ASGI runs' request counts (a request costs about five times the endpoint's).
+ASGI_SHORT = 200
+ASGI_LONG = 1_200
+#: The apps counted through their ASGI interface, and the pairs printed as ratios.
+ASGI_APPS = ("bare", "guarded", "bare_fallback", "outage")
+ASGI_RATIOS = (("guarded", "bare"), ("outage", "bare_fallback"))
 
 #: The counts this bench is compared against (`make bench-instructions` prints each figure's
 #: change from its reference): the walk's counts as re-based by issue 41 (the latency
@@ -139,21 +156,19 @@ def refused_endpoint(fake: FailingBinding) -> tuple[Callable[..., Awaitable[Any]
 
 
 def count(side: str, binding_kind: str, requests: int) -> int:
-    """Instructions of a whole process making `requests` requests on `side`."""
+    """Instructions of a whole process making `requests` requests on `side` (`asgi`: the app
+    `binding_kind` names, through its ASGI interface)."""
+    command = (
+        [sys.executable, "-m", "bench.asgi_requests", binding_kind, str(requests)]
+        if side == "asgi"
+        else [sys.executable, __file__, side, binding_kind, str(requests)]
+    )
     out = subprocess.run(
-        [
-            "valgrind",
-            "--tool=callgrind",
-            "--callgrind-out-file=/dev/null",
-            sys.executable,
-            __file__,
-            side,
-            binding_kind,
-            str(requests),
-        ],
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", *command],
         capture_output=True,
         text=True,
         check=True,
+        cwd=ROOT,
     )
     found = re.search(r"Collected : (\d+)", out.stderr)
     if found is None:
@@ -162,8 +177,9 @@ def count(side: str, binding_kind: str, requests: int) -> int:
 
 
 def per_request(side: str, binding_kind: str, pool: ThreadPoolExecutor) -> float:
-    short, long = pool.map(lambda n: count(side, binding_kind, n), (SHORT, LONG))
-    return (long - short) / (LONG - SHORT)
+    few, many = (ASGI_SHORT, ASGI_LONG) if side == "asgi" else (SHORT, LONG)
+    short, long = pool.map(lambda n: count(side, binding_kind, n), (few, many))
+    return (long - short) / (many - few)
 
 
 def _against(name: str, count: float) -> str:
@@ -191,6 +207,11 @@ def main() -> None:
             f"refused_request_instructions = {refused:.0f} instructions{_against('refused_request', refused)}"
         )
         print(f"refused_over_success = {refused / success:.3f} x")
+        asgi = {name: per_request("asgi", name, pool) for name in ASGI_APPS}
+        for name, figure in asgi.items():
+            print(f"asgi_{name}_request_instructions = {figure:.0f} instructions")
+        for name, baseline in ASGI_RATIOS:
+            print(f"asgi_{name}_over_{baseline} = {asgi[name] / asgi[baseline]:.3f} x")
 
 
 if __name__ == "__main__":
