@@ -32,11 +32,11 @@ from .policies._hedge import Hedge
 from .policies._price_table import PriceTable, check_table
 from .policies._retry_budget import RetryWindows
 from .policies._tasks import Task
-from .routes._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from .routes._body_limit import DEFAULT_MAX_BODY_BYTES
 from .routes._invalid_input import invalid_input_handler
-from .routes._resume import ResumeRoutes
+from .routes._middleware import GuardsMiddleware
 from .routes._route import guard_route
-from .spec._levels import LevelMiddleware, Levels, ServiceLevel
+from .spec._levels import Levels, ServiceLevel
 from .spec._route_checks import RouteSettings
 from .spec._route_spec import NO_FALLBACK, GuardedRoute, KnownRefusal, route_of
 from .stores import MemoryStore, Store
@@ -474,10 +474,8 @@ class Guards:
         keeps the one it started with)."""
         app.state.guards = self
         app.middleware_stack = None  # built on the app's next call, with guards' middleware
-        app.add_middleware(BodyLimit)
         show_logs()
-        app.add_middleware(LevelMiddleware, levels=self.levels)
-        app.add_middleware(ResumeRoutes, guards=self)
+        app.add_middleware(GuardsMiddleware, guards=self)
         # Input that never reached a guarded handler (unparseable or invalid) is answered
         # `400 invalid_request`; everything else goes to the handlers registered before.
         for exc_class in (RequestValidationError, StarletteHTTPException):

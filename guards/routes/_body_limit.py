@@ -1,10 +1,10 @@
-"""`BodyLimit`: a guarded route stops reading a request body past its `max_body_bytes`.
+"""`LimitedReceive`: a guarded route stops reading a request body past its `max_body_bytes`.
 
 FastAPI reads a route's whole body into memory before any of the route's code runs (a 100 MB
 body cost a worker 386 MB before it was refused), so the limit sits under the request's ASGI
-`receive`: `Guards.install` adds this middleware, which hands the app a `receive` that, on its
-first call (by then the router has put the route's endpoint in the scope), looks up the
-guarded route's limit. A declared `Content-Length` over the limit is refused before a byte of
+`receive`: the middleware `Guards.install` adds (`guards.routes._middleware`) hands the app
+this `receive`, which on its first call (by then the router has put the route's endpoint in
+the scope) looks up the guarded route's limit. A declared `Content-Length` over the limit is refused before a byte of
 the body is read; a body without one (chunked) is counted as it arrives and refused once it
 passes the limit. Either way the read stops there: the rest is never buffered (the server
 reads ahead only a small window) and the connection is closed after the answer.
@@ -17,11 +17,11 @@ invalid_request`, with the request's log line). Routes that are not guarded are 
 from __future__ import annotations
 
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope
 
 from ..spec._route_spec import route_of
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "BodyLimit", "BodyTooLarge"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "BodyTooLarge", "LimitedReceive"]
 
 #: A guarded route's request body limit unless it declares one (`route(max_body_bytes=...)`).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -35,24 +35,11 @@ class BodyTooLarge(HTTPException):
         self.limit = limit
 
 
-class BodyLimit:
-    """ASGI middleware: each guarded route reads at most its `max_body_bytes` of body."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        await self.app(scope, _LimitedReceive(scope, receive), send)
-
-
 _UNKNOWN = -2
 _UNLIMITED = -1
 
 
-class _LimitedReceive:
+class LimitedReceive:
     """One request's `receive`, counting the body against its guarded route's limit."""
 
     __slots__ = ("_left", "_limit", "_receive", "_scope")

@@ -23,10 +23,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..contracts._envelope import FallbackInfo
 from ..contracts._errors import GuardTripped
 from ..contracts._responses import PublicError, error_response, public_error
-from ..contracts._vocabulary import ErrorCode, Kind, Reason
+from ..contracts._vocabulary import ErrorCode, Kind
 from ..observe._log import emit_error, frames
 from ..policies._budget import scoped_charge, scoped_keys
 from ..policies._last_good import LastGoodCache
@@ -37,7 +36,7 @@ from ..walk import AI, TASK_SCOPE, Observers, walk_step
 from ..walk._checkpoints import resumed
 from ._attribution import add_attribution
 from ._chat import note_chat
-from ._prepared import PreparedJSON, json_head, renders_as_json
+from ._prepared import FallbackAnswers
 
 if TYPE_CHECKING:
     from ..spec._route_spec import GuardedRoute
@@ -61,11 +60,6 @@ _TRACE_ID = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
 #: key kept.
 _MAX_FIRST_STEPS = 1024
 _MAX_KEPT_CALLER = 128
-#: The most fallback envelopes an endpoint keeps (`_fallback_answer`).
-_MAX_FALLBACK_ANSWERS = 64
-#: A kept fallback answer: (its data, the envelope, the envelope's JSON and its headers when
-#: prepared: `guards.routes._prepared`).
-_Kept = tuple[Any, Any, bytes | None, list[tuple[bytes, bytes]]]
 
 
 class GuardedEndpoint:
@@ -87,13 +81,12 @@ class GuardedEndpoint:
         "_data_class",
         "_enter_levels",
         "_envelope_type",
+        "_fallback_answers",
         "_first_steps",
         "_handler",
         "_last_good",
         "_observers",
         "_plain",
-        "_prepared",
-        "_rendered_by",
         "_route",
         "_shared",
         "_unbudgeted",
@@ -148,12 +141,12 @@ class GuardedEndpoint:
         # each built once and kept, bounded (`_first_step`).
         self._unbudgeted = walk_step(route, 0, None, None)
         self._first_steps: dict[str, Step] = {}
-        #: The last fallback envelope per (reason, detail), kept (`_fallback_answer`).
-        self._fallback_answers: dict[tuple[Reason, str], _Kept] = {}
-        #: The FastAPI route that last served a fallback, and whether it renders the envelope
-        #: as a `PreparedJSON` does (`renders_as_json`): checked once per route.
-        self._rendered_by: object = None
-        self._prepared = False
+        #: A degrading route's fallback envelopes, kept and prepared (`guards.routes._prepared`).
+        self._fallback_answers = (
+            None
+            if envelope_type is None
+            else FallbackAnswers(envelope_type, data_adapter, last_good is not None or callable(plain))
+        )
         # Shedding, and counting requests in flight, cost nothing to a route that needs neither.
         self._enter_levels = route.shed_at is not None or shared.levels.max_in_flight is not None
         self._app: object = None  # the app it last served, guards installed there (`__call__`)
@@ -259,15 +252,10 @@ class GuardedEndpoint:
         # A model that answered is named even when its answer was rejected.
         add_attribution(response.raw_headers, ai, shared.attribution)
         response.raw_headers.append((b"x-trace-id", trace_id.encode()))
-        if (route := request.scope.get("route")) is not self._rendered_by:
-            self._rendered_by, self._prepared = route, renders_as_json(route, self._envelope_type)
-        prepared = self._prepared
-        kept = self._fallback_answers.get((tripped.reason, detail))
-        if kept is None or kept[0] is not data or (prepared and kept[2] is None):
-            kept = self._fallback_answer(tripped.reason, detail, data, prepared)
-        if (body := kept[2]) is None or not prepared:
-            return kept[1]
-        return PreparedJSON(body, kept[3], response.raw_headers, response.status_code or 200)
+        assert self._fallback_answers is not None
+        return self._fallback_answers.answer(
+            request.scope.get("route"), tripped.reason, detail, data, response
+        )
 
     async def _fallback(
         self, arguments: Mapping[str, Any], tripped: GuardTripped, trace_id: str
@@ -281,25 +269,13 @@ class GuardedEndpoint:
         if not callable(plain):
             return plain, tripped.detail
         value = plain(arguments, tripped)
+        if type(value) is self._data_class:  # exactly the route's model: validated already
+            return value, tripped.detail
         if inspect.isawaitable(value):
             value = await value
+            if type(value) is self._data_class:
+                return value, tripped.detail
         return self._data_adapter.validate_python(value), tripped.detail
-
-    def _fallback_answer(self, reason: Reason, detail: str, data: Any, prepared: bool) -> _Kept:
-        """The envelope of `data` substituted for `reason` (`detail`), and when `prepared` its
-        JSON as FastAPI serializes it (by alias) with their headers, built and kept, never
-        written after: the requests refused alike (an outage's, served a plain fallback)
-        share them (emptied when full)."""
-        assert self._envelope_type is not None
-        info = FallbackInfo(guard=reason.guard, reason=reason, detail=detail)
-        answer = self._envelope_type(ok=True, data=data, fallback=info)
-        body = answer.__pydantic_serializer__.to_json(answer, by_alias=True) if prepared else None
-        kept: _Kept = (data, answer, body, json_head(body) if body is not None else [])
-        answers = self._fallback_answers
-        if len(answers) >= _MAX_FALLBACK_ANSWERS:
-            answers.clear()
-        answers[(reason, detail)] = kept
-        return kept
 
     def _first_step(self, caller: Any) -> Step:
         """The walk's first store step for `caller` (a key, or a tuple of one key per budget),

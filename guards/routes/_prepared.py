@@ -3,11 +3,13 @@
 In an outage every request of a degrading route is refused alike (its breaker open or its model
 cooling down, known to the worker): the same reason, detail and, when the fallback is static,
 the same data. Returned as a model, the envelope would be validated against the route's
-response model and serialized again by FastAPI for each request. The endpoint keeps instead, per
-reason and detail, the data it last served and that envelope serialized as FastAPI serializes
-it (pydantic's JSON, by alias), and answers each request with a `PreparedJSON`: those bytes,
-their `content-length` and `content-type`, then the request's own headers (its trace id, which
-model answered), in FastAPI's order. Only where FastAPI would render the envelope that way
+response model and serialized again by FastAPI for each request. The endpoint keeps instead
+(`FallbackAnswers`), per reason and detail, the data it last served and that envelope serialized
+as FastAPI serializes it (pydantic's JSON, by alias), and answers each request with a
+`PreparedJSON`: those bytes, their `content-length` and `content-type`, then the request's own
+headers (its trace id, which model answered), in FastAPI's order. A fallback function makes a
+new value for each request, most often the same one: its bytes answer a new value that
+serializes as the kept one does (compared as JSON, not with `==`: `0.0 == -0.0`, `1 == True`). Only where FastAPI would render the envelope that way
 (`renders_as_json`): a route declared with its own response class, status code, response model
 or field filters gets the envelope model, for FastAPI to render as the route says.
 """
@@ -18,10 +20,76 @@ from typing import Any
 
 from fastapi.datastructures import DefaultPlaceholder
 from fastapi.routing import APIRoute
+from pydantic import TypeAdapter
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 
-__all__ = ["PreparedJSON", "json_head", "renders_as_json"]
+from ..contracts._envelope import FallbackInfo
+from ..contracts._vocabulary import Reason
+
+__all__ = ["FallbackAnswers", "PreparedJSON", "json_head", "renders_as_json"]
+
+#: The most fallback envelopes a route keeps.
+_MAX_ANSWERS = 64
+#: A kept fallback answer: (its data, the envelope, the envelope's JSON and its headers when
+#: prepared, and the data's own JSON then when the data is made per request).
+_Kept = tuple[Any, Any, bytes | None, list[tuple[bytes, bytes]], bytes | None]
+
+
+class FallbackAnswers:
+    """A degrading route's fallback envelopes (`envelope_type` of the data `data_adapter`
+    validates), kept per reason and detail, prepared where FastAPI would render them as JSON;
+    `made`: whether its fallback data is made per request (a function, or the last good
+    answer), else the same object every time."""
+
+    __slots__ = ("_answers", "_envelope_type", "_made", "_prepared", "_rendered_by", "_serializer")
+
+    def __init__(self, envelope_type: Any, data_adapter: TypeAdapter[Any], made: bool) -> None:
+        self._envelope_type = envelope_type
+        self._serializer = data_adapter.serializer
+        self._made = made
+        self._answers: dict[tuple[Reason, str], _Kept] = {}
+        #: The FastAPI route that last served a fallback, and whether it renders the envelope
+        #: as a `PreparedJSON` does (`renders_as_json`): checked once per route.
+        self._rendered_by: object = None
+        self._prepared = False
+
+    def answer(self, route: object, reason: Reason, detail: str, data: Any, response: Response) -> Any:
+        """The answer of `data` substituted for `reason` (`detail`) on `route` (the request's
+        `APIRoute`), with `response`'s headers and status: a `PreparedJSON`, else the envelope
+        for FastAPI to render."""
+        if route is not self._rendered_by:
+            self._rendered_by, self._prepared = route, renders_as_json(route, self._envelope_type)
+        prepared = self._prepared
+        kept = self._answers.get((reason, detail))
+        if (
+            kept is None
+            or (prepared and kept[2] is None)
+            or (kept[0] is not data and not (prepared and self._same_json(kept, data)))
+        ):
+            kept = self._keep(reason, detail, data, prepared)
+        if (body := kept[2]) is None or not prepared:
+            return kept[1]
+        return PreparedJSON(body, kept[3], response.raw_headers, response.status_code or 200)
+
+    def _same_json(self, kept: _Kept, data: Any) -> bool:
+        """Whether `data` serializes as the data of the prepared answer `kept` (then its bytes
+        answer for `data` too)."""
+        return self._serializer.to_json(data, by_alias=True) == kept[4]
+
+    def _keep(self, reason: Reason, detail: str, data: Any, prepared: bool) -> _Kept:
+        """The envelope of `data` and, when `prepared`, its JSON as FastAPI serializes it (by
+        alias) with their headers, built and kept, never written after: the requests refused
+        alike share them (emptied when full)."""
+        info = FallbackInfo(guard=reason.guard, reason=reason, detail=detail)
+        answer = self._envelope_type(ok=True, data=data, fallback=info)
+        body = answer.__pydantic_serializer__.to_json(answer, by_alias=True) if prepared else None
+        own = self._serializer.to_json(data, by_alias=True) if prepared and self._made else None
+        kept: _Kept = (data, answer, body, json_head(body) if body is not None else [], own)
+        if len(self._answers) >= _MAX_ANSWERS:
+            self._answers.clear()
+        self._answers[(reason, detail)] = kept
+        return kept
 
 
 class PreparedJSON(Response):

@@ -1,5 +1,5 @@
 """The resume route guards adds next to each resumable streaming route: `GET <path>/<id>/stream`
-(`ResumeRoutes`, installed by `Guards.install`), the AI SDK's resume request
+(`ResumeRoutes`, answered by the middleware `Guards.install` adds), the AI SDK's resume request
 (`DefaultChatTransport.reconnectToStream`) and what an `EventSource` reconnects to.
 
 `<id>` is a chat's id (the `id` of the route's `UIChatRequest`: its current stream) or a
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import compile_path
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from ..contracts._envelope import Problem
 from ..contracts._responses import PublicError, error_response
@@ -49,23 +49,24 @@ _ID = "guards_stream"
 
 
 class ResumeRoutes:
-    """ASGI middleware answering `GET <path>/<id>/stream` for each resumable route of the app
-    (see the module docstring); every other request passes through."""
+    """The resume paths of an app's resumable routes (see the module docstring): guards'
+    middleware (`guards.routes._middleware`) asks `answer` for each `GET .../stream` request,
+    and passes on those it does not answer."""
 
-    def __init__(self, app: ASGIApp, guards: Shared) -> None:
-        self.app = app
+    def __init__(self, guards: Shared) -> None:
         self._guards = guards
         self._table: list[tuple[re.Pattern[str], GuardedRoute]] = []
         self._seen: tuple[int, int] = (0, -1)  # (the app's id, its number of routes)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"].endswith("/stream"):
-            for pattern, route in self._routes(scope.get("app")):
-                if (match := pattern.fullmatch(scope["path"])) is not None:
-                    response = await _resume(self._guards, route, Request(scope, receive), match[_ID])
-                    await response(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
+    async def answer(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Answer `scope` (a `GET` whose path ends in `/stream`) when it is a resume request of
+        one of the app's resumable routes; False when it is not."""
+        for pattern, route in self._routes(scope.get("app")):
+            if (match := pattern.fullmatch(scope["path"])) is not None:
+                response = await _resume(self._guards, route, Request(scope, receive), match[_ID])
+                await response(scope, receive, send)
+                return True
+        return False
 
     def _routes(self, app: Any) -> list[tuple[re.Pattern[str], GuardedRoute]]:
         """The resume paths of `app`'s resumable routes (found again when its routes changed)."""

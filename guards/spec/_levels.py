@@ -31,7 +31,7 @@ import time
 import typing
 from dataclasses import dataclass
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Scope, Send
 
 from ..contracts._errors import GuardTripped
 from ..contracts._vocabulary import Attribution, Level, Reason
@@ -40,12 +40,11 @@ from ..observe._metrics import SERVICE_LEVEL, STORE_UNAVAILABLE, gauge
 from ..stores import Store, StoreUnavailable
 from ..stores._breaker import Breaker, BreakerState, CircuitState
 from ..stores._breaker import admit as breaker_admit
-from ..waits._arrival import ARRIVED
 from ._route_spec import GuardedRoute, route_of
 
 __all__ = [
     "REFRESH_S",
-    "LevelMiddleware",
+    "IN_FLIGHT",
     "Levels",
     "ModelDown",
     "ServiceLevel",
@@ -58,8 +57,9 @@ __all__ = [
 REFRESH_S = 1.0
 #: `Retry-After` of a request shed for overload.
 OVERLOAD_RETRY_AFTER_S = 1.0
-#: Marks the ASGI scope of a request that counts as in flight (see `LevelMiddleware`).
-_COUNTED = "guards.in_flight"
+#: Marks the ASGI scope of a request that counts as in flight: False when guards' middleware
+#: (`guards.routes._middleware`) will count it out, True once `Levels.enter` counted it in.
+IN_FLIGHT = "guards.in_flight"
 
 
 #: Each level's rank: the gauge's value, and the order shedding compares in.
@@ -188,8 +188,8 @@ class Levels:
         """A guarded request starts: count it in flight (with `max_in_flight`, when the
         middleware will count it out), and say why it is shed, if it is."""
         over = False
-        if self.max_in_flight is not None and _COUNTED in scope:
-            scope[_COUNTED] = True
+        if self.max_in_flight is not None and IN_FLIGHT in scope:
+            scope[IN_FLIGHT] = True
             self.in_flight += 1
             over = self.in_flight > self.max_in_flight
         shed_at = route.shed_at
@@ -273,49 +273,12 @@ class Levels:
             self._gauge_set = True
             _LEVEL_GAUGE.set(RANK[level])
 
-
-class LevelMiddleware:
-    """ASGI middleware (`Guards.install`), guards' outermost: stamps each request's arrival
-    (`guards.waits._arrival`), keeps the worker's level fresh (`Levels.tick`), adds
-    `x-service-level` to guarded responses while the level is not full, and, with
-    `max_in_flight`, counts a guarded request out of flight when its response is done (a
-    stream included), however it ended."""
-
-    def __init__(self, app: ASGIApp, levels: Levels) -> None:
-        self.app = app
-        self.levels = levels
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        levels = self.levels
-        if ARRIVED in scope:
-            # An app mounted in an app with guards installed (by hand, or by its first guarded
-            # request): the outer middleware stamped the request, adds its header and counts it
-            # out, once; this one keeps its own level fresh (another `Guards`' maybe).
-            levels.tick(time.perf_counter())
-            await self.app(scope, receive, send)
-            return
-        scope[ARRIVED] = now = time.perf_counter()
-        levels.tick(now)
-        if levels.header is not None:
-            send = self._with_level(scope, send)
-        if levels.max_in_flight is None:
-            await self.app(scope, receive, send)
-            return
-        scope[_COUNTED] = False  # the endpoint sets it when it counts the request in
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            if scope[_COUNTED]:
-                levels.in_flight -= 1
-
-    def _with_level(self, scope: Scope, send: Send) -> Send:
-        levels = self.levels
+    def with_header(self, scope: Scope, send: Send) -> Send:
+        """`send` adding `x-service-level` to a guarded route's response while the level is not
+        full (guards' middleware: `guards.routes._middleware`)."""
 
         async def send_with_level(message: Message) -> None:
-            header = levels.header
+            header = self.header
             guarded = route_of(scope.get("endpoint")) is not None  # guarded routes only
             if message["type"] == "http.response.start" and header is not None and guarded:
                 message = {**message, "headers": [*message.get("headers", ()), header]}

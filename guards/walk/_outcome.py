@@ -92,12 +92,12 @@ def request_ended(observers: Traced, event: RequestEnded) -> None:
     line: dict[str, Any] = {"event": "request", "route": route.name, "trace_id": trace_id, "outcome": outcome}
     if status is not None:
         line["status"] = status
-    if error is not None:
-        line["error"] = error.value
+    if error is not None:  # (`StrEnum`s are written as their values: no slow `.value` read)
+        line["error"] = error
     if tripped is not None:
-        line["guard"], line["reason"] = tripped.guard.value, tripped.reason.value
+        line["guard"], line["reason"] = (reason := tripped.reason).guard, reason
         if tripped.kind is not None:
-            line["kind"] = tripped.kind.value
+            line["kind"] = tripped.kind
         model = tripped.model or model
     for name, value in (
         ("attempts", attempts),

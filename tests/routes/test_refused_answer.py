@@ -107,3 +107,40 @@ def test_a_route_declared_with_its_own_status_is_rendered_by_fastapi(serve: Serv
     for answer in refused:
         assert answer.status_code == 202
         assert answer.json()["fallback"]["reason"] == "circuit_open"
+
+
+class Ticket(BaseModel):
+    text: str
+
+
+def by_ticket(arguments: dict[str, Any], tripped: Any) -> Label:
+    """A fallback function: a new value each request, from the request's own ticket; `0.0` and
+    `-0.0` are equal values with different JSON."""
+    text = arguments["ticket"].text
+    return Label(label=text.lstrip("-"), confidence=-0.0 if text.startswith("-") else 0.0)
+
+
+def test_a_fallback_functions_value_is_each_requests_own(serve: Serve) -> None:
+    """The prepared envelope answers a fallback function's new value only when it serializes
+    the same: every refused request gets its own data, in FastAPI's own bytes."""
+    guards = Guards(FakeBinding(Fail(status=500)))
+    app = FastAPI()
+    guards.install(app)
+
+    @app.post("/label")
+    @guards.route(model=MODEL, breaker=BREAKER, retry=Retry(attempts=1), fallback=by_ticket)
+    async def label(ticket: Ticket, ai: AI[Label]) -> Label:
+        return await ai.run({"prompt": ticket.text})
+
+    @app.post("/bare")
+    async def bare(ticket: Ticket) -> Envelope[Label]:
+        info = FallbackInfo(guard=GuardName.budget, reason=Reason.circuit_open, detail=SKIPPED)
+        return Envelope[Label](data=by_ticket({"ticket": ticket}, None), fallback=info)
+
+    client = serve(app)
+    client.post("/label", json={"text": "opens the breaker"})
+    for text in ["a", "a", "b", "a", "-x", "x", "-x", "x"]:
+        answer = client.post("/label", json={"text": text})
+        assert answer.content == client.post("/bare", json={"text": text}).content, text
+        assert answer.headers["content-length"] == str(len(answer.content))
+        assert_fallback(answer, "budget", "circuit_open", {"label": text.lstrip("-"), "confidence": 0.0})
