@@ -4,10 +4,11 @@ FastAPI reads a route's whole body into memory before any of the route's code ru
 body cost a worker 386 MB before it was refused), so the limit sits under the request's ASGI
 `receive`: the middleware `Guards.install` adds (`guards.routes._middleware`) hands the app
 this `receive`, which on its first call (by then the router has put the route's endpoint in
-the scope) looks up the guarded route's limit. A declared `Content-Length` over the limit is refused before a byte of
-the body is read; a body without one (chunked) is counted as it arrives and refused once it
-passes the limit. Either way the read stops there: the rest is never buffered (the server
-reads ahead only a small window) and the connection is closed after the answer.
+the scope) looks up the guarded route's limit. A declared `Content-Length` over the limit is
+refused before a byte of the body is read; a body without one (chunked) is counted as it
+arrives and refused once it passes the limit. Either way the read stops there: the rest is
+never buffered (the server reads ahead only a small window) and the connection is closed after
+the answer.
 
 Refusing is raising `BodyTooLarge`, a 400 `HTTPException`: FastAPI lets it through its body
 parsing, and the guards' handler answers it like any unreadable input (`400

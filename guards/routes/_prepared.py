@@ -8,10 +8,11 @@ response model and serialized again by FastAPI for each request. The endpoint ke
 as FastAPI serializes it (pydantic's JSON, by alias), and answers each request with a
 `PreparedJSON`: those bytes, their `content-length` and `content-type`, then the request's own
 headers (its trace id, which model answered), in FastAPI's order. A fallback function makes a
-new value for each request, most often the same one: its bytes answer a new value that
-serializes as the kept one does (compared as JSON, not with `==`: `0.0 == -0.0`, `1 == True`). Only where FastAPI would render the envelope that way
-(`renders_as_json`): a route declared with its own response class, status code, response model
-or field filters gets the envelope model, for FastAPI to render as the route says.
+new value for each request, most often the same one: the bytes answer a new value that
+serializes as the kept one does (compared as JSON, not with `==`: `0.0 == -0.0`, `1 == True`).
+Only where FastAPI would render the envelope that way (`renders_as_json`): a route declared
+with its own response class, status code, response model or field filters gets the envelope
+model, for FastAPI to render as the route says.
 """
 
 from __future__ import annotations
