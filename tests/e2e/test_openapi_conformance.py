@@ -2,7 +2,9 @@
 response may contradict the document (status, body schema, headers, content type, and each
 Server-Sent Event of the stream against its event's schema), and none may be a 500.
 
-Randomized (not derandomized), at least 2,000 cases over every route: each case also draws the
+Randomized (not derandomized), at least 2,000 cases over every route (450 a route, 200 for
+`POST /chat`, whose schema, the AI SDK's UI messages, takes schemathesis about 0.1 s a case to
+generate: 45 s of the suite at 450): each case also draws the
 provider's outcome (answers, failures, streams with every event kind) and whether the clock
 moves past cooldowns and breaker timeouts, so successes, fallbacks, every error status and
 circuit_open all occur. A failing example is saved in `.hypothesis/` and replayed first on the
@@ -40,8 +42,10 @@ from guards.stores import MemoryStore
 
 from ..conftest import LiveServer, no_sleep
 
-#: Cases per route (the `GET /health` route has no input: one case covers it).
+#: Cases per route (the `GET /health` route has no input: one case covers it), and for
+#: `POST /chat` (see the module's docstring).
 CASES_PER_ROUTE = 450
+CHAT_CASES = 200
 #: Cases the whole run must reach.
 TOTAL_CASES = 2_000
 
@@ -106,15 +110,8 @@ def outcomes(path: str) -> st.SearchStrategy[Any]:
     )
 
 
-# serial: make test's alone pass runs it; under pytest-xdist the run drew 80 cases in all.
-@pytest.mark.slow
-@pytest.mark.serial
-@schema.parametrize()
-@schema.given(data=st.data(), later=st.sampled_from([0.0, 6.0, 3_601.0, 3_601.0, 3_601.0]))
-@settings(max_examples=CASES_PER_ROUTE, deadline=None, suppress_health_check=list(HealthCheck))
-def test_responses_match_the_documentation(
-    case: schemathesis.Case, data: st.DataObject, later: float, base_url: str
-) -> None:
+def check(case: schemathesis.Case, data: st.DataObject, later: float, base_url: str) -> None:
+    """One case against the live app, its provider's outcome and the clock drawn with it."""
     outcome = data.draw(outcomes(case.path), label="outcome")
     clock.advance(later)  # past a breaker's reset timeout, or past any cooldown
     fake.reset()
@@ -124,6 +121,32 @@ def test_responses_match_the_documentation(
     # "no 5xx" check is replaced by: never a 500 (this app's handlers do not crash).
     response = case.call_and_validate(base_url=base_url, excluded_checks=[not_a_server_error])
     assert response.status_code != 500, response.text
+
+
+LATER = st.sampled_from([0.0, 6.0, 3_601.0, 3_601.0, 3_601.0])
+
+
+# serial: make test's alone pass runs it; under pytest-xdist the run drew 80 cases in all.
+@pytest.mark.slow
+@pytest.mark.serial
+@schema.exclude(path="/chat").parametrize()
+@schema.given(data=st.data(), later=LATER)
+@settings(max_examples=CASES_PER_ROUTE, deadline=None, suppress_health_check=list(HealthCheck))
+def test_responses_match_the_documentation(
+    case: schemathesis.Case, data: st.DataObject, later: float, base_url: str
+) -> None:
+    check(case, data, later, base_url)
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+@schema.include(path="/chat").parametrize()
+@schema.given(data=st.data(), later=LATER)
+@settings(max_examples=CHAT_CASES, deadline=None, suppress_health_check=list(HealthCheck))
+def test_chat_responses_match_the_documentation(
+    case: schemathesis.Case, data: st.DataObject, later: float, base_url: str
+) -> None:
+    check(case, data, later, base_url)
 
 
 @pytest.mark.slow
