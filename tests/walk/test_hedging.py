@@ -183,17 +183,22 @@ def test_a_slow_deployments_tail_is_hedged(fake_workers_ai: FakeWorkersAI, serve
         client = serve(group_app(fake_workers_ai, hedge, retry=Retry(budget=TAIL_BUDGET)))
         return asyncio.run(burst(str(client.base_url), REQUESTS, CONCURRENCY))
 
-    unhedged = run(None)
-    fast = [latency for latency, answer in unhedged if answer == "first"]
-    assert len(fast) == REQUESTS - REQUESTS // 20
-    hedged = run(Hedge(after_s=HEDGE_AFTER_S))
-    answers = [answer for _, answer in hedged]
-    print(
-        f"p99: fast calls {p99(fast) * 1000:.0f} ms, unhedged {p99([t for t, _ in unhedged]) * 1000:.0f} ms, "
-        f"hedged after {HEDGE_AFTER_S * 1000:.0f} ms {p99([t for t, _ in hedged]) * 1000:.0f} ms "
-        f"({answers.count('hedge')} hedges won)"
-    )
-    assert p99([latency for latency, _ in unhedged]) >= TAIL_S  # unhedged, the tail is the slow call
+    # Two runs' latencies compared on a shared machine: a pair that a load spike put out of the
+    # bound is measured again, once. Without hedging, both pairs fail (the tail is TAIL_S).
+    for pair in range(2):
+        unhedged = run(None)
+        fast = [latency for latency, answer in unhedged if answer == "first"]
+        assert len(fast) == REQUESTS - REQUESTS // 20
+        hedged = run(Hedge(after_s=HEDGE_AFTER_S))
+        answers = [answer for _, answer in hedged]
+        print(
+            f"pair {pair + 1}: p99 of fast calls {p99(fast) * 1000:.0f} ms, unhedged "
+            f"{p99([t for t, _ in unhedged]) * 1000:.0f} ms, hedged after {HEDGE_AFTER_S * 1000:.0f} ms "
+            f"{p99([t for t, _ in hedged]) * 1000:.0f} ms ({answers.count('hedge')} hedges won)"
+        )
+        assert p99([latency for latency, _ in unhedged]) >= TAIL_S  # unhedged, the tail is the slow call
+        if p99([latency for latency, _ in hedged]) < 2 * p99(fast):
+            break
     assert p99([latency for latency, _ in hedged]) < 2 * p99(fast)
     # The slow calls, and a few fast ones a loaded machine made slower than the delay.
     assert REQUESTS // 20 - 1 <= answers.count("hedge") <= REQUESTS // 2 + 3  # the retry budget
