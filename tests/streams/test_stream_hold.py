@@ -381,11 +381,12 @@ def test_the_hold_never_extends_the_deadline(post: Post, setup: Setup) -> None:
 
 
 def test_the_first_output_limit_bounds_the_first_output_not_the_hold(post: Post, setup: Setup) -> None:
-    """`first_output_s` 0.3 s and a hold of 0.6 s on a stream of a part every 0.1 s: the
-    first part came in time, so the hold runs on; the model is not cancelled at 0.3 s."""
-    words = tuple(Text(f"w{i} ") for i in range(10))
+    """`first_output_s` 0.6 s and a hold of 0.9 s on a stream of a part every 0.1 s: the
+    first part came in time, so the hold runs on; the model is not cancelled at 0.6 s. (The
+    limit leaves a loaded machine 0.5 s to bring the first part over loopback.)"""
+    words = tuple(Text(f"w{i} ") for i in range(15))
     setup.script(Stream(parts=words, interval_s=0.1))
-    answer = post(stream_hold=StreamHold(seconds=0.6), first={"first_output_s": 0.3})
+    answer = post(stream_hold=StreamHold(seconds=0.9), first={"first_output_s": 0.6})
     assert answer.text == "".join(part.text for part in words)
     assert (len(setup.first.calls), len(setup.second.calls)) == (1, 0)
 
@@ -393,16 +394,16 @@ def test_the_first_output_limit_bounds_the_first_output_not_the_hold(post: Post,
 def test_a_breaker_times_a_held_stream_to_its_first_output_not_the_end_of_its_hold(
     post: Post, setup: Setup
 ) -> None:
-    """A breaker counting calls slower than 0.3 s as failures (opening at the first) and a hold
-    of 0.6 s: the call's time is to its first output (0.1 s), as without a hold, so the
+    """A breaker counting calls slower than 0.6 s as failures (opening at the first) and a hold
+    of 0.9 s: the call's time is to its first output (0.1 s), as without a hold, so the
     breaker stays closed."""
-    words = tuple(Text(f"w{i} ") for i in range(10))
+    words = tuple(Text(f"w{i} ") for i in range(15))
     setup.script(Stream(parts=words, interval_s=0.1))
     opened = {"model": setup.first_entry, "to": "open"}
     before = metric("guards_breaker_transitions_total", **opened)
     served = metric("guards_requests_total", route="stream", outcome="ok")
-    breaker = Breaker(slow_call_s=0.3, window_s=60, failure_threshold=1, minimum_calls=1)
-    answer = post(stream_hold=StreamHold(seconds=0.6), breaker=breaker)
+    breaker = Breaker(slow_call_s=0.6, window_s=60, failure_threshold=1, minimum_calls=1)
+    answer = post(stream_hold=StreamHold(seconds=0.9), breaker=breaker)
     assert answer.text == "".join(part.text for part in words)
     # The request is counted once its breaker outcome was recorded.
     wait_until(lambda: metric("guards_requests_total", route="stream", outcome="ok") > served)
