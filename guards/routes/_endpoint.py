@@ -269,13 +269,12 @@ class GuardedEndpoint:
         if not callable(plain):
             return plain, tripped.detail
         value = plain(arguments, tripped)
-        if type(value) is self._data_class:  # exactly the route's model: validated already
-            return value, tripped.detail
-        if inspect.isawaitable(value):
-            value = await value
-            if type(value) is self._data_class:
-                return value, tripped.detail
-        return self._data_adapter.validate_python(value), tripped.detail
+        if type(value) is not self._data_class:  # exactly the route's model: validated already
+            if inspect.isawaitable(value):
+                value = await value
+            if type(value) is not self._data_class:
+                value = self._data_adapter.validate_python(value)
+        return value, tripped.detail
 
     def _first_step(self, caller: Any) -> Step:
         """The walk's first store step for `caller` (a key, or a tuple of one key per budget),

@@ -32,9 +32,17 @@ __all__ = ["FallbackAnswers", "PreparedJSON", "json_head", "renders_as_json"]
 
 #: The most fallback envelopes a route keeps.
 _MAX_ANSWERS = 64
-#: A kept fallback answer: (its data, the envelope, the envelope's JSON and its headers when
-#: prepared, and the data's own JSON then when the data is made per request).
-_Kept = tuple[Any, Any, bytes | None, list[tuple[bytes, bytes]], bytes | None]
+
+
+class _Kept:
+    """A kept fallback answer: its data, the envelope, and when prepared the envelope's JSON
+    with its headers, and the data's own JSON when the data is made per request."""
+
+    __slots__ = ("body", "data", "envelope", "head", "own")
+
+    def __init__(self, data: Any, envelope: Any, body: bytes | None, own: bytes | None) -> None:
+        self.data, self.envelope, self.body, self.own = data, envelope, body, own
+        self.head = json_head(body) if body is not None else []
 
 
 class FallbackAnswers:
@@ -58,35 +66,28 @@ class FallbackAnswers:
     def answer(self, route: object, reason: Reason, detail: str, data: Any, response: Response) -> Any:
         """The answer of `data` substituted for `reason` (`detail`) on `route` (the request's
         `APIRoute`), with `response`'s headers and status: a `PreparedJSON`, else the envelope
-        for FastAPI to render."""
+        for FastAPI to render. A new `data` that serializes as the kept one's (`own`) shares
+        its bytes."""
         if route is not self._rendered_by:
             self._rendered_by, self._prepared = route, renders_as_json(route, self._envelope_type)
         prepared = self._prepared
         kept = self._answers.get((reason, detail))
-        if (
-            kept is None
-            or (prepared and kept[2] is None)
-            or (kept[0] is not data and not (prepared and self._same_json(kept, data)))
-        ):
-            kept = self._keep(reason, detail, data, prepared)
-        if (body := kept[2]) is None or not prepared:
-            return kept[1]
-        return PreparedJSON(body, kept[3], response.raw_headers, response.status_code or 200)
+        if kept is None or (prepared and kept.body is None) or kept.data is not data:
+            own = self._serializer.to_json(data, by_alias=True) if prepared and self._made else None
+            if kept is None or own is None or own != kept.own or kept.body is None:
+                kept = self._keep(reason, detail, data, prepared, own)
+        if kept.body is None or not prepared:
+            return kept.envelope
+        return PreparedJSON(kept.body, kept.head, response.raw_headers, response.status_code or 200)
 
-    def _same_json(self, kept: _Kept, data: Any) -> bool:
-        """Whether `data` serializes as the data of the prepared answer `kept` (then its bytes
-        answer for `data` too)."""
-        return self._serializer.to_json(data, by_alias=True) == kept[4]
-
-    def _keep(self, reason: Reason, detail: str, data: Any, prepared: bool) -> _Kept:
+    def _keep(self, reason: Reason, detail: str, data: Any, prepared: bool, own: bytes | None) -> _Kept:
         """The envelope of `data` and, when `prepared`, its JSON as FastAPI serializes it (by
-        alias) with their headers, built and kept, never written after: the requests refused
-        alike share them (emptied when full)."""
+        alias) with their headers, built and kept with `own` (the data's JSON), never written
+        after: the requests refused alike share them (emptied when full)."""
         info = FallbackInfo(guard=reason.guard, reason=reason, detail=detail)
-        answer = self._envelope_type(ok=True, data=data, fallback=info)
-        body = answer.__pydantic_serializer__.to_json(answer, by_alias=True) if prepared else None
-        own = self._serializer.to_json(data, by_alias=True) if prepared and self._made else None
-        kept: _Kept = (data, answer, body, json_head(body) if body is not None else [], own)
+        envelope = self._envelope_type(ok=True, data=data, fallback=info)
+        body = envelope.__pydantic_serializer__.to_json(envelope, by_alias=True) if prepared else None
+        kept = _Kept(data, envelope, body, own)
         if len(self._answers) >= _MAX_ANSWERS:
             self._answers.clear()
         self._answers[(reason, detail)] = kept

@@ -2,12 +2,11 @@
 response may contradict the document (status, body schema, headers, content type, and each
 Server-Sent Event of the stream against its event's schema), and none may be a 500.
 
-Randomized (not derandomized), at least 2,000 cases over every route (450 a route, 200 for
-`POST /chat`, whose schema, the AI SDK's UI messages, takes schemathesis about 0.1 s a case to
-generate: 45 s of the suite at 450): each case also draws the
-provider's outcome (answers, failures, streams with every event kind) and whether the clock
-moves past cooldowns and breaker timeouts, so successes, fallbacks, every error status and
-circuit_open all occur. A failing example is saved in `.hypothesis/` and replayed first on the
+Randomized (not derandomized), at least 2,000 cases over every route: 450 a route, and 200 for
+`POST /chat`, whose schema (the AI SDK's UI messages) takes schemathesis about 0.1 s a case to
+generate (45 s of the suite at 450). Each case also draws the provider's outcome (answers,
+failures, streams with every event kind) and whether the clock moves past cooldowns and
+breaker timeouts, so successes, fallbacks, every error status and circuit_open all occur. A failing example is saved in `.hypothesis/` and replayed first on the
 next run.
 """
 

@@ -191,15 +191,16 @@ def test_a_slow_deployments_tail_is_hedged(fake_workers_ai: FakeWorkersAI, serve
         assert len(fast) == REQUESTS - REQUESTS // 20
         hedged = run(Hedge(after_s=HEDGE_AFTER_S))
         answers = [answer for _, answer in hedged]
+        hedged_p99 = p99([latency for latency, _ in hedged])
         print(
             f"pair {pair + 1}: p99 of fast calls {p99(fast) * 1000:.0f} ms, unhedged "
             f"{p99([t for t, _ in unhedged]) * 1000:.0f} ms, hedged after {HEDGE_AFTER_S * 1000:.0f} ms "
-            f"{p99([t for t, _ in hedged]) * 1000:.0f} ms ({answers.count('hedge')} hedges won)"
+            f"{hedged_p99 * 1000:.0f} ms ({answers.count('hedge')} hedges won)"
         )
         assert p99([latency for latency, _ in unhedged]) >= TAIL_S  # unhedged, the tail is the slow call
-        if p99([latency for latency, _ in hedged]) < 2 * p99(fast):
+        if hedged_p99 < 2 * p99(fast):
             break
-    assert p99([latency for latency, _ in hedged]) < 2 * p99(fast)
+    assert hedged_p99 < 2 * p99(fast)
     # The slow calls, and a few fast ones a loaded machine made slower than the delay.
     assert REQUESTS // 20 - 1 <= answers.count("hedge") <= REQUESTS // 2 + 3  # the retry budget
 
